@@ -1,0 +1,95 @@
+"""Typed configuration objects, validated on construction. The CLI builds them from flags and
+environment variables (read once, there); nothing else reads the environment."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from plane.errors import ConfigError
+from plane.subjects import InvalidToken, Names, check_token
+
+DEFAULT_DEADLINE_MS = {"risk": 50, "calibrated": 1000}
+FALLBACK_DEADLINE_MS = 1000
+MAX_DEADLINE_MS = 600_000
+MAX_BODY_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectOptions:
+    """How to reach NATS: URL plus the credentials of a secured server, passed to every
+    command (`--nats`, `--user`, `--password`, `--token`, `--creds`, `--tls-ca`)."""
+
+    url: str | None = None  # None: the embedded server started by `plane up`
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds: str | None = None
+    tls_ca: str | None = None
+    name: str = "plane"
+
+    def __post_init__(self) -> None:
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("--user and --password go together: give both or neither")
+        if self.token is not None and self.user is not None:
+            raise ConfigError("give either --token or --user/--password, not both")
+
+
+def _token(kind: str, value: str) -> None:
+    try:
+        check_token(kind, value)
+    except InvalidToken as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    names: Names = field(default_factory=Names)
+    router_id: str = field(default_factory=lambda: f"r-{socket.gethostname()[:20]}")
+    max_body_bytes: int = MAX_BODY_BYTES
+    default_deadline_ms: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_DEADLINE_MS))
+    # A node whose heartbeat is older than this is dead: its in-flight requests get a 503.
+    node_timeout_ms: int = 1500
+    # How long after a request's deadline the router answers 504 for a silent node.
+    deadline_grace_ms: int = 250
+    publish_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _token("router id", self.router_id.replace(".", "-"))
+        if not 256 <= self.max_body_bytes <= 16 * 1024 * 1024:
+            raise ConfigError("max_body_bytes must be between 256 B and 16 MiB")
+        for model, ms in self.default_deadline_ms.items():
+            _token("model", model)
+            if not 1 <= ms <= MAX_DEADLINE_MS:
+                raise ConfigError(f"deadline for {model} must be 1..{MAX_DEADLINE_MS} ms")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    names: Names = field(default_factory=Names)
+    node_id: str = field(default_factory=lambda: f"n-{socket.gethostname()[:20]}")
+    model: str = "risk"
+    slots: int | None = None  # None: per backend (2 on CPU; SMs / sms_per_slot on CUDA)
+    backend: str = "auto"  # auto | torch | interpret | triton
+    sms_per_slot: int | None = None
+    seed: int = 0
+    advert_period_s: float = 1.0
+    advert_ttl_s: float = 5.0
+    heartbeat_period_s: float = 0.5
+    probe_period_ms: int = 100
+    probe_misses: int = 3
+    fetch_expiry_s: float = 5.0
+    # Shutdown: how long in-flight work may take to finish before it is answered 503.
+    drain_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _token("node", self.node_id)
+        _token("model", self.model)
+        if self.slots is not None and not 1 <= self.slots <= 1024:
+            raise ConfigError("--slots must be between 1 and 1024")
+        if self.backend not in ("auto", "torch", "interpret", "triton"):
+            raise ConfigError("--backend must be one of auto, torch, interpret, triton")
+        if self.sms_per_slot is not None and self.sms_per_slot < 1:
+            raise ConfigError("--sms-per-slot must be at least 1")
+        if self.probe_period_ms < 10:
+            raise ConfigError("probe period must be at least 10 ms")

@@ -1,0 +1,127 @@
+"""Typed wire messages: every body that crosses a process boundary is one of these Structs.
+
+Schema evolution (see docs/schema-evolution.md): fields are only ever added, with a default;
+readers ignore fields they do not know (msgspec's default), so an old reader accepts a new
+message. Decoders are built once, here, and reused.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+
+FEATURES = 32
+
+
+class Status(enum.IntEnum):
+    OK = 200
+    BAD_REQUEST = 400
+    TOO_LARGE = 413
+    BUSY = 429
+    UNAVAILABLE = 503
+    DEADLINE = 504
+
+
+class Reason(enum.StrEnum):
+    BUSY = "busy"
+    DEADLINE = "deadline"
+    UNHEALTHY = "unhealthy"
+    BAD_REQUEST = "bad-request"
+    TOO_LARGE = "too-large"
+    NO_CAPACITY = "no-capacity"
+
+
+class Freshness(enum.StrEnum):
+    FRESH = "fresh"
+    WAITED = "waited"
+    DEGRADED = "degraded"
+
+
+# -- model bodies ------------------------------------------------------------------------
+class RiskRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    features: Annotated[list[float], msgspec.Meta(min_length=FEATURES, max_length=FEATURES)]
+    card: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+
+
+class RiskReply(msgspec.Struct, frozen=True, kw_only=True):
+    score: float
+    freshness: str | None = None
+
+
+# Ten seconds is far beyond any latency budget this plane serves; larger is a caller bug.
+MAX_CALIBRATED_US = 10_000_000
+
+
+class CalibratedRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    duration_us: Annotated[int, msgspec.Meta(ge=0, le=MAX_CALIBRATED_US)]
+
+
+class CalibratedReply(msgspec.Struct, frozen=True, kw_only=True):
+    duration_us: int
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    error: str
+    reason: str
+
+
+# -- control plane -----------------------------------------------------------------------
+class SlotAdvert(msgspec.Struct, frozen=True, kw_only=True):
+    k: int
+    subject: str
+    healthy: bool = True
+    p50_us: int = 0
+    p99_us: int = 0
+
+
+class NodeAdvert(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    model: str
+    backend: str
+    slots: list[SlotAdvert]
+    at_ms: int
+    partition: str = "none"
+    version: int = 1
+
+
+class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Published by a node when a slot frees. Array-like: it is on the hot path."""
+
+    request_id: str
+    node: str
+    model: str
+    k: int
+    status: int
+    service_us: int
+    router: str = ""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    at_ms: int
+    models: list[str]
+    busy: int = 0
+    healthy: int = 0
+
+
+class FaultCommand(msgspec.Struct, frozen=True, kw_only=True):
+    """Fault injection for tests: make a slot hang, slow down, raise, or go back to normal."""
+
+    k: int
+    mode: str  # "hang" | "slow" | "raise" | "none"
+    extra_us: int = 0
+
+
+json_encoder = msgspec.json.Encoder()
+msgpack_encoder = msgspec.msgpack.Encoder()
+advert_decoder = msgspec.json.Decoder(NodeAdvert)
+done_decoder = msgspec.msgpack.Decoder(DoneEvent)
+heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
+fault_decoder = msgspec.json.Decoder(FaultCommand)
+error_decoder = msgspec.json.Decoder(ErrorBody)
+
+
+def error_body(error: str, reason: Reason) -> bytes:
+    return json_encoder.encode(ErrorBody(error=error, reason=reason.value))

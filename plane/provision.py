@@ -1,0 +1,95 @@
+"""Create (or update) the streams and buckets the plane relies on. Idempotent: every command
+calls it at start, so whichever process comes first sets the broker up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from plane.subjects import Names
+
+# A slot message never lives longer than this (the per-message TTL is the deadline; this is
+# the backstop for a message published without one).
+SLOT_MAX_AGE_S = 600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProvisionPlan:
+    names: Names
+    replicas: int = 1
+    slots_storage: StorageType = StorageType.MEMORY
+    advert_ttl_s: float = 5.0
+
+
+def slot_stream_config(plan: ProvisionPlan, node: str | None = None) -> StreamConfig:
+    """The depth-one stream: WorkQueue, one message per subject, refuse the second."""
+    n = plan.names
+    subjects = [n.slots_all()] if node is None else [n.node_slots(node)]
+    return StreamConfig(
+        name=n.slots_stream if node is None else n.slot_stream_for(node),
+        subjects=subjects,
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=plan.slots_storage,
+        max_msgs_per_subject=1,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        allow_msg_ttl=True,
+        max_age=SLOT_MAX_AGE_S,
+        num_replicas=plan.replicas,
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError:
+        # Exists with another config: bring it to ours (e.g. replicas changed).
+        await js.update_stream(cfg)
+
+
+async def ensure_slot_stream(js: JetStreamContext, plan: ProvisionPlan) -> None:
+    await _ensure_stream(js, slot_stream_config(plan))
+
+
+async def ensure_buckets(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValue, KeyValue]:
+    """The node-advert bucket (short TTL) and the live-settings bucket."""
+    n = plan.names
+    nodes = await _ensure_kv(
+        js,
+        KeyValueConfig(
+            bucket=n.nodes_bucket,
+            history=1,
+            ttl=plan.advert_ttl_s,
+            storage=StorageType.MEMORY,
+            replicas=plan.replicas,
+        ),
+    )
+    config = await _ensure_kv(
+        js,
+        KeyValueConfig(
+            bucket=n.config_bucket, history=5, storage=StorageType.FILE, replicas=plan.replicas
+        ),
+    )
+    return nodes, config
+
+
+async def _ensure_kv(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
+    try:
+        return await js.key_value(cfg.bucket)
+    except (BucketNotFoundError, NotFoundError, BadRequestError):
+        return await js.create_key_value(cfg)
+
+
+async def ensure_all(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValue, KeyValue]:
+    await ensure_slot_stream(js, plan)
+    return await ensure_buckets(js, plan)

@@ -1,0 +1,179 @@
+"""Every subject, stream, bucket, consumer and header name of the plane, built in one place.
+
+Nothing else in the code base writes a subject literal: it asks a `Names` object (which
+carries the configurable prefix) or reads a constant from `Header`. Model and node names are
+validated tokens (`[A-Za-z0-9_-]+`), so a name can never inject a wildcard or an extra token.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+ROUTER_QUEUE_GROUP = "plane-routers"
+
+
+class InvalidToken(ValueError):
+    """A model, node or stream name that is not a plain subject token."""
+
+
+def check_token(kind: str, value: str) -> str:
+    """Return `value` if it is a valid subject token, else raise `InvalidToken` saying why."""
+    if not TOKEN_RE.match(value):
+        raise InvalidToken(
+            f"invalid {kind} name {value!r}: use 1 to 64 characters from A-Z a-z 0-9 _ -"
+        )
+    return value
+
+
+class Header:
+    """NATS header names (the HTTP gateway maps them one to one)."""
+
+    DEADLINE_MS = "Plane-Deadline-Ms"
+    REQUEST_ID = "Plane-Request-Id"
+    ATTEMPT = "Plane-Attempt"
+    TICKET = "Plane-Ticket"
+    STATUS = "Plane-Status"
+    RETRY_AFTER_MS = "Retry-After-Ms"
+    RETRY_AFTER = "Retry-After"
+    SERVER_TIME = "Plane-Server-Time"
+    REASON = "Plane-Reason"
+    NODE = "Plane-Node"
+    SLOT = "Plane-Slot"
+    SERVICE_US = "Plane-Service-Us"
+    FRESHNESS = "Plane-Freshness"
+    CONTENT_TYPE = "Content-Type"
+    # Internal: router -> node, on the slot message only.
+    REPLY_TO = "Plane-Reply-To"
+    DEADLINE_AT = "Plane-Deadline-At"
+    ROUTER = "Plane-Router"
+    # Kafka bridge stamps on plane.events.* messages.
+    EVENT_TIME = "Plane-Event-Time"
+    INGEST_TIME = "Plane-Ingest-Time"
+    KAFKA_KEY = "Plane-Kafka-Key"
+    KAFKA_PARTITION = "Plane-Kafka-Partition"
+    KAFKA_OFFSET = "Plane-Kafka-Offset"
+    DEAD_REASON = "Plane-Dead-Reason"
+    # NATS server headers we set.
+    NATS_TTL = "Nats-TTL"
+    NATS_MSG_ID = "Nats-Msg-Id"
+
+
+MSGPACK = "application/msgpack"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Builds every name from one prefix (default `plane`)."""
+
+    prefix: str = "plane"
+
+    def __post_init__(self) -> None:
+        for part in self.prefix.split("."):
+            check_token("prefix", part)
+
+    # -- core subjects -------------------------------------------------------------------
+    def infer(self, model: str) -> str:
+        return f"{self.prefix}.infer.{check_token('model', model)}"
+
+    def infer_all(self) -> str:
+        """The routers' subscription: every token after `infer`, so bad names get a 400."""
+        return f"{self.prefix}.infer.>"
+
+    def infer_model_of(self, subject: str) -> str:
+        """The raw model part of a request subject (validated by the caller)."""
+        return subject[len(self.prefix) + len(".infer.") :]
+
+    def slot(self, model: str, node: str, k: int) -> str:
+        return f"{self.prefix}.slot.{model}.{node}.{int(k)}"
+
+    def slots_all(self) -> str:
+        return f"{self.prefix}.slot.>"
+
+    def node_slots(self, node: str) -> str:
+        return f"{self.prefix}.slot.*.{node}.*"
+
+    def done(self, model: str, node: str, k: int) -> str:
+        return f"{self.prefix}.done.{model}.{node}.{int(k)}"
+
+    def done_all(self) -> str:
+        return f"{self.prefix}.done.>"
+
+    def health(self, node: str) -> str:
+        return f"{self.prefix}.health.{node}"
+
+    def health_all(self) -> str:
+        return f"{self.prefix}.health.*"
+
+    def events(self, stream: str) -> str:
+        return f"{self.prefix}.events.{check_token('stream', stream)}"
+
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    def dead_letter(self, stream: str) -> str:
+        return f"{self.prefix}.dead.{check_token('stream', stream)}"
+
+    def scored(self, stream: str) -> str:
+        return f"{self.prefix}.scored.{check_token('stream', stream)}"
+
+    def fault(self, node: str) -> str:
+        """Fault-injection control subject of a node (tests and drills only)."""
+        return f"{self.prefix}.fault.{node}"
+
+    # -- streams, buckets, consumers -----------------------------------------------------
+    @property
+    def slots_stream(self) -> str:
+        return f"{self._upper}_SLOTS"
+
+    def slot_stream_for(self, node: str) -> str:
+        """The stream that holds `node`'s slot subjects.
+
+        The one place that decides the slot-stream layout: one shared stream today. To move
+        to one stream per node (`<PREFIX>_SLOTS_<node>`), change this function and
+        `plane.provision.ensure_slot_stream`; router and node only call these.
+        """
+        return self.slots_stream
+
+    @property
+    def events_stream(self) -> str:
+        return f"{self._upper}_EVENTS"
+
+    @property
+    def nodes_bucket(self) -> str:
+        return f"{self._upper}_NODES"
+
+    @property
+    def config_bucket(self) -> str:
+        return f"{self._upper}_CONFIG"
+
+    @property
+    def features_bucket(self) -> str:
+        return f"{self._upper}_FEATURES"
+
+    def slot_consumer(self, model: str, node: str, k: int) -> str:
+        return f"slot_{model}_{node}_{int(k)}"
+
+    @property
+    def router_service(self) -> str:
+        return f"{self.prefix.replace('.', '-')}-router"
+
+    @property
+    def node_service(self) -> str:
+        return f"{self.prefix.replace('.', '-')}-node"
+
+    @property
+    def _upper(self) -> str:
+        return self.prefix.replace(".", "_").replace("-", "_").upper()
+
+
+def advert_key(node: str, model: str) -> str:
+    """Key of a node's advert for one model in the nodes bucket."""
+    return f"{node}.{model}"
+
+
+def config_key(setting: str, scope: str | None = None) -> str:
+    """Key of a live setting in the config bucket: `deadline_ms.risk`, `freshness_ms`, ..."""
+    return setting if scope is None else f"{setting}.{scope}"

@@ -81,6 +81,9 @@ class NodeConfig:
     fetch_expiry_s: float = 5.0
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0
+    # Accept fault-injection commands on `<prefix>.fault.<node>` (tests and drills only).
+    allow_faults: bool = False
+    default_deadline_ms: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_DEADLINE_MS))
 
     def __post_init__(self) -> None:
         _token("node", self.node_id)

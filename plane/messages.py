@@ -45,7 +45,7 @@ class RiskRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     card: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
 
-class RiskReply(msgspec.Struct, frozen=True, kw_only=True):
+class RiskReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     score: float
     freshness: str | None = None
 
@@ -96,14 +96,17 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     status: int
     service_us: int
     router: str = ""
+    work_us: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    """Sent every heartbeat period and at once on any change: carries the node's adverts, so
+    routers learn of a withdrawn slot within a millisecond (the KV advert is for discovery)."""
+
     node: str
     at_ms: int
-    models: list[str]
-    busy: int = 0
-    healthy: int = 0
+    adverts: list[NodeAdvert]
+    stopping: bool = False
 
 
 class FaultCommand(msgspec.Struct, frozen=True, kw_only=True):

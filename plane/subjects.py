@@ -44,11 +44,13 @@ class Header:
     SLOT = "Plane-Slot"
     SERVICE_US = "Plane-Service-Us"
     FRESHNESS = "Plane-Freshness"
+    AVOID_NODE = "Plane-Avoid-Node"  # request: a node that just refused (503); go elsewhere
     CONTENT_TYPE = "Content-Type"
     # Internal: router -> node, on the slot message only.
     REPLY_TO = "Plane-Reply-To"
     DEADLINE_AT = "Plane-Deadline-At"
     ROUTER = "Plane-Router"
+    WORK_US = "Plane-Work-Us"
     # Kafka bridge stamps on plane.events.* messages.
     EVENT_TIME = "Plane-Event-Time"
     INGEST_TIME = "Plane-Ingest-Time"
@@ -119,6 +121,12 @@ class Names:
     def scored(self, stream: str) -> str:
         return f"{self.prefix}.scored.{check_token('stream', stream)}"
 
+    def router_status(self, router_id: str) -> str:
+        return f"{self.prefix}.router.{router_id}.status"
+
+    def node_status(self, node: str) -> str:
+        return f"{self.prefix}.node.{node}.status"
+
     def fault(self, node: str) -> str:
         """Fault-injection control subject of a node (tests and drills only)."""
         return f"{self.prefix}.fault.{node}"
@@ -167,6 +175,21 @@ class Names:
     @property
     def _upper(self) -> str:
         return self.prefix.replace(".", "_").replace("-", "_").upper()
+
+    # -- freshness: Kafka bridge, feature updater, risk pipeline (freshness/) ---------------
+    def dead_letter_all(self) -> str:
+        return f"{self.prefix}.dead.>"
+
+    def scored_all(self) -> str:
+        return f"{self.prefix}.scored.>"
+
+    def features_consumer(self, stream: str) -> str:
+        """Durable JetStream consumer of the feature updater on `events(stream)`."""
+        return f"features_{check_token('stream', stream)}"
+
+    def scorer_consumer(self, stream: str) -> str:
+        """Durable JetStream consumer of the risk-demo scorer on `events(stream)`."""
+        return f"scorer_{check_token('stream', stream)}"
 
 
 def advert_key(node: str, model: str) -> str:

@@ -1,0 +1,69 @@
+"""Fault injection for tests and drills: wrap a slot's runner so it can hang, slow down or
+raise on command. Also records when each call started, which the health supervisor reads to
+tell a long request from a hung partition."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from gpu_node.compute import SlotRunner
+
+T = TypeVar("T")
+
+MODES = ("none", "hang", "slow", "raise")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a slot told to fail (`mode="raise"`)."""
+
+
+class WatchedRunner:
+    """A `SlotRunner` that tracks the call in progress and obeys injected faults."""
+
+    def __init__(self, inner: SlotRunner) -> None:
+        self._inner = inner
+        self._mode = "none"
+        self._extra_s = 0.0
+        self._release = threading.Event()
+        self._release.set()
+        # Read by the supervisor on the event loop; written by the slot thread. Single
+        # assignments of floats are atomic under the GIL.
+        self.call_started_s: float | None = None
+        self.call_expected_s: float = 0.0
+
+    def set_fault(self, mode: str, extra_us: int = 0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"fault mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self._mode = mode
+        self._extra_s = extra_us / 1e6
+        if mode == "hang":
+            self._release.clear()
+        else:
+            self._release.set()
+
+    def _call(self, fn: Callable[[], T], expected_s: float) -> T:
+        self.call_expected_s = expected_s
+        self.call_started_s = time.monotonic()
+        try:
+            mode = self._mode
+            if mode == "hang":
+                self._release.wait()
+            elif mode == "raise":
+                raise InjectedFault("injected fault: this slot was told to fail")
+            elif mode == "slow":
+                time.sleep(self._extra_s)
+            return fn()
+        finally:
+            self.call_started_s = None
+
+    def run_risk(self, features: Sequence[float], expected_s: float = 0.005) -> float:
+        return self._call(lambda: self._inner.run_risk(features), expected_s)
+
+    def run_calibrated(self, duration_us: int, expected_s: float = 0.005) -> None:
+        self._call(lambda: self._inner.run_calibrated(duration_us), expected_s)
+
+    def probe(self, expected_s: float = 0.005) -> bool:
+        return self._call(self._inner.probe, expected_s)

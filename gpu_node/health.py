@@ -1,0 +1,124 @@
+"""The health supervisor: probes each slot every period, withdraws a slot after `misses`
+missed periods (hung, raising, or far slower than expected) or when its measured p99 no longer
+fits its model's budget, and reclaims it when probes pass and the budget fits again.
+
+A period is *missed* when the slot cannot show life in it: a probe failed or raised, or the
+call in progress (probe or request) has run past what it was expected to take. A request
+running within its expectation is life, so long requests are never mistaken for hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from gpu_node.slot import Slot
+from plane.metrics import PlaneMetrics
+
+log = structlog.get_logger("plane.health")
+
+# Before this many request samples, the probe window alone speaks for the slot's budget.
+MIN_BUDGET_SAMPLES = 20
+
+
+@dataclass(slots=True)
+class SlotHealth:
+    misses: int = 0
+    passes: int = 0
+    probe: asyncio.Task[bool] | None = None
+    withdrawn_at_s: float | None = None
+    history: list[tuple[str, float]] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(
+        self, *, slots: Callable[[], list[Slot]], metrics: PlaneMetrics,
+        period_s: Callable[[], float], misses: int, budget_us: Callable[[], int],
+        changed: Callable[[], None],
+    ) -> None:
+        self._slots = slots
+        self._metrics = metrics
+        self._period_s = period_s
+        self._misses = misses
+        self._budget_us = budget_us
+        self._changed = changed
+        self.state: dict[int, SlotHealth] = {}
+        self._stopping = False
+
+    async def run(self) -> None:
+        try:
+            while not self._stopping:
+                await asyncio.sleep(self._period_s())
+                for slot in self._slots():
+                    await self._tick(slot)
+        finally:
+            for st in self.state.values():
+                if st.probe is not None and not st.probe.done():
+                    st.probe.cancel()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    async def _tick(self, slot: Slot) -> None:
+        st = self.state.setdefault(slot.k, SlotHealth())
+        now = time.monotonic()
+        started = slot.runner.call_started_s
+        missed = False
+        if started is not None and now - started > slot.runner.call_expected_s:
+            missed = True  # stuck in a call well past its expectation
+        elif st.probe is not None and st.probe.done():
+            ok = not st.probe.cancelled() and st.probe.exception() is None and st.probe.result()
+            st.probe = None
+            if ok:
+                st.misses, st.passes = 0, st.passes + 1
+            else:
+                missed = True
+        elif st.probe is not None:
+            missed = True  # last period's probe has not come back
+        if missed:
+            st.misses += 1
+            st.passes = 0
+            self._metrics.probe_misses.labels(slot.model, str(slot.k)).inc()
+        if st.probe is None and started is None and slot.current is None:
+            st.probe = asyncio.create_task(slot.probe())
+        await self._decide(slot, st)
+
+    async def _decide(self, slot: Slot, st: SlotHealth) -> None:
+        if slot.claimed and st.misses >= self._misses:
+            slot.healthy = False
+            st.withdrawn_at_s = time.monotonic()
+            st.history.append(("unhealthy", st.withdrawn_at_s))
+            log.warning("slot withdrawn: missed probes", slot=slot.k, misses=st.misses)
+            await self._withdraw(slot, "unhealthy", wait_s=0.0)
+            return
+        budget = self._budget_us()
+        req_p99 = slot.window.p99_us if slot.window.count >= MIN_BUDGET_SAMPLES else 0
+        fits = max(req_p99, slot.probe_window.p99_us) <= budget
+        if slot.claimed and not fits:
+            log.warning("slot withdrawn: p99 over budget", slot=slot.k, budget_us=budget,
+                        request_p99_us=req_p99, probe_p99_us=slot.probe_window.p99_us)
+            st.history.append(("budget", time.monotonic()))
+            await self._withdraw(slot, "budget", wait_s=budget / 1e6)
+            slot.window.clear()
+            return
+        if not slot.claimed and slot.withdrawn_for in ("unhealthy", "budget"):
+            recovered = st.misses == 0 and st.passes >= 1
+            if recovered and fits:
+                slot.healthy = True
+                st.history.append(("reclaimed", time.monotonic()))
+                log.info("slot reclaimed", slot=slot.k, was=slot.withdrawn_for)
+                with contextlib.suppress(Exception):
+                    await slot.claim()
+                self._changed()
+
+    async def _withdraw(self, slot: Slot, cause: str, wait_s: float) -> None:
+        # Tell routers first (advert + heartbeat), then stop fetching and answer the stuck.
+        slot.withdrawn_for = cause
+        self._changed()
+        await slot.withdraw(cause, wait_s=wait_s)
+        self._changed()

@@ -1,0 +1,234 @@
+"""A GPU node: claims N slots for one model, advertises them, keeps them healthy, follows
+live settings, and shuts down in phases.
+
+Shutdown: tell routers we are stopping (heartbeat `stopping`), stop fetching, let running
+requests finish within `drain_timeout_s` (answering 503 for any still running), flush, close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro import add_service
+from nats.micro.service import Service
+
+from gpu_node.compute import Backend, make_backend
+from gpu_node.faults import WatchedRunner
+from gpu_node.health import Supervisor
+from gpu_node.slot import Enrich, Slot
+from plane import replies
+from plane.config import FALLBACK_DEADLINE_MS, NodeConfig
+from plane.messages import Heartbeat, NodeAdvert, SlotAdvert, fault_decoder, json_encoder
+from plane.metrics import PlaneMetrics
+from plane.models import model_spec
+from plane.provision import ProvisionPlan, ensure_all
+from plane.settings import LiveSettings
+from plane.subjects import advert_key, config_key
+
+log = structlog.get_logger("plane.node")
+
+
+class Node:
+    def __init__(
+        self, nc: Client, cfg: NodeConfig, metrics: PlaneMetrics | None = None, *,
+        backend: Backend | None = None, enrich: Enrich | None = None, replicas: int = 1,
+    ) -> None:
+        self.nc = nc
+        self.cfg = cfg
+        self.names = cfg.names
+        self.metrics = metrics or PlaneMetrics()
+        self.js = nc.jetstream(timeout=5.0)
+        self.spec = model_spec(cfg.model)
+        self.backend = backend or make_backend(cfg.backend, seed=cfg.seed,
+                                               sms_per_slot=cfg.sms_per_slot)
+        self.enrich = enrich
+        self.settings = LiveSettings(cfg.names)
+        self.slots: list[Slot] = []
+        self._plan = ProvisionPlan(names=cfg.names, replicas=replicas,
+                                   advert_ttl_s=cfg.advert_ttl_s)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._service: Service | None = None
+        self._fault_sub: Any = None
+        self._supervisor: Supervisor | None = None
+        self._nodes_kv: Any = None
+        self._started = False
+        self._stopping = False
+        self._publish_pending = False
+
+    @property
+    def target_slots(self) -> int:
+        live = self.settings.get("slots", self.cfg.node_id)
+        return live or self.cfg.slots or self.backend.default_slots()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._nodes_kv, config_kv = await ensure_all(self.js, self._plan)
+        await self.settings.start(config_kv)
+        await self._reconcile_slots()
+        self._supervisor = Supervisor(
+            slots=lambda: list(self.slots), metrics=self.metrics,
+            period_s=lambda: (self.settings.get("probe_ms") or self.cfg.probe_period_ms) / 1000,
+            misses=self.cfg.probe_misses, budget_us=self._budget_us, changed=self.changed,
+        )
+        self._spawn(self._supervisor.run())
+        self._spawn(self._heartbeat_loop())
+        self.settings.on_change(self._on_setting)
+        if self.cfg.allow_faults:
+            self._fault_sub = await self.nc.subscribe(self.names.fault(self.cfg.node_id),
+                                                      cb=self._on_fault)
+        self._service = await add_service(
+            self.nc, name=self.names.node_service, version="0.1.0",
+            description="the plane's GPU node: depth-one slots",
+            metadata={"node": self.cfg.node_id, "model": self.cfg.model,
+                      "backend": self.backend.name, "partition": self.backend.partition},
+        )
+        await self._service.add_endpoint(
+            name="status", subject=self.names.node_status(self.cfg.node_id),
+            handler=self._on_status)
+        await self.publish_advert()
+        log.info("node started", node=self.cfg.node_id, model=self.cfg.model,
+                 backend=self.backend.name, partition=self.backend.partition,
+                 slots=len(self.slots))
+
+    async def stop(self) -> None:
+        if not self._started or self._stopping:
+            return
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.stop()
+        with contextlib.suppress(Exception):
+            await self._send_heartbeat(stopping=True)
+            await self.nc.flush(timeout=2)
+        await asyncio.gather(*(s.withdraw("shutdown", wait_s=self.cfg.drain_timeout_s)
+                               for s in self.slots), return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._nodes_kv.delete(advert_key(self.cfg.node_id, self.cfg.model))
+        if self._fault_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._fault_sub.unsubscribe()
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        await self.settings.stop()
+        for s in self.slots:
+            await s.close()
+        with contextlib.suppress(Exception):
+            await self.nc.flush(timeout=2)
+        log.info("node stopped", node=self.cfg.node_id)
+
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- slots ------------------------------------------------------------------------------
+    async def _reconcile_slots(self) -> None:
+        want = self.target_slots
+        while len(self.slots) < want:
+            k = len(self.slots)
+            slot = Slot(
+                k=k, runner=WatchedRunner(self.backend.make_slot(k)), nc=self.nc, js=self.js,
+                names=self.names, node=self.cfg.node_id, spec=self.spec,
+                stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
+                fetch_expiry_s=self.cfg.fetch_expiry_s, enrich=self.enrich,
+            )
+            self.slots.append(slot)
+            await slot.claim()
+        while len(self.slots) > want:
+            slot = self.slots.pop()
+            await slot.withdraw("resized", wait_s=self.cfg.drain_timeout_s)
+            await slot.close()
+        self.changed()
+
+    def _budget_us(self) -> int:
+        ms = self.settings.deadline_ms(self.cfg.model) or self.cfg.default_deadline_ms.get(
+            self.cfg.model, FALLBACK_DEADLINE_MS)
+        return ms * 1000
+
+    def _on_setting(self, key: str, value: int | None) -> None:
+        if key == config_key("slots", self.cfg.node_id) and not self._stopping:
+            self._spawn(self._reconcile_slots())
+
+    async def _on_fault(self, msg: Msg) -> None:
+        try:
+            cmd = fault_decoder.decode(msg.data)
+            self.slots[cmd.k].runner.set_fault(cmd.mode, cmd.extra_us)
+            answer = b"ok"
+        except Exception as exc:
+            answer = f"error: {exc}".encode()
+        log.warning("fault injected", node=self.cfg.node_id, answer=answer.decode())
+        if msg.reply:
+            await self.nc.publish(msg.reply, answer)
+
+    async def _on_status(self, req: Any) -> None:
+        await req.respond(json_encoder.encode(self.advert()))
+
+    # -- adverts ----------------------------------------------------------------------------
+    def advert(self) -> NodeAdvert:
+        return NodeAdvert(
+            node=self.cfg.node_id, model=self.cfg.model, backend=self.backend.name,
+            partition=self.backend.partition, at_ms=replies.now_ms(),
+            slots=[
+                SlotAdvert(
+                    k=s.k, subject=s.subject,
+                    healthy=s.claimed and s.healthy and s.withdrawn_for is None,
+                    p50_us=s.window.p50_us, p99_us=s.window.p99_us,
+                )
+                for s in self.slots
+            ],
+        )
+
+    def changed(self) -> None:
+        """Something routers must know changed: publish adverts now (coalesced)."""
+        if self._publish_pending or self._stopping:
+            return
+        self._publish_pending = True
+        self._spawn(self._publish_now())
+
+    async def _publish_now(self) -> None:
+        self._publish_pending = False
+        await self._send_heartbeat()
+        await self.publish_advert()
+
+    async def publish_advert(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._nodes_kv.put(advert_key(self.cfg.node_id, self.cfg.model),
+                                     json_encoder.encode(self.advert()))
+
+    async def _send_heartbeat(self, stopping: bool = False) -> None:
+        hb = Heartbeat(node=self.cfg.node_id, at_ms=replies.now_ms(),
+                       adverts=[] if stopping else [self.advert()], stopping=stopping)
+        await self.nc.publish(self.names.health(self.cfg.node_id), json_encoder.encode(hb))
+
+    async def _heartbeat_loop(self) -> None:
+        ticks = 0
+        per_advert = max(1, round(self.cfg.advert_period_s / self.cfg.heartbeat_period_s))
+        while not self._stopping:
+            with contextlib.suppress(Exception):
+                await self._send_heartbeat()
+                if ticks % per_advert == 0:
+                    await self.publish_advert()
+            ticks += 1
+            await asyncio.sleep(self.cfg.heartbeat_period_s)

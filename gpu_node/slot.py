@@ -1,0 +1,294 @@
+"""One slot: a share of the device (an SM partition on CUDA) that owns one depth-one subject.
+
+The slot claims its subject with a pull consumer (`max_ack_pending=1`), runs each request on
+its own single-thread executor (never on the event loop), then acks (which frees the subject),
+publishes the done-event and answers the caller, in that order, so the slot is free before the
+caller hears back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import FetchTimeoutError, NotFoundError
+
+from gpu_node.faults import WatchedRunner
+from plane import replies
+from plane.budget import ServiceWindow
+from plane.errors import BadRequest
+from plane.messages import (
+    CalibratedReply,
+    CalibratedRequest,
+    DoneEvent,
+    Reason,
+    RiskReply,
+    Status,
+    error_body,
+    json_encoder,
+    msgpack_encoder,
+)
+from plane.metrics import PlaneMetrics
+from plane.models import ModelSpec
+from plane.subjects import Header, Names
+
+log = structlog.get_logger("plane.slot")
+
+# Consumers outlive a short network blip but not a dead node.
+CONSUMER_INACTIVE_S = 30.0
+# Longer than any request may run (calibrated is capped at 10 s): the node acks or terms
+# every message itself; an unacked one is only ever an orphan, freed by its TTL.
+ACK_WAIT_S = 30.0
+# A node answers a request that finished late itself only this far past its deadline; later,
+# the router (the deadline owner) answers 504.
+LATE_REPLY_MS = 100
+
+
+@dataclass(slots=True)
+class Current:
+    msg: Msg
+    request_id: str
+    reply: str
+    deadline_at_ms: int
+    work_us: int
+    answered: bool = False
+
+
+Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
+
+
+class Slot:
+    def __init__(
+        self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
+        node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, fetch_expiry_s: float,
+        enrich: Enrich | None = None,
+    ) -> None:
+        self.k = k
+        self.runner = runner
+        self.nc, self.js, self.names, self.node, self.spec = nc, js, names, node, spec
+        self.model = spec.name
+        self.subject = names.slot(self.model, node, k)
+        self.consumer = names.slot_consumer(self.model, node, k)
+        self.done_subject = names.done(self.model, node, k)
+        self.stream = stream
+        self.metrics = metrics
+        self.fetch_expiry_s = fetch_expiry_s
+        self.enrich = enrich
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
+        self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
+        self.probe_window = ServiceWindow(size=64, prior_us=200)
+        self.healthy = True
+        self.withdrawn_for: str | None = None  # None while claimed
+        self.current: Current | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._claimed = False
+        self._label = (self.model, str(k))
+
+    # -- claim / withdraw -------------------------------------------------------------------
+    @property
+    def claimed(self) -> bool:
+        return self._claimed
+
+    async def claim(self) -> None:
+        """Take the subject: clear any orphan of an earlier life, bind a fresh consumer, and
+        start fetching."""
+        if self._claimed:
+            return
+        with contextlib.suppress(NotFoundError):
+            await self.js.delete_consumer(self.stream, self.consumer)
+        with contextlib.suppress(NotFoundError):
+            await self.js.purge_stream(self.stream, subject=self.subject)
+        self._psub = await self.js.pull_subscribe(
+            self.subject, durable=self.consumer, stream=self.stream,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, max_ack_pending=1, ack_wait=ACK_WAIT_S,
+                inactive_threshold=CONSUMER_INACTIVE_S, mem_storage=True, max_waiting=4,
+            ),
+        )
+        self._claimed = True
+        self.withdrawn_for = None
+        self._task = asyncio.create_task(self._loop(), name=f"slot-{self.model}-{self.k}")
+        self.metrics.slot_healthy.labels(*self._label).set(1)
+
+    async def withdraw(self, cause: str, *, wait_s: float = 0.0) -> None:
+        """Stop claiming. The fetch loop ends after its current fetch; a request running now
+        is finished (within `wait_s`) or answered 503 and its message terminated."""
+        if not self._claimed:
+            self.withdrawn_for = self.withdrawn_for or cause
+            return
+        self._claimed = False
+        self.withdrawn_for = cause
+        self.metrics.slot_healthy.labels(*self._label).set(0)
+        self.metrics.withdrawals.labels(self.model, cause).inc()
+        task, self._task = self._task, None
+        if task is not None:
+            if self.current is not None and wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(task), wait_s)
+            cur = self.current
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if cur is not None:
+                await self.abandon(f"slot withdrawn ({cause})", cur)
+        with contextlib.suppress(Exception):
+            await self._psub.unsubscribe()
+        log.info("slot withdrawn", model=self.model, slot=self.k, cause=cause)
+
+    async def abandon(self, why: str, cur: Current | None = None) -> None:
+        """Answer the request in progress 503 and free its subject (the runner may still be
+        stuck; whatever it returns later is dropped)."""
+        cur = cur or self.current
+        if self.current is cur:
+            self.current = None
+        if cur is None or cur.answered:
+            return
+        cur.answered = True
+        with contextlib.suppress(Exception):
+            await cur.msg.term()
+        await self._finish(cur, Status.UNAVAILABLE, 0, error_body(
+            f"slot {self.node}/{self.k} failed: {why}; retry elsewhere", Reason.UNHEALTHY),
+            replies.error_headers(cur.request_id, Status.UNAVAILABLE, Reason.UNHEALTHY,
+                                  node=self.node))
+
+    async def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- data path --------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while self._claimed:
+            try:
+                msgs = await self._psub.fetch(1, timeout=self.fetch_expiry_s)
+            except (NatsTimeoutError, FetchTimeoutError, TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker restart, reconnect: fetch again shortly
+                log.warning("fetch failed", slot=self.k, error=repr(exc))
+                await asyncio.sleep(0.1)
+                continue
+            for msg in msgs:
+                await self._handle(msg)
+
+    async def _handle(self, msg: Msg) -> None:
+        t0 = time.perf_counter_ns()
+        h = msg.headers or {}
+        try:
+            cur = Current(
+                msg=msg, request_id=h[Header.REQUEST_ID], reply=h[Header.REPLY_TO],
+                deadline_at_ms=int(h[Header.DEADLINE_AT]), work_us=int(h.get(Header.WORK_US, 0)),
+            )
+        except (KeyError, ValueError):
+            log.error("slot message without routing headers terminated", slot=self.k)
+            await msg.term()
+            return
+        self.current = cur
+        try:
+            if replies.now_ms() > cur.deadline_at_ms:
+                await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
+                                         "the deadline passed before the slot could start", t0)
+                return
+            try:
+                req = self.spec.decode(msg.data, h.get(Header.CONTENT_TYPE))
+            except BadRequest as exc:
+                await self._answer_error(cur, Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc), t0)
+                return
+            extra: dict[str, str] = {}
+            if self.enrich is not None:
+                req, extra = await self.enrich(req, time.monotonic() + (
+                    cur.deadline_at_ms - replies.now_ms()) / 1000)
+            try:
+                result = await self._run(req, cur.work_us)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not cur.answered:
+                    self.healthy = False
+                    await self._answer_error(cur, Status.UNAVAILABLE, Reason.UNHEALTHY,
+                                             f"slot failed: {exc}", t0)
+                return
+            if cur.answered:  # abandoned by the supervisor while it ran
+                return
+            service_us = (time.perf_counter_ns() - t0) // 1000
+            self.window.add(service_us - cur.work_us)
+            body = self._encode(result, h.get(Header.CONTENT_TYPE))
+            late_ms = replies.now_ms() - cur.deadline_at_ms
+            if late_ms > LATE_REPLY_MS:
+                cur.answered = True
+                await msg.ack()
+                await self._done(cur, 0, service_us)  # 0: "not answered", router answers 504
+                return
+            if late_ms > 0:
+                await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
+                                         f"finished {late_ms} ms after the deadline", t0)
+                return
+            headers = replies.ok_headers(cur.request_id, self.node, self.k, service_us)
+            headers.update(extra)
+            cur.answered = True
+            await msg.ack()
+            await self._finish(cur, Status.OK, service_us, body, headers)
+            self.metrics.service_seconds.labels(self.model).observe(service_us / 1e6)
+        finally:
+            if self.current is cur:
+                self.current = None
+
+    async def _run(self, req: Any, work_us: int) -> Any:
+        loop = asyncio.get_running_loop()
+        self.metrics.slot_busy.labels(*self._label).set(1)
+        expected_s = (work_us + max(5000, 4 * self.window.p99_us)) / 1e6
+        try:
+            if isinstance(req, CalibratedRequest):
+                await loop.run_in_executor(
+                    self.executor, self.runner.run_calibrated, req.duration_us, expected_s)
+                return CalibratedReply(duration_us=req.duration_us)
+            score = await loop.run_in_executor(
+                self.executor, self.runner.run_risk, req.features, expected_s)
+            return RiskReply(score=score)
+        finally:
+            self.metrics.slot_busy.labels(*self._label).set(0)
+
+    def _encode(self, result: Any, content_type: str | None) -> bytes:
+        if content_type == "application/msgpack":
+            return msgpack_encoder.encode(result)
+        return json_encoder.encode(result)
+
+    async def _answer_error(self, cur: Current, status: Status, reason: Reason, text: str,
+                            t0: int) -> None:
+        cur.answered = True
+        await cur.msg.ack()
+        service_us = (time.perf_counter_ns() - t0) // 1000
+        await self._finish(cur, status, service_us, error_body(text, reason),
+                           replies.error_headers(cur.request_id, status, reason, node=self.node))
+
+    async def _finish(self, cur: Current, status: Status, service_us: int, body: bytes,
+                      headers: dict[str, str]) -> None:
+        await self._done(cur, int(status), service_us)
+        await self.nc.publish(cur.reply, body, headers=headers)
+        self.metrics.node_requests.labels(self.model, str(int(status))).inc()
+
+    async def _done(self, cur: Current, status: int, service_us: int) -> None:
+        h = cur.msg.headers or {}
+        ev = DoneEvent(request_id=cur.request_id, node=self.node, model=self.model, k=self.k,
+                       status=status, service_us=service_us, router=h.get(Header.ROUTER, ""),
+                       work_us=cur.work_us)
+        await self.nc.publish(self.done_subject, msgpack_encoder.encode(ev))
+
+    # -- probes -----------------------------------------------------------------------------
+    async def probe(self) -> bool:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter_ns()
+        expected_s = max(0.005, 4 * self.probe_window.p99_us / 1e6)
+        ok = bool(await loop.run_in_executor(self.executor, self.runner.probe, expected_s))
+        self.probe_window.add((time.perf_counter_ns() - t0) // 1000)
+        return ok

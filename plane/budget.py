@@ -1,0 +1,72 @@
+"""Service-time estimates: the budget model shared by routers (admission, tickets) and nodes
+(withdraw a slot whose p99 no longer fits its model's budget).
+
+A request's predicted service time is its requested device work (`work_us`, 0 for models
+whose work does not depend on the input) plus the slot's measured *overhead*. The window keeps
+the last `size` overheads; percentiles are recomputed lazily, at most every `refresh` samples,
+so the per-request cost is an append.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ServiceWindow:
+    size: int = 256
+    refresh: int = 8
+    prior_us: int = 1000  # what we assume before the first sample
+    _samples: deque[int] = field(init=False)
+    _since: int = field(default=0, init=False)
+    _p50: int = field(default=0, init=False)
+    _p99: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._samples = deque(maxlen=self.size)
+        self._p50 = self._p99 = self.prior_us
+
+    def add(self, overhead_us: int) -> None:
+        self._samples.append(max(0, int(overhead_us)))
+        self._since += 1
+        if self._since >= self.refresh or len(self._samples) <= self.refresh:
+            self._recompute()
+
+    def _recompute(self) -> None:
+        self._since = 0
+        s = sorted(self._samples)
+        n = len(s)
+        self._p50 = s[(n - 1) // 2]
+        self._p99 = s[min(n - 1, (99 * n) // 100)]
+
+    @property
+    def count(self) -> int:
+        return len(self._samples)
+
+    @property
+    def p50_us(self) -> int:
+        return self._p50
+
+    @property
+    def p99_us(self) -> int:
+        return self._p99
+
+    def clear(self) -> None:
+        self._samples.clear()
+        self._p50 = self._p99 = self.prior_us
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    p50_us: int
+    p99_us: int
+
+
+def predict(window: ServiceWindow, work_us: int) -> Prediction:
+    return Prediction(work_us + window.p50_us, work_us + window.p99_us)
+
+
+def fits(prediction: Prediction, remaining_us: int) -> bool:
+    """Admit only when the predicted p99 fits the remaining deadline."""
+    return prediction.p99_us <= remaining_us

@@ -1,0 +1,216 @@
+"""The asyncio client: `invoke(model, payload, deadline_ms=...)` over core NATS request-reply.
+
+    async with Client.connect("nats://127.0.0.1:4222") as plane:
+        result = await plane.invoke("calibrated", {"duration_us": 2000}, deadline_ms=200)
+        print(result.json(), result.attempts, result.node, result.service_us)
+
+On a 429 it waits as `plane.backoff.retry_delay_ms` says (the server's Retry-After-Ms when its
+clock agrees with ours, else capped exponential backoff with full jitter), and sends back the
+ticket it was given. After a 503 that named a node it asks for another (Plane-Avoid-Node). It
+never sleeps, nor waits for an answer, past the caller's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from plane.backoff import RetryPolicy, retry_delay_ms
+from plane.client.result import Result, header_int, reply_status
+from plane.config import DEFAULT_DEADLINE_MS, FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, ConnectOptions
+from plane.errors import ConfigError
+from plane.messages import Reason, Status, error_body
+from plane.natsconn import connect_kwargs
+from plane.subjects import Header, Names
+
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    names: Names = field(default_factory=Names)
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    default_deadline_ms: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_DEADLINE_MS))
+    seed: int | None = None  # the jitter's random source; None: seeded from the OS
+
+    def __post_init__(self) -> None:
+        for model, ms in self.default_deadline_ms.items():
+            if not 1 <= ms <= MAX_DEADLINE_MS:
+                raise ConfigError(f"deadline for {model} must be 1..{MAX_DEADLINE_MS} ms")
+
+    def deadline_ms(self, model: str) -> int:
+        return self.default_deadline_ms.get(model, FALLBACK_DEADLINE_MS)
+
+
+def encode_payload(payload: Any) -> bytes:
+    """Bytes pass through; anything else (dict, list, msgspec Struct) is encoded as JSON."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    return _encoder.encode(payload)
+
+
+def _local_reply(status: Status, reason: Reason, message: str) -> tuple[bytes, dict[str, str]]:
+    """A status the client makes up itself (no answer in time, nobody listening)."""
+    return error_body(message, reason), {Header.STATUS: str(int(status)), Header.REASON: reason}
+
+
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Client:
+    """Wraps a connected nats-py client (borrowed: `close()` is the owner's job), or owns one
+    when made by `Client.connect(...)`."""
+
+    def __init__(self, nc: NATS, config: ClientConfig | None = None) -> None:
+        self.nc = nc
+        self.config = config or ClientConfig()
+        self._rng = random.Random(self.config.seed)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(
+        cls, opts: ConnectOptions | str, config: ClientConfig | None = None
+    ) -> AsyncIterator[Client]:
+        if isinstance(opts, str):
+            opts = ConnectOptions(url=opts, name="plane-client")
+        nc = await nats.connect(**connect_kwargs(opts))
+        try:
+            yield cls(nc, config)
+        finally:
+            await nc.drain()
+
+    async def invoke(
+        self,
+        model: str,
+        payload: Any,
+        *,
+        deadline_ms: int | None = None,
+        policy: RetryPolicy | None = None,
+        request_id: str | None = None,
+    ) -> Result:
+        """Call `model` and return its 200 `Result`; raise `Rejected`, `BadRequest`,
+        `DeadlineExceeded` or `Unavailable` (with `attempts`) for anything else."""
+        result = await self.call(
+            model, payload, deadline_ms=deadline_ms, policy=policy, request_id=request_id
+        )
+        return result.raise_for_status()
+
+    async def call(
+        self,
+        model: str,
+        payload: Any,
+        *,
+        deadline_ms: int | None = None,
+        policy: RetryPolicy | None = None,
+        request_id: str | None = None,
+        ticket: str | None = None,
+        avoid_node: str | None = None,
+        first_attempt: int = 1,
+        content_type: str | None = None,
+    ) -> Result:
+        """Like `invoke`, but returns the final answer whatever its status (never raises for
+        a status). The gateway and `plane pulse` use this to see every reply as it was."""
+        subject = self.config.names.infer(model)  # raises InvalidToken on a bad name
+        budget_ms = deadline_ms if deadline_ms is not None else self.config.deadline_ms(model)
+        if budget_ms <= 0:
+            raise ConfigError("deadline_ms must be positive")
+        policy = policy or self.config.policy
+        body = encode_payload(payload)
+        request_id = request_id or uuid.uuid4().hex
+        deadline_at = time.monotonic() + budget_ms / 1000
+        statuses: list[int] = []
+        waited_ms = 0.0
+        hinted = 0
+        attempt = first_attempt
+        while True:
+            remaining_s = deadline_at - time.monotonic()
+            headers = {
+                Header.DEADLINE_MS: str(max(1, int(remaining_s * 1000))),
+                Header.REQUEST_ID: request_id,
+                Header.ATTEMPT: str(attempt),
+            }
+            if ticket:
+                headers[Header.TICKET] = ticket
+            if avoid_node:
+                headers[Header.AVOID_NODE] = avoid_node
+            if content_type:
+                headers[Header.CONTENT_TYPE] = content_type
+            sent = time.monotonic()
+            reply_body, reply_headers, local = await self._attempt(
+                subject, body, headers, remaining_s
+            )
+            last_attempt_ms = (time.monotonic() - sent) * 1000
+            status = reply_status(reply_headers)
+            statuses.append(status)
+            if status == Status.BUSY and (Header.RETRY_AFTER_MS in reply_headers
+                                          or Header.RETRY_AFTER in reply_headers):
+                hinted += 1
+            result = Result(
+                status=status, body=reply_body, headers=reply_headers, request_id=request_id,
+                statuses=tuple(statuses), hinted=hinted, waited_ms=waited_ms,
+                last_attempt_ms=last_attempt_ms, local=local,
+            )
+            delay_ms = self._retry_delay_ms(result, policy, attempt - first_attempt + 1,
+                                            deadline_at)
+            if delay_ms is None:
+                return result
+            if status == Status.BUSY:
+                ticket = reply_headers.get(Header.TICKET) or ticket
+            elif status == Status.UNAVAILABLE:
+                avoid_node = reply_headers.get(Header.NODE) or avoid_node
+            await asyncio.sleep(delay_ms / 1000)
+            waited_ms += delay_ms
+            attempt += 1
+
+    def _retry_delay_ms(
+        self, result: Result, policy: RetryPolicy, tries: int, deadline_at: float
+    ) -> float | None:
+        """Whether to try again, and after how long. Only a 429 that is not a `deadline`
+        refusal, or a 503 from the server, is worth another attempt."""
+        retryable = (result.status == Status.BUSY and result.reason != Reason.DEADLINE) or (
+            result.status == Status.UNAVAILABLE and not result.local
+        )
+        if not retryable:
+            return None
+        busy = result.status == Status.BUSY
+        return retry_delay_ms(
+            policy,
+            attempt=tries,
+            remaining_ms=(deadline_at - time.monotonic()) * 1000,
+            u=self._rng.random(),
+            retry_after_ms=result.retry_after_ms if busy else None,
+            server_time_ms=header_int(result.headers, Header.SERVER_TIME),
+            local_time_ms=_wall_ms(),
+        )
+
+    async def _attempt(
+        self, subject: str, body: bytes, headers: dict[str, str], timeout_s: float
+    ) -> tuple[bytes, dict[str, str], bool]:
+        """One request; (body, headers, made_up_locally)."""
+        if timeout_s <= 0:
+            b, h = _local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send")
+            return b, h, True
+        try:
+            msg = await self.nc.request(subject, body, timeout=timeout_s, headers=headers)
+        except NatsTimeout:
+            b, h = _local_reply(Status.DEADLINE, Reason.DEADLINE, "no answer within the deadline")
+            return b, h, True
+        except NoRespondersError:
+            b, h = _local_reply(
+                Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}"
+            )
+            return b, h, True
+        return msg.data, dict(msg.headers or {}), False

@@ -1,0 +1,76 @@
+"""Prometheus metrics: a `plane_` prefix, base units, low-cardinality labels, and an explicit
+registry (no process-wide default), so a router and a node in one process share one registry
+and tests get their own."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Buckets from 100 µs to 10 s: the plane's answers live in the first half.
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)
+
+
+class PlaneMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.router_requests = Counter(
+            "plane_router_requests", "Requests answered or placed by routers",
+            ["model", "status"], registry=r)
+        self.router_decision_seconds = Histogram(
+            "plane_router_decision_seconds", "Router time from receipt to placement/refusal",
+            ["model", "outcome"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.refusals = Counter(
+            "plane_refusals", "Refusals by reason", ["model", "reason"], registry=r)
+        self.broker_refusals = Counter(
+            "plane_broker_slot_refusals", "Slot publishes refused by the broker (depth one)",
+            ["model"], registry=r)
+        self.slots_known = Gauge(
+            "plane_slots", "Slots known to the router", ["model", "state"], registry=r)
+        self.tickets_issued = Counter(
+            "plane_tickets_issued", "Tickets handed out with 429s", ["model"], registry=r)
+        self.tickets_honoured = Counter(
+            "plane_tickets_honoured", "Tickets redeemed onto a slot", ["model"], registry=r)
+        self.watchdog_answers = Counter(
+            "plane_router_watchdog_answers", "Answers the router gave for silent nodes",
+            ["model", "status"], registry=r)
+        self.node_requests = Counter(
+            "plane_node_requests", "Requests finished by nodes", ["model", "status"], registry=r)
+        self.service_seconds = Histogram(
+            "plane_slot_service_seconds", "Time a request spent on its slot",
+            ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.slot_busy = Gauge(
+            "plane_slot_busy", "1 while a slot runs a request", ["model", "slot"], registry=r)
+        self.slot_healthy = Gauge(
+            "plane_slot_healthy", "1 while a slot is claimed and healthy",
+            ["model", "slot"], registry=r)
+        self.probe_misses = Counter(
+            "plane_probe_misses", "Health probes missed", ["model", "slot"], registry=r)
+        self.withdrawals = Counter(
+            "plane_slot_withdrawals", "Slots withdrawn", ["model", "cause"], registry=r)
+
+
+@contextlib.contextmanager
+def serve_metrics(metrics: PlaneMetrics, port: int | None) -> Iterator[int | None]:
+    """Serve /metrics on 127.0.0.1:`port` (0 = any free port) in prometheus_client's own
+    thread for the duration of the block; yields the bound port (None when disabled)."""
+    if port is None:
+        yield None
+        return
+    server: WSGIServer
+    thread: threading.Thread
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -1,0 +1,117 @@
+"""The open-loop driver: a constant arrival rate, whatever the target does.
+
+Request i is *scheduled* at `i / rate` seconds after the start and sent then (or at once, if
+the driver is behind: never later on purpose). Its latency runs from the scheduled time, so a
+slow target cannot slow the arrivals and hide its own queue (no coordinated omission). At
+most `concurrency` requests are in flight: an arrival beyond that is counted as dropped, not
+delayed. Every request is a task of one TaskGroup; the run ends when the last one answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from plane.errors import ConfigError
+from plane.pulse.outcome import Outcome
+from plane.pulse.progress import ProgressBar
+from plane.pulse.targets import Target
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    rate: float  # arrivals per second
+    duration_s: float
+    concurrency: int = 512  # at most this many in flight; arrivals beyond are dropped
+    progress: bool = False  # a rich progress bar on stderr
+
+    def __post_init__(self) -> None:
+        if not 0 < self.rate <= 1_000_000:
+            raise ConfigError("--rate must be in (0, 1e6] requests per second")
+        if not 0 < self.duration_s <= 86_400:
+            raise ConfigError("--duration must be in (0, 86400] seconds")
+        if not 1 <= self.concurrency <= 100_000:
+            raise ConfigError("--concurrency must be in [1, 100000]")
+        if self.rate * self.duration_s < 1:
+            raise ConfigError("--rate x --duration must schedule at least one request")
+
+
+def arrival_offsets_s(rate: float, duration_s: float) -> list[float]:
+    """Scheduled send times, seconds from the start: evenly spaced at `rate`."""
+    return [i / rate for i in range(int(rate * duration_s))]
+
+
+@dataclass
+class Live:
+    """Counters the progress bar reads while the run goes on."""
+
+    scheduled: int
+    launched: int = 0
+    done: int = 0
+    ok: int = 0
+    refused: int = 0
+    dropped: int = 0
+    in_flight: int = 0
+
+
+@dataclass
+class Run:
+    outcomes: list[Outcome] = field(default_factory=list)
+    dropped: int = 0
+    elapsed_s: float = 0.0
+
+
+async def run_load(target: Target, body: bytes, config: LoadConfig) -> Run:
+    """Drive `target` open loop with `body` as `config` says; return every outcome."""
+    offsets = arrival_offsets_s(config.rate, config.duration_s)
+    live = Live(scheduled=len(offsets))
+    run = Run()
+    finished = asyncio.Event()
+    start = time.monotonic()
+
+    async def one(offset_s: float) -> None:
+        try:
+            attempts = await target.send(body)
+            latency_us = int((time.monotonic() - start - offset_s) * 1e6)
+            run.outcomes.append(Outcome(scheduled_s=offset_s, latency_us=latency_us,
+                                        attempts=attempts))
+            live.ok += attempts.final == "200"
+            live.refused += attempts.final == "429"
+        finally:
+            live.in_flight -= 1
+            live.done += 1
+
+    async with asyncio.TaskGroup() as outer:
+        outer.create_task(_show(live, finished, config.progress))
+        try:
+            async with asyncio.TaskGroup() as requests:
+                for offset_s in offsets:
+                    wait_s = start + offset_s - time.monotonic()
+                    if wait_s > 0:
+                        await asyncio.sleep(wait_s)
+                    if live.in_flight >= config.concurrency:
+                        live.dropped += 1
+                        continue
+                    live.in_flight += 1
+                    live.launched += 1
+                    requests.create_task(one(offset_s))
+        finally:
+            finished.set()
+    run.dropped = live.dropped
+    run.elapsed_s = time.monotonic() - start
+    return run
+
+
+async def _show(live: Live, finished: asyncio.Event, enabled: bool) -> None:
+    if not enabled:
+        return
+    with ProgressBar(total=live.scheduled) as bar:
+        while not finished.is_set():
+            bar.update(live)
+            try:
+                async with asyncio.timeout(0.2):
+                    await finished.wait()
+            except TimeoutError:
+                pass
+        bar.update(live)

@@ -1,0 +1,146 @@
+"""What pulse can load: the plane over NATS (through the SDK, so `--retry` is the SDK's own
+retry policy) and any HTTP endpoint (with the same policy function when `--retry`).
+
+A target is an async context manager with `send(body) -> Attempts`. It never raises for a
+status, a timeout or a broken connection: each of those is an answer to count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Protocol
+
+import aiohttp
+
+from plane.backoff import RetryPolicy, retry_delay_ms
+from plane.client import Client, ClientConfig
+from plane.client.result import header_int
+from plane.config import ConnectOptions
+from plane.messages import Status
+from plane.pulse.outcome import ERROR, TIMEOUT, Attempts
+from plane.subjects import Header
+
+SERVER_TIME_HTTP = "X-Server-Time"  # the gateway's name for Plane-Server-Time
+
+
+class Target(Protocol):
+    name: str
+
+    async def __aenter__(self) -> Target: ...
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+    async def send(self, body: bytes) -> Attempts: ...
+
+
+class NatsTarget:
+    """The plane, over core NATS, through `plane.client.Client.call`."""
+
+    def __init__(self, opts: ConnectOptions, *, model: str, deadline_ms: int,
+                 policy: RetryPolicy) -> None:
+        self.name = f"nats {opts.url} model={model}"
+        self._opts, self._model, self._deadline_ms, self._policy = opts, model, deadline_ms, policy
+        self._cm = Client.connect(opts, ClientConfig(policy=policy))
+        self._client: Client | None = None
+
+    async def __aenter__(self) -> NatsTarget:
+        self._client = await self._cm.__aenter__()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._cm.__aexit__(et, e, tb)
+
+    async def send(self, body: bytes) -> Attempts:
+        assert self._client is not None
+        r = await self._client.call(self._model, body, deadline_ms=self._deadline_ms)
+        if r.local:
+            final = TIMEOUT if r.status == Status.DEADLINE else ERROR
+            statuses = (*r.statuses[:-1], 0)
+        else:
+            final, statuses = str(r.status), r.statuses
+        return Attempts(statuses=statuses, final=final, hinted=r.hinted,
+                        last_attempt_us=int(r.last_attempt_ms * 1000))
+
+
+class HttpTarget:
+    """Any HTTP endpoint: POST `body` to `url`. With a retry policy, a 429 is retried as the
+    SDK would (Retry-After-Ms / Retry-After, X-Server-Time, Plane-Ticket echoed)."""
+
+    def __init__(self, url: str, *, deadline_ms: int, timeout_ms: int, policy: RetryPolicy,
+                 concurrency: int, headers: dict[str, str] | None = None,
+                 seed: int | None = None) -> None:
+        self.name = f"http {url}"
+        self._url, self._deadline_ms, self._policy = url, deadline_ms, policy
+        self._timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
+        self._concurrency = concurrency
+        self._headers = {"Content-Type": "application/json", **(headers or {})}
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> HttpTarget:
+        connector = aiohttp.TCPConnector(limit=self._concurrency, force_close=False)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def send(self, body: bytes) -> Attempts:
+        assert self._session is not None
+        deadline_at = time.monotonic() + self._deadline_ms / 1000
+        statuses: list[int] = []
+        hinted, ticket = 0, None
+        while True:
+            headers = {**self._headers, Header.ATTEMPT: str(len(statuses) + 1),
+                       Header.DEADLINE_MS: str(max(1, int((deadline_at - time.monotonic())
+                                                          * 1000)))}
+            if ticket:
+                headers[Header.TICKET] = ticket
+            sent = time.monotonic()
+            try:
+                async with self._session.post(self._url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    status, rh = resp.status, resp.headers
+            except TimeoutError:
+                return Attempts(statuses=(*statuses, 0), final=TIMEOUT, hinted=hinted,
+                                last_attempt_us=int((time.monotonic() - sent) * 1e6))
+            except aiohttp.ClientError:
+                return Attempts(statuses=(*statuses, 0), final=ERROR, hinted=hinted,
+                                last_attempt_us=int((time.monotonic() - sent) * 1e6))
+            last_us = int((time.monotonic() - sent) * 1e6)
+            statuses.append(status)
+            after_ms = _retry_after_ms(rh)
+            if status == 429 and after_ms is not None:
+                hinted += 1
+            delay = None
+            if status == 429 and rh.get(Header.REASON) != "deadline":
+                delay = retry_delay_ms(
+                    self._policy, attempt=len(statuses),
+                    remaining_ms=(deadline_at - time.monotonic()) * 1000,
+                    u=self._rng.random(), retry_after_ms=after_ms,
+                    server_time_ms=header_int(rh, SERVER_TIME_HTTP)
+                    or header_int(rh, Header.SERVER_TIME),
+                    local_time_ms=time.time_ns() // 1_000_000)
+            if delay is None:
+                return Attempts(statuses=tuple(statuses), final=str(status), hinted=hinted,
+                                last_attempt_us=last_us)
+            ticket = rh.get(Header.TICKET) or ticket
+            await asyncio.sleep(delay / 1000)
+
+
+def _retry_after_ms(headers: Mapping[str, str]) -> int | None:
+    """Retry-After-Ms, else Retry-After (whole seconds; an HTTP date is not used here)."""
+    ms = header_int(headers, Header.RETRY_AFTER_MS)
+    if ms is not None:
+        return ms
+    s = header_int(headers, Header.RETRY_AFTER)
+    return None if s is None else s * 1000

@@ -1,0 +1,56 @@
+"""Reply headers, built in one place for routers, nodes and the gateway."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from plane.messages import Reason, Status, error_body
+from plane.subjects import Header
+
+
+def now_ms() -> int:
+    """Wall clock, epoch ms: only for stamps (Plane-Server-Time), never for durations."""
+    return time.time_ns() // 1_000_000
+
+
+def ok_headers(request_id: str, node: str, k: int, service_us: int) -> dict[str, str]:
+    return {
+        Header.STATUS: "200",
+        Header.REQUEST_ID: request_id,
+        Header.SERVER_TIME: str(now_ms()),
+        Header.NODE: node,
+        Header.SLOT: str(k),
+        Header.SERVICE_US: str(service_us),
+    }
+
+
+def error_headers(
+    request_id: str,
+    status: Status,
+    reason: Reason,
+    *,
+    retry_after_ms: int | None = None,
+    ticket: str | None = None,
+    node: str | None = None,
+) -> dict[str, str]:
+    h = {
+        Header.STATUS: str(int(status)),
+        Header.REQUEST_ID: request_id,
+        Header.SERVER_TIME: str(now_ms()),
+        Header.REASON: reason.value,
+    }
+    if retry_after_ms is not None:
+        h[Header.RETRY_AFTER_MS] = str(retry_after_ms)
+        h[Header.RETRY_AFTER] = str(max(1, math.ceil(retry_after_ms / 1000)))
+    if ticket is not None:
+        h[Header.TICKET] = ticket
+    if node is not None:
+        h[Header.NODE] = node
+    return h
+
+
+def error_reply(
+    request_id: str, status: Status, reason: Reason, message: str, **kw: object
+) -> tuple[bytes, dict[str, str]]:
+    return error_body(message, reason), error_headers(request_id, status, reason, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,421 @@
+"""The router: serves `plane.infer.<model>` in the queue group `plane-routers`.
+
+Per request: validate, read the deadline, ask admission for a slot (or a refusal with a
+ticket), publish to the slot's depth-one subject with the caller's inbox in a header, and step
+to the next candidate when the broker refuses. The node answers the caller directly; the
+router answers only refusals, bad requests, and (as the deadline owner) a 503/504 for a
+request whose node died or went silent, so that every request ends in exactly one answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import APIError, NoStreamResponseError
+from nats.micro import add_service
+from nats.micro.service import Service
+
+from plane import replies
+from plane.admission import Admission, Ask, Place, Refuse
+from plane.budget import predict
+from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, RouterConfig
+from plane.errors import BadRequest
+from plane.messages import (
+    DoneEvent,
+    Reason,
+    Status,
+    done_decoder,
+    heartbeat_decoder,
+    json_encoder,
+)
+from plane.metrics import PlaneMetrics
+from plane.models import MODELS, model_spec
+from plane.occupancy import ModelSlots, SlotView, slot_key
+from plane.provision import ProvisionPlan, ensure_all
+from plane.settings import LiveSettings
+from plane.subjects import Header, InvalidToken, check_token
+
+log = structlog.get_logger("plane.router")
+
+WATCHDOG_PERIOD_S = 0.02
+# The broker frees a WorkQueue message a moment after the node's ack; when it still refuses a
+# slot our view says is free, wait this long once and try again.
+BROKER_SETTLE_S = 0.0005
+
+
+def _is_depth_refusal(exc: APIError) -> bool:
+    """The depth-one refusal. err_code 10077 is shared by other stream limits: match the
+    description too."""
+    return exc.err_code == 10077 and "maximum messages per subject" in (exc.description or "")
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    model: str
+    reply: str
+    node: str
+    deadline_s: float
+    answer_by_s: float
+
+
+class Router:
+    def __init__(
+        self,
+        nc: Client,
+        cfg: RouterConfig,
+        metrics: PlaneMetrics | None = None,
+        *,
+        replicas: int = 1,
+    ) -> None:
+        self.nc = nc
+        self.cfg = cfg
+        self.metrics = metrics or PlaneMetrics()
+        self.names = cfg.names
+        self.js = nc.jetstream(timeout=cfg.publish_timeout_s)
+        self.admission = Admission(ticket_prefix=cfg.router_id)
+        self.models: dict[str, ModelSlots] = {}
+        self.inflight: dict[str, InFlight] = {}  # by slot key: depth one makes it unique
+        self.node_seen_s: dict[str, float] = {}
+        self.settings = LiveSettings(cfg.names)
+        self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._service: Service | None = None
+        self._started = False
+        self._stopping = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        _, config_kv = await ensure_all(self.js, self._plan)
+        await self.settings.start(config_kv)
+        n = self.names
+        self._subs.append(await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat))
+        self._subs.append(await self.nc.subscribe(n.done_all(), cb=self._on_done))
+        self._spawn(self._watchdog())
+        self._subs.append(
+            await self.nc.subscribe(n.infer_all(), queue="plane-routers", cb=self._on_request)
+        )
+        self._service = await add_service(
+            self.nc, name=n.router_service, version="0.1.0",
+            description="the plane's router: admission onto depth-one slots",
+            metadata={"router_id": self.cfg.router_id, "prefix": n.prefix},
+        )
+        await self._service.add_endpoint(
+            name="status", subject=n.router_status(self.cfg.router_id), handler=self._on_status
+        )
+        await self.nc.flush()
+        log.info("router started", router=self.cfg.router_id, subject=n.infer_all())
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop taking requests, let placements in progress finish, then close."""
+        if not self._started or self._stopping:
+            return
+        self._stopping = True
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=timeout_s)
+            for t in still:
+                t.cancel()
+            await asyncio.gather(*still, return_exceptions=True)
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        await self.settings.stop()
+        log.info("router stopped", router=self.cfg.router_id)
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- control plane ----------------------------------------------------------------------
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = heartbeat_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("bad heartbeat ignored", subject=msg.subject)
+            return
+        now = time.monotonic()
+        if hb.stopping:
+            self._forget_node(hb.node, "node stopping")
+            return
+        self.node_seen_s[hb.node] = now
+        for advert in hb.adverts:
+            ms = self._model(advert.model)
+            ms.apply_advert(advert)
+            for s in advert.slots:
+                view = ms.slots.get(slot_key(advert.node, s.k))
+                if view is not None and not s.healthy:
+                    view.reservations.clear()
+        self._gauge_slots()
+
+    async def _on_done(self, msg: Msg) -> None:
+        try:
+            ev: DoneEvent = done_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        ms = self.models.get(ev.model)
+        key = slot_key(ev.node, ev.k)
+        if ms is not None:
+            view = ms.slots.get(key)
+            if view is not None:
+                view.busy = False
+                view.request_id = None
+            if ev.status == int(Status.OK):
+                ms.window.add(ev.service_us - ev.work_us)
+        fl = self.inflight.get(key)
+        if fl is not None and fl.request_id == ev.request_id:
+            del self.inflight[key]
+            if ev.status == 0:  # the node finished too late to answer: the router does
+                self._answer_watchdog(fl, Status.DEADLINE, Reason.DEADLINE,
+                                      "the slot finished after the deadline")
+
+    async def _on_status(self, req: Any) -> None:
+        body = {
+            "router": self.cfg.router_id,
+            "models": {
+                m: {
+                    "slots": len(ms.slots), "healthy": ms.healthy_count(),
+                    "busy": ms.busy_count(), "p50_overhead_us": ms.window.p50_us,
+                    "p99_overhead_us": ms.window.p99_us,
+                }
+                for m, ms in self.models.items()
+            },
+            "tickets": len(self.admission.tickets),
+            "inflight": len(self.inflight),
+        }
+        await req.respond(json_encoder.encode(body))
+
+    def _model(self, model: str) -> ModelSlots:
+        ms = self.models.get(model)
+        if ms is None:
+            ms = self.models[model] = ModelSlots(model=model)
+        return ms
+
+    def _forget_node(self, node: str, why: str) -> None:
+        self.node_seen_s.pop(node, None)
+        for ms in self.models.values():
+            if ms.remove_node(node):
+                log.warning("node's slots removed", node=node, model=ms.model, why=why)
+        for key, fl in list(self.inflight.items()):
+            if fl.node == node:
+                del self.inflight[key]
+                self._answer_watchdog(fl, Status.UNAVAILABLE, Reason.UNHEALTHY,
+                                      f"node {node} failed mid-request ({why}): retry elsewhere")
+        self._gauge_slots()
+
+    async def _watchdog(self) -> None:
+        """Answer for silent nodes: 503 when a node's heartbeat stops, 504 when a request
+        outlives its deadline (plus grace) with no done-event."""
+        timeout_s = self.cfg.node_timeout_ms / 1000
+        while not self._stopping:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            now = time.monotonic()
+            for node, seen in list(self.node_seen_s.items()):
+                if now - seen > timeout_s:
+                    self._forget_node(node, f"no heartbeat for {timeout_s:.1f} s")
+            for key, fl in list(self.inflight.items()):
+                if now > fl.answer_by_s:
+                    del self.inflight[key]
+                    ms = self.models.get(fl.model)
+                    view = ms.slots.get(key) if ms else None
+                    if view is not None and view.request_id == fl.request_id:
+                        view.busy = False
+                        view.request_id = None
+                    self._answer_watchdog(fl, Status.DEADLINE, Reason.DEADLINE,
+                                          "the deadline passed with no answer from the node")
+
+    def _answer_watchdog(self, fl: InFlight, status: Status, reason: Reason, text: str) -> None:
+        body, headers = replies.error_reply(fl.request_id, status, reason, text, node=fl.node)
+        self.metrics.watchdog_answers.labels(fl.model, str(int(status))).inc()
+        self.metrics.router_requests.labels(fl.model, str(int(status))).inc()
+        self._spawn(self.nc.publish(fl.reply, body, headers=headers))
+        log.warning("router answered for node", request_id=fl.request_id, node=fl.node,
+                    status=int(status))
+
+    def _gauge_slots(self) -> None:
+        for m, ms in self.models.items():
+            self.metrics.slots_known.labels(m, "healthy").set(ms.healthy_count())
+            self.metrics.slots_known.labels(m, "busy").set(ms.busy_count())
+
+    # -- data plane -------------------------------------------------------------------------
+    async def _on_request(self, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("request without reply subject dropped", subject=msg.subject)
+            return
+        self._spawn(self._route(msg))
+
+    async def _route(self, msg: Msg) -> None:
+        t0 = time.perf_counter()
+        hdrs = msg.headers or {}
+        rid = hdrs.get(Header.REQUEST_ID) or self.nc.new_inbox()[7:]
+        model = self.names.infer_model_of(msg.subject)
+        try:
+            check_token("model", model)
+            if len(msg.data) > self.cfg.max_body_bytes:
+                await self._refuse(msg, rid, model, Refuse(
+                    Status.TOO_LARGE, Reason.TOO_LARGE,
+                    f"body is {len(msg.data)} bytes; the limit is {self.cfg.max_body_bytes}"))
+                return
+            spec = model_spec(model)
+            deadline_ms = self._deadline_ms(model, hdrs.get(Header.DEADLINE_MS))
+            req = spec.decode(msg.data, hdrs.get(Header.CONTENT_TYPE))
+        except (InvalidToken, BadRequest) as exc:
+            label = model if model in MODELS else "unknown"
+            await self._refuse(msg, rid, label,
+                               Refuse(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc)))
+            return
+        ms = self._model(model)
+        work_us = spec.work_us(req)
+        now = time.monotonic()
+        ask = Ask(
+            now_s=now, deadline_s=now + deadline_ms / 1000,
+            prediction=predict(ms.window, work_us),
+            ticket=hdrs.get(Header.TICKET), avoid_node=hdrs.get(Header.AVOID_NODE),
+        )
+        decision = self.admission.decide(ms, ask)
+        if isinstance(decision, Refuse):
+            await self._refuse(msg, rid, model, decision)
+            self.metrics.router_decision_seconds.labels(model, "refused").observe(
+                time.perf_counter() - t0)
+            return
+        placed = await self._place(msg, rid, model, ms, decision, ask, work_us)
+        if placed is None:
+            # Every candidate was taken under us (another router): refuse with a ticket now.
+            ask = Ask(now_s=time.monotonic(), deadline_s=ask.deadline_s,
+                      prediction=ask.prediction, avoid_node=ask.avoid_node)
+            again = self.admission.decide(ms, ask)
+            refusal = again if isinstance(again, Refuse) else Refuse(
+                Status.BUSY, Reason.BUSY, "all slots are busy", retry_after_ms=max(
+                    1, math.ceil(ask.prediction.p50_us / 1000)))
+            await self._refuse(msg, rid, model, refusal)
+            outcome = "refused"
+        else:
+            outcome = "placed"
+        self.metrics.router_decision_seconds.labels(model, outcome).observe(
+            time.perf_counter() - t0)
+
+    def _deadline_ms(self, model: str, raw: str | None) -> int:
+        if raw is None:
+            return self.settings.deadline_ms(model) or self.cfg.default_deadline_ms.get(
+                model, FALLBACK_DEADLINE_MS)
+        try:
+            value = int(raw)
+        except ValueError:
+            raise BadRequest(f"{Header.DEADLINE_MS} must be an integer, got {raw!r}") from None
+        if not 1 <= value <= MAX_DEADLINE_MS:
+            raise BadRequest(f"{Header.DEADLINE_MS} must be 1..{MAX_DEADLINE_MS}, got {value}")
+        return value
+
+    async def _place(
+        self, msg: Msg, rid: str, model: str, ms: ModelSlots, place: Place, ask: Ask,
+        work_us: int,
+    ) -> SlotView | None:
+        hdrs = msg.headers or {}
+        deadline_ms = max(1, int((ask.deadline_s - time.monotonic()) * 1000))
+        out = {
+            Header.REPLY_TO: msg.reply,
+            Header.REQUEST_ID: rid,
+            Header.DEADLINE_AT: str(replies.now_ms() + deadline_ms),
+            Header.DEADLINE_MS: str(deadline_ms),
+            Header.WORK_US: str(work_us),
+            Header.ROUTER: self.cfg.router_id,
+            Header.ATTEMPT: hdrs.get(Header.ATTEMPT, "1"),
+            # Whole seconds, at least one: a backstop that frees an orphaned slot.
+            Header.NATS_TTL: f"{max(1, math.ceil(deadline_ms / 1000))}s",
+        }
+        if ct := hdrs.get(Header.CONTENT_TYPE):
+            out[Header.CONTENT_TYPE] = ct
+        settled = False
+        candidates = list(place.candidates)
+        i = 0
+        while i < len(candidates):
+            view = candidates[i]
+            i += 1
+            try:
+                await self.js.publish(view.subject, msg.data, headers=out)
+            except APIError as exc:
+                if _is_depth_refusal(exc):
+                    self.metrics.broker_refusals.labels(model).inc()
+                    view.busy = True
+                    view.free_at_s = time.monotonic() + ask.prediction.p50_us / 1e6
+                    if i == len(candidates) and not settled:
+                        settled = True
+                        await asyncio.sleep(BROKER_SETTLE_S)
+                        view.busy = False
+                        candidates = [c for c in candidates if c.healthy]
+                        i = 0
+                    continue
+                await self._refuse(msg, rid, model, Refuse(
+                    Status.UNAVAILABLE, Reason.UNHEALTHY, f"the broker refused: {exc}",
+                    retry_after_ms=1000))
+                return view
+            except (NoRespondersError, NoStreamResponseError):
+                await self._refuse(msg, rid, model, Refuse(
+                    Status.UNAVAILABLE, Reason.UNHEALTHY,
+                    "no JetStream slot stream answers: is the broker up?", retry_after_ms=1000))
+                return view
+            except (NatsTimeoutError, TimeoutError):
+                # Unknown outcome: the message may be on the slot. Answering now could make a
+                # second answer, so the watchdog owns it (done-event, or 504 at the deadline).
+                self._track(view, rid, model, msg.reply, ask, uncertain=True)
+                return view
+            self._track(view, rid, model, msg.reply, ask)
+            if place.redeemed is not None:
+                self.admission.redeemed(ms, place.redeemed)
+                self.metrics.tickets_honoured.labels(model).inc()
+            return view
+        return None
+
+    def _track(self, view: SlotView, rid: str, model: str, reply: str, ask: Ask,
+               uncertain: bool = False) -> None:
+        now = time.monotonic()
+        view.busy = True
+        view.request_id = rid
+        view.free_at_s = now + ask.prediction.p50_us / 1e6
+        self.inflight[view.key] = InFlight(
+            request_id=rid, model=model, reply=reply, node=view.node,
+            deadline_s=ask.deadline_s,
+            answer_by_s=ask.deadline_s + self.cfg.deadline_grace_ms / 1000,
+        )
+
+    async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse) -> None:
+        body, headers = replies.error_reply(
+            rid, r.status, r.reason, r.message, retry_after_ms=r.retry_after_ms, ticket=r.ticket)
+        self.metrics.router_requests.labels(model, str(int(r.status))).inc()
+        if r.status == Status.BUSY:
+            self.metrics.refusals.labels(model, r.reason.value).inc()
+            if r.ticket is not None:
+                self.metrics.tickets_issued.labels(model).inc()
+        if msg.reply:
+            await self.nc.publish(msg.reply, body, headers=headers)

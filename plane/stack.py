@@ -1,0 +1,117 @@
+"""A whole plane in one process: an embedded nats-server (or a given URL), routers and nodes.
+What `plane up` runs, and what tests and benchmarks start. Composed with an AsyncExitStack,
+so everything started is stopped, in reverse order, whatever fails."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+
+from nats.aio.client import Client
+
+from gpu_node.node import Node
+from gpu_node.slot import Enrich
+from plane.config import ConnectOptions, NodeConfig, RouterConfig
+from plane.embedded import EmbeddedNats
+from plane.metrics import PlaneMetrics, serve_metrics
+from plane.natsconn import connect
+from plane.router import Router
+from plane.subjects import Names
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackConfig:
+    connect: ConnectOptions = field(default_factory=ConnectOptions)  # url None: embedded
+    names: Names = field(default_factory=Names)
+    models: tuple[str, ...] = ("risk", "calibrated")
+    slots: int | None = None  # per node; None: the backend's default
+    backend: str = "auto"
+    nodes_per_model: int = 1
+    routers: int = 1
+    metrics_port: int | None = None  # 0: any free port
+    allow_faults: bool = False
+    node_overrides: dict[str, object] = field(default_factory=dict)
+    router_overrides: dict[str, object] = field(default_factory=dict)
+
+
+class PlaneStack:
+    """`async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as s: s.url`"""
+
+    def __init__(self, cfg: StackConfig | None = None, *, enrich: Enrich | None = None) -> None:
+        self.cfg = cfg or StackConfig()
+        self.enrich = enrich
+        self.metrics = PlaneMetrics()
+        self.server: EmbeddedNats | None = None
+        self.routers: list[Router] = []
+        self.nodes: list[Node] = []
+        self.clients: list[Client] = []
+        self.metrics_port: int | None = None
+        self.url: str = ""
+        self._stack = contextlib.AsyncExitStack()
+
+    async def start(self) -> None:
+        st = self._stack
+        cfg = self.cfg
+        try:
+            if cfg.connect.url is None:
+                self.server = await st.enter_async_context(EmbeddedNats())
+                self.url = self.server.url
+            else:
+                self.url = cfg.connect.url
+            self.metrics_port = st.enter_context(serve_metrics(self.metrics, cfg.metrics_port))
+            for i in range(cfg.nodes_per_model):
+                for model in cfg.models:
+                    node_cfg = NodeConfig(
+                        names=cfg.names, node_id=f"node{i}-{model}", model=model,
+                        slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
+                        **cfg.node_overrides,  # type: ignore[arg-type]
+                    )
+                    nc = await self._connect(f"plane-node-{node_cfg.node_id}")
+                    enrich = self.enrich if model == "risk" else None
+                    node = Node(nc, node_cfg, self.metrics, enrich=enrich)
+                    self.nodes.append(await st.enter_async_context(node))
+            for i in range(cfg.routers):
+                router_cfg = RouterConfig(names=cfg.names, router_id=f"router{i}",
+                                          **cfg.router_overrides)  # type: ignore[arg-type]
+                nc = await self._connect(f"plane-router-{i}")
+                self.routers.append(await st.enter_async_context(
+                    Router(nc, router_cfg, self.metrics)))
+            await self.wait_ready()
+        except BaseException:
+            await st.aclose()
+            raise
+
+    async def _connect(self, name: str) -> Client:
+        nc = await connect(replace(self.cfg.connect, url=self.url, name=name))
+        self._stack.push_async_callback(nc.close)
+        self.clients.append(nc)
+        return nc
+
+    async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Until every router sees every node's healthy slots."""
+        import asyncio
+
+        want = {n.cfg.model: 0 for n in self.nodes}
+        for n in self.nodes:
+            want[n.cfg.model] += len(n.slots)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                if all(
+                    (ms := r.models.get(m)) is not None and ms.healthy_count() >= count
+                    for r in self.routers for m, count in want.items()
+                ):
+                    return
+                await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        await self._stack.aclose()
+
+    async def __aenter__(self) -> PlaneStack:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

@@ -5,9 +5,19 @@ Environment variables are read here, once (click's `envvar=`), and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
+import sys
+from typing import Any
+
 import click
 
-from plane.config import ConnectOptions
+from plane.config import ConnectOptions, NodeConfig, RouterConfig
+from plane.errors import PlaneError
+from plane.logs import configure as configure_logs
+from plane.models import MODELS
+from plane.stack import StackConfig
+from plane.subjects import InvalidToken, Names
+from plane.up import ServeSpec, run_node, run_router, run_status, run_up
 
 EXIT_OK = 0
 EXIT_UNHEALTHY = 1
@@ -52,4 +62,137 @@ def main() -> None:
     """
 
 
+def _run(coro: Any) -> None:
+    """Run a command's coroutine; turn our errors into a clear message and a named exit."""
+    try:
+        code = asyncio.run(coro)
+    except PlaneError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    sys.exit(code)
+
+
+def _names(prefix: str) -> Names:
+    try:
+        return Names(prefix)
+    except InvalidToken as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+prefix_option = click.option("--prefix", default="plane", show_default=True,
+                             help="Subject prefix of this plane.")
+metrics_option = click.option("--metrics-port", type=int, default=None,
+                              help="Serve Prometheus metrics on 127.0.0.1:PORT (0: any).")
+log_option = click.option("--log-level", default="info", show_default=True,
+                          type=click.Choice(["debug", "info", "warning", "error"]))
+
+
+@main.command()
+@connect_options
+@prefix_option
+@metrics_option
+@log_option
+@click.option("--models", default="risk,calibrated", show_default=True,
+              help="Comma-separated models to serve (one node each).")
+@click.option("--slots", type=int, default=None, help="Slots per node (default: backend's).")
+@click.option("--backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "torch", "interpret", "triton"]))
+@click.option("--demo", is_flag=True, help="Make example calls (answers and refusals), then stop.")
+def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
+       creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
+       log_level: str, models: str, slots: int | None, backend: str, demo: bool) -> None:
+    """Run a whole plane: embedded nats-server (unless --nats), router, nodes, metrics.
+
+    \b
+    Examples:
+      plane up
+      plane up --demo
+      plane up --nats nats://127.0.0.1:4222 --models calibrated --slots 4 --metrics-port 9464
+    """
+    configure_logs(log_level)
+    model_list = tuple(m.strip() for m in models.split(",") if m.strip())
+    cfg = StackConfig(
+        connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
+        names=_names(prefix), models=model_list, slots=slots, backend=backend,
+        metrics_port=metrics_port,
+    )
+    _run(run_up(cfg, demo=demo))
+
+
+@main.command()
+@connect_options
+@prefix_option
+@metrics_option
+@log_option
+@click.option("--model", default="risk", show_default=True, type=click.Choice(sorted(MODELS)))
+@click.option("--slots", type=int, default=None, help="Slots to claim (default: backend's).")
+@click.option("--backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "torch", "interpret", "triton"]))
+@click.option("--sms-per-slot", type=int, default=None, help="SMs per slot partition (CUDA).")
+@click.option("--node-id", default=None, help="Node name (default: n-<hostname>).")
+@click.option("--allow-faults", is_flag=True, help="Accept fault injection (tests, drills).")
+def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
+         creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
+         log_level: str, model: str, slots: int | None, backend: str,
+         sms_per_slot: int | None, node_id: str | None, allow_faults: bool) -> None:
+    """Serve one model on this machine's device, one depth-one subject per slot.
+
+    \b
+    Example:
+      plane node --nats nats://127.0.0.1:4222 --model risk --slots 2 --metrics-port 9465
+    """
+    configure_logs(log_level)
+    extra = {"node_id": node_id} if node_id else {}
+    cfg = NodeConfig(names=_names(prefix), model=model, slots=slots, backend=backend,
+                     sms_per_slot=sms_per_slot, allow_faults=allow_faults, **extra)  # type: ignore[arg-type]
+    conn = make_connect(nats_url, user, password, token, creds, tls_ca, f"plane-node-{cfg.node_id}")
+    _run(run_node(ServeSpec(conn, metrics_port), cfg))
+
+
+@main.command()
+@connect_options
+@prefix_option
+@metrics_option
+@log_option
+@click.option("--router-id", default=None, help="Router name (default: r-<hostname>).")
+def router(nats_url: str | None, user: str | None, password: str | None, token: str | None,
+           creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
+           log_level: str, router_id: str | None) -> None:
+    """Serve `<prefix>.infer.<model>` in the queue group plane-routers.
+
+    \b
+    Example:
+      plane router --nats nats://127.0.0.1:4222 --metrics-port 9466
+    """
+    configure_logs(log_level)
+    extra = {"router_id": router_id} if router_id else {}
+    cfg = RouterConfig(names=_names(prefix), **extra)  # type: ignore[arg-type]
+    conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-router")
+    _run(run_router(ServeSpec(conn, metrics_port), cfg))
+
+
+@main.command()
+@connect_options
+@prefix_option
+def status(nats_url: str | None, user: str | None, password: str | None, token: str | None,
+           creds: str | None, tls_ca: str | None, prefix: str) -> None:
+    """Health check: exit 0 when a router and a node answer $SRV.PING, else 1.
+
+    \b
+    Example:
+      plane status --nats nats://127.0.0.1:4222 && echo healthy
+    """
+    conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-status")
+    _run(run_status(conn, _names(prefix)))
+
+
 # ---- commands (one line each; each module owns its command) -------------------------------
+from freshness.cli import bridge, risk_demo  # noqa: E402
+
+main.add_command(bridge)
+main.add_command(risk_demo)
+from plane.gateway.cli import gateway  # noqa: E402
+from plane.pulse.cli import pulse  # noqa: E402
+
+main.add_command(gateway)
+main.add_command(pulse)

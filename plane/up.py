@@ -1,0 +1,131 @@
+"""`plane up`, `plane node`, `plane router`, `plane status`: the serving commands' work,
+separate from their parsing in `plane.cli`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client
+
+from gpu_node.node import Node
+from plane.config import ConnectOptions, NodeConfig, RouterConfig
+from plane.lifecycle import stop_event
+from plane.messages import FEATURES
+from plane.metrics import PlaneMetrics, serve_metrics
+from plane.natsconn import connect
+from plane.router import Router
+from plane.stack import PlaneStack, StackConfig
+from plane.subjects import Header, Names
+
+
+def example_body(model: str) -> dict[str, object]:
+    if model == "risk":
+        return {"features": [round(0.05 * i, 2) for i in range(FEATURES)]}
+    return {"duration_us": 2000}
+
+
+async def run_up(cfg: StackConfig, *, demo: bool) -> int:
+    async with PlaneStack(cfg) as stack:
+        names = cfg.names
+        body = json.dumps(example_body(cfg.models[0]))
+        print(f"plane is up: NATS {stack.url}")
+        if stack.metrics_port:
+            print(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
+        print("call it from any NATS client, for example:")
+        print(f"  nats --server {stack.url} req {names.infer(cfg.models[0])} '{body}' "
+              f"-H {Header.DEADLINE_MS}:50")
+        print(f"  .venv/bin/plane pulse --nats {stack.url} --model {cfg.models[0]} "
+              "--rate 100 --duration 5")
+        if demo:
+            nc = await nats.connect(stack.url)
+            try:
+                await demo_calls(nc, names, cfg.models)
+            finally:
+                await nc.close()
+            return 0
+        print("Ctrl-C stops everything.")
+        await stop_event().wait()
+        print("stopping ...")
+    return 0
+
+
+async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> None:
+    """Real answers, then real refusals: more long requests at once than there are slots."""
+    for model in models:
+        body = json.dumps(example_body(model)).encode()
+        t0 = time.perf_counter()
+        msg = await nc.request(names.infer(model), body, timeout=5)
+        ms = (time.perf_counter() - t0) * 1000
+        h = msg.headers or {}
+        print(f"{model:>10}: {h.get(Header.STATUS)} {msg.data.decode()} in {ms:.2f} ms "
+              f"(node {h.get(Header.NODE)}, slot {h.get(Header.SLOT)}, "
+              f"{h.get(Header.SERVICE_US)} us on the slot)")
+    if "calibrated" in models:
+        burst = 6
+        print(f"burst: {burst} calibrated requests of 100 ms at once (more than the slots):")
+        body = json.dumps({"duration_us": 100_000}).encode()
+        msgs = await asyncio.gather(*(
+            nc.request(names.infer("calibrated"), body, timeout=5,
+                       headers={Header.DEADLINE_MS: "1000"}) for _ in range(burst)))
+        for i, msg in enumerate(msgs):
+            h = msg.headers or {}
+            extra = (f"Retry-After-Ms {h.get(Header.RETRY_AFTER_MS)} reason "
+                     f"{h.get(Header.REASON)} ticket {h.get(Header.TICKET)}"
+                     if h.get(Header.STATUS) == "429" else f"on slot {h.get(Header.SLOT)}")
+            print(f"  #{i}: {h.get(Header.STATUS)} {extra}")
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    connect: ConnectOptions
+    metrics_port: int | None
+
+
+async def run_node(spec: ServeSpec, cfg: NodeConfig) -> int:
+    metrics = PlaneMetrics()
+    nc = await connect(spec.connect)
+    try:
+        with serve_metrics(metrics, spec.metrics_port):
+            async with Node(nc, cfg, metrics):
+                await stop_event().wait()
+    finally:
+        await nc.drain()
+    return 0
+
+
+async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
+    metrics = PlaneMetrics()
+    nc = await connect(spec.connect)
+    try:
+        with serve_metrics(metrics, spec.metrics_port):
+            async with Router(nc, cfg, metrics):
+                await stop_event().wait()
+    finally:
+        await nc.drain()
+    return 0
+
+
+async def run_status(opts: ConnectOptions, names: Names, timeout_s: float = 1.0) -> int:
+    """Exit 0 when at least one router and one node answer `$SRV.PING`, else 1."""
+    nc = await connect(opts)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SRV.PING", b"", reply=inbox)
+        seen: dict[str, int] = {}
+        with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    m = await sub.next_msg(timeout=timeout_s)
+                    svc = json.loads(m.data).get("name", "?")
+                    seen[svc] = seen.get(svc, 0) + 1
+        print(json.dumps(seen))
+        healthy = seen.get(names.router_service, 0) > 0 and seen.get(names.node_service, 0) > 0
+        return 0 if healthy else 1
+    finally:
+        await nc.close()

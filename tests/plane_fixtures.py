@@ -1,0 +1,51 @@
+"""Factories for whole planes on a real nats-server, shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from plane.config import ConnectOptions
+from plane.stack import PlaneStack, StackConfig
+from plane.subjects import Header, Names
+
+NAMES = Names()
+RISK_BODY = json.dumps({"features": [0.01 * i for i in range(32)]}).encode()
+
+
+def calibrated(us: int) -> bytes:
+    return json.dumps({"duration_us": us}).encode()
+
+
+@asynccontextmanager
+async def plane(url: str | None = None, **kw: Any) -> AsyncIterator[PlaneStack]:
+    cfg = StackConfig(connect=ConnectOptions(url=url), **kw)
+    async with PlaneStack(cfg) as stack:
+        yield stack
+
+
+@asynccontextmanager
+async def client(url: str) -> AsyncIterator[Client]:
+    nc = await nats.connect(url)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+def status(msg: Msg) -> int:
+    return int((msg.headers or {})[Header.STATUS])
+
+
+def header(msg: Msg, name: str) -> str | None:
+    return (msg.headers or {}).get(name)
+
+
+def where(msgs: list[Msg], pred: Callable[[Msg], bool]) -> list[Msg]:
+    return [m for m in msgs if pred(m)]

@@ -1,0 +1,190 @@
+"""The core end to end, on a real nats-server: answers, refusals with Retry-After, bad input,
+several routers sharing slots, metrics, service discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+import urllib.request
+
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+
+from plane.subjects import MSGPACK, Header
+from tests.plane_fixtures import NAMES, RISK_BODY, calibrated, client, header, plane, status
+
+
+async def test_risk_and_calibrated_answer_200() -> None:
+    async with plane(models=("risk", "calibrated"), slots=2) as stack, client(stack.url) as nc:
+        m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5,
+                             headers={Header.REQUEST_ID: "abc-1"})
+        assert status(m) == 200
+        score = json.loads(m.data)["score"]
+        assert 0.0 <= score <= 1.0
+        assert header(m, Header.REQUEST_ID) == "abc-1"
+        assert header(m, Header.NODE) == "node0-risk"
+        assert header(m, Header.SLOT) in ("0", "1")
+        assert int(header(m, Header.SERVICE_US) or -1) >= 0
+        assert abs(int(header(m, Header.SERVER_TIME) or 0) - time.time() * 1000) < 5000
+        m = await nc.request(NAMES.infer("calibrated"), calibrated(3000), timeout=5)
+        assert status(m) == 200 and json.loads(m.data) == {"duration_us": 3000}
+        assert int(header(m, Header.SERVICE_US) or 0) >= 3000
+        # msgpack bodies answer in msgpack
+        m = await nc.request(NAMES.infer("risk"), msgspec.msgpack.encode(
+            {"features": [0.01 * i for i in range(32)]}), timeout=5,
+            headers={Header.CONTENT_TYPE: MSGPACK})
+        assert status(m) == 200 and msgspec.msgpack.decode(m.data)["score"] == score
+
+
+async def test_overload_is_refused_at_once_with_retry_after() -> None:
+    async with plane(models=("calibrated",), slots=2) as stack, client(stack.url) as nc:
+        long = [asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(400_000),
+                                               timeout=5)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        t0 = time.perf_counter()
+        extra = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5)
+        refused_in_ms = (time.perf_counter() - t0) * 1000
+        assert status(extra) == 429
+        assert header(extra, Header.REASON) == "busy"
+        retry_ms = int(header(extra, Header.RETRY_AFTER_MS) or 0)
+        assert 200 <= retry_ms <= 400  # the long ones finish about 300 ms from now
+        assert header(extra, Header.RETRY_AFTER) == "1"
+        assert header(extra, Header.TICKET)
+        assert header(extra, Header.SERVER_TIME)
+        assert json.loads(extra.data)["reason"] == "busy"
+        assert refused_in_ms < 100  # refused, not queued behind 300 ms of work
+        assert [status(m) for m in await asyncio.gather(*long)] == [200, 200]
+        # Coming back at Retry-After with the ticket finds a slot.
+        await asyncio.sleep(max(0.0, retry_ms / 1000 - (time.perf_counter() - t0)))
+        again = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                 headers={Header.TICKET: header(extra, Header.TICKET) or ""})
+        assert status(again) == 200
+
+
+async def test_deadline_that_no_slot_can_meet_says_deadline() -> None:
+    async with plane(models=("calibrated",), slots=1) as stack, client(stack.url) as nc:
+        m = await nc.request(NAMES.infer("calibrated"), calibrated(50_000), timeout=5,
+                             headers={Header.DEADLINE_MS: "10"})
+        assert status(m) == 429 and header(m, Header.REASON) == "deadline"
+
+
+BAD: list[tuple[str, bytes, dict[str, str], int]] = [
+    ("risk", b"{not json", {}, 400),
+    ("risk", json.dumps({"features": [1.0] * 31}).encode(), {}, 400),
+    ("risk", json.dumps({"features": ["x"] * 32}).encode(), {}, 400),
+    ("risk", b'{"features": [NaN' + b", 1" * 31 + b"]}", {}, 400),
+    ("risk", b'{"features": [1e999' + b", 1" * 31 + b"]}", {}, 400),
+    ("risk", msgspec.msgpack.encode({"features": [float("inf")] * 32}),
+     {Header.CONTENT_TYPE: MSGPACK}, 400),
+    ("risk", b'{"features": [' + b"1," * 40000 + b"1]}", {}, 413),
+    ("nope", RISK_BODY, {}, 400),
+    ("a.b", RISK_BODY, {}, 400),
+    ("*", RISK_BODY, {}, 400),
+    (">", RISK_BODY, {}, 400),
+    ("risk", RISK_BODY, {Header.DEADLINE_MS: "-5"}, 400),
+    ("risk", RISK_BODY, {Header.DEADLINE_MS: "999999999"}, 400),
+    ("risk", RISK_BODY, {Header.DEADLINE_MS: "soon"}, 400),
+    ("calibrated", b'{"duration_us": -1}', {}, 400),
+]
+
+
+async def test_bad_input_volley_gets_one_clear_answer_each_and_the_plane_keeps_serving(
+    rng,  # type: ignore[no-untyped-def]
+) -> None:
+    async with plane(models=("risk", "calibrated"), slots=2) as stack, client(stack.url) as nc:
+        inbox = nc.new_inbox()
+        answers: dict[int, list[Msg]] = {}
+
+        async def collect(msg: Msg) -> None:
+            answers.setdefault(int(msg.subject.rsplit(".", 1)[1]), []).append(msg)
+
+        await nc.subscribe(f"{inbox}.*", cb=collect)
+        plan: list[tuple[str, bytes, dict[str, str], int]] = []
+        for _ in range(4):
+            plan.extend(BAD)
+            plan.extend([("risk", RISK_BODY, {}, 200)] * 5)
+        rng.shuffle(plan)
+        for i, (model, body, hdrs, _) in enumerate(plan):
+            subject = f"{NAMES.prefix}.infer.{model}"
+            await nc.publish(subject, body, reply=f"{inbox}.{i}", headers=hdrs or None)
+            if i % 10 == 0:
+                await asyncio.sleep(0.005)
+        deadline = time.monotonic() + 10
+        while len(answers) < len(plan) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # a second answer would arrive by now
+        for i, (model, _, hdrs, want) in enumerate(plan):
+            got = answers.get(i, [])
+            assert len(got) == 1, f"request {i} ({model}, {hdrs}) got {len(got)} answers"
+            s = status(got[0])
+            if want == 200:
+                assert s in (200, 429), (i, got[0].headers, got[0].data)
+            else:
+                assert s == want, (i, model, hdrs, got[0].data)
+                body = json.loads(got[0].data)
+                assert body["reason"] in ("bad-request", "too-large") and body["error"]
+        m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
+        assert status(m) == 200
+
+
+async def test_two_routers_never_put_two_requests_on_one_slot() -> None:
+    async with plane(models=("calibrated",), slots=2, routers=2) as stack, \
+            client(stack.url) as nc:
+        js = nc.jetstream()
+        reqs = [asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(300_000),
+                                               timeout=5)) for _ in range(20)]
+        await asyncio.sleep(0.15)
+        info = await js.stream_info(NAMES.slots_stream, subjects_filter=NAMES.slots_all())
+        per_subject = info.state.subjects or {}
+        assert per_subject and max(per_subject.values()) == 1
+        msgs = await asyncio.gather(*reqs)
+        codes = sorted(status(m) for m in msgs)
+        assert codes.count(200) == 2 and codes.count(429) == 18
+        both = {r.cfg.router_id for r in stack.routers}
+        assert len(both) == 2
+
+
+async def test_slot_message_carries_ttl_and_routing_headers() -> None:
+    async with plane(models=("calibrated",), slots=1) as stack, client(stack.url) as nc:
+        js = nc.jetstream()
+        task = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(300_000),
+                                              timeout=5, headers={Header.DEADLINE_MS: "2500"}))
+        await asyncio.sleep(0.1)
+        msg = await js.get_last_msg(NAMES.slots_stream, NAMES.slot("calibrated",
+                                                                   "node0-calibrated", 0))
+        h = msg.headers or {}
+        assert h[Header.NATS_TTL] == "3s"  # 2.5 s rounded up to whole seconds
+        assert h[Header.REPLY_TO].startswith("_INBOX.")
+        assert int(h[Header.DEADLINE_MS]) <= 2500
+        assert status(await task) == 200
+
+
+async def test_metrics_and_service_discovery() -> None:
+    async with plane(models=("risk",), slots=1, metrics_port=0) as stack, \
+            client(stack.url) as nc:
+        for _ in range(3):
+            await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
+        await nc.request(NAMES.infer("risk"), b"{", timeout=5)
+        text = urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).read().decode()
+        assert 'plane_node_requests_total{model="risk",status="200"} 3.0' in text
+        assert 'plane_router_requests_total{model="risk",status="400"} 1.0' in text
+        assert "plane_slot_service_seconds_bucket" in text
+        assert 'plane_slots{model="risk",state="healthy"} 1.0' in text
+        check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),
+                               capture_output=True, timeout=30)
+        assert check.returncode == 0, check.stdout + check.stderr
+        # $SRV.PING lists both services (standard NATS micro discovery).
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SRV.PING", b"", reply=inbox)
+        names = set()
+        with pytest.raises(TimeoutError):
+            while True:
+                names.add(json.loads((await sub.next_msg(timeout=0.5)).data)["name"])
+        assert names == {NAMES.router_service, NAMES.node_service}
+        info = await nc.request(f"$SRV.INFO.{NAMES.node_service}", b"", timeout=2)
+        assert json.loads(info.data)["metadata"]["backend"] == "torch"

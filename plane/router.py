@@ -362,9 +362,12 @@ class Router:
         while i < len(candidates):
             view = candidates[i]
             i += 1
+            # Track before publishing: the node's done-event can arrive before our PubAck.
+            self._track(view, rid, model, msg.reply, ask)
             try:
                 await self.js.publish(view.subject, msg.data, headers=out)
             except APIError as exc:
+                self._untrack(view, rid)
                 if _is_depth_refusal(exc):
                     self.metrics.broker_refusals.labels(model).inc()
                     view.busy = True
@@ -381,6 +384,7 @@ class Router:
                     retry_after_ms=1000))
                 return view
             except (NoRespondersError, NoStreamResponseError):
+                self._untrack(view, rid)
                 await self._refuse(msg, rid, model, Refuse(
                     Status.UNAVAILABLE, Reason.UNHEALTHY,
                     "no JetStream slot stream answers: is the broker up?", retry_after_ms=1000))
@@ -388,17 +392,22 @@ class Router:
             except (NatsTimeoutError, TimeoutError):
                 # Unknown outcome: the message may be on the slot. Answering now could make a
                 # second answer, so the watchdog owns it (done-event, or 504 at the deadline).
-                self._track(view, rid, model, msg.reply, ask, uncertain=True)
                 return view
-            self._track(view, rid, model, msg.reply, ask)
             if place.redeemed is not None:
                 self.admission.redeemed(ms, place.redeemed)
                 self.metrics.tickets_honoured.labels(model).inc()
             return view
         return None
 
-    def _track(self, view: SlotView, rid: str, model: str, reply: str, ask: Ask,
-               uncertain: bool = False) -> None:
+    def _untrack(self, view: SlotView, rid: str) -> None:
+        fl = self.inflight.get(view.key)
+        if fl is not None and fl.request_id == rid:
+            del self.inflight[view.key]
+        if view.request_id == rid:
+            view.busy = False
+            view.request_id = None
+
+    def _track(self, view: SlotView, rid: str, model: str, reply: str, ask: Ask) -> None:
         now = time.monotonic()
         view.busy = True
         view.request_id = rid

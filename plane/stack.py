@@ -31,6 +31,7 @@ class StackConfig:
     routers: int = 1
     metrics_port: int | None = None  # 0: any free port
     allow_faults: bool = False
+    replicas: int = 1  # JetStream replicas of the slot stream and KV buckets (3 in a cluster)
     node_overrides: dict[str, object] = field(default_factory=dict)
     router_overrides: dict[str, object] = field(default_factory=dict)
 
@@ -69,14 +70,15 @@ class PlaneStack:
                     )
                     nc = await self._connect(f"plane-node-{node_cfg.node_id}")
                     enrich = self.enrich if model == "risk" else None
-                    node = Node(nc, node_cfg, self.metrics, enrich=enrich)
+                    node = Node(nc, node_cfg, self.metrics, enrich=enrich,
+                                replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))
             for i in range(cfg.routers):
                 router_cfg = RouterConfig(names=cfg.names, router_id=f"router{i}",
                                           **cfg.router_overrides)  # type: ignore[arg-type]
                 nc = await self._connect(f"plane-router-{i}")
                 self.routers.append(await st.enter_async_context(
-                    Router(nc, router_cfg, self.metrics)))
+                    Router(nc, router_cfg, self.metrics, replicas=cfg.replicas)))
             await self.wait_ready()
         except BaseException:
             await st.aclose()

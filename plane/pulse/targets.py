@@ -8,6 +8,7 @@ status, a timeout or a broken connection: each of those is an answer to count.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Mapping
@@ -46,16 +47,21 @@ class NatsTarget:
                  policy: RetryPolicy) -> None:
         self.name = f"nats {opts.url} model={model}"
         self._opts, self._model, self._deadline_ms, self._policy = opts, model, deadline_ms, policy
-        self._cm = Client.connect(opts, ClientConfig(policy=policy))
+        self._stack: contextlib.AsyncExitStack | None = None
         self._client: Client | None = None
 
     async def __aenter__(self) -> NatsTarget:
-        self._client = await self._cm.__aenter__()
+        """Connect (again, after an exit: a target can be used for several runs)."""
+        self._stack = contextlib.AsyncExitStack()
+        self._client = await self._stack.enter_async_context(
+            Client.connect(self._opts, ClientConfig(policy=self._policy)))
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await self._cm.__aexit__(et, e, tb)
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
 
     async def send(self, body: bytes) -> Attempts:
         assert self._client is not None

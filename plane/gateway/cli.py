@@ -1,0 +1,57 @@
+"""`plane gateway`: flags to a GatewayConfig, then serve until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import click
+
+from plane.cli import connect_options, make_connect
+from plane.config import MAX_BODY_BYTES, ConnectOptions
+from plane.errors import ConfigError
+from plane.gateway.config import GatewayConfig
+from plane.gateway.server import Gateway
+from plane.logs import configure
+
+
+async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Gateway(config, connect_opts) as gw:
+        click.echo(f"plane gateway on {gw.url}", err=True)
+        await stop.wait()
+
+
+@click.command("gateway")
+@connect_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=8080, show_default=True, help="0: any free port.")
+@click.option("--max-body-bytes", type=int, default=MAX_BODY_BYTES, show_default=True)
+@click.option("--bearer-token", envvar="PLANE_GATEWAY_TOKEN", default=None,
+              help="Require 'Authorization: Bearer <token>' on /v1/* (env PLANE_GATEWAY_TOKEN).")
+@click.option("--log-level", default="info", show_default=True)
+def gateway(nats_url: str | None, user: str | None, password: str | None, token: str | None,
+            creds: str | None, tls_ca: str | None, host: str, port: int, max_body_bytes: int,
+            bearer_token: str | None, log_level: str) -> None:
+    """HTTP in front of the plane: POST /v1/infer/{model}; GET /healthz /readyz /metrics.
+
+    \b
+    Examples:
+      plane gateway --nats nats://127.0.0.1:4222 --port 8080
+      curl -d '{"duration_us": 1000}' http://127.0.0.1:8080/v1/infer/calibrated
+      hey -z 5s -q 20 -c 10 -m POST -d '{"duration_us": 1000}' \\
+          http://127.0.0.1:8080/v1/infer/calibrated
+    """
+    try:
+        config = GatewayConfig(host=host, port=port, max_body_bytes=max_body_bytes,
+                               bearer_token=bearer_token)
+        opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="plane-gateway")
+        if opts.url is None:
+            raise ConfigError("give --nats URL of the plane's NATS server")
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    configure(log_level)
+    asyncio.run(serve(config, opts))

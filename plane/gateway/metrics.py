@@ -1,0 +1,22 @@
+"""The gateway's Prometheus metrics, in an explicit registry served on its own /metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from plane.metrics import LATENCY_BUCKETS_S
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "plane_gateway_requests", "HTTP inference requests answered, by status",
+            ["model", "status"], registry=self.registry)
+        self.seconds = Histogram(
+            "plane_gateway_request_seconds", "HTTP inference requests, receipt to answer",
+            ["model"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+    def observe(self, model: str, status: int, seconds: float) -> None:
+        self.requests.labels(model=model, status=str(status)).inc()
+        self.seconds.labels(model=model).observe(seconds)

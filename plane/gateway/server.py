@@ -1,0 +1,78 @@
+"""The gateway as an async context manager: connects to NATS, serves HTTP on loopback (by
+default), and on exit stops taking requests, lets in-flight ones finish, then drains NATS.
+
+    async with Gateway(GatewayConfig(port=0), ConnectOptions(url=url)) as gw:
+        print(gw.url)   # http://127.0.0.1:<port>
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import structlog
+from aiohttp import web
+from nats.aio.client import Client as NATS
+
+from plane.client import Client
+from plane.config import ConnectOptions
+from plane.gateway.app import build_app
+from plane.gateway.config import GatewayConfig
+from plane.gateway.metrics import GatewayMetrics
+from plane.natsconn import connect
+
+log = structlog.get_logger("plane.gateway")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, connect_opts: ConnectOptions,
+                 metrics: GatewayMetrics | None = None) -> None:
+        self.config = config
+        self.connect_opts = connect_opts
+        self.metrics = metrics or GatewayMetrics()
+        self.port: int | None = None
+        self._nc: NATS | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("gateway not started")
+        return f"http://{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            return
+        self._nc = await connect(self.connect_opts)
+        try:
+            client = Client(self._nc)
+            app = build_app(client, self.config, self.metrics)
+            self._runner = web.AppRunner(app, access_log=None,
+                                         shutdown_timeout=self.config.shutdown_timeout_s)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.config.host, self.config.port)
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self.port = int(self._runner.addresses[0][1])
+        log.info("gateway started", url=self.url, nats=self.connect_opts.url,
+                 auth=self.config.bearer_token is not None)
+
+    async def stop(self) -> None:
+        """Stop listening, finish in-flight requests, drain NATS; idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        nc, self._nc = self._nc, None
+        if nc is not None and not nc.is_closed:
+            await nc.drain()
+        if runner is not None:
+            log.info("gateway stopped")
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()

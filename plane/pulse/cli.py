@@ -1,0 +1,98 @@
+"""`plane pulse`: parse flags into a target and a load, run it, report. Nothing else here."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+
+from plane.backoff import NO_RETRY, RetryPolicy
+from plane.cli import EXIT_UNHEALTHY, connect_options, make_connect
+from plane.config import DEFAULT_DEADLINE_MS, FALLBACK_DEADLINE_MS
+from plane.errors import ConfigError
+from plane.pulse.api import pulse as run_pulse
+from plane.pulse.bodies import DEFAULT_DURATION_US, body_from_option
+from plane.pulse.report import print_table, to_json, write_out
+from plane.pulse.runner import LoadConfig
+from plane.pulse.targets import HttpTarget, NatsTarget, Target
+
+
+def _headers(raw: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for h in raw:
+        name, sep, value = h.partition(":")
+        if not sep:
+            raise click.BadParameter(f"{h!r}: use 'Name: value'", param_hint="--header")
+        out[name.strip()] = value.strip()
+    return out
+
+
+@click.command("pulse")
+@connect_options
+@click.option("--url", default=None, help="Load this HTTP endpoint instead of the plane.")
+@click.option("--model", default="calibrated", show_default=True)
+@click.option("--body", default=None, help="Request body as JSON (default: valid for --model).")
+@click.option("--duration-us", type=int, default=DEFAULT_DURATION_US, show_default=True,
+              help="calibrated: device time per request in the default body.")
+@click.option("--rate", type=float, default=100.0, show_default=True, help="Arrivals per second.")
+@click.option("--duration", "duration_s", type=float, default=10.0, show_default=True,
+              help="Seconds of arrivals.")
+@click.option("--concurrency", type=int, default=512, show_default=True,
+              help="Most requests in flight; arrivals beyond are dropped (counted).")
+@click.option("--deadline-ms", type=int, default=None,
+              help="Deadline per request (default: the model's).")
+@click.option("--timeout-ms", type=int, default=None,
+              help="HTTP only: how long to wait for an answer (default: deadline + 1000).")
+@click.option("--retry/--no-retry", default=False, show_default=True,
+              help="Retry 429s as the SDK does (Retry-After, ticket, backoff).")
+@click.option("--max-attempts", type=int, default=4, show_default=True)
+@click.option("-H", "--header", "headers", multiple=True, help="HTTP only: 'Name: value'.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write latencies.csv, histogram.png and summary.json here.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar on stderr (default: when stderr is a terminal).")
+def pulse(nats_url: str | None, user: str | None, password: str | None, token: str | None,
+          creds: str | None, tls_ca: str | None, url: str | None, model: str,
+          body: str | None, duration_us: int, rate: float, duration_s: float,
+          concurrency: int, deadline_ms: int | None, timeout_ms: int | None, retry: bool,
+          max_attempts: int, headers: tuple[str, ...], as_json: bool, out_dir: Path | None,
+          progress: bool | None) -> None:
+    """Open-loop load: a constant --rate for --duration, latency from each scheduled send.
+
+    \b
+    Examples:
+      plane pulse --nats nats://127.0.0.1:4222 --rate 200 --duration 10 --retry
+      plane pulse --nats nats://127.0.0.1:4222 --model risk --deadline-ms 50 --json
+      plane pulse --url http://127.0.0.1:8080/v1/infer/calibrated --rate 50 --out out/
+    """
+    try:
+        deadline = deadline_ms or DEFAULT_DEADLINE_MS.get(model, FALLBACK_DEADLINE_MS)
+        payload = body_from_option(body, model, duration_us)
+        policy = RetryPolicy(max_attempts=max_attempts) if retry else NO_RETRY
+        load = LoadConfig(rate=rate, duration_s=duration_s, concurrency=concurrency,
+                          progress=sys.stderr.isatty() if progress is None else progress)
+        target: Target
+        if url is not None:
+            target = HttpTarget(url, deadline_ms=deadline,
+                                timeout_ms=timeout_ms or deadline + 1000, policy=policy,
+                                concurrency=concurrency, headers=_headers(headers))
+        elif nats_url is not None:
+            opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="pulse")
+            target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy)
+        else:
+            raise ConfigError("give --nats URL (the plane) or --url URL (an HTTP endpoint)")
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    report = asyncio.run(run_pulse(target, payload, load, deadline_ms=deadline))
+    if as_json:
+        click.echo(to_json(report.summary))
+    else:
+        print_table(report.summary)
+    if out_dir is not None:
+        for path in write_out(out_dir, report.run.outcomes, report.summary):
+            click.echo(f"wrote {path}", err=True)
+    if report.summary.answered == 0:
+        sys.exit(EXIT_UNHEALTHY)

@@ -1,0 +1,85 @@
+"""`plane up` as a user runs it: prints the URL and an example call, serves, and on SIGTERM
+stops everything it started (no orphan nats-server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+
+from plane.subjects import Header, Names
+
+PLANE = str(Path(sys.executable).parent / "plane")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+async def test_plane_up_serves_and_stops_cleanly_on_sigterm() -> None:
+    proc = subprocess.Popen([PLANE, "up", "--log-level", "warning", "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = None
+        lines = []
+        t_end = time.monotonic() + 60
+        while time.monotonic() < t_end:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if m := re.search(r"NATS (nats://127\.0\.0\.1:\d+)", line):
+                url = m.group(1)
+            if "Ctrl-C" in line:
+                break
+        assert url, "".join(lines)
+        assert any("req plane.infer.risk" in line for line in lines)
+        children = _children(proc.pid)
+        assert children, "plane up should run nats-server as its child"
+        nc = await nats.connect(url)
+        msg = await nc.request(Names().infer("risk"), json.dumps(
+            {"features": [0.5] * 32}).encode(), timeout=5)
+        assert (msg.headers or {})[Header.STATUS] == "200"
+        await nc.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        for child in children:
+            assert not _alive(child), f"orphan process {child} left running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_plane_up_demo_prints_answers_and_refusals() -> None:
+    out = subprocess.run([PLANE, "up", "--demo", "--log-level", "warning"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"risk: 200 \{\"score\":0\.\d+", out.stdout)
+    assert "calibrated: 200" in out.stdout
+    assert re.search(r"429 Retry-After-Ms \d+ reason busy", out.stdout)
+
+
+def test_help_shows_examples_and_bad_options_fail_clearly() -> None:
+    out = subprocess.run([PLANE, "node", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Example" in out.stdout and "--slots" in out.stdout
+    bad = subprocess.run([PLANE, "node", "--slots", "0", "--nats", "nats://127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--slots must be between 1 and 1024" in bad.stderr

@@ -1,23 +1,44 @@
 """The seam between a node's slot and the compute: a `Backend` makes one `SlotRunner` per slot.
 
 A runner's methods are blocking and are only ever called from that slot's own executor thread
-(never on the event loop). `torch` serves on the CPU; the Triton backends (`triton` on CUDA,
-`interpret` under TRITON_INTERPRET=1) live in `kernels/` and plug in here.
+(never on the event loop). Backends:
+
+- `torch`: CPU serving, torch ops into preallocated buffers.
+- `triton`: the kernels in kernels/ on a CUDA GPU, one SM partition (green context or stream)
+  per slot, results written back through pinned buffers (gpu_node/kernel_backend.py).
+- `interpret`: the same kernels in Triton's CPU interpreter, for tests. It needs
+  TRITON_INTERPRET=1 in the environment *before triton is imported* (set it where the process
+  starts: triton decorates its own library at import).
+
+`auto` picks `triton` when CUDA is available, else `torch`. Asking for `triton` without a GPU
+is an error, never a silent fallback.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from gpu_node.pinned import RowPacker, Staged
+from kernels.risk import FEATURES, HIDDEN, RiskWeights, risk_reference, risk_reference_out
 from plane.errors import ConfigError
-from plane.messages import FEATURES
 
-HIDDEN = 64
+__all__ = [
+    "FEATURES",
+    "HIDDEN",
+    "Backend",
+    "RiskWeights",
+    "SlotRunner",
+    "TorchBackend",
+    "TorchSlot",
+    "make_backend",
+    "risk_reference",
+]
+
+BACKENDS = ("auto", "torch", "interpret", "triton")
 
 
 class SlotRunner(Protocol):
@@ -29,47 +50,35 @@ class SlotRunner(Protocol):
 
 
 class Backend(Protocol):
-    name: str
+    name: str  # "torch" | "triton" | "interpret"
     partition: str  # "green-context" | "stream" | "none"
 
     def default_slots(self) -> int: ...
 
     def make_slot(self, k: int) -> SlotRunner: ...
 
-
-@dataclass(frozen=True)
-class RiskWeights:
-    w1: torch.Tensor  # [FEATURES, HIDDEN]
-    b1: torch.Tensor  # [HIDDEN]
-    w2: torch.Tensor  # [HIDDEN]
-    b2: float
-
-    @classmethod
-    def from_seed(cls, seed: int) -> RiskWeights:
-        g = torch.Generator().manual_seed(seed)
-        w1 = torch.randn(FEATURES, HIDDEN, generator=g) / FEATURES**0.5
-        b1 = torch.randn(HIDDEN, generator=g) * 0.1
-        w2 = torch.randn(HIDDEN, generator=g) / HIDDEN**0.5
-        return cls(w1=w1, b1=b1, w2=w2, b2=0.0)
-
-
-def risk_reference(x: torch.Tensor, w: RiskWeights) -> torch.Tensor:
-    """[B, FEATURES] -> [B]: sigmoid(relu(x @ w1 + b1) @ w2 + b2)."""
-    h = torch.relu(x @ w.w1 + w.b1)  # [B, HIDDEN]
-    return torch.sigmoid(h @ w.w2 + w.b2)  # [B]
+    def describe(self) -> str: ...
 
 
 class TorchSlot:
-    """CPU slot: the input tensor is allocated once and reused for every request."""
+    """CPU slot: every tensor is allocated once, here; a request allocates none."""
 
     def __init__(self, weights: RiskWeights) -> None:
+        cpu = torch.device("cpu")
         self._w = weights
-        self._x = torch.zeros(1, FEATURES)  # [1, FEATURES], reused
+        self.x = Staged((1, FEATURES), torch.float32, cpu)  # [1, FEATURES]
+        self.y = Staged((1,), torch.float32, cpu)  # [1]
+        self._hidden = torch.zeros(1, HIDDEN)  # [1, HIDDEN] workspace
+        self._b2 = torch.full((1,), weights.b2)  # [1]: a tensor, so no scalar is wrapped
+        self._packer = RowPacker(self.x, FEATURES)
+
+    def buffers(self) -> tuple[Staged, ...]:
+        return (self.x, self.y)
 
     def run_risk(self, features: Sequence[float]) -> float:
-        with torch.inference_mode():
-            self._x[0] = torch.as_tensor(features, dtype=torch.float32)
-            return float(risk_reference(self._x, self._w)[0])
+        self._packer.pack(features)
+        risk_reference_out(self.x.host, self._w, b2=self._b2, hidden=self._hidden, out=self.y.host)
+        return float(self.y.host_np[0])
 
     def run_calibrated(self, duration_us: int) -> None:
         # A timed wait off the event loop, as device work would be: N slots give N x capacity.
@@ -77,7 +86,7 @@ class TorchSlot:
             time.sleep(duration_us / 1e6)
 
     def probe(self) -> bool:
-        return self.run_risk([0.0] * FEATURES) >= 0.0
+        return 0.0 <= self.run_risk([0.0] * FEATURES) <= 1.0
 
 
 class TorchBackend:
@@ -88,6 +97,9 @@ class TorchBackend:
         torch.set_num_threads(1)
         self._weights = RiskWeights.from_seed(seed)
 
+    def describe(self) -> str:
+        return "torch on cpu: 2 slots, one thread each"
+
     def default_slots(self) -> int:
         return 2
 
@@ -96,13 +108,35 @@ class TorchBackend:
 
 
 def make_backend(name: str, *, seed: int = 0, sms_per_slot: int | None = None) -> Backend:
-    """Resolve `--backend` (auto | torch | interpret | triton). Asking for `triton` without a
-    GPU is an error, never a silent fallback."""
-    if name in ("auto", "torch"):
-        if name == "auto" and torch.cuda.is_available():
-            name = "triton"
-        else:
-            return TorchBackend(seed)
-    if name == "triton" and not torch.cuda.is_available():
+    """Resolve `--backend` (auto | torch | interpret | triton) into a built backend."""
+    if name not in BACKENDS:
+        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        name = "triton" if torch.cuda.is_available() else "torch"
+    if name == "torch":
+        return TorchBackend(seed)
+
+    from gpu_node.kernel_backend import KernelBackend
+    from kernels.launch import interpreter_ready, interpreting
+
+    if name == "interpret":
+        if not interpreting():
+            raise ConfigError(
+                "--backend interpret needs TRITON_INTERPRET=1 in the environment before the "
+                "process starts (e.g. `TRITON_INTERPRET=1 plane node --backend interpret`)"
+            )
+        if not interpreter_ready():
+            raise ConfigError(
+                "--backend interpret: triton was imported before TRITON_INTERPRET=1 was set; "
+                "set it in the environment before the process starts"
+            )
+        return KernelBackend(interpret=True, seed=seed)
+    # name == "triton"
+    if not torch.cuda.is_available():
         raise ConfigError("--backend triton needs a CUDA GPU; use --backend torch on a CPU")
-    raise ConfigError(f"backend {name!r} is not available in this build")
+    if interpreting():
+        raise ConfigError("--backend triton compiles for the GPU: unset TRITON_INTERPRET")
+    try:
+        return KernelBackend(interpret=False, seed=seed, sms_per_slot=sms_per_slot)
+    except ValueError as e:  # a partition size that does not fit the device
+        raise ConfigError(str(e)) from e

@@ -22,8 +22,11 @@ from plane.metrics import PlaneMetrics
 
 log = structlog.get_logger("plane.health")
 
-# Before this many request samples, the probe window alone speaks for the slot's budget.
-MIN_BUDGET_SAMPLES = 20
+# Before this many request samples the p99 is only the max of a few: the probes' median alone
+# speaks for the slot's budget (one slow probe on a busy host must not withdraw a slot).
+MIN_BUDGET_SAMPLES = 100
+# A slot withdrawn for its budget comes back after this many fresh probes that fit.
+RECLAIM_PROBES = 5
 
 
 @dataclass(slots=True)
@@ -98,17 +101,20 @@ class Supervisor:
             return
         budget = self._budget_us()
         req_p99 = slot.window.p99_us if slot.window.count >= MIN_BUDGET_SAMPLES else 0
-        fits = max(req_p99, slot.probe_window.p99_us) <= budget
+        fits = max(req_p99, slot.probe_window.p50_us) <= budget
         if slot.claimed and not fits:
             log.warning("slot withdrawn: p99 over budget", slot=slot.k, budget_us=budget,
-                        request_p99_us=req_p99, probe_p99_us=slot.probe_window.p99_us)
+                        request_p99_us=req_p99, probe_p50_us=slot.probe_window.p50_us)
             st.history.append(("budget", time.monotonic()))
             await self._withdraw(slot, "budget", wait_s=budget / 1e6)
+            # Judge the comeback on fresh probes only.
             slot.window.clear()
+            slot.probe_window.clear()
             return
         if not slot.claimed and slot.withdrawn_for in ("unhealthy", "budget"):
             recovered = st.misses == 0 and st.passes >= 1
-            if recovered and fits:
+            fresh = slot.withdrawn_for != "budget" or slot.probe_window.count >= RECLAIM_PROBES
+            if recovered and fits and fresh:
                 slot.healthy = True
                 st.history.append(("reclaimed", time.monotonic()))
                 log.info("slot reclaimed", slot=slot.k, was=slot.withdrawn_for)

@@ -225,10 +225,26 @@ class Node:
     async def _heartbeat_loop(self) -> None:
         ticks = 0
         per_advert = max(1, round(self.cfg.advert_period_s / self.cfg.heartbeat_period_s))
+        reconnects = self.nc.stats["reconnects"]
         while not self._stopping:
+            if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
+                reconnects = self.nc.stats["reconnects"]
+                with contextlib.suppress(Exception):
+                    await self._after_reconnect()
             with contextlib.suppress(Exception):
                 await self._send_heartbeat()
                 if ticks % per_advert == 0:
                     await self.publish_advert()
             ticks += 1
             await asyncio.sleep(self.cfg.heartbeat_period_s)
+
+    async def _after_reconnect(self) -> None:
+        """A broker restart may have lost the memory-stored slot stream, our consumers and
+        adverts: provision again and re-claim every slot we held."""
+        log.warning("reconnected: re-provisioning and re-claiming slots", node=self.cfg.node_id)
+        self._nodes_kv, _ = await ensure_all(self.js, self._plan)
+        for slot in self.slots:
+            if slot.claimed:
+                await slot.withdraw("reconnect", wait_s=1.0)
+                await slot.claim()
+        self.changed()

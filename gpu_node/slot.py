@@ -50,9 +50,9 @@ CONSUMER_INACTIVE_S = 30.0
 # Longer than any request may run (calibrated is capped at 10 s): the node acks or terms
 # every message itself; an unacked one is only ever an orphan, freed by its TTL.
 ACK_WAIT_S = 30.0
-# A node answers a request that finished late itself only this far past its deadline; later,
-# the router (the deadline owner) answers 504.
-LATE_REPLY_MS = 100
+# Done-event status of a request the node finished after its deadline and did not answer:
+# the router, which owns the deadline, answers 504.
+NOT_ANSWERED = 0
 
 
 @dataclass(slots=True)
@@ -87,7 +87,7 @@ class Slot:
         self.enrich = enrich
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
-        self.probe_window = ServiceWindow(size=64, prior_us=200)
+        self.probe_window = ServiceWindow(size=16, prior_us=200)
         self.healthy = True
         self.withdrawn_for: str | None = None  # None while claimed
         self.current: Current | None = None
@@ -196,8 +196,9 @@ class Slot:
         self.current = cur
         try:
             if replies.now_ms() > cur.deadline_at_ms:
-                await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
-                                         "the deadline passed before the slot could start", t0)
+                cur.answered = True  # too late to start: the router answers 504
+                await msg.ack()
+                await self._done(cur, NOT_ANSWERED, 0)
                 return
             try:
                 req = self.spec.decode(msg.data, h.get(Header.CONTENT_TYPE))
@@ -223,15 +224,11 @@ class Slot:
             service_us = (time.perf_counter_ns() - t0) // 1000
             self.window.add(service_us - cur.work_us)
             body = self._encode(result, h.get(Header.CONTENT_TYPE))
-            late_ms = replies.now_ms() - cur.deadline_at_ms
-            if late_ms > LATE_REPLY_MS:
+            if replies.now_ms() > cur.deadline_at_ms:
+                # Past the deadline the router owns the answer: stay silent, tell it so.
                 cur.answered = True
                 await msg.ack()
-                await self._done(cur, 0, service_us)  # 0: "not answered", router answers 504
-                return
-            if late_ms > 0:
-                await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
-                                         f"finished {late_ms} ms after the deadline", t0)
+                await self._done(cur, NOT_ANSWERED, service_us)
                 return
             headers = replies.ok_headers(cur.request_id, self.node, self.k, service_us)
             headers.update(extra)

@@ -49,9 +49,10 @@ class RouterConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     default_deadline_ms: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_DEADLINE_MS))
     # A node whose heartbeat is older than this is dead: its in-flight requests get a 503.
-    node_timeout_ms: int = 1500
-    # How long after a request's deadline the router answers 504 for a silent node.
-    deadline_grace_ms: int = 250
+    node_timeout_ms: int = 1000
+    # How long after a request's deadline the router answers 504 for a node that said
+    # nothing (nodes never answer after the deadline; this covers delivery and clock skew).
+    deadline_grace_ms: int = 50
     publish_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -75,7 +76,7 @@ class NodeConfig:
     seed: int = 0
     advert_period_s: float = 1.0
     advert_ttl_s: float = 5.0
-    heartbeat_period_s: float = 0.5
+    heartbeat_period_s: float = 0.25
     probe_period_ms: int = 100
     probe_misses: int = 3
     fetch_expiry_s: float = 5.0

@@ -238,8 +238,14 @@ class Router:
         """Answer for silent nodes: 503 when a node's heartbeat stops, 504 when a request
         outlives its deadline (plus grace) with no done-event."""
         timeout_s = self.cfg.node_timeout_ms / 1000
+        reconnects = self.nc.stats["reconnects"]
         while not self._stopping:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
+            if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
+                reconnects = self.nc.stats["reconnects"]
+                log.warning("reconnected: re-provisioning", router=self.cfg.router_id)
+                with contextlib.suppress(Exception):
+                    await ensure_all(self.js, self._plan)
             now = time.monotonic()
             for node, seen in list(self.node_seen_s.items()):
                 if now - seen > timeout_s:

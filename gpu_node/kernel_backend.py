@@ -1,0 +1,180 @@
+"""The Triton backends: `triton` (compiled, on a CUDA GPU) and `interpret` (Triton's CPU
+interpreter, for tests). Both run the kernels in kernels/ through a slot's preallocated
+buffers; they differ only in device, lanes and how `calibrated` waits.
+
+Request path of a slot on CUDA, with nothing allocated:
+  pack features into the pinned input -> on the slot's stream: copy in, launch, copy the score
+  back into the pinned output, record the done-event -> wait on the event -> read the score.
+
+Imports only torch, triton and kernels/ (no plane.*), so scripts/gpu_check.py can use it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gpu_node.partitions import (
+    GREEN_CONTEXT,
+    NONE,
+    STREAM,
+    CudaLane,
+    HostLane,
+    Lane,
+    PartitionPlan,
+    check_green_partition,
+    create_green_context,
+    green_context_support,
+    plan_partitions,
+)
+from gpu_node.pinned import RowPacker, Staged
+from kernels.calibrated import calibrated
+from kernels.probe import probe
+from kernels.risk import FEATURES, RiskWeights, risk
+
+MAX_BATCH = 16  # rows in each slot's buffers (run_risk uses row 0)
+PROBE_SIZE = 256  # int32 elements per health probe
+CPU_SLOTS = 2
+# Plain streams share the GPU's hardware work queues (8 by default), so a long kernel on one
+# slot's stream could hold up another's. Asked for before the CUDA context exists.
+CUDA_MAX_CONNECTIONS = "32"
+
+
+class KernelSlot:
+    """One slot: its lane, its weights on the device, its buffers, all made once."""
+
+    def __init__(
+        self, weights: RiskWeights, lane: Lane, device: torch.device, *, spin_programs: int
+    ) -> None:
+        self._w = weights
+        self._lane = lane
+        self._on_cuda = device.type == "cuda"
+        self._spin_programs = spin_programs
+        self.x = Staged((MAX_BATCH, FEATURES), torch.float32, device)  # features in
+        self.y = Staged((MAX_BATCH,), torch.float32, device)  # scores out
+        self.spun = Staged((spin_programs,), torch.int64, device)  # calibrated: ns spun
+        self.probe_in = Staged((PROBE_SIZE,), torch.int32, device)
+        self.probe_out = Staged((PROBE_SIZE,), torch.int32, device)
+        self._packer = RowPacker(self.x, FEATURES)
+        self._tokens = itertools.cycle(range(1, 1 << 20))
+        self.probe_in.host.copy_(torch.arange(PROBE_SIZE, dtype=torch.int32) * 7919)
+        self.probe_in.upload_no_sync()
+        if self._on_cuda:
+            torch.cuda.synchronize(device)  # buffers filled before any stream reads them
+
+    @property
+    def lane(self) -> Lane:
+        return self._lane
+
+    def buffers(self) -> tuple[Staged, ...]:
+        return (self.x, self.y, self.spun, self.probe_in, self.probe_out)
+
+    def run_risk(self, features: Sequence[float]) -> float:
+        self._packer.pack(features)
+        with self._lane.stream_context():
+            self.x.upload_no_sync()
+            risk(self.x.dev, self._w, out=self.y.dev, n_rows=1)
+            self.y.download_no_sync()
+            self._lane.record_done()
+        self._lane.wait()
+        return float(self.y.host_np[0])
+
+    def run_calibrated(self, duration_us: int) -> None:
+        if not self._on_cuda:
+            # The interpreter cannot read a GPU timer: a timed wait, as on the torch backend.
+            if duration_us > 0:
+                time.sleep(duration_us / 1e6)
+            return
+        with self._lane.stream_context():
+            calibrated(duration_us, out=self.spun.dev, programs=self._spin_programs)
+            self.spun.download_no_sync()
+            self._lane.record_done()
+        self._lane.wait()
+
+    def spun_ns(self) -> int:
+        """How long the last calibrated request's slowest program spun (CUDA only)."""
+        return int(self.spun.host_np.max())
+
+    def probe(self) -> bool:
+        """True when a fresh token round-trips through the device. A device failure raises."""
+        token = next(self._tokens)
+        with self._lane.stream_context():
+            probe(self.probe_in.dev, token, out=self.probe_out.dev)
+            self.probe_out.download_no_sync()
+            self._lane.record_done()
+        self._lane.wait()
+        return bool((self.probe_out.host_np - self.probe_in.host_np == token).all())
+
+
+class KernelBackend:
+    """`triton` on a CUDA device, or `interpret` on the CPU. The partition plan is decided
+    here, once; `make_slot(k)` then only builds lanes and buffers."""
+
+    def __init__(self, *, interpret: bool, seed: int = 0, sms_per_slot: int | None = None) -> None:
+        self.name = "interpret" if interpret else "triton"
+        self._weights_host = RiskWeights.from_seed(seed)
+        if interpret:
+            self.device = torch.device("cpu")
+            self.plan = PartitionPlan(
+                kind=NONE, sm_count=0, sms_per_slot=0, slots=CPU_SLOTS,
+                note="Triton interpreter on the CPU, one launch at a time",
+            )  # fmt: skip
+        else:
+            if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_MAX_CONNECTIONS)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.plan = _plan_cuda(self.device, sms_per_slot)
+        self.partition = self.plan.kind
+        self._weights = self._weights_host.to(self.device)
+
+    def describe(self) -> str:
+        where = "cpu" if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
+        return f"{self.name} on {where}: {self.plan.describe()}"
+
+    def default_slots(self) -> int:
+        return self.plan.slots
+
+    def make_slot(self, k: int) -> KernelSlot:
+        return KernelSlot(
+            self._weights,
+            self._lane(k),
+            self.device,
+            spin_programs=max(1, self.plan.sms_per_slot),
+        )
+
+    def _lane(self, k: int) -> Lane:
+        if self.plan.kind == NONE:
+            return HostLane()
+        if self.plan.kind == GREEN_CONTEXT:
+            assert self.device.index is not None
+            ctx, _how = create_green_context(self.plan.sms_per_slot, self.device.index)
+            return CudaLane(ctx.Stream(), kind=GREEN_CONTEXT, owner=ctx)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        return CudaLane(stream, kind=STREAM)
+
+
+def _plan_cuda(device: torch.device, sms_per_slot: int | None) -> PartitionPlan:
+    props: Any = torch.cuda.get_device_properties(device)
+    sm_count = int(props.multi_processor_count)
+    # Size first (pure, raises on a bad --sms-per-slot), then see whether green contexts can
+    # really give each slot SMs of its own.
+    plan = plan_partitions(
+        sm_count=sm_count, cc_major=int(props.major), sms_per_slot=sms_per_slot,
+        green=False, note="",
+    )  # fmt: skip
+    green, why = green_context_support()
+    if green:
+        assert device.index is not None
+        failure = check_green_partition(plan.sms_per_slot, device.index, sm_count)
+        green, why = failure is None, failure or "disjoint SM sets verified"
+    else:
+        why = f"{why}; plain streams"
+    return plan_partitions(
+        sm_count=sm_count, cc_major=int(props.major), sms_per_slot=sms_per_slot,
+        green=green, note=why,
+    )  # fmt: skip

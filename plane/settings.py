@@ -72,7 +72,7 @@ class LiveSettings:
                         self._apply(entry.key, entry.value, entry.operation)
                 finally:
                     with contextlib.suppress(Exception):
-                        await watcher.stop()
+                        await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py untyped
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # broker restart, reconnect: watch again

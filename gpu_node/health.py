@@ -2,8 +2,9 @@
 missed periods (hung, raising, or far slower than expected) or when its measured p99 no longer
 fits its model's budget, and reclaims it when probes pass and the budget fits again.
 
-A period is *missed* when the slot cannot show life in it: a probe failed or raised, or the
-call in progress (probe or request) has run past what it was expected to take. A request
+A *miss* is a probe that failed or raised, or a call in progress (probe or request) that has
+run past what it was expected to take: one miss when it overruns, one more for each period it
+stays stuck. So a hang is withdrawn about two periods and a few ms after it starts. A request
 running within its expectation is life, so long requests are never mistaken for hangs.
 """
 
@@ -25,6 +26,7 @@ log = structlog.get_logger("plane.health")
 # Before this many request samples the p99 is only the max of a few: the probes' median alone
 # speaks for the slot's budget (one slow probe on a busy host must not withdraw a slot).
 MIN_BUDGET_SAMPLES = 100
+CHECKS_PER_PERIOD = 4
 # A slot withdrawn for its budget comes back after this many fresh probes that fit.
 RECLAIM_PROBES = 5
 
@@ -34,6 +36,8 @@ class SlotHealth:
     misses: int = 0
     passes: int = 0
     probe: asyncio.Task[bool] | None = None
+    last_probe_s: float = 0.0
+    failures_seen: int = 0
     withdrawn_at_s: float | None = None
     history: list[tuple[str, float]] = field(default_factory=list)
 
@@ -56,7 +60,9 @@ class Supervisor:
     async def run(self) -> None:
         try:
             while not self._stopping:
-                await asyncio.sleep(self._period_s())
+                # Look often (a quarter period) so a stuck call is seen when it overruns, not
+                # at the next probe; probes themselves go out once per period.
+                await asyncio.sleep(self._period_s() / CHECKS_PER_PERIOD)
                 for slot in self._slots():
                     await self._tick(slot)
         finally:
@@ -70,24 +76,31 @@ class Supervisor:
     async def _tick(self, slot: Slot) -> None:
         st = self.state.setdefault(slot.k, SlotHealth())
         now = time.monotonic()
+        period = self._period_s()
+        before = st.misses
         started = slot.runner.call_started_s
-        missed = False
         if started is not None and now - started > slot.runner.call_expected_s:
-            missed = True  # stuck in a call well past its expectation
+            # Stuck in a call past its expectation: the first miss when it overruns, one more
+            # each period after.
+            overrun = now - started - slot.runner.call_expected_s
+            st.misses = max(st.misses, 1 + int(overrun / period))
+            st.passes = 0
         elif st.probe is not None and st.probe.done():
             ok = not st.probe.cancelled() and st.probe.exception() is None and st.probe.result()
             st.probe = None
             if ok:
                 st.misses, st.passes = 0, st.passes + 1
             else:
-                missed = True
-        elif st.probe is not None:
-            missed = True  # last period's probe has not come back
-        if missed:
-            st.misses += 1
+                st.misses, st.passes = st.misses + 1, 0
+        if slot.failures != st.failures_seen:  # requests that raised count as misses
+            st.misses += slot.failures - st.failures_seen
+            st.failures_seen = slot.failures
             st.passes = 0
-            self._metrics.probe_misses.labels(slot.model, str(slot.k)).inc()
-        if st.probe is None and started is None and slot.current is None:
+        if st.misses > before:
+            self._metrics.probe_misses.labels(slot.model, str(slot.k)).inc(st.misses - before)
+        idle = started is None and slot.current is None
+        if st.probe is None and idle and now - st.last_probe_s >= period:
+            st.last_probe_s = now
             st.probe = asyncio.create_task(slot.probe())
         await self._decide(slot, st)
 

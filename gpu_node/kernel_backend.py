@@ -96,6 +96,14 @@ class KernelSlot:
             self._lane.record_done()
         self._lane.wait()
 
+    def warm_up(self) -> None:
+        """Run each kernel once, so that compiling (or the interpreter's rewrite) happens
+        before the slot takes its first request, and a broken lane fails here."""
+        self.run_risk([0.0] * FEATURES)
+        self.run_calibrated(0)
+        if not self.probe():
+            raise RuntimeError("slot warm-up: the probe kernel returned a wrong result")
+
     def spun_ns(self) -> int:
         """How long the last calibrated request's slowest program spun (CUDA only)."""
         return int(self.spun.host_np.max())
@@ -140,12 +148,14 @@ class KernelBackend:
         return self.plan.slots
 
     def make_slot(self, k: int) -> KernelSlot:
-        return KernelSlot(
+        slot = KernelSlot(
             self._weights,
             self._lane(k),
             self.device,
             spin_programs=max(1, self.plan.sms_per_slot),
         )
+        slot.warm_up()
+        return slot
 
     def _lane(self, k: int) -> Lane:
         if self.plan.kind == NONE:
@@ -170,8 +180,7 @@ def _plan_cuda(device: torch.device, sms_per_slot: int | None) -> PartitionPlan:
     green, why = green_context_support()
     if green:
         assert device.index is not None
-        failure = check_green_partition(plan.sms_per_slot, device.index, sm_count)
-        green, why = failure is None, failure or "disjoint SM sets verified"
+        green, why = check_green_partition(plan.sms_per_slot, device.index, sm_count)
     else:
         why = f"{why}; plain streams"
     return plan_partitions(

@@ -181,25 +181,26 @@ def observe_sms(lane: CudaLane, *, programs: int, spin_us: int = 20) -> set[int]
     return set(out.tolist())
 
 
-def check_green_partition(sms_per_slot: int, device_index: int, sm_count: int) -> str | None:
-    """Make two green contexts and check their SM sets are disjoint and of the right size.
-    Returns None when they are, else the reason to fall back to plain streams."""
+def check_green_partition(sms_per_slot: int, device_index: int, sm_count: int) -> tuple[bool, str]:
+    """Make two green contexts and check that their SM sets are disjoint and no bigger than
+    asked. Returns whether slots can use green contexts, and why (for the plan's note)."""
     lanes = []
     try:
         for _ in range(2):
-            ctx, _how = create_green_context(sms_per_slot, device_index)
+            ctx, how = create_green_context(sms_per_slot, device_index)
             lanes.append(CudaLane(ctx.Stream(), kind=GREEN_CONTEXT, owner=ctx))
         seen = [observe_sms(lane, programs=4 * sm_count) for lane in lanes]
     except RuntimeError as e:
-        return f"green contexts failed ({e}); plain streams"
-    if len(seen[0]) > sms_per_slot or len(seen[1]) > sms_per_slot:
-        return (
-            f"green contexts did not confine kernels ({len(seen[0])} SMs used for "
-            f"{sms_per_slot}); plain streams"
+        return False, f"green contexts failed ({e}); plain streams"
+    if max(len(s) for s in seen) > sms_per_slot:
+        used = max(len(s) for s in seen)
+        return False, (
+            f"green contexts did not confine kernels ({used} SMs used of {sms_per_slot}); "
+            "plain streams"
         )
     if seen[0] & seen[1]:
-        return (
+        return False, (
             f"torch {torch.__version__} green contexts share SMs ({len(seen[0] & seen[1])} "
             "in common: each is split from the whole device); plain streams"
         )
-    return None
+    return True, f"disjoint SM sets verified, {how}"

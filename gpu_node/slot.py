@@ -89,6 +89,7 @@ class Slot:
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)
         self.healthy = True
+        self.failures = 0  # requests that raised on this slot, ever
         self.withdrawn_for: str | None = None  # None while claimed
         self.current: Current | None = None
         self._task: asyncio.Task[None] | None = None
@@ -214,8 +215,8 @@ class Slot:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self.failures += 1  # the supervisor counts it as a missed probe
                 if not cur.answered:
-                    self.healthy = False
                     await self._answer_error(cur, Status.UNAVAILABLE, Reason.UNHEALTHY,
                                              f"slot failed: {exc}", t0)
                 return
@@ -285,7 +286,7 @@ class Slot:
     async def probe(self) -> bool:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter_ns()
-        expected_s = max(0.005, 4 * self.probe_window.p99_us / 1e6)
+        expected_s = max(0.005, 4 * self.probe_window.p50_us / 1e6)  # p50: robust to a hang
         ok = bool(await loop.run_in_executor(self.executor, self.runner.probe, expected_s))
         self.probe_window.add((time.perf_counter_ns() - t0) // 1000)
         return ok

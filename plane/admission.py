@@ -21,9 +21,10 @@ from plane.messages import Reason, Status
 from plane.occupancy import ModelSlots, Reservation, SlotView
 
 # A reservation is kept this long past its due time for a late holder (then released).
-LATE_TOLERANCE_MIN_S = 0.003
-LATE_TOLERANCE_MAX_S = 0.010
-LATE_TOLERANCE_SHARE = 0.25  # of the predicted p50 service time, within [MIN, MAX]
+# It covers the reply's trip, the caller's timer and the SDK's jitter (up to 2 ms).
+LATE_TOLERANCE_MIN_S = 0.008
+LATE_TOLERANCE_MAX_S = 0.025
+LATE_TOLERANCE_SHARE = 0.5  # of the predicted p50 service time, within [MIN, MAX]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,14 +155,16 @@ class Admission:
                 f"(earliest in {wait_ms} ms): go elsewhere or raise Plane-Deadline-Ms",
                 retry_after_ms=wait_ms,
             )
-        # Align the promise to the whole millisecond the caller will wait.
+        # Align the promise to the whole millisecond the caller will wait. Promises are
+        # spaced by the predicted p99, so the next holder finds the slot free.
         due_s = ask.now_s + wait_ms / 1000
         p50_s = ask.prediction.p50_us / 1e6
+        p99_s = ask.prediction.p99_us / 1e6
         tolerance_s = max(LATE_TOLERANCE_MIN_S, min(LATE_TOLERANCE_MAX_S,
                                                     LATE_TOLERANCE_SHARE * p50_s))
         ticket = f"{self._prefix}-{next(self._seq)}"
         r = Reservation(
-            ticket=ticket, key=best.key, due_s=due_s, end_s=due_s + p50_s,
+            ticket=ticket, key=best.key, due_s=due_s, end_s=due_s + p99_s,
             expires_s=due_s + tolerance_s,
         )
         best.reservations.append(r)

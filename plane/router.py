@@ -417,7 +417,7 @@ class Router:
         now = time.monotonic()
         view.busy = True
         view.request_id = rid
-        view.free_at_s = now + ask.prediction.p50_us / 1e6
+        view.free_at_s = now + ask.prediction.p99_us / 1e6
         self.inflight[view.key] = InFlight(
             request_id=rid, model=model, reply=reply, node=view.node,
             deadline_s=ask.deadline_s,

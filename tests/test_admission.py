@@ -42,8 +42,9 @@ def test_successive_refusals_get_successive_free_times() -> None:
         assert isinstance(d, Refuse) and d.status == Status.BUSY and d.reason == Reason.BUSY
         assert d.ticket is not None
         waits.append(d.retry_after_ms)
-    # slot A frees at 10 ms, slot B at 20 ms; each promise then holds a slot for 10 ms (p50).
-    assert waits == [10, 20, 20, 30]
+    # slot A frees at 10 ms, slot B at 20 ms; each promise then holds its slot for the
+    # predicted p99 (11 ms), so the next holder finds the slot free.
+    assert waits == [10, 20, 21, 31]
     assert len(adm.tickets) == 4
 
 
@@ -90,7 +91,7 @@ def test_unredeemed_promise_expires() -> None:
     assert isinstance(first, Refuse)
     ms.slots["n/0"].busy = False
     # The holder never comes; past due + tolerance the slot goes to a newcomer.
-    d = adm.decide(ms, ask(0.030))
+    d = adm.decide(ms, ask(0.040))
     assert isinstance(d, Place)
     assert first.ticket not in adm.tickets
 

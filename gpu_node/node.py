@@ -98,7 +98,7 @@ class Node:
         await self.publish_advert()
         log.info("node started", node=self.cfg.node_id, model=self.cfg.model,
                  backend=self.backend.name, partition=self.backend.partition,
-                 slots=len(self.slots))
+                 slots=len(self.slots), choice=self.backend.describe())
 
     async def stop(self) -> None:
         if not self._started or self._stopping:

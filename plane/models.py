@@ -14,6 +14,9 @@ from plane.errors import BadRequest
 from plane.messages import CalibratedRequest, RiskRequest
 from plane.subjects import MSGPACK
 
+# The device computes in float32: a larger magnitude would become inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
@@ -34,8 +37,13 @@ class ModelSpec:
         except msgspec.DecodeError as exc:
             kind = "msgpack" if content_type == MSGPACK else "JSON"
             raise BadRequest(f"request body is not valid {kind}: {exc}") from None
-        if isinstance(req, RiskRequest) and not all(math.isfinite(v) for v in req.features):
-            raise BadRequest("invalid risk request: features must be finite numbers (no NaN/inf)")
+        if isinstance(req, RiskRequest) and not all(
+            math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in req.features
+        ):
+            raise BadRequest(
+                "invalid risk request: features must be finite numbers within float32 range "
+                f"(|x| <= {FLOAT32_MAX:.3e}; no NaN/inf)"
+            )
         return req
 
     def work_us(self, req: Any) -> int:

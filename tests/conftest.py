@@ -4,6 +4,13 @@ by PID afterwards. Fixtures are factories that clean up after themselves."""
 from __future__ import annotations
 
 import os
+
+# Triton reads TRITON_INTERPRET when it is imported (its own library is decorated then), so it
+# must be set before anything imports triton: the `interpret` backend's tests run in-process.
+# On a CPU machine the `auto` backend is torch either way.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 import random
 from collections.abc import AsyncIterator
 

@@ -22,6 +22,7 @@ from nats.micro.service import Service
 from gpu_node.compute import Backend, make_backend
 from gpu_node.faults import WatchedRunner
 from gpu_node.health import Supervisor
+from gpu_node.recent import RecentIds
 from gpu_node.slot import Enrich, Slot
 from plane import replies
 from plane.config import FALLBACK_DEADLINE_MS, NodeConfig
@@ -51,6 +52,7 @@ class Node:
         self.enrich = enrich
         self.settings = LiveSettings(cfg.names)
         self.slots: list[Slot] = []
+        self.answered = RecentIds()
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas,
                                    advert_ttl_s=cfg.advert_ttl_s)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -83,6 +85,8 @@ class Node:
         self._spawn(self._supervisor.run())
         self._spawn(self._heartbeat_loop())
         self.settings.on_change(self._on_setting)
+        self._answered_sub = await self.nc.subscribe(
+            self.names.node_answered(self.cfg.node_id), cb=self._on_answered_query)
         if self.cfg.allow_faults:
             self._fault_sub = await self.nc.subscribe(self.names.fault(self.cfg.node_id),
                                                       cb=self._on_fault)
@@ -153,6 +157,7 @@ class Node:
                 names=self.names, node=self.cfg.node_id, spec=self.spec,
                 stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
                 fetch_expiry_s=self.cfg.fetch_expiry_s, enrich=self.enrich,
+                answered=self.answered,
             )
             self.slots.append(slot)
             await slot.claim()
@@ -181,6 +186,11 @@ class Node:
         log.warning("fault injected", node=self.cfg.node_id, answer=answer.decode())
         if msg.reply:
             await self.nc.publish(msg.reply, answer)
+
+    async def _on_answered_query(self, msg: Msg) -> None:
+        if msg.reply:
+            placement = msg.data.decode(errors="replace")
+            await self.nc.publish(msg.reply, b"1" if self.answered.seen(placement) else b"0")
 
     async def _on_status(self, req: Any) -> None:
         await req.respond(json_encoder.encode(self.advert()))
@@ -229,8 +239,7 @@ class Node:
         while not self._stopping:
             if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
                 reconnects = self.nc.stats["reconnects"]
-                with contextlib.suppress(Exception):
-                    await self._after_reconnect()
+                self._spawn(self._after_reconnect())  # heartbeats go on meanwhile
             with contextlib.suppress(Exception):
                 await self._send_heartbeat()
                 if ticks % per_advert == 0:
@@ -240,11 +249,19 @@ class Node:
 
     async def _after_reconnect(self) -> None:
         """A broker restart may have lost the memory-stored slot stream, our consumers and
-        adverts: provision again and re-claim every slot we held."""
-        log.warning("reconnected: re-provisioning and re-claiming slots", node=self.cfg.node_id)
-        self._nodes_kv, _ = await ensure_all(self.js, self._plan)
+        adverts: provision again, and re-claim the slots whose consumer is gone (in a
+        cluster the replicated stream and consumers survive a reconnect: keep those)."""
+        log.warning("reconnected: checking stream and consumers", node=self.cfg.node_id)
+        for _ in range(50):
+            try:
+                self._nodes_kv, _ = await ensure_all(self.js, self._plan)
+                break
+            except Exception as exc:
+                log.info("re-provisioning waits for JetStream", error=repr(exc))
+                await asyncio.sleep(0.2)
         for slot in self.slots:
-            if slot.claimed:
+            if slot.claimed and not await slot.consumer_alive():
+                log.warning("consumer lost: re-claiming slot", slot=slot.k)
                 await slot.withdraw("reconnect", wait_s=1.0)
                 await slot.claim()
         self.changed()

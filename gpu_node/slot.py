@@ -25,9 +25,11 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import FetchTimeoutError, NotFoundError
 
 from gpu_node.faults import WatchedRunner
+from gpu_node.recent import RecentIds
 from plane import replies
 from plane.budget import ServiceWindow
 from plane.errors import BadRequest
+from plane.inflight import NOT_ANSWERED, placement_id
 from plane.messages import (
     CalibratedReply,
     CalibratedRequest,
@@ -41,6 +43,7 @@ from plane.messages import (
 )
 from plane.metrics import PlaneMetrics
 from plane.models import ModelSpec
+from plane.ownership import Take, take
 from plane.subjects import Header, Names
 
 log = structlog.get_logger("plane.slot")
@@ -50,9 +53,6 @@ CONSUMER_INACTIVE_S = 30.0
 # Longer than any request may run (calibrated is capped at 10 s): the node acks or terms
 # every message itself; an unacked one is only ever an orphan, freed by its TTL.
 ACK_WAIT_S = 30.0
-# Done-event status of a request the node finished after its deadline and did not answer:
-# the router, which owns the deadline, answers 504.
-NOT_ANSWERED = 0
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ class Slot:
     def __init__(
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
         node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, fetch_expiry_s: float,
-        enrich: Enrich | None = None,
+        enrich: Enrich | None = None, answered: RecentIds | None = None,
     ) -> None:
         self.k = k
         self.runner = runner
@@ -85,6 +85,7 @@ class Slot:
         self.metrics = metrics
         self.fetch_expiry_s = fetch_expiry_s
         self.enrich = enrich
+        self.answered = answered if answered is not None else RecentIds()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)
@@ -94,6 +95,7 @@ class Slot:
         self.current: Current | None = None
         self._task: asyncio.Task[None] | None = None
         self._claimed = False
+        self._fetch_errors = 0
         self._label = (self.model, str(k))
 
     # -- claim / withdraw -------------------------------------------------------------------
@@ -155,13 +157,21 @@ class Slot:
             self.current = None
         if cur is None or cur.answered:
             return
-        cur.answered = True
-        with contextlib.suppress(Exception):
-            await cur.msg.term()
+        if not await self._claim_answer(cur):
+            return
         await self._finish(cur, Status.UNAVAILABLE, 0, error_body(
             f"slot {self.node}/{self.k} failed: {why}; retry elsewhere", Reason.UNHEALTHY),
             replies.error_headers(cur.request_id, Status.UNAVAILABLE, Reason.UNHEALTHY,
                                   node=self.node))
+
+    async def consumer_alive(self) -> bool:
+        try:
+            await self.js.consumer_info(self.stream, self.consumer)
+            return True
+        except NotFoundError:
+            return False
+        except Exception:
+            return True  # cannot tell: keep it; a failing fetch will show
 
     async def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -176,9 +186,13 @@ class Slot:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # broker restart, reconnect: fetch again shortly
-                log.warning("fetch failed", slot=self.k, error=repr(exc))
+                self._fetch_errors += 1
+                if self._fetch_errors in (1, 10) or self._fetch_errors % 100 == 0:
+                    log.warning("fetch failing", slot=self.k, error=repr(exc),
+                                times=self._fetch_errors)
                 await asyncio.sleep(0.1)
                 continue
+            self._fetch_errors = 0
             for msg in msgs:
                 await self._handle(msg)
 
@@ -197,9 +211,8 @@ class Slot:
         self.current = cur
         try:
             if replies.now_ms() > cur.deadline_at_ms:
-                cur.answered = True  # too late to start: the router answers 504
-                await msg.ack()
-                await self._done(cur, NOT_ANSWERED, 0)
+                await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
+                                         "the deadline passed before the slot could start", t0)
                 return
             try:
                 req = self.spec.decode(msg.data, h.get(Header.CONTENT_TYPE))
@@ -226,15 +239,13 @@ class Slot:
             self.window.add(service_us - cur.work_us)
             body = self._encode(result, h.get(Header.CONTENT_TYPE))
             if replies.now_ms() > cur.deadline_at_ms:
-                # Past the deadline the router owns the answer: stay silent, tell it so.
-                cur.answered = True
-                await msg.ack()
-                await self._done(cur, NOT_ANSWERED, service_us)
+                await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
+                                         "the slot finished after the deadline", t0)
                 return
             headers = replies.ok_headers(cur.request_id, self.node, self.k, service_us)
             headers.update(extra)
-            cur.answered = True
-            await msg.ack()
+            if not await self._claim_answer(cur):
+                return
             await self._finish(cur, Status.OK, service_us, body, headers)
             self.metrics.service_seconds.labels(self.model).observe(service_us / 1e6)
         finally:
@@ -263,14 +274,32 @@ class Slot:
 
     async def _answer_error(self, cur: Current, status: Status, reason: Reason, text: str,
                             t0: int) -> None:
-        cur.answered = True
-        await cur.msg.ack()
+        if not await self._claim_answer(cur):
+            return
         service_us = (time.perf_counter_ns() - t0) // 1000
         await self._finish(cur, status, service_us, error_body(text, reason),
                            replies.error_headers(cur.request_id, status, reason, node=self.node))
 
+    async def _claim_answer(self, cur: Current) -> bool:
+        """Become the one who answers `cur` (see plane.ownership). Before the deadline and
+        connected, a plain ack does it (the router acts only after the deadline plus a grace);
+        otherwise take the message through the API, which says who was first. False: the
+        router answered; stay silent (and tell routers the slot is free)."""
+        cur.answered = True
+        if self.nc.is_connected and replies.now_ms() <= cur.deadline_at_ms:
+            await cur.msg.ack()
+            return True
+        outcome = await take(self.js, self.stream, cur.msg.metadata.sequence.stream)
+        with contextlib.suppress(Exception):
+            await cur.msg.ack()  # clears our consumer's pending message either way
+        if outcome is Take.GONE:
+            await self._done(cur, NOT_ANSWERED, 0)
+            return False
+        return True
+
     async def _finish(self, cur: Current, status: Status, service_us: int, body: bytes,
                       headers: dict[str, str]) -> None:
+        self.answered.add(placement_id(self.stream, cur.msg.metadata.sequence.stream))
         await self._done(cur, int(status), service_us)
         await self.nc.publish(cur.reply, body, headers=headers)
         self.metrics.node_requests.labels(self.model, str(int(status))).inc()

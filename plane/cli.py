@@ -97,7 +97,13 @@ def _names(prefix: str) -> Names:
 prefix_option = click.option("--prefix", default="plane", show_default=True,
                              help="Subject prefix of this plane.")
 metrics_option = click.option("--metrics-port", type=int, default=None,
-                              help="Serve Prometheus metrics on 127.0.0.1:PORT (0: any).")
+                              help="Serve Prometheus metrics on PORT (0: any free port).")
+metrics_host_option = click.option(
+    "--metrics-host", envvar="PLANE_METRICS_HOST", default="127.0.0.1", show_default=True,
+    help="Address the metrics server binds (0.0.0.0 in a container Prometheus scrapes).")
+replicas_option = click.option(
+    "--replicas", type=click.IntRange(1, 5), default=1, show_default=True,
+    help="JetStream replicas for the streams and buckets this process creates (3 in a cluster).")
 log_option = click.option("--log-level", default="info", show_default=True,
                           type=click.Choice(["debug", "info", "warning", "error"]))
 
@@ -106,6 +112,8 @@ log_option = click.option("--log-level", default="info", show_default=True,
 @connect_options
 @prefix_option
 @metrics_option
+@metrics_host_option
+@replicas_option
 @log_option
 @click.option("--models", default="risk,calibrated", show_default=True,
               help="Comma-separated models to serve (one node each).")
@@ -115,7 +123,8 @@ log_option = click.option("--log-level", default="info", show_default=True,
 @click.option("--demo", is_flag=True, help="Make example calls (answers and refusals), then stop.")
 def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
        creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
-       log_level: str, models: str, slots: int | None, backend: str, demo: bool) -> None:
+       metrics_host: str, replicas: int, log_level: str, models: str, slots: int | None,
+       backend: str, demo: bool) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router, nodes, metrics.
 
     \b
@@ -129,7 +138,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
     cfg = StackConfig(
         connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
         names=_names(prefix), models=model_list, slots=slots, backend=backend,
-        metrics_port=metrics_port,
+        metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
     )
     _run(run_up(cfg, demo=demo))
 
@@ -138,6 +147,8 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 @connect_options
 @prefix_option
 @metrics_option
+@metrics_host_option
+@replicas_option
 @log_option
 @click.option("--model", default="risk", show_default=True, type=click.Choice(sorted(MODELS)))
 @click.option("--slots", type=int, default=None, help="Slots to claim (default: backend's).")
@@ -148,8 +159,8 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 @click.option("--allow-faults", is_flag=True, help="Accept fault injection (tests, drills).")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
-         log_level: str, model: str, slots: int | None, backend: str,
-         sms_per_slot: int | None, node_id: str | None, allow_faults: bool) -> None:
+         metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
+         backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
@@ -161,18 +172,20 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     cfg = NodeConfig(names=_names(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults, **extra)  # type: ignore[arg-type]
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, f"plane-node-{cfg.node_id}")
-    _run(run_node(ServeSpec(conn, metrics_port), cfg))
+    _run(run_node(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg))
 
 
 @main.command()
 @connect_options
 @prefix_option
 @metrics_option
+@metrics_host_option
+@replicas_option
 @log_option
 @click.option("--router-id", default=None, help="Router name (default: r-<hostname>).")
 def router(nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
-           log_level: str, router_id: str | None) -> None:
+           metrics_host: str, replicas: int, log_level: str, router_id: str | None) -> None:
     """Serve `<prefix>.infer.<model>` in the queue group plane-routers.
 
     \b
@@ -183,7 +196,7 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
     extra = {"router_id": router_id} if router_id else {}
     cfg = RouterConfig(names=_names(prefix), **extra)  # type: ignore[arg-type]
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-router")
-    _run(run_router(ServeSpec(conn, metrics_port), cfg))
+    _run(run_router(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg))
 
 
 @main.command()

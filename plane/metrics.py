@@ -59,15 +59,18 @@ class PlaneMetrics:
 
 
 @contextlib.contextmanager
-def serve_metrics(metrics: PlaneMetrics, port: int | None) -> Iterator[int | None]:
-    """Serve /metrics on 127.0.0.1:`port` (0 = any free port) in prometheus_client's own
-    thread for the duration of the block; yields the bound port (None when disabled)."""
+def serve_metrics(
+    metrics: PlaneMetrics, port: int | None, host: str = "127.0.0.1"
+) -> Iterator[int | None]:
+    """Serve /metrics on `host`:`port` (0 = any free port; loopback unless a deployment asks
+    for more, e.g. `--metrics-host 0.0.0.0` in a container) in prometheus_client's own thread
+    for the duration of the block; yields the bound port (None when disabled)."""
     if port is None:
         yield None
         return
     server: WSGIServer
     thread: threading.Thread
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
     try:
         yield server.server_port
     finally:

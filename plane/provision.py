@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -17,6 +18,8 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from plane.subjects import Names
+
+log = structlog.get_logger("plane.provision")
 
 # A slot message never lives longer than this (the per-message TTL is the deadline; this is
 # the backstop for a message published without one).
@@ -50,11 +53,19 @@ def slot_stream_config(plan: ProvisionPlan, node: str | None = None) -> StreamCo
 
 
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create the stream; if it exists with another config, raise its replicas to ours but
+    never lower them (a single-replica process must not downgrade a cluster's stream), and
+    leave the rest as the first creator set it."""
     try:
         await js.add_stream(cfg)
     except BadRequestError:
-        # Exists with another config: bring it to ours (e.g. replicas changed).
-        await js.update_stream(cfg)
+        assert cfg.name is not None
+        have = (await js.stream_info(cfg.name)).config
+        if (cfg.num_replicas or 1) > (have.num_replicas or 1):
+            have.num_replicas = cfg.num_replicas
+            await js.update_stream(have)
+        elif (cfg.num_replicas or 1) < (have.num_replicas or 1):
+            log.info("stream keeps its replicas", stream=cfg.name, replicas=have.num_replicas)
 
 
 async def ensure_slot_stream(js: JetStreamContext, plan: ProvisionPlan) -> None:

@@ -14,7 +14,6 @@ import contextlib
 import math
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -34,6 +33,7 @@ from plane.admission import Admission, Ask, Place, Refuse
 from plane.budget import predict
 from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, RouterConfig
 from plane.errors import BadRequest
+from plane.inflight import NOT_ANSWERED, InFlight, InFlightBook
 from plane.messages import (
     DoneEvent,
     Reason,
@@ -52,6 +52,7 @@ from plane.subjects import Header, InvalidToken, check_token
 log = structlog.get_logger("plane.router")
 
 WATCHDOG_PERIOD_S = 0.02
+ASK_NODE_TIMEOUT_S = 0.25
 # The broker frees a WorkQueue message a moment after the node's ack; when it still refuses a
 # slot our view says is free, wait this long once and try again.
 BROKER_SETTLE_S = 0.0005
@@ -61,16 +62,6 @@ def _is_depth_refusal(exc: APIError) -> bool:
     """The depth-one refusal. err_code 10077 is shared by other stream limits: match the
     description too."""
     return exc.err_code == 10077 and "maximum messages per subject" in (exc.description or "")
-
-
-@dataclass(slots=True)
-class InFlight:
-    request_id: str
-    model: str
-    reply: str
-    node: str
-    deadline_s: float
-    answer_by_s: float
 
 
 class Router:
@@ -89,7 +80,9 @@ class Router:
         self.js = nc.jetstream(timeout=cfg.publish_timeout_s)
         self.admission = Admission(ticket_prefix=cfg.router_id)
         self.models: dict[str, ModelSlots] = {}
-        self.inflight: dict[str, InFlight] = {}  # by slot key: depth one makes it unique
+        self.inflight = InFlightBook(self.js, answer=self._answer_for_node,
+                                     freed=self._freed, spawn=self._spawn,
+                                     asked=self._node_answered)
         self.node_seen_s: dict[str, float] = {}
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
@@ -188,17 +181,19 @@ class Router:
         key = slot_key(ev.node, ev.k)
         if ms is not None:
             view = ms.slots.get(key)
-            if view is not None:
+            if view is not None and ev.status != NOT_ANSWERED:
                 view.busy = False
                 view.request_id = None
             if ev.status == int(Status.OK):
                 ms.window.add(ev.service_us - ev.work_us)
-        fl = self.inflight.get(key)
-        if fl is not None and fl.request_id == ev.request_id:
-            del self.inflight[key]
-            if ev.status == 0:  # the node finished too late to answer: the router does
-                self._answer_watchdog(fl, Status.DEADLINE, Reason.DEADLINE,
-                                      "the slot finished after the deadline")
+        self.inflight.done(key, ev.request_id, ev.status)
+
+    def _freed(self, fl: InFlight) -> None:
+        ms = self.models.get(fl.model)
+        view = ms.slots.get(fl.key) if ms is not None else None
+        if view is not None and view.request_id == fl.request_id:
+            view.busy = False
+            view.request_id = None
 
     async def _on_status(self, req: Any) -> None:
         body = {
@@ -227,45 +222,52 @@ class Router:
         for ms in self.models.values():
             if ms.remove_node(node):
                 log.warning("node's slots removed", node=node, model=ms.model, why=why)
-        for key, fl in list(self.inflight.items()):
-            if fl.node == node:
-                del self.inflight[key]
-                self._answer_watchdog(fl, Status.UNAVAILABLE, Reason.UNHEALTHY,
-                                      f"node {node} failed mid-request ({why}): retry elsewhere")
+        self.inflight.node_dead(node, why)
         self._gauge_slots()
 
     async def _watchdog(self) -> None:
-        """Answer for silent nodes: 503 when a node's heartbeat stops, 504 when a request
-        outlives its deadline (plus grace) with no done-event."""
+        """Dead nodes (no heartbeat) and requests past their deadline with no done-event:
+        the in-flight book takes their slot messages and answers 503 / 504."""
         timeout_s = self.cfg.node_timeout_ms / 1000
         reconnects = self.nc.stats["reconnects"]
         while not self._stopping:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
                 reconnects = self.nc.stats["reconnects"]
-                log.warning("reconnected: re-provisioning", router=self.cfg.router_id)
-                with contextlib.suppress(Exception):
-                    await ensure_all(self.js, self._plan)
+                self._spawn(self._reprovision())
             now = time.monotonic()
             for node, seen in list(self.node_seen_s.items()):
                 if now - seen > timeout_s:
                     self._forget_node(node, f"no heartbeat for {timeout_s:.1f} s")
-            for key, fl in list(self.inflight.items()):
-                if now > fl.answer_by_s:
-                    del self.inflight[key]
-                    ms = self.models.get(fl.model)
-                    view = ms.slots.get(key) if ms else None
-                    if view is not None and view.request_id == fl.request_id:
-                        view.busy = False
-                        view.request_id = None
-                    self._answer_watchdog(fl, Status.DEADLINE, Reason.DEADLINE,
-                                          "the deadline passed with no answer from the node")
+            self.inflight.tick(now)
 
-    def _answer_watchdog(self, fl: InFlight, status: Status, reason: Reason, text: str) -> None:
+    async def _reprovision(self) -> None:
+        """After a reconnect (a broker restart loses memory streams): provision again, in its
+        own task so the watchdog keeps running while there is no JetStream leader."""
+        log.warning("reconnected: re-provisioning", router=self.cfg.router_id)
+        for _ in range(50):
+            try:
+                await ensure_all(self.js, self._plan)
+                return
+            except Exception as exc:
+                log.info("re-provisioning waits for JetStream", error=repr(exc))
+                await asyncio.sleep(0.2)
+
+    async def _node_answered(self, fl: InFlight, placement: str) -> bool:
+        """True only when the node says it answered that placement (silence: maybe dead)."""
+        try:
+            msg = await self.nc.request(self.names.node_answered(fl.node),
+                                        placement.encode(), timeout=ASK_NODE_TIMEOUT_S)
+        except Exception:
+            return False
+        return msg.data == b"1"
+
+    async def _answer_for_node(self, fl: InFlight, status: Status, reason: Reason,
+                               text: str) -> None:
         body, headers = replies.error_reply(fl.request_id, status, reason, text, node=fl.node)
         self.metrics.watchdog_answers.labels(fl.model, str(int(status))).inc()
         self.metrics.router_requests.labels(fl.model, str(int(status))).inc()
-        self._spawn(self.nc.publish(fl.reply, body, headers=headers))
+        await self.nc.publish(fl.reply, body, headers=headers)
         log.warning("router answered for node", request_id=fl.request_id, node=fl.node,
                     status=int(status))
 
@@ -369,11 +371,11 @@ class Router:
             view = candidates[i]
             i += 1
             # Track before publishing: the node's done-event can arrive before our PubAck.
-            self._track(view, rid, model, msg.reply, ask)
+            fl = self._track(view, rid, model, msg.reply, ask)
             try:
-                await self.js.publish(view.subject, msg.data, headers=out)
+                ack = await self.js.publish(view.subject, msg.data, headers=out)
             except APIError as exc:
-                self._untrack(view, rid)
+                self._untrack(view, fl)
                 if _is_depth_refusal(exc):
                     self.metrics.broker_refusals.labels(model).inc()
                     view.busy = True
@@ -390,39 +392,42 @@ class Router:
                     retry_after_ms=1000))
                 return view
             except (NoRespondersError, NoStreamResponseError):
-                self._untrack(view, rid)
+                self._untrack(view, fl)
+                self._spawn(self._reprovision())
                 await self._refuse(msg, rid, model, Refuse(
                     Status.UNAVAILABLE, Reason.UNHEALTHY,
                     "no JetStream slot stream answers: is the broker up?", retry_after_ms=1000))
                 return view
             except (NatsTimeoutError, TimeoutError):
                 # Unknown outcome: the message may be on the slot. Answering now could make a
-                # second answer, so the watchdog owns it (done-event, or 504 at the deadline).
+                # second answer; the in-flight book owns it (done-event, or a take at the
+                # deadline).
+                self.inflight.placed(fl, None)
                 return view
+            self.inflight.placed(fl, ack.seq)
             if place.redeemed is not None:
                 self.admission.redeemed(ms, place.redeemed)
                 self.metrics.tickets_honoured.labels(model).inc()
             return view
         return None
 
-    def _untrack(self, view: SlotView, rid: str) -> None:
-        fl = self.inflight.get(view.key)
-        if fl is not None and fl.request_id == rid:
-            del self.inflight[view.key]
-        if view.request_id == rid:
+    def _untrack(self, view: SlotView, fl: InFlight) -> None:
+        self.inflight.untrack(fl)
+        if view.request_id == fl.request_id:
             view.busy = False
             view.request_id = None
 
-    def _track(self, view: SlotView, rid: str, model: str, reply: str, ask: Ask) -> None:
+    def _track(self, view: SlotView, rid: str, model: str, reply: str, ask: Ask) -> InFlight:
         now = time.monotonic()
         view.busy = True
         view.request_id = rid
         view.free_at_s = now + ask.prediction.p99_us / 1e6
-        self.inflight[view.key] = InFlight(
-            request_id=rid, model=model, reply=reply, node=view.node,
+        return self.inflight.track(InFlight(
+            request_id=rid, model=model, reply=reply, node=view.node, key=view.key,
+            subject=view.subject, stream=self.names.slot_stream_for(view.node),
             deadline_s=ask.deadline_s,
             answer_by_s=ask.deadline_s + self.cfg.deadline_grace_ms / 1000,
-        )
+        ))
 
     async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse) -> None:
         body, headers = replies.error_reply(

@@ -30,6 +30,7 @@ class StackConfig:
     nodes_per_model: int = 1
     routers: int = 1
     metrics_port: int | None = None  # 0: any free port
+    metrics_host: str = "127.0.0.1"
     allow_faults: bool = False
     replicas: int = 1  # JetStream replicas of the slot stream and KV buckets (3 in a cluster)
     node_overrides: dict[str, object] = field(default_factory=dict)
@@ -60,7 +61,8 @@ class PlaneStack:
                 self.url = self.server.url
             else:
                 self.url = cfg.connect.url
-            self.metrics_port = st.enter_context(serve_metrics(self.metrics, cfg.metrics_port))
+            self.metrics_port = st.enter_context(serve_metrics(self.metrics, cfg.metrics_port,
+                                                            cfg.metrics_host))
             for i in range(cfg.nodes_per_model):
                 for model in cfg.models:
                     node_cfg = NodeConfig(

@@ -127,6 +127,10 @@ class Names:
     def node_status(self, node: str) -> str:
         return f"{self.prefix}.node.{node}.status"
 
+    def node_answered(self, node: str) -> str:
+        """Router asks a node "did you answer request X?" before taking over its deadline."""
+        return f"{self.prefix}.node.{node}.answered"
+
     def fault(self, node: str) -> str:
         """Fault-injection control subject of a node (tests and drills only)."""
         return f"{self.prefix}.fault.{node}"

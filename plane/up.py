@@ -84,14 +84,16 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> None:
 class ServeSpec:
     connect: ConnectOptions
     metrics_port: int | None
+    metrics_host: str = "127.0.0.1"
+    replicas: int = 1
 
 
 async def run_node(spec: ServeSpec, cfg: NodeConfig) -> int:
     metrics = PlaneMetrics()
     nc = await connect(spec.connect)
     try:
-        with serve_metrics(metrics, spec.metrics_port):
-            async with Node(nc, cfg, metrics):
+        with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
+            async with Node(nc, cfg, metrics, replicas=spec.replicas):
                 await stop_event().wait()
     finally:
         await nc.drain()
@@ -102,8 +104,8 @@ async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
     metrics = PlaneMetrics()
     nc = await connect(spec.connect)
     try:
-        with serve_metrics(metrics, spec.metrics_port):
-            async with Router(nc, cfg, metrics):
+        with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
+            async with Router(nc, cfg, metrics, replicas=spec.replicas):
                 await stop_event().wait()
     finally:
         await nc.drain()

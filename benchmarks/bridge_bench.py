@@ -1,0 +1,157 @@
+"""Kafka-to-JetStream bridge: throughput (records/s) and the latency it adds (p50/p99).
+
+    .venv/bin/python benchmarks/bridge_bench.py [--records 50000] [--rate 1000] [--seconds 10]
+
+Starts its own nats-server and tansu on loopback ports and stops them after.
+
+Throughput: `--records` transactions are produced to a 3-partition topic first, then the bridge
+starts and the clock runs until JetStream holds all of them (exactly once; the count is
+checked), so the figure is the bridge's drain rate with every record acknowledged by JetStream
+and every round's offsets committed.
+
+Latency: records at a steady `--rate` for `--seconds`, each timestamped by the producer; a
+NATS subscriber on the events subject notes when each arrives. Reported per record:
+  bridge     arrival at the subscriber - Plane-Ingest-Time (taking the record from the Kafka
+             client, stamping, publishing, JetStream storing and delivering)
+  end to end arrival - Kafka timestamp (adds produce and fetch through the Kafka broker)
+The first second is dropped as warm-up. Stamps are whole milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import nats
+from aiokafka import AIOKafkaProducer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from freshness.bridge import KafkaBridge
+from freshness.config import BridgeConfig
+from freshness.kafka_admin import ensure_topics
+from freshness.records import Stamps, Transaction
+from freshness.tansu import EmbeddedTansu
+from plane.embedded import EmbeddedNats
+from plane.subjects import Names
+
+NAMES = Names()
+ENC = msgspec.json.Encoder()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def _config(bootstrap: str, topic: str) -> BridgeConfig:
+    return BridgeConfig(kafka_bootstrap=bootstrap, topics=(topic,), session_timeout_ms=2400,
+                        heartbeat_interval_ms=400)
+
+
+async def _count(nc: nats.NATS, subject: str) -> int:
+    info = await nc.jetstream().stream_info(NAMES.events_stream, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+async def throughput(nc: nats.NATS, bootstrap: str, n: int) -> tuple[float, float]:
+    topic = "bench_tp"
+    await ensure_topics(bootstrap, [topic], partitions=3)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5,
+                                max_batch_size=256 * 1024)
+    await producer.start()
+    try:
+        for i in range(n):
+            body = ENC.encode(Transaction(card=f"card{i % 1000}", amount=i * 0.01,
+                                          features=[0.5] * 8))
+            await producer.send(topic, body, key=f"card{i % 1000}".encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+    subject = NAMES.events(topic)
+    async with KafkaBridge(nc, _config(bootstrap, topic)) as bridge:
+        await bridge.wait_assigned()
+        t0 = time.perf_counter()
+        while (got := await _count(nc, subject)) < n:
+            await asyncio.sleep(0.01)
+        elapsed = time.perf_counter() - t0
+    assert got == n, f"expected {n} records exactly once, JetStream holds {got}"
+    return n / elapsed, elapsed
+
+
+async def latency(nc: nats.NATS, bootstrap: str, rate: float, seconds: float) -> dict[str, float]:
+    topic = "bench_lat"
+    await ensure_topics(bootstrap, [topic], partitions=3)
+    bridge_ms: list[float] = []
+    e2e_ms: list[float] = []
+    warm_until = time.time() * 1000 + 1000
+
+    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+        now = time.time_ns() / 1e6
+        s = Stamps.from_headers(msg.headers)
+        if s.event_time_ms < warm_until:
+            return
+        bridge_ms.append(now - s.ingest_time_ms)
+        e2e_ms.append(now - s.event_time_ms)
+
+    sub = await nc.subscribe(NAMES.events(topic), cb=on_msg)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
+    await producer.start()
+    try:
+        async with KafkaBridge(nc, _config(bootstrap, topic)) as bridge:
+            await bridge.wait_assigned()
+            warm_until = time.time() * 1000 + 1000
+            start = time.monotonic()
+            i = 0
+            while time.monotonic() - start < seconds:
+                due = start + i / rate
+                if due > time.monotonic():
+                    await asyncio.sleep(due - time.monotonic())
+                body = ENC.encode(Transaction(card=f"card{i % 100}", amount=1.0))
+                await producer.send(topic, body, key=f"card{i % 100}".encode(),
+                                    timestamp_ms=time.time_ns() // 1_000_000)
+                i += 1
+            await producer.flush()
+            await asyncio.sleep(1.0)
+    finally:
+        await producer.stop()
+        await sub.unsubscribe()
+    return {
+        "records": float(len(bridge_ms)),
+        "bridge_p50": _pct(bridge_ms, 0.5), "bridge_p99": _pct(bridge_ms, 0.99),
+        "e2e_p50": _pct(e2e_ms, 0.5), "e2e_p99": _pct(e2e_ms, 0.99),
+    }
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=50_000)
+    ap.add_argument("--rate", type=float, default=1000.0)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    args = ap.parse_args()
+    async with EmbeddedNats() as server, EmbeddedTansu() as kafka:
+        nc = await nats.connect(server.url)
+        try:
+            rps, elapsed = await throughput(nc, kafka.bootstrap, args.records)
+            lat = await latency(nc, kafka.bootstrap, args.rate, args.seconds)
+        finally:
+            await nc.close()
+    print(f"machine: {platform.machine()}, {platform.python_implementation()} "
+          f"{platform.python_version()}, nats-server + tansu on loopback")
+    print(f"throughput: {args.records} records in {elapsed:.2f} s = {rps:,.0f} records/s "
+          "(each acknowledged by JetStream, offsets committed, exactly once)")
+    print(f"latency at {args.rate:g} records/s over {args.seconds:g} s "
+          f"({lat['records']:.0f} records after warm-up):")
+    print(f"  bridge (ingest -> NATS delivery):      p50 {lat['bridge_p50']:.1f} ms, "
+          f"p99 {lat['bridge_p99']:.1f} ms")
+    print(f"  end to end (Kafka timestamp -> NATS):  p50 {lat['e2e_p50']:.1f} ms, "
+          f"p99 {lat['e2e_p99']:.1f} ms")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

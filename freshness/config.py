@@ -1,0 +1,126 @@
+"""Typed configuration of the freshness package, validated on construction.
+
+The CLI builds these from flags (environment variables are read there, once); the risk demo
+and the tests build them directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from plane.errors import ConfigError
+from plane.subjects import InvalidToken, Names, check_token
+
+DEFAULT_FRESHNESS_MS = 100
+
+
+def stream_token(topic: str) -> str:
+    """The NATS subject token for a Kafka topic: `.` becomes `_` (Kafka allows
+    `[A-Za-z0-9._-]`, a subject token may not contain a dot)."""
+    token = topic.replace(".", "_")
+    try:
+        return check_token("Kafka topic", token)
+    except InvalidToken as exc:
+        raise ConfigError(
+            f"Kafka topic {topic!r} cannot be bridged: use 1 to 64 characters from "
+            "A-Z a-z 0-9 . _ -"
+        ) from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeConfig:
+    """`plane bridge`: Kafka topics into JetStream (`<prefix>.events.<topic>`)."""
+
+    kafka_bootstrap: str
+    topics: tuple[str, ...]
+    names: Names = field(default_factory=Names)
+    group_id: str = "plane-bridge"
+    # Kafka group membership. A member that dies (SIGKILL) holds its partitions until its
+    # session times out; a joining member also waits up to about half of it (tansu).
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    # Publishes awaiting a JetStream ack at once (the throughput knob).
+    max_in_flight: int = 1024
+    # Records taken from Kafka per round; offsets are committed once per round, after every
+    # record of the round has been acknowledged by JetStream.
+    max_batch: int = 1000
+    poll_timeout_ms: int = 100
+    publish_timeout_s: float = 2.0
+    retry_backoff_s: float = 0.1
+    retry_backoff_max_s: float = 2.0
+    # JetStream drops a second message with the same Nats-Msg-Id within this window: it must
+    # outlast the longest bridge outage after which records are fetched again.
+    duplicate_window_s: float = 600.0
+    max_age_s: float = 24 * 3600.0
+    replicas: int = 1  # of the events stream (3 in a cluster)
+    # On stop: how long to wait for in-flight publishes before leaving them uncommitted.
+    drain_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.topics:
+            raise ConfigError("give at least one --topic to bridge")
+        for topic in self.topics:
+            stream_token(topic)
+        if not self.kafka_bootstrap or ":" not in self.kafka_bootstrap:
+            raise ConfigError("--kafka must be HOST:PORT (comma separated for several)")
+        if not 1 <= self.max_in_flight <= 100_000:
+            raise ConfigError("max in-flight publishes must be 1..100000")
+        if not 1 <= self.max_batch <= 100_000:
+            raise ConfigError("max batch must be 1..100000")
+        if not 3 * self.heartbeat_interval_ms <= self.session_timeout_ms:
+            raise ConfigError("the Kafka session timeout must be at least 3 heartbeats")
+        if self.duplicate_window_s > self.max_age_s:
+            raise ConfigError("the duplicate window cannot be longer than the stream's max age")
+
+
+class OnStale(enum.StrEnum):
+    """What the guard does with stale data: wait (bounded by the request's deadline) for a
+    fresher value and degrade if none comes, or degrade at once."""
+
+    WAIT = "wait"
+    DEGRADE = "degrade"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """The freshness guard of per-card features (`freshness.guard.CardFeatureGuard`)."""
+
+    # Threshold for both upstream lag (ingest - event) and age at use; the live value in
+    # PLANE_CONFIG key `freshness_ms` overrides it while set.
+    threshold_ms: float = DEFAULT_FRESHNESS_MS
+    on_stale: OnStale = OnStale.WAIT
+    # Time kept back from the deadline for the scoring itself: the guard never waits into it.
+    reserve_ms: float = 5.0
+    # A wait shorter than this is not worth starting: degrade instead.
+    min_wait_ms: float = 1.0
+    # Check the age at use (now - the newest ingest stamp the guard has seen). Turn off for
+    # streams that go quiet for longer than the threshold in normal operation.
+    check_age: bool = True
+    watch_live_threshold: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.threshold_ms <= 3_600_000:
+            raise ConfigError("freshness threshold must be in (0, 3600000] ms")
+        if self.reserve_ms < 0 or self.min_wait_ms < 0:
+            raise ConfigError("reserve_ms and min_wait_ms must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdaterConfig:
+    """The feature updater: `events(topic)` from JetStream into per-card features in KV."""
+
+    topic: str
+    names: Names = field(default_factory=Names)
+    batch: int = 256
+    fetch_timeout_s: float = 0.05
+    ack_wait_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        stream_token(self.topic)
+        if not 1 <= self.batch <= 10_000:
+            raise ConfigError("updater batch must be 1..10000")
+
+    @property
+    def stream(self) -> str:
+        return stream_token(self.topic)

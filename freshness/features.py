@@ -1,0 +1,197 @@
+"""The feature updater: bridged transactions (`<prefix>.events.<topic>`) into per-card
+features in the KV bucket `PLANE_FEATURES` (key: the card id; value: `CardFeatures` JSON,
+stamped with the event and ingest times of the newest event applied).
+
+Updates commute (count, sums, maxima; "last" by event time), so a record that reaches the
+stream out of order (a bridge retry) still gives the same features. A redelivered event (an
+updater that died between its KV write and its ack) is skipped by its stream sequence.
+
+It works in rounds: fetch up to `batch` events, apply them in memory, write each touched card
+once, then ack the round. A write that fails leaves the round unacked: JetStream delivers it
+again after `ack_wait_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from types import TracebackType
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from freshness.config import UpdaterConfig
+from freshness.provision import ensure_events_stream, ensure_features_bucket, events_stream_config
+from freshness.records import CardFeatures, Stamps, Transaction, json_encoder, transaction_decoder
+from plane.messages import FEATURES
+
+log = structlog.get_logger("freshness.features")
+
+AMOUNT_SCALE = 1000.0
+
+
+def feature_vector(count: int, amount_sum: float, amount_max: float, last: float,
+                   own: list[float]) -> list[float]:
+    """The 32 numbers the guard hands to the model: history summaries, then the last
+    transaction's own features, zero-padded."""
+    head = [
+        math.log1p(count) / 10,
+        amount_sum / max(count, 1) / AMOUNT_SCALE,
+        amount_max / AMOUNT_SCALE,
+        last / AMOUNT_SCALE,
+    ]
+    out = head + list(own[: FEATURES - len(head)])
+    return out + [0.0] * (FEATURES - len(out))
+
+
+def apply_event(prev: CardFeatures | None, txn: Transaction, stamps: Stamps,
+                seq: int) -> CardFeatures | None:
+    """The card's features after one more event, or None when `seq` was applied already."""
+    if prev is not None and seq <= prev.seq:
+        return None
+    count = (prev.count if prev else 0) + 1
+    amount_sum = (prev.amount_sum if prev else 0.0) + txn.amount
+    amount_max = max(prev.amount_max if prev else txn.amount, txn.amount)
+    # "Last" is by event time; the stamps are those of the newest arrival (ingest time), so
+    # that a late record makes the value show its lag.
+    stamped: Stamps | None
+    if prev is None:
+        last, own, stamped = txn.amount, txn.features, stamps
+    else:
+        newest_event = stamps.event_time_ms >= prev.last_event_time_ms
+        last = txn.amount if newest_event else prev.last_amount
+        own = txn.features if newest_event else prev.values[4:]
+        stamped = stamps if stamps.ingest_time_ms >= prev.ingest_time_ms else None
+    return CardFeatures(
+        card=txn.card,
+        values=feature_vector(count, amount_sum, amount_max, last, own),
+        event_time_ms=stamped.event_time_ms if stamped else prev.event_time_ms,  # type: ignore[union-attr]
+        ingest_time_ms=stamped.ingest_time_ms if stamped else prev.ingest_time_ms,  # type: ignore[union-attr]
+        last_event_time_ms=max(stamps.event_time_ms, prev.last_event_time_ms if prev else 0),
+        count=count, amount_sum=amount_sum, amount_max=amount_max, last_amount=last, seq=seq,
+    )
+
+
+class FeatureUpdater:
+    """`async with FeatureUpdater(nc, UpdaterConfig(topic=...)):` keeps features current."""
+
+    def __init__(self, nc: Client, config: UpdaterConfig) -> None:
+        self.cfg = config
+        self.names = config.names
+        self._js = nc.jetstream()
+        self._kv: KeyValue | None = None
+        self._cache: dict[str, CardFeatures] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self.applied = 0
+        self.skipped = 0
+        self.rounds = 0
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        await ensure_events_stream(self._js, events_stream_config(self.names), update=False)
+        self._kv = await ensure_features_bucket(self._js, self.names)
+        stream = self.cfg.stream
+        self._sub = await self._js.pull_subscribe(
+            self.names.events(stream),
+            durable=self.names.features_consumer(stream),
+            stream=self.names.events_stream,
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self.cfg.ack_wait_s, max_ack_pending=-1,
+            ),
+        )
+        self._stopping.clear()
+        self._task = asyncio.create_task(self._run(), name="feature-updater")
+
+    async def stop(self) -> None:
+        """Finish the round in flight (its writes and acks), then leave."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._stopping.set()
+        try:
+            async with asyncio.timeout(self.cfg.ack_wait_s):
+                await asyncio.shield(task)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(nats.errors.Error):
+            await self._sub.unsubscribe()
+
+    async def __aenter__(self) -> FeatureUpdater:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                # Bounded twice: nats-py's own timeout, and ours in case a pull is lost.
+                async with asyncio.timeout(self.cfg.fetch_timeout_s + 1.0):
+                    msgs = await self._sub.fetch(self.cfg.batch,
+                                                 timeout=self.cfg.fetch_timeout_s)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.Error as exc:
+                log.warning("feature fetch failed: retrying", error=repr(exc))
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                await self._round(msgs)
+            except nats.errors.Error as exc:
+                # Unacked: redelivered after ack_wait. Forget the cache (it may be ahead).
+                self._cache.clear()
+                log.warning("feature round failed: will be redelivered", error=repr(exc))
+                await asyncio.sleep(0.2)
+
+    async def _round(self, msgs: list[Msg]) -> None:
+        assert self._kv is not None
+        touched: dict[str, CardFeatures] = {}
+        for msg in msgs:
+            try:
+                txn = transaction_decoder.decode(msg.data)
+                stamps = Stamps.from_headers(msg.headers)
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.warning("event ignored", subject=msg.subject, error=str(exc))
+                continue
+            prev = touched.get(txn.card) or await self._current(txn.card)
+            new = apply_event(prev, txn, stamps, msg.metadata.sequence.stream)
+            if new is None:
+                self.skipped += 1
+                continue
+            touched[txn.card] = new
+            self.applied += 1
+        kv = self._kv
+        await asyncio.gather(*(kv.put(card, json_encoder.encode(v)) for card, v in touched.items()))
+        self._cache.update(touched)
+        for msg in msgs:
+            await msg.ack()
+        self.rounds += 1
+        log.debug("feature round", events=len(msgs), cards=len(touched))
+
+    async def _current(self, card: str) -> CardFeatures | None:
+        cached = self._cache.get(card)
+        if cached is not None:
+            return cached
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(card)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        return msgspec.json.decode(entry.value, type=CardFeatures)

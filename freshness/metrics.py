@@ -1,0 +1,49 @@
+"""Prometheus metrics of the freshness path: `plane_` prefix, base units, low-cardinality
+labels, and an explicit registry (the caller's, or a private one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+# Upstream lag and waits: 1 ms to 10 s.
+LAG_BUCKETS_S = (
+    0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class BridgeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.records = Counter(
+            "plane_bridge_records", "Kafka records bridged, by outcome (event, dead)",
+            ["topic", "outcome"], registry=r)
+        self.duplicates = Counter(
+            "plane_bridge_duplicates", "Publishes JetStream dropped as duplicates (re-fetched "
+            "after a restart or rebalance)", ["topic"], registry=r)
+        self.retries = Counter(
+            "plane_bridge_publish_retries", "JetStream publishes retried", registry=r)
+        self.lag_seconds = Histogram(
+            "plane_bridge_lag_seconds", "Ingest time minus the Kafka record's event time",
+            ["topic"], buckets=LAG_BUCKETS_S, registry=r)
+        self.commits = Counter(
+            "plane_bridge_commits", "Kafka offset commits, by result (ok, failed)",
+            ["result"], registry=r)
+
+
+class GuardMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.lag_seconds = Histogram(
+            "plane_freshness_lag_seconds", "Upstream lag (ingest - event) of values at use",
+            buckets=LAG_BUCKETS_S, registry=r)
+        self.age_seconds = Histogram(
+            "plane_freshness_age_seconds", "Age of the guard's view at use",
+            buckets=LAG_BUCKETS_S, registry=r)
+        self.outcomes = Counter(
+            "plane_freshness_outcomes", "Guarded lookups, by outcome (fresh, waited, degraded)",
+            ["outcome"], registry=r)
+        self.wait_seconds = Histogram(
+            "plane_freshness_wait_seconds", "Time spent waiting for a fresher value",
+            buckets=LAG_BUCKETS_S, registry=r)

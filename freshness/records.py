@@ -1,0 +1,130 @@
+"""What the bridge carries: the record schema it validates, the stamps it adds as headers,
+and the per-card feature value the updater keeps in KV.
+
+Schema evolution: fields are only added, with defaults; unknown fields are ignored, so an old
+reader accepts a new record. Decoders are built once, here.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Annotated
+
+import msgspec
+
+from plane.messages import FEATURES
+from plane.subjects import Header
+
+# A card id is a KV key and may appear in a subject: a plain token.
+CardId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class Transaction(msgspec.Struct, frozen=True, kw_only=True):
+    """A Kafka record of the transactions topic (JSON). `features` are the transaction's own
+    numbers (up to 32); the card's history is added by the feature guard."""
+
+    card: CardId
+    amount: float
+    merchant: str = ""
+    features: Annotated[list[float], msgspec.Meta(max_length=FEATURES)] = []
+
+
+class CardFeatures(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of key `<card>` in the features bucket. The stamps are those of the newest
+    arrival (by ingest time), so that the value shows the pipeline's current lag;
+    `last_event_time_ms` is the newest event time seen; `seq` is the events-stream sequence
+    last applied (redeliveries at or below it are skipped)."""
+
+    card: str
+    values: list[float]
+    event_time_ms: int
+    ingest_time_ms: int
+    count: int = 0
+    amount_sum: float = 0.0
+    amount_max: float = 0.0
+    last_amount: float = 0.0
+    seq: int = 0
+    last_event_time_ms: int = 0
+
+    @property
+    def lag_ms(self) -> float:
+        return float(self.ingest_time_ms - self.event_time_ms)
+
+
+class Stamps(msgspec.Struct, frozen=True, kw_only=True):
+    """The bridge's stamps on a `<prefix>.events.<topic>` message (NATS headers)."""
+
+    event_time_ms: int
+    ingest_time_ms: int
+    partition: int
+    offset: int
+    key: bytes | None = None
+
+    def headers(self, msg_id: str) -> dict[str, str]:
+        h = {
+            Header.EVENT_TIME: str(self.event_time_ms),
+            Header.INGEST_TIME: str(self.ingest_time_ms),
+            Header.KAFKA_PARTITION: str(self.partition),
+            Header.KAFKA_OFFSET: str(self.offset),
+            Header.NATS_MSG_ID: msg_id,
+        }
+        if self.key is not None:
+            h[Header.KAFKA_KEY] = encode_key(self.key)
+        return h
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str] | None) -> Stamps:
+        """Raises `ValueError` when a stamp is missing or malformed."""
+        if not headers:
+            raise ValueError("message has no bridge stamps (no headers)")
+        try:
+            key = headers.get(Header.KAFKA_KEY)
+            return cls(
+                event_time_ms=int(headers[Header.EVENT_TIME]),
+                ingest_time_ms=int(headers[Header.INGEST_TIME]),
+                partition=int(headers[Header.KAFKA_PARTITION]),
+                offset=int(headers[Header.KAFKA_OFFSET]),
+                key=decode_key(key) if key is not None else None,
+            )
+        except KeyError as exc:
+            raise ValueError(f"bridge stamp {exc.args[0]} missing") from exc
+
+    @property
+    def lag_ms(self) -> int:
+        return self.ingest_time_ms - self.event_time_ms
+
+
+_B64 = "b64:"
+
+
+def encode_key(key: bytes) -> str:
+    """A Kafka key as a header value: UTF-8 text as is, anything else base64 with `b64:`."""
+    try:
+        text = key.decode()
+    except UnicodeDecodeError:
+        return _B64 + base64.b64encode(key).decode()
+    if text.startswith(_B64) or not text.isprintable():
+        return _B64 + base64.b64encode(key).decode()
+    return text
+
+
+def decode_key(value: str) -> bytes:
+    if value.startswith(_B64):
+        return base64.b64decode(value[len(_B64):])
+    return value.encode()
+
+
+def msg_id(topic: str, partition: int, offset: int, timestamp_ms: int) -> str:
+    """Nats-Msg-Id of a record: `topic:partition:offset:timestamp_ms`.
+
+    topic:partition:offset names a record for the life of a topic; the timestamp tells apart
+    two incarnations of a topic (deleted and created again, or a memory broker restarted),
+    whose offsets start again at 0 and would otherwise be dropped as duplicates.
+    """
+    return f"{topic}:{partition}:{offset}:{timestamp_ms}"
+
+
+transaction_decoder = msgspec.json.Decoder(Transaction)
+features_decoder = msgspec.json.Decoder(CardFeatures)
+json_encoder = msgspec.json.Encoder()

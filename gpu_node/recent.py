@@ -1,0 +1,25 @@
+"""The placements (stream:seq) a node answered lately, so a router taking over a deadline
+can ask "did you answer it?" when the node's ack and done-event were lost (its broker died)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class RecentIds:
+    """At most `size` ids, oldest forgotten first (a minute of traffic at 1k req/s/node)."""
+
+    def __init__(self, size: int = 65_536) -> None:
+        self._size = size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, key: str) -> None:
+        self._ids[key] = None
+        if len(self._ids) > self._size:
+            self._ids.popitem(last=False)
+
+    def seen(self, key: str) -> bool:
+        return key in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)

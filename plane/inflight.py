@@ -1,0 +1,139 @@
+"""The router's book of requests it placed and has not seen finish: the router owns their
+deadline. When a node goes silent past the deadline (or dies), the router takes the slot
+message (see `plane.ownership`) and, only if the take succeeds, answers 504 (or 503)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from nats.js import JetStreamContext
+
+from plane.messages import Reason, Status
+from plane.ownership import Take, take
+from plane.subjects import Header
+
+log = structlog.get_logger("plane.inflight")
+
+# Done-event status of a request the node did not answer (it finished after the deadline).
+NOT_ANSWERED = 0
+
+
+def placement_id(stream: str, seq: int) -> str:
+    """One placement of one request: unique, unlike caller request ids (reused by retries)."""
+    return f"{stream}:{seq}"
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    model: str
+    reply: str
+    node: str
+    key: str
+    subject: str
+    stream: str
+    deadline_s: float
+    answer_by_s: float
+    seq: int | None = None
+    placing: bool = True  # the publish has not returned yet: not ours to resolve
+    resolving: bool = False
+
+
+Answer = Callable[[InFlight, Status, Reason, str], Awaitable[None]]
+
+
+class InFlightBook:
+    def __init__(
+        self, js: JetStreamContext, *, answer: Answer, freed: Callable[[InFlight], None],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        asked: Callable[[InFlight, str], Awaitable[bool]],
+    ) -> None:
+        self._js = js
+        self._asked = asked
+        self._answer = answer
+        self._freed = freed
+        self._spawn = spawn
+        self.entries: dict[str, InFlight] = {}  # by slot key: depth one makes it unique
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def track(self, fl: InFlight) -> InFlight:
+        self.entries[fl.key] = fl
+        return fl
+
+    def untrack(self, fl: InFlight) -> None:
+        if self.entries.get(fl.key) is fl:
+            del self.entries[fl.key]
+
+    @staticmethod
+    def placed(fl: InFlight, seq: int | None) -> None:
+        fl.seq, fl.placing = seq, False
+
+    def done(self, key: str, request_id: str, status: int) -> None:
+        fl = self.entries.get(key)
+        if fl is None or fl.request_id != request_id:
+            return
+        if status == NOT_ANSWERED:
+            self._resolve(fl, Status.DEADLINE, Reason.DEADLINE,
+                          "the slot finished after the deadline")
+        elif not fl.resolving:
+            del self.entries[key]
+
+    def node_dead(self, node: str, why: str) -> None:
+        for fl in list(self.entries.values()):
+            if fl.node == node and not fl.placing:
+                self._resolve(fl, Status.UNAVAILABLE, Reason.UNHEALTHY,
+                              f"node {node} failed mid-request ({why}): retry elsewhere")
+
+    def tick(self, now_s: float) -> None:
+        for fl in list(self.entries.values()):
+            if not fl.placing and not fl.resolving and now_s > fl.answer_by_s:
+                self._resolve(fl, Status.DEADLINE, Reason.DEADLINE,
+                              "the deadline passed with no answer from the node")
+
+    def _resolve(self, fl: InFlight, status: Status, reason: Reason, text: str) -> None:
+        if fl.resolving:
+            return
+        fl.resolving = True
+        self._spawn(self._take_and_answer(fl, status, reason, text))
+
+    async def _take_and_answer(self, fl: InFlight, status: Status, reason: Reason,
+                               text: str) -> None:
+        try:
+            seq = fl.seq if fl.seq is not None else await self._find(fl)
+            # A node that answered but whose ack and done-event were lost (its broker died)
+            # still knows it answered that message: ask before taking.
+            if seq is not None and await self._asked(fl, placement_id(fl.stream, seq)):
+                log.info("node says it answered", request_id=fl.request_id, node=fl.node)
+                return
+            if seq is not None:
+                outcome = await take(self._js, fl.stream, seq)
+            else:
+                # The publish's outcome was unknown and the message is not there: either it
+                # never landed (nobody else will answer) or a node took it and its done-event
+                # was lost. Answer: silence is the worse failure.
+                outcome = Take.UNKNOWN
+            if outcome is Take.GONE:
+                log.info("node answered first", request_id=fl.request_id, node=fl.node)
+                return
+            if outcome is Take.UNKNOWN:
+                log.warning("broker could not say who answers; answering", node=fl.node,
+                            request_id=fl.request_id)
+            await self._answer(fl, status, reason, text)
+        finally:
+            self.untrack(fl)
+            self._freed(fl)
+
+    async def _find(self, fl: InFlight) -> int | None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2):
+                msg = await self._js.get_last_msg(fl.stream, fl.subject)
+            if (msg.headers or {}).get(Header.REQUEST_ID) == fl.request_id:
+                return int(msg.seq or 0) or None
+        return None

@@ -1,0 +1,178 @@
+"""The SDK against a scripted responder on a real nats-server: retries, tickets, node
+avoidance, deadlines and typed errors, without needing a router."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from plane.backoff import RetryPolicy
+from plane.client import Client, ClientConfig, SyncClient
+from plane.embedded import EmbeddedNats
+from plane.errors import BadRequest, DeadlineExceeded, Rejected, Unavailable
+from plane.messages import Reason, Status
+from plane.replies import error_reply, now_ms, ok_headers
+from plane.subjects import Header, Names
+
+Reply = tuple[bytes, dict[str, str]] | None  # None: stay silent
+Script = Callable[[int, dict[str, str]], Reply]
+
+
+@dataclass
+class FakeRouter:
+    """Answers `plane.infer.*` as `script(n, request_headers)` says; records what it saw."""
+
+    nc: NATS
+    script: Script = lambda n, h: None
+    seen: list[dict[str, str]] = field(default_factory=list)
+
+    async def handle(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        self.seen.append(headers)
+        reply = self.script(len(self.seen), headers)
+        if reply is not None:
+            await self.nc.publish(msg.reply, reply[0], headers=reply[1])
+
+
+@pytest.fixture
+async def router(nc: NATS) -> AsyncIterator[FakeRouter]:
+    fake = FakeRouter(nc)
+    sub = await nc.subscribe(Names().infer_all(), cb=fake.handle)
+    yield fake
+    await sub.unsubscribe()
+
+
+@pytest.fixture
+async def plane(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
+    config = ClientConfig(policy=RetryPolicy(max_attempts=4), seed=7)
+    async with Client.connect(nats_server.url, config) as client:
+        yield client
+
+
+def busy(h: dict[str, str], *, after_ms: int, ticket: str = "t1", skew_ms: int = 0,
+         reason: Reason = Reason.BUSY) -> Reply:
+    body, headers = error_reply(h[Header.REQUEST_ID], Status.BUSY, reason, "all slots busy",
+                                retry_after_ms=after_ms, ticket=ticket)
+    headers[Header.SERVER_TIME] = str(now_ms() + skew_ms)
+    return body, headers
+
+
+def ok(h: dict[str, str]) -> Reply:
+    return b'{"duration_us": 1}', ok_headers(h[Header.REQUEST_ID], "n2", 3, 1234)
+
+
+async def test_ok_reports_where_it_ran(router: FakeRouter, plane: Client) -> None:
+    router.script = lambda n, h: ok(h)
+    r = await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=500)
+    assert r.json() == {"duration_us": 1}
+    assert (r.attempts, r.node, r.slot, r.service_us) == (1, "n2", 3, 1234)
+    seen = router.seen[0]
+    assert seen[Header.ATTEMPT] == "1"
+    assert 400 < int(seen[Header.DEADLINE_MS]) <= 500
+    assert seen[Header.REQUEST_ID] == r.request_id
+
+
+async def test_429_waits_retry_after_and_sends_the_ticket_back(
+    router: FakeRouter, plane: Client
+) -> None:
+    router.script = lambda n, h: busy(h, after_ms=60, ticket="tk-9") if n == 1 else ok(h)
+    t0 = time.monotonic()
+    r = await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
+    assert (time.monotonic() - t0) * 1000 >= 60
+    assert r.statuses == (429, 200) and r.refusals == 1 and r.attempts == 2
+    assert 60 <= r.waited_ms < 63
+    second = router.seen[1]
+    assert second[Header.TICKET] == "tk-9" and second[Header.ATTEMPT] == "2"
+    assert second[Header.REQUEST_ID] == router.seen[0][Header.REQUEST_ID]
+
+
+async def test_skewed_server_clock_falls_back_to_backoff(router: FakeRouter, plane: Client) -> None:
+    router.script = lambda n, h: busy(h, after_ms=800, skew_ms=10_000) if n == 1 else ok(h)
+    r = await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=2000)
+    assert r.attempts == 2 and r.waited_ms < 10  # base_ms, not the server's 800 ms
+
+
+async def test_503_with_a_node_asks_for_another(router: FakeRouter, plane: Client) -> None:
+    def script(n: int, h: dict[str, str]) -> Reply:
+        if n == 1:
+            return error_reply(h[Header.REQUEST_ID], Status.UNAVAILABLE, Reason.UNHEALTHY,
+                               "slot died", node="n-sick")
+        return ok(h)
+
+    router.script = script
+    r = await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
+    assert r.statuses == (503, 200)
+    assert Header.AVOID_NODE not in router.seen[0]
+    assert router.seen[1][Header.AVOID_NODE] == "n-sick"
+
+
+async def test_never_sleeps_past_the_deadline(router: FakeRouter, plane: Client) -> None:
+    router.script = lambda n, h: busy(h, after_ms=5000)
+    t0 = time.monotonic()
+    with pytest.raises(Rejected) as info:
+        await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=300)
+    assert time.monotonic() - t0 < 0.2
+    assert info.value.retry_after_ms == 5000 and info.value.attempts == 1
+
+
+async def test_deadline_refusal_is_not_retried(router: FakeRouter, plane: Client) -> None:
+    router.script = lambda n, h: busy(h, after_ms=5, reason=Reason.DEADLINE)
+    with pytest.raises(Rejected) as info:
+        await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
+    assert info.value.reason == "deadline" and len(router.seen) == 1
+
+
+async def test_retries_are_bounded(router: FakeRouter, plane: Client) -> None:
+    router.script = lambda n, h: busy(h, after_ms=5, ticket=f"t{n}")
+    with pytest.raises(Rejected) as info:
+        await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
+    assert info.value.attempts == 4
+    assert [h.get(Header.TICKET) for h in router.seen] == [None, "t1", "t2", "t3"]
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "error"),
+    [
+        (Status.BAD_REQUEST, Reason.BAD_REQUEST, BadRequest),
+        (Status.TOO_LARGE, Reason.TOO_LARGE, BadRequest),
+        (Status.DEADLINE, Reason.DEADLINE, DeadlineExceeded),
+    ],
+)
+async def test_statuses_map_to_typed_errors(
+    router: FakeRouter, plane: Client, status: Status, reason: Reason, error: type[Exception]
+) -> None:
+    router.script = lambda n, h: error_reply(h[Header.REQUEST_ID], status, reason, "nope")
+    with pytest.raises(error) as info:
+        await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=500)
+    assert "nope" in str(info.value) and len(router.seen) == 1
+
+
+async def test_silence_is_a_deadline_error_on_time(router: FakeRouter, plane: Client) -> None:
+    router.script = lambda n, h: None
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as info:
+        await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=150)
+    assert isinstance(info.value, TimeoutError)
+    assert 0.14 <= time.monotonic() - t0 < 0.3
+
+
+async def test_nobody_listening_is_unavailable(plane: Client) -> None:
+    with pytest.raises(Unavailable):
+        await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=500)
+
+
+async def test_sync_client(router: FakeRouter, nats_server: EmbeddedNats) -> None:
+    router.script = lambda n, h: busy(h, after_ms=20) if n == 1 else ok(h)
+
+    def blocking() -> tuple[int, int | None]:
+        with SyncClient(nats_server.url) as plane:
+            r = plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
+            return r.attempts, r.slot
+
+    assert await asyncio.to_thread(blocking) == (2, 3)

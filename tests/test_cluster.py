@@ -1,0 +1,359 @@
+"""The plane on a 3-server JetStream cluster, with one server SIGKILLed under load.
+
+What it proves (DESIGN.md, "Scale beyond one machine" and "Every request ends in exactly one
+answer"):
+
+- every request sent gets exactly one answer (200, 429, 503 or 504): none lost, none twice,
+  even though the killed server held the slot stream's leader and some of the plane's own
+  connections, which must reconnect to the survivors;
+- the broker never holds more than one message on a slot subject (nats-server issue #6245
+  reported otherwise in clusters: we check it on our version, before and after the kill);
+- the plane keeps answering 200 after the kill.
+
+The caller and the checker connect only to survivors: a reply sent to a caller whose own
+server dies is lost by core NATS whatever the plane does, and that is the SDK's retry's
+business, not what this test measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js.errors import Error as JsError
+
+from plane.config import ConnectOptions
+from plane.embedded import EmbeddedNats, NatsServerSpec
+from plane.provision import ProvisionPlan, ensure_all
+from plane.stack import PlaneStack, StackConfig
+from plane.subjects import Header
+from tests.plane_fixtures import NAMES, calibrated
+
+pytestmark = pytest.mark.slow
+
+SERVERS = 3
+REPLICAS = 3
+RATE_PER_S = 150.0
+WORK_US = 3000
+DEADLINE_MS = 1000
+BEFORE_KILL_S = 2.0
+AFTER_KILL_S = 12.0
+# Requests sent in the last RECOVERED_S seconds must include 200s: the plane came back.
+RECOVERED_S = 2.0
+# After the last request: long enough for its deadline, the router's grace and a watchdog
+# 504; then a quiet spell in which a second answer would show up.
+ANSWER_WAIT_S = 5.0
+DUPLICATE_WAIT_S = 1.5
+CHECK_PERIOD_S = 0.01
+ANSWERS = {200, 429, 503, 504}
+# A request sent this close before the kill may have been inside the dead server (see below).
+LOST_WINDOW_S = 0.25
+MAX_LOST_AT_KILL = 5
+NATS_STATUS = "Status"  # the header nats-py fills from a server status line ("NATS/1.0 503")
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def cluster() -> AsyncIterator[list[EmbeddedNats]]:
+    """Three servers, routes to each other, distinct names and stores; yields once JetStream
+    has a meta leader and the plane's streams exist with three replicas."""
+    cluster_ports = [free_loopback_port() for _ in range(SERVERS)]
+    servers = [
+        EmbeddedNats(NatsServerSpec(
+            server_name=f"n{i}", cluster_name="plane-test", cluster_port=cluster_ports[i],
+            routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+        ))
+        for i in range(SERVERS)
+    ]
+    try:
+        await asyncio.gather(*(s.start() for s in servers))
+        await provision_when_ready(",".join(s.url for s in servers))
+        yield servers
+    finally:
+        await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
+
+
+async def provision_when_ready(url: str, timeout_s: float = 30.0) -> None:
+    """Create the streams and buckets (R3) once there is a meta leader; until then JetStream
+    answers 'temporarily unavailable' or times out, so retry."""
+    nc = await nats.connect(url.split(","))
+    try:
+        js = nc.jetstream(timeout=2.0)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    await js.account_info()
+                    await ensure_all(js, ProvisionPlan(names=NAMES, replicas=REPLICAS))
+                    return
+                except (NatsError, JsError, TimeoutError):
+                    await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+async def slot_stream_leader(nc: Client) -> str:
+    info = await nc.jetstream().stream_info(NAMES.slots_stream)
+    assert info.cluster is not None and info.cluster.leader
+    return info.cluster.leader
+
+
+async def move_slot_leader(nc: Client, to: str, timeout_s: float = 15.0) -> str:
+    """Ask the slot stream's leader to step down in favour of `to` (nats-server 2.11+); the
+    worst case to kill is the leader. Returns the leader afterwards (best effort)."""
+    subject = f"$JS.API.STREAM.LEADER.STEPDOWN.{NAMES.slots_stream}"
+    body = json.dumps({"placement": {"preferred": to}}).encode()
+    async with asyncio.timeout(timeout_s):
+        while (leader := await _leader_or_none(nc)) != to:
+            if leader is not None:
+                with contextlib.suppress(NatsError, TimeoutError):
+                    await nc.request(subject, body, timeout=2)
+            await asyncio.sleep(0.25)
+    return to
+
+
+async def _leader_or_none(nc: Client) -> str | None:
+    try:
+        return await slot_stream_leader(nc)
+    except (NatsError, JsError, TimeoutError, AssertionError):
+        return None
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    at_s: float
+    status: int
+    reason: str
+    request_id: str | None
+
+
+@dataclass
+class Ledger:
+    """Every request sent (id -> send time) and every answer received (id -> answers)."""
+
+    sent_s: dict[int, float] = field(default_factory=dict)
+    answers: dict[int, list[Answer]] = field(default_factory=dict)
+    sending_done: bool = False
+    all_answered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def finish_sending(self) -> None:
+        self.sending_done = True
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        if self.sending_done and len(self.answers) >= len(self.sent_s):
+            self.all_answered.set()
+
+    def record(self, msg: Msg) -> None:
+        i = int(msg.subject.rsplit(".", 1)[1])
+        h = msg.headers or {}
+        if Header.STATUS in h:
+            code, reason = int(h[Header.STATUS]), h.get(Header.REASON, "")
+        elif h.get(NATS_STATUS) == "503":
+            # The broker's own "no responders": no router was subscribed for a moment (the
+            # routers' server had just died). One answer, a 503, just not from the plane.
+            code, reason = 503, "no-responders"
+        else:
+            code, reason = -1, repr(h)
+        self.answers.setdefault(i, []).append(
+            Answer(time.monotonic(), code, reason, h.get(Header.REQUEST_ID)))
+        self._check_complete()
+
+    def unanswered(self) -> list[int]:
+        return [i for i in self.sent_s if i not in self.answers]
+
+    def status(self, i: int) -> int:
+        return self.answers[i][0].status
+
+
+@dataclass
+class SubjectChecker:
+    """Reads the slot stream's per-subject counts as often as it can; keeps the maximum."""
+
+    max_seen: int = 0
+    reads: int = 0
+    reads_after_kill: int = 0
+    failures: int = 0
+    worst: dict[str, int] = field(default_factory=dict)
+    killed: bool = False
+
+    async def run(self, nc: Client, stop: asyncio.Event) -> None:
+        js = nc.jetstream(timeout=1.0)
+        while not stop.is_set():
+            try:
+                info = await js.stream_info(NAMES.slots_stream,
+                                            subjects_filter=NAMES.slots_all())
+            except (NatsError, JsError, TimeoutError):
+                self.failures += 1  # no leader for a moment after the kill
+            else:
+                per_subject = info.state.subjects or {}
+                self.reads += 1
+                self.reads_after_kill += self.killed
+                top = max(per_subject.values(), default=0)
+                if top > self.max_seen:
+                    self.max_seen, self.worst = top, dict(per_subject)
+            await asyncio.sleep(CHECK_PERIOD_S)
+
+
+async def send_load(nc: Client, inbox: str, ledger: Ledger, until_s: float) -> None:
+    """Calibrated requests at a steady rate, each with its own reply subject, until `until_s`."""
+    body = calibrated(WORK_US)
+    t0 = time.monotonic()
+    i = 0
+    while (now := time.monotonic()) < until_s:
+        due = t0 + i / RATE_PER_S
+        if due > now:
+            await asyncio.sleep(due - now)
+        headers = {Header.REQUEST_ID: f"req-{i}", Header.DEADLINE_MS: str(DEADLINE_MS)}
+        ledger.sent_s[i] = time.monotonic()
+        await nc.publish(NAMES.infer("calibrated"), body, reply=f"{inbox}.{i}", headers=headers)
+        i += 1
+    await nc.flush()
+
+
+async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_dies() -> None:
+    async with cluster() as servers:
+        all_urls = ",".join(s.url for s in servers)
+        cfg = StackConfig(connect=ConnectOptions(url=all_urls), models=("calibrated",),
+                          slots=3, nodes_per_model=2, routers=2, replicas=REPLICAS)
+        async with PlaneStack(cfg) as stack:
+            # The victim: the server holding most of the plane's own connections, made the
+            # slot stream's leader, so the kill costs both a leader and live connections.
+            by_port = {port_of(s.url): s for s in servers}
+            on = [port_of(c.connected_url.netloc) for c in stack.clients
+                  if c.connected_url is not None]
+            victim = by_port[max(by_port, key=on.count)]
+            survivors = [s for s in servers if s is not victim]
+            plane_on_victim = on.count(port_of(victim.url))
+            async with _client(survivors[0].url) as caller, \
+                    _client(survivors[1].url) as watcher:
+                await move_slot_leader(watcher, victim.spec.server_name or "")
+
+                ledger = Ledger()
+                inbox = caller.new_inbox()
+                await caller.subscribe(f"{inbox}.*", cb=_collector(ledger))
+                await caller.flush()
+                checker = SubjectChecker()
+                stop_checking = asyncio.Event()
+
+                t_start = time.monotonic()
+                t_kill = t_start + BEFORE_KILL_S
+                t_end = t_kill + AFTER_KILL_S
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(checker.run(watcher, stop_checking))
+                    load = tg.create_task(send_load(caller, inbox, ledger, t_end))
+                    await asyncio.sleep(max(0.0, t_kill - time.monotonic()))
+                    assert checker.reads > 0, "the checker never read the slot stream"
+                    t_kill = time.monotonic()
+                    await victim.stop(kill=True)
+                    t_killed = time.monotonic()
+                    checker.killed = True
+                    await load
+                    ledger.finish_sending()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(ledger.all_answered.wait(), ANSWER_WAIT_S)
+                    await asyncio.sleep(DUPLICATE_WAIT_S)
+                    stop_checking.set()
+
+                new_leader = await slot_stream_leader(watcher)
+                reconnected = [c.connected_url.netloc for c in stack.clients
+                               if c.is_connected and c.connected_url is not None]
+
+        report = _report(ledger, t_kill, checker, plane_on_victim, new_leader)
+        print(report)
+        # Exactly one answer per request: none lost, none twice, all of a known kind. The one
+        # exception is a request that was inside the killed server's process at the kill
+        # (on its way to a router connected there): core NATS is at-most-once, no part of the
+        # plane ever saw it, and the caller's own timeout (the SDK's retry) is its answer.
+        # Such a request was sent within moments of the kill, and there are very few.
+        lost = ledger.unanswered()
+        at_kill = [i for i in lost if t_kill - LOST_WINDOW_S <= ledger.sent_s[i] <= t_killed]
+        assert lost == at_kill and len(lost) <= MAX_LOST_AT_KILL, f"lost: {lost[:20]}\n{report}"
+        twice = {i: a for i, a in ledger.answers.items() if len(a) != 1}
+        assert not twice, f"answered more than once: {dict(list(twice.items())[:10])}\n{report}"
+        assert set(ledger.answers) <= set(ledger.sent_s), report
+        odd = {i: a for i, a in ledger.answers.items() if a[0].status not in ANSWERS}
+        assert not odd, f"unexpected statuses: {dict(list(odd.items())[:10])}\n{report}"
+        echoed = [i for i, a in ledger.answers.items()
+                  if a[0].reason != "no-responders" and a[0].request_id != f"req-{i}"]
+        assert not echoed, f"request id not echoed: {echoed[:10]}\n{report}"
+        # Depth one held on every read, before and after the kill (issue #6245).
+        assert checker.max_seen <= 1, f"a slot subject held {checker.worst}\n{report}"
+        assert checker.reads_after_kill > 10, report
+        # The plane served before the kill and serves again after it.
+        before = [i for i, t in ledger.sent_s.items() if t < t_kill]
+        recent = [i for i, t in ledger.sent_s.items() if t > t_end - RECOVERED_S]
+        assert sum(ledger.status(i) == 200 for i in before) > 0.9 * len(before), report
+        assert sum(ledger.status(i) == 200 for i in recent) > 0.9 * len(recent), report
+        # The plane's own connections left the dead server.
+        assert plane_on_victim >= 1
+        assert len(reconnected) == len(stack.clients), report
+        assert all(port_of(u) != port_of(victim.url) for u in reconnected), report
+        assert new_leader != victim.spec.server_name, report
+
+
+def _collector(ledger: Ledger):  # type: ignore[no-untyped-def]
+    async def collect(msg: Msg) -> None:
+        ledger.record(msg)
+
+    return collect
+
+
+@asynccontextmanager
+async def _client(url: str) -> AsyncIterator[Client]:
+    nc = await nats.connect(url, allow_reconnect=False)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+def _report(ledger: Ledger, t_kill: float, checker: SubjectChecker, plane_on_victim: int,
+            new_leader: str) -> str:
+    def counts(ids: list[int]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for i in ids:
+            if i in ledger.answers:
+                out[ledger.status(i)] = out.get(ledger.status(i), 0) + 1
+        return dict(sorted(out.items()))
+
+    before = [i for i, t in ledger.sent_s.items() if t < t_kill]
+    after = [i for i, t in ledger.sent_s.items() if t >= t_kill]
+    first_ok = min((ledger.answers[i][0].at_s - t_kill for i in after
+                    if i in ledger.answers and ledger.status(i) == 200), default=None)
+    timeline: dict[int, dict[str, int]] = {}
+    for i, t in ledger.sent_s.items():
+        key = f"{ledger.status(i)} {ledger.answers[i][0].reason}" if i in ledger.answers \
+            else "lost"
+        second = timeline.setdefault(int((t - t_kill) // 1), {})
+        second[key] = second.get(key, 0) + 1
+    lines = "\n".join(f"  {s:+3d} s: {dict(sorted(c.items()))}"
+                      for s, c in sorted(timeline.items()))
+    return (
+        f"cluster: sent {len(ledger.sent_s)} (before kill {counts(before)}, after "
+        f"{counts(after)}), unanswered {len(ledger.unanswered())}, answered twice "
+        f"{sum(len(a) > 1 for a in ledger.answers.values())}; first 200 after the kill at "
+        f"+{first_ok if first_ok is None else round(first_ok, 3)} s; max per-subject count "
+        f"{checker.max_seen} over {checker.reads} reads ({checker.reads_after_kill} after the "
+        f"kill, {checker.failures} failed); plane connections on the victim {plane_on_victim}; "
+        f"slot stream leader now {new_leader}\nby send time from the kill:\n{lines}"
+    )

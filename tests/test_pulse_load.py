@@ -1,0 +1,110 @@
+"""pulse end to end: against a small HTTP server that queues (one worker behind an unbounded
+asyncio.Queue) and against the plane, with the verdict telling the two apart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from plane.backoff import RetryPolicy
+from plane.config import ConnectOptions
+from plane.pulse import LoadConfig, NatsTarget, default_body, pulse
+from plane.pulse.summary import ABSENT, PRESENT
+from plane.stack import PlaneStack, StackConfig
+
+SERVICE_S = 0.010  # the queueing server's one worker: 100 requests/s at most
+PLANE = str(Path(sys.executable).parent / "plane")
+
+
+@pytest.fixture
+async def queueing_server() -> AsyncIterator[str]:
+    """POST / waits its turn in an unbounded queue for the single worker."""
+    queue: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
+
+    async def worker() -> None:
+        while True:
+            fut = await queue.get()
+            await asyncio.sleep(SERVICE_S)
+            if not fut.done():
+                fut.set_result(None)
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        fut = asyncio.get_running_loop().create_future()
+        queue.put_nowait(fut)
+        await fut
+        return web.json_response({"duration_us": int(SERVICE_S * 1e6)})
+
+    async def run_worker(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(worker())
+        yield
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    app = web.Application()
+    app.router.add_post("/", handle)
+    app.cleanup_ctx.append(run_worker)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}/"
+    await runner.cleanup()
+
+
+async def test_cli_against_a_queueing_server(queueing_server: str, tmp_path: Path) -> None:
+    """The command, as a user runs it: 150/s into a 100/s server that queues."""
+    proc = await asyncio.create_subprocess_exec(
+        PLANE, "pulse", "--url", queueing_server, "--rate", "150", "--duration", "3",
+        "--deadline-ms", "1000", "--timeout-ms", "10000", "--json", "--out", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    s = json.loads(out)
+    assert s["verdict"] == PRESENT, s
+    assert s["plateau"] or s["p99_over_p50"] > 1.8
+    assert s["status_counts"] == {"200": 450} and s["sent"] == 450
+    assert s["p99_by_window_ms"][-1] > 3 * s["p99_by_window_ms"][0]  # it keeps growing
+    rows = (tmp_path / "latencies.csv").read_text().splitlines()
+    assert rows[0].startswith("scheduled_s,latency_ms") and len(rows) == 451
+    assert (tmp_path / "histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == PRESENT
+
+
+async def test_against_the_plane_with_retries() -> None:
+    """The same overload (1.5x) into the plane: accepted answers stay at their service time,
+    the excess is refused at once with a Retry-After, and the SDK retries it."""
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as stack:
+        target = NatsTarget(ConnectOptions(url=stack.url), model="calibrated",
+                            deadline_ms=1000, policy=RetryPolicy(max_attempts=4))
+        report = await pulse(target, default_body("calibrated", duration_us=20_000),
+                             LoadConfig(rate=150, duration_s=3), deadline_ms=1000)
+    s = report.summary
+    assert s.verdict == ABSENT, s
+    assert s.status_counts.get("200", 0) > 0 and s.status_counts.get("429", 0) > 0
+    assert s.retry_after_share == 1.0
+    assert s.p50_ms is not None and 20 <= s.p50_ms < 40
+    assert s.first_retry_success is not None and s.mean_retries is not None
+    assert s.sent == 450 and s.dropped == 0
+
+
+async def test_cli_against_the_plane_without_retries() -> None:
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as stack:
+        proc = await asyncio.create_subprocess_exec(
+            PLANE, "pulse", "--nats", stack.url, "--rate", "150", "--duration", "3",
+            "--duration-us", "20000", "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    s = json.loads(out)
+    assert s["verdict"] == ABSENT, s
+    assert s["first_retry_success"] is None and s["retry_after_share"] == 1.0

@@ -5,7 +5,6 @@ Enter through `plane.cli` (the `plane` command), which adds these commands to it
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import click
@@ -22,6 +21,7 @@ from plane.cli import (
     replicas_option,
 )
 from plane.errors import ConfigError
+from plane.lifecycle import run as run_on_uvloop
 from plane.logs import configure
 from plane.subjects import Names
 
@@ -74,7 +74,7 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, max_in_flight: in
     except ConfigError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
-    asyncio.run(run_bridge(config, connect, metrics_port=metrics_port,
+    run_on_uvloop(run_bridge(config, connect, metrics_port=metrics_port,
                            metrics_host=metrics_host))
     sys.exit(EXIT_OK)
 
@@ -130,6 +130,6 @@ def risk_demo(duration_s: float, rate_per_s: float, cards: int, lag_ms: float,
     except ConfigError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
-    report = asyncio.run(run_risk_demo(plan, connect))
+    report = run_on_uvloop(run_risk_demo(plan, connect))
     click.echo(report.render())
     sys.exit(EXIT_OK if report.ok else EXIT_FAILED)

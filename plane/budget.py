@@ -19,6 +19,7 @@ class ServiceWindow:
     refresh: int = 8
     prior_us: int = 1000  # what we assume before the first sample
     _samples: deque[int] = field(init=False)
+    _sum: int = field(default=0, init=False)
     _since: int = field(default=0, init=False)
     _p50: int = field(default=0, init=False)
     _p99: int = field(default=0, init=False)
@@ -28,7 +29,11 @@ class ServiceWindow:
         self._p50 = self._p99 = self.prior_us
 
     def add(self, overhead_us: int) -> None:
-        self._samples.append(max(0, int(overhead_us)))
+        v = max(0, int(overhead_us))
+        if len(self._samples) == self._samples.maxlen:
+            self._sum -= self._samples[0]
+        self._samples.append(v)
+        self._sum += v
         self._since += 1
         if self._since >= self.refresh or len(self._samples) <= self.refresh:
             self._recompute()
@@ -45,6 +50,11 @@ class ServiceWindow:
         return len(self._samples)
 
     @property
+    def mean_us(self) -> int:
+        """The mean: what promises are spaced by (a skewed tail makes the p50 drift)."""
+        return self._sum // len(self._samples) if self._samples else self.prior_us
+
+    @property
     def p50_us(self) -> int:
         return self._p50
 
@@ -54,6 +64,7 @@ class ServiceWindow:
 
     def clear(self) -> None:
         self._samples.clear()
+        self._sum = 0
         self._p50 = self._p99 = self.prior_us
 
 
@@ -61,10 +72,16 @@ class ServiceWindow:
 class Prediction:
     p50_us: int
     p99_us: int
+    mean_us: int = -1  # -1: same as the p50
+
+    @property
+    def expected_us(self) -> int:
+        return self.p50_us if self.mean_us < 0 else self.mean_us
 
 
 def predict(window: ServiceWindow, work_us: int) -> Prediction:
-    return Prediction(work_us + window.p50_us, work_us + window.p99_us)
+    return Prediction(work_us + window.p50_us, work_us + window.p99_us,
+                      work_us + window.mean_us)
 
 
 def fits(prediction: Prediction, remaining_us: int) -> bool:

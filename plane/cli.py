@@ -5,15 +5,14 @@ Environment variables are read here, once (click's `envvar=`), and nowhere else.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from typing import Any
 
 import click
-import uvloop
 
 from plane.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.errors import PlaneError
+from plane.lifecycle import run
 from plane.logs import configure as configure_logs
 from plane.models import MODELS
 from plane.stack import StackConfig
@@ -77,10 +76,7 @@ def main() -> None:
 def _run(coro: Any) -> None:
     """Run a command's coroutine; turn our errors into a clear message and a named exit."""
     try:
-        # uvloop: a faster event loop for the whole process (nats-py's hot path is mostly
-        # loop overhead); the plane runs on the stdlib loop as well (tests use it).
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            code = runner.run(coro)
+        code = run(coro)
     except PlaneError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)

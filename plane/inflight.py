@@ -35,6 +35,7 @@ class InFlight:
     reply: str
     node: str
     key: str
+    placed_s: float  # monotonic, when the router began publishing it
     subject: str
     stream: str
     deadline_s: float

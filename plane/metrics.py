@@ -39,6 +39,14 @@ class PlaneMetrics:
             "plane_tickets_issued", "Tickets handed out with 429s", ["model"], registry=r)
         self.tickets_honoured = Counter(
             "plane_tickets_honoured", "Tickets redeemed onto a slot", ["model"], registry=r)
+        self.parked = Counter(
+            "plane_tickets_parked", "Ticket holders that waited for their own slot to free",
+            ["model"], registry=r)
+        self.ticket_lateness = Histogram(
+            "plane_ticket_lateness_seconds",
+            "How long after its promised time a ticket holder came back (negative: early)",
+            ["model"], buckets=(-0.005, -0.001, 0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                                0.25, 1.0), registry=r)
         self.watchdog_answers = Counter(
             "plane_router_watchdog_answers", "Answers the router gave for silent nodes",
             ["model", "status"], registry=r)

@@ -23,6 +23,7 @@ class Reservation:
     due_s: float
     end_s: float
     expires_s: float
+    issued_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -33,14 +34,15 @@ class SlotView:
     subject: str
     healthy: bool = True
     busy: bool = False
-    free_at_s: float = 0.0  # predicted free time while busy
+    free_at_s: float = 0.0  # predicted free time while busy, at the p99 (conservative)
+    expected_free_s: float = 0.0  # the same at the p50 (what promises are timed to)
     request_id: str | None = None  # ours, while busy with a request this router placed
     reservations: deque[Reservation] = field(default_factory=deque)
 
     def available_at(self, now_s: float) -> float:
         """When the slot can start a new promise: after its current work and every ticket
         already promised on it."""
-        t = self.free_at_s if self.busy else now_s
+        t = self.expected_free_s if self.busy else now_s
         if self.reservations:
             t = max(t, self.reservations[-1].end_s)
         return max(t, now_s)

@@ -29,7 +29,7 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from plane import replies
-from plane.admission import Admission, Ask, Place, Refuse
+from plane.admission import Admission, Ask, Park, Place, Refuse
 from plane.budget import predict
 from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, RouterConfig
 from plane.errors import BadRequest
@@ -78,12 +78,15 @@ class Router:
         self.metrics = metrics or PlaneMetrics()
         self.names = cfg.names
         self.js = nc.jetstream(timeout=cfg.publish_timeout_s)
-        self.admission = Admission(ticket_prefix=cfg.router_id)
+        self.admission = Admission(
+            ticket_prefix=cfg.router_id,
+            on_lateness=lambda model, s: self.metrics.ticket_lateness.labels(model).observe(s))
         self.models: dict[str, ModelSlots] = {}
         self.inflight = InFlightBook(self.js, answer=self._answer_for_node,
                                      freed=self._freed, spawn=self._spawn,
                                      asked=self._node_answered)
         self.node_seen_s: dict[str, float] = {}
+        self._freed_events: dict[str, asyncio.Event] = {}  # by model, for parked holders
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._subs: list[Subscription] = []
@@ -184,8 +187,15 @@ class Router:
             if view is not None and ev.status != NOT_ANSWERED:
                 view.busy = False
                 view.request_id = None
-            if ev.status == int(Status.OK):
-                ms.window.add(ev.service_us - ev.work_us)
+                if (event := self._freed_events.get(ev.model)) is not None:
+                    event.set()
+            fl = self.inflight.entries.get(key)
+            if ev.status == int(Status.OK) and fl is not None and fl.request_id == ev.request_id:
+                # The slot's whole cycle as this router sees it (publish -> done-event), not
+                # only the node's service time: that is when the slot is free again, and what
+                # promises must be spaced by.
+                cycle_us = int((time.monotonic() - fl.placed_s) * 1e6)
+                ms.window.add(cycle_us - ev.work_us)
         self.inflight.done(key, ev.request_id, ev.status)
 
     def _freed(self, fl: InFlight) -> None:
@@ -207,6 +217,8 @@ class Router:
                 for m, ms in self.models.items()
             },
             "tickets": len(self.admission.tickets),
+            "ticket_stats": dict(self.admission.stats),
+            "redemption": self.admission.redemption,
             "inflight": len(self.inflight),
         }
         await req.respond(json_encoder.encode(body))
@@ -311,7 +323,7 @@ class Router:
             prediction=predict(ms.window, work_us),
             ticket=hdrs.get(Header.TICKET), avoid_node=hdrs.get(Header.AVOID_NODE),
         )
-        decision = self.admission.decide(ms, ask)
+        decision = await self._admit(ms, ask)
         if isinstance(decision, Refuse):
             await self._refuse(msg, rid, model, decision)
             self.metrics.router_decision_seconds.labels(model, "refused").observe(
@@ -322,7 +334,7 @@ class Router:
             # Every candidate was taken under us (another router): refuse with a ticket now.
             ask = Ask(now_s=time.monotonic(), deadline_s=ask.deadline_s,
                       prediction=ask.prediction, avoid_node=ask.avoid_node)
-            again = self.admission.decide(ms, ask)
+            again = await self._admit(ms, ask, may_park=False)
             refusal = again if isinstance(again, Refuse) else Refuse(
                 Status.BUSY, Reason.BUSY, "all slots are busy", retry_after_ms=max(
                     1, math.ceil(ask.prediction.p50_us / 1000)))
@@ -332,6 +344,25 @@ class Router:
             outcome = "placed"
         self.metrics.router_decision_seconds.labels(model, outcome).observe(
             time.perf_counter() - t0)
+
+    async def _admit(self, ms: ModelSlots, ask: Ask, may_park: bool = True) -> Place | Refuse:
+        decision = self.admission.decide(ms, ask, may_park=may_park)
+        if isinstance(decision, Park):
+            self.metrics.parked.labels(ms.model).inc()
+        while isinstance(decision, Park):
+            # Wait for any slot of the model to free, then look again (the holder's own slot,
+            # or one nobody was promised), until the park window closes.
+            event = self._freed_events.setdefault(ms.model, asyncio.Event())
+            event.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, decision.until_s - time.monotonic())):
+                    await event.wait()
+            now = time.monotonic()
+            ask = Ask(now_s=now, deadline_s=ask.deadline_s, prediction=ask.prediction,
+                      ticket=ask.ticket, avoid_node=ask.avoid_node,
+                      park_until_s=decision.until_s)
+            decision = self.admission.decide(ms, ask, may_park=now < decision.until_s)
+        return decision
 
     def _deadline_ms(self, model: str, raw: str | None) -> int:
         if raw is None:
@@ -379,7 +410,8 @@ class Router:
                 if _is_depth_refusal(exc):
                     self.metrics.broker_refusals.labels(model).inc()
                     view.busy = True
-                    view.free_at_s = time.monotonic() + ask.prediction.p50_us / 1e6
+                    view.expected_free_s = time.monotonic() + ask.prediction.expected_us / 1e6
+                    view.free_at_s = time.monotonic() + ask.prediction.p99_us / 1e6
                     if i == len(candidates) and not settled:
                         settled = True
                         await asyncio.sleep(BROKER_SETTLE_S)
@@ -422,8 +454,10 @@ class Router:
         view.busy = True
         view.request_id = rid
         view.free_at_s = now + ask.prediction.p99_us / 1e6
+        view.expected_free_s = now + ask.prediction.expected_us / 1e6
         return self.inflight.track(InFlight(
             request_id=rid, model=model, reply=reply, node=view.node, key=view.key,
+            placed_s=now,
             subject=view.subject, stream=self.names.slot_stream_for(view.node),
             deadline_s=ask.deadline_s,
             answer_by_s=ask.deadline_s + self.cfg.deadline_grace_ms / 1000,

@@ -2,7 +2,7 @@
 ticket holder gets its slot ahead of newcomers, and a promise that cannot meet the deadline is
 never made."""
 
-from plane.admission import Admission, Ask, Place, Refuse
+from plane.admission import Admission, Ask, Park, Place, Refuse
 from plane.budget import Prediction, ServiceWindow, fits, predict
 from plane.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.occupancy import ModelSlots
@@ -19,7 +19,7 @@ def slots(n: int, healthy: bool = True) -> ModelSlots:
 
 def busy_until(ms: ModelSlots, *free_at_s: float) -> None:
     for view, t in zip(ms.slots.values(), free_at_s, strict=True):
-        view.busy, view.free_at_s = True, t
+        view.busy, view.free_at_s, view.expected_free_s = True, t, t
 
 
 def ask(now: float, deadline_s: float = 1.0, ticket: str | None = None,
@@ -43,8 +43,9 @@ def test_successive_refusals_get_successive_free_times() -> None:
         assert d.ticket is not None
         waits.append(d.retry_after_ms)
     # slot A frees at 10 ms, slot B at 20 ms; each promise then holds its slot for the
-    # predicted p99 (11 ms), so the next holder finds the slot free.
-    assert waits == [10, 20, 21, 31]
+    # predicted p50 (10 ms); holders are told to come 1 ms early (their trip back) and are
+    # parked if their slot has not freed yet.
+    assert waits == [9, 19, 19, 29]
     assert len(adm.tickets) == 4
 
 
@@ -57,7 +58,7 @@ def test_ticket_holder_goes_ahead_of_newcomers() -> None:
     ms.slots["n/0"].busy = False
     newcomer = adm.decide(ms, ask(0.0101))
     assert isinstance(newcomer, Refuse) and newcomer.retry_after_ms is not None
-    assert newcomer.retry_after_ms >= 10
+    assert newcomer.retry_after_ms >= 9
     holder = adm.decide(ms, ask(0.0101, ticket=first.ticket))
     assert isinstance(holder, Place) and holder.redeemed is not None
     adm.redeemed(ms, holder.redeemed)
@@ -68,7 +69,7 @@ def test_newcomer_that_fits_before_the_promise_is_placed() -> None:
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.050)
     promise = adm.decide(ms, ask(0.0))
-    assert isinstance(promise, Refuse) and promise.retry_after_ms == 50
+    assert isinstance(promise, Refuse) and promise.retry_after_ms == 49
     ms.slots["n/0"].busy = False  # freed early, at 5 ms
     short = Prediction(p50_us=1_000, p99_us=2_000)
     d = adm.decide(ms, ask(0.005, pred=short))
@@ -80,7 +81,7 @@ def test_no_promise_beyond_the_deadline() -> None:
     busy_until(ms, 0.100)
     d = adm.decide(ms, ask(0.0, deadline_s=0.050))
     assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE and d.ticket is None
-    assert d.retry_after_ms == 100
+    assert d.retry_after_ms == 99
     assert not adm.tickets
 
 
@@ -128,3 +129,28 @@ def test_service_window_percentiles(rng) -> None:  # type: ignore[no-untyped-def
     p = predict(w, work_us=1000)
     assert p.p50_us == 1000 + w.p50_us
     assert fits(p, p.p99_us) and not fits(p, p.p99_us - 1)
+
+
+def test_holder_whose_slot_is_about_to_free_is_parked_not_refused() -> None:
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    first = adm.decide(ms, ask(0.0))
+    assert isinstance(first, Refuse) and first.retry_after_ms == 9
+    # Back at 9 ms, the slot still runs (frees at 10 ms): wait for it, do not refuse.
+    d = adm.decide(ms, ask(0.009, ticket=first.ticket))
+    assert isinstance(d, Park) and d.view.key == "n/0" and d.until_s > 0.010
+
+
+def test_no_shows_stop_pinning_slot_time() -> None:
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    now = 0.0
+    for _ in range(40):  # callers that never come back
+        d = adm.decide(ms, ask(now))
+        assert isinstance(d, Refuse)
+        now += 0.05  # each promise expires unredeemed
+    assert adm.redemption["calibrated"] < 0.5
+    ms.slots["n/0"].busy = False
+    last = adm.decide(ms, ask(now))
+    # Free slot, no pinned promises left: a newcomer is placed at once.
+    assert isinstance(last, Place)

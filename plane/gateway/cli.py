@@ -12,6 +12,7 @@ from plane.config import MAX_BODY_BYTES, ConnectOptions
 from plane.errors import ConfigError
 from plane.gateway.config import GatewayConfig
 from plane.gateway.server import Gateway
+from plane.lifecycle import run as run_on_uvloop
 from plane.logs import configure
 
 
@@ -54,4 +55,4 @@ def gateway(nats_url: str | None, user: str | None, password: str | None, token:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     configure(log_level)
-    asyncio.run(serve(config, opts))
+    run_on_uvloop(serve(config, opts))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from plane.backoff import NO_RETRY, RetryPolicy
 from plane.cli import EXIT_UNHEALTHY, connect_options, make_connect
 from plane.config import DEFAULT_DEADLINE_MS, FALLBACK_DEADLINE_MS
 from plane.errors import ConfigError
+from plane.lifecycle import run as run_on_uvloop
 from plane.pulse.api import pulse as run_pulse
 from plane.pulse.bodies import DEFAULT_DURATION_US, body_from_option
 from plane.pulse.report import print_table, to_json, write_out
@@ -86,7 +86,7 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
             raise ConfigError("give --nats URL (the plane) or --url URL (an HTTP endpoint)")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    report = asyncio.run(run_pulse(target, payload, load, deadline_ms=deadline))
+    report = run_on_uvloop(run_pulse(target, payload, load, deadline_ms=deadline))
     if as_json:
         click.echo(to_json(report.summary))
     else:

@@ -42,11 +42,10 @@ PARK_MAX_SHARE = 1.0
 # redeemed tickets (an exponential average), refusals carry a Retry-After estimate and a
 # ticket but pin no slot, so callers who never retry cannot leave slots idle.
 MIN_REDEMPTION = 0.5
-# Promises reach at most this far ahead (the larger of the two): a promise far out drifts
-# (every earlier holder's variance adds up along a slot's chain) and keeps a caller waiting
-# who could go elsewhere now. Beyond it the refusal says `deadline`: go elsewhere at once.
-PROMISE_HORIZON_MIN_S = 0.050
-PROMISE_HORIZON_SERVICES = 8
+# At most this many promises wait on one slot: a promise deep in a slot's chain drifts (every
+# earlier holder's variance adds up) and keeps a caller waiting who could go elsewhere now.
+# Beyond it the refusal says `deadline`: go elsewhere at once.
+PROMISE_MAX_LINKS = 8
 REDEMPTION_WEIGHT = 0.05
 
 
@@ -225,12 +224,10 @@ class Admission:
         avail_s = best.available_at(now)
         due_s = max(now, avail_s - RETURN_LEAD_S)
         wait_ms = max(1, math.ceil((due_s - now) * 1000 - 1e-6))  # 1e-6: float noise
-        horizon_s = max(PROMISE_HORIZON_MIN_S,
-                        PROMISE_HORIZON_SERVICES * ask.prediction.expected_us / 1e6)
-        if due_s - now > horizon_s:
+        if len(best.reservations) >= PROMISE_MAX_LINKS:
             return Refuse(
                 Status.BUSY, Reason.DEADLINE,
-                f"every {ms.model} slot is promised for the next {round(horizon_s * 1000)} ms "
+                f"every {ms.model} slot already has {PROMISE_MAX_LINKS} callers promised "
                 f"(earliest free in {wait_ms} ms): go elsewhere now, or come back later",
                 retry_after_ms=wait_ms,
             )

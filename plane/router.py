@@ -53,6 +53,7 @@ log = structlog.get_logger("plane.router")
 
 WATCHDOG_PERIOD_S = 0.02
 ASK_NODE_TIMEOUT_S = 0.25
+ASK_NODE_WITHIN_S = 2.0
 # The broker frees a WorkQueue message a moment after the node's ack; when it still refuses a
 # slot our view says is free, wait this long once and try again.
 BROKER_SETTLE_S = 0.0005
@@ -266,13 +267,20 @@ class Router:
                 await asyncio.sleep(0.2)
 
     async def _node_answered(self, fl: InFlight, placement: str) -> bool:
-        """True only when the node says it answered that placement (silence: maybe dead)."""
-        try:
-            msg = await self.nc.request(self.names.node_answered(fl.node),
-                                        placement.encode(), timeout=ASK_NODE_TIMEOUT_S)
-        except Exception:
-            return False
-        return msg.data == b"1"
+        """True only when the node says it answered that placement. Asked again while the
+        question cannot get through (our own server may be failing over); False when the
+        node stays silent for `ASK_NODE_WITHIN_S` (it is dead: nobody else will answer)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + ASK_NODE_WITHIN_S
+        while True:
+            try:
+                msg = await self.nc.request(self.names.node_answered(fl.node),
+                                            placement.encode(), timeout=ASK_NODE_TIMEOUT_S)
+                return msg.data == b"1"
+            except Exception:
+                if loop.time() >= give_up:
+                    return False
+                await asyncio.sleep(0.05)
 
     async def _answer_for_node(self, fl: InFlight, status: Status, reason: Reason,
                                text: str) -> None:
@@ -390,8 +398,10 @@ class Router:
             Header.WORK_US: str(work_us),
             Header.ROUTER: self.cfg.router_id,
             Header.ATTEMPT: hdrs.get(Header.ATTEMPT, "1"),
-            # Whole seconds, at least one: a backstop that frees an orphaned slot.
-            Header.NATS_TTL: f"{max(1, math.ceil(deadline_ms / 1000))}s",
+            # A backstop that frees an orphaned slot, in whole seconds (the server's unit):
+            # the deadline rounded up plus one, so the message outlives the router's takeover
+            # at the deadline (an expired message would look "taken by the node").
+            Header.NATS_TTL: f"{math.ceil(deadline_ms / 1000) + 1}s",
         }
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct

@@ -156,7 +156,7 @@ async def test_slot_message_carries_ttl_and_routing_headers() -> None:
         msg = await js.get_last_msg(NAMES.slots_stream, NAMES.slot("calibrated",
                                                                    "node0-calibrated", 0))
         h = msg.headers or {}
-        assert h[Header.NATS_TTL] == "3s"  # 2.5 s rounded up to whole seconds
+        assert h[Header.NATS_TTL] == "4s"  # 2.5 s rounded up to whole seconds, plus one
         assert h[Header.REPLY_TO].startswith("_INBOX.")
         assert int(h[Header.DEADLINE_MS]) <= 2500
         assert status(await task) == 200

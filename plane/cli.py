@@ -135,6 +135,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
         names=_names(prefix), models=model_list, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
+        freshness=True,
     )
     _run(run_up(cfg, demo=demo))
 
@@ -153,10 +154,13 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 @click.option("--sms-per-slot", type=int, default=None, help="SMs per slot partition (CUDA).")
 @click.option("--node-id", default=None, help="Node name (default: n-<hostname>).")
 @click.option("--allow-faults", is_flag=True, help="Accept fault injection (tests, drills).")
+@click.option("--freshness/--no-freshness", default=True, show_default=True,
+              help="risk: guard streamed per-card features by their freshness.")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
-         backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool) -> None:
+         backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
+         freshness: bool) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
@@ -167,8 +171,10 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     extra = {"node_id": node_id} if node_id else {}
     cfg = NodeConfig(names=_names(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults, **extra)  # type: ignore[arg-type]
-    conn = make_connect(nats_url, user, password, token, creds, tls_ca, f"plane-node-{cfg.node_id}")
-    _run(run_node(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg))
+    conn = make_connect(nats_url, user, password, token, creds, tls_ca,
+                        f"plane-node-{cfg.node_id}")
+    _run(run_node(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg,
+                  freshness=freshness))
 
 
 @main.command()

@@ -10,6 +10,9 @@ from types import TracebackType
 
 from nats.aio.client import Client
 
+from freshness.config import GuardConfig
+from freshness.guard import CardFeatureGuard, risk_enricher
+from freshness.metrics import GuardMetrics
 from gpu_node.node import Node
 from gpu_node.slot import Enrich
 from plane.config import ConnectOptions, NodeConfig, RouterConfig
@@ -33,6 +36,8 @@ class StackConfig:
     metrics_host: str = "127.0.0.1"
     allow_faults: bool = False
     replicas: int = 1  # JetStream replicas of the slot stream and KV buckets (3 in a cluster)
+    # The freshness guard on `risk` nodes (requests with a `card` use streamed features).
+    freshness: bool = False
     node_overrides: dict[str, object] = field(default_factory=dict)
     router_overrides: dict[str, object] = field(default_factory=dict)
 
@@ -72,6 +77,11 @@ class PlaneStack:
                     )
                     nc = await self._connect(f"plane-node-{node_cfg.node_id}")
                     enrich = self.enrich if model == "risk" else None
+                    if enrich is None and model == "risk" and cfg.freshness:
+                        guard = CardFeatureGuard(nc, cfg.names, GuardConfig(),
+                                                 metrics=GuardMetrics(self.metrics.registry)
+                                                 if i == 0 else GuardMetrics())
+                        enrich = risk_enricher(await st.enter_async_context(guard))
                     node = Node(nc, node_cfg, self.metrics, enrich=enrich,
                                 replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import nats
 from nats.aio.client import Client
 
+from freshness.config import GuardConfig
+from freshness.guard import CardFeatureGuard, risk_enricher
+from freshness.metrics import GuardMetrics
 from gpu_node.node import Node
 from plane.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.lifecycle import stop_event
@@ -88,12 +91,19 @@ class ServeSpec:
     replicas: int = 1
 
 
-async def run_node(spec: ServeSpec, cfg: NodeConfig) -> int:
+async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) -> int:
     metrics = PlaneMetrics()
     nc = await connect(spec.connect)
     try:
         with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
-            async with Node(nc, cfg, metrics, replicas=spec.replicas):
+            async with contextlib.AsyncExitStack() as stack:
+                enrich = None
+                if freshness and cfg.model == "risk":
+                    guard = CardFeatureGuard(nc, cfg.names, GuardConfig(),
+                                             metrics=GuardMetrics(metrics.registry))
+                    enrich = risk_enricher(await stack.enter_async_context(guard))
+                await stack.enter_async_context(
+                    Node(nc, cfg, metrics, replicas=spec.replicas, enrich=enrich))
                 await stop_event().wait()
     finally:
         await nc.drain()

@@ -188,3 +188,16 @@ async def test_metrics_and_service_discovery() -> None:
         assert names == {NAMES.router_service, NAMES.node_service}
         info = await nc.request(f"$SRV.INFO.{NAMES.node_service}", b"", timeout=2)
         assert json.loads(info.data)["metadata"]["backend"] == "torch"
+
+
+async def test_risk_with_a_card_goes_through_the_freshness_guard() -> None:
+    async with plane(models=("risk",), slots=1, freshness=True) as stack, \
+            client(stack.url) as nc:
+        body = json.dumps({"features": [0.1] * 32, "card": "card-without-data"}).encode()
+        m = await nc.request(NAMES.infer("risk"), body, timeout=5,
+                             headers={Header.DEADLINE_MS: "50"})
+        assert status(m) == 200
+        # No streamed data for this card: never "fresh"; scored on the neutral fallback.
+        assert header(m, Header.FRESHNESS) == "degraded"
+        m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
+        assert status(m) == 200 and header(m, Header.FRESHNESS) is None

@@ -160,6 +160,8 @@ class Admission:
             until_s = ask.park_until_s or self._park_until(holder, ask)
             own = ms.slots.get(holder.key)
             if own is not None and own.healthy and ask.now_s < until_s:
+                # The promise stands while its holder waits for the slot.
+                holder.expires_s = max(holder.expires_s, until_s + PARK_MARGIN_S)
                 return Park(own, until_s, holder)
         return self._refuse(ms, ask, holder)
 

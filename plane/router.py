@@ -331,10 +331,11 @@ class Router:
             prediction=predict(ms.window, work_us),
             ticket=hdrs.get(Header.TICKET), avoid_node=hdrs.get(Header.AVOID_NODE),
         )
-        decision = await self._admit(ms, ask)
+        decision, parked = await self._admit(ms, ask)
         if isinstance(decision, Refuse):
             await self._refuse(msg, rid, model, decision)
-            self.metrics.router_decision_seconds.labels(model, "refused").observe(
+            self.metrics.router_decision_seconds.labels(
+                model, "refused-after-park" if parked else "refused").observe(
                 time.perf_counter() - t0)
             return
         placed = await self._place(msg, rid, model, ms, decision, ask, work_us)
@@ -342,7 +343,7 @@ class Router:
             # Every candidate was taken under us (another router): refuse with a ticket now.
             ask = Ask(now_s=time.monotonic(), deadline_s=ask.deadline_s,
                       prediction=ask.prediction, avoid_node=ask.avoid_node)
-            again = await self._admit(ms, ask, may_park=False)
+            again, _ = await self._admit(ms, ask, may_park=False)
             refusal = again if isinstance(again, Refuse) else Refuse(
                 Status.BUSY, Reason.BUSY, "all slots are busy", retry_after_ms=max(
                     1, math.ceil(ask.prediction.p50_us / 1000)))
@@ -353,8 +354,11 @@ class Router:
         self.metrics.router_decision_seconds.labels(model, outcome).observe(
             time.perf_counter() - t0)
 
-    async def _admit(self, ms: ModelSlots, ask: Ask, may_park: bool = True) -> Place | Refuse:
+    async def _admit(self, ms: ModelSlots, ask: Ask,
+                     may_park: bool = True) -> tuple[Place | Refuse, bool]:
+        """The decision, and whether the caller was parked on the way to it."""
         decision = self.admission.decide(ms, ask, may_park=may_park)
+        parked = isinstance(decision, Park)
         if isinstance(decision, Park):
             self.metrics.parked.labels(ms.model).inc()
         while isinstance(decision, Park):
@@ -370,7 +374,7 @@ class Router:
                       ticket=ask.ticket, avoid_node=ask.avoid_node,
                       park_until_s=decision.until_s)
             decision = self.admission.decide(ms, ask, may_park=now < decision.until_s)
-        return decision
+        return decision, parked
 
     def _deadline_ms(self, model: str, raw: str | None) -> int:
         if raw is None:

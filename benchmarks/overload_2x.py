@@ -1,0 +1,159 @@
+"""The plane's promise under overload: `plane pulse --retry` at 0.9x and 2x the capacity.
+
+    .venv/bin/python benchmarks/overload_2x.py [--duration 60] [--slots 4] [--work-us 20000]
+
+One run: an embedded nats-server, `plane up --nats URL --models calibrated --slots N` as its
+own process (router and node), and this process as the caller (the pulse driver: open loop,
+latency from each request's scheduled send time, the SDK's retries: Retry-After, tickets).
+The capacity is measured first (closed loop, one caller per slot); then 0.9x and 2x of it are
+offered for --duration seconds each. Prints the issue's targets next to what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from plane.backoff import RetryPolicy
+from plane.client import Client
+from plane.config import ConnectOptions
+from plane.embedded import EmbeddedNats
+from plane.lifecycle import run
+from plane.pulse.outcome import Outcome
+from plane.pulse.runner import LoadConfig, run_load
+from plane.pulse.targets import NatsTarget
+
+BIN = Path(sys.executable).parent
+DEADLINE_MS = 1000
+
+
+async def capacity(url: str, body: bytes, callers: int, seconds: float) -> float:
+    async with Client.connect(url) as c:
+        done = 0
+        end = time.monotonic() + seconds
+
+        async def caller() -> None:
+            nonlocal done
+            while time.monotonic() < end:
+                r = await c.call("calibrated", body, deadline_ms=DEADLINE_MS)
+                done += r.status == 200
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        return done / (time.monotonic() - t0)
+
+
+def pct(values: list[int], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))] / 1000 if s else float("nan")
+
+
+def figures(outcomes: list[Outcome], seconds: float) -> dict[str, float]:
+    accepted = [o for o in outcomes if o.attempts.final == "200"]
+    refused_first = [o for o in outcomes if o.attempts.statuses[:1] == (429,)]
+    retried = [o for o in refused_first if len(o.attempts.statuses) >= 2]
+    return {
+        "offered": len(outcomes),
+        "accepted_per_s": len(accepted) / seconds,
+        "accepted_within_deadline": sum(o.latency_us <= DEADLINE_MS * 1000 for o in accepted)
+        / max(1, len(accepted)),
+        "accepted_p50_ms": pct([o.accepted_us for o in accepted], 50),
+        "accepted_p99_ms": pct([o.accepted_us for o in accepted], 99),
+        "refused_first_share": len(refused_first) / max(1, len(outcomes)),
+        "first_retry_success": sum(o.attempts.statuses[1] == 200 for o in retried)
+        / max(1, len(retried)),
+        "mean_retries_per_refused": sum(len(o.attempts.statuses) - 1 for o in refused_first)
+        / max(1, len(refused_first)),
+        "retried_share_of_refused": len(retried) / max(1, len(refused_first)),
+    }
+
+
+def refusal_share_within_1ms(metrics_text: str) -> tuple[float, int]:
+    """From the router's decision histogram: the share of refusals decided within 1 ms."""
+    def bucket(le: str) -> float:
+        m = re.search(r'plane_router_decision_seconds_bucket\{le="' + re.escape(le)
+                      + r'",model="calibrated",outcome="refused"\} (\S+)', metrics_text)
+        return float(m.group(1)) if m else 0.0
+    total = bucket("+Inf")
+    return (bucket("0.001") / total if total else float("nan")), int(total)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--work-us", type=int, default=20_000)
+    ap.add_argument("--metrics-port", type=int, default=9791)
+    args = ap.parse_args()
+    body = json.dumps({"duration_us": args.work_us}).encode()
+    async with EmbeddedNats() as srv:
+        up = subprocess.Popen(
+            [str(BIN / "plane"), "up", "--nats", srv.url, "--models", "calibrated",
+             "--slots", str(args.slots), "--log-level", "warning",
+             "--metrics-port", str(args.metrics_port)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert up.stdout is not None
+            while "Ctrl-C" not in (line := await asyncio.to_thread(up.stdout.readline)):
+                if not line:
+                    raise RuntimeError("plane up exited")
+            cap = await capacity(srv.url, body, args.slots, 10.0)
+            rows = {}
+            for factor in (0.9, 2.0):
+                target = NatsTarget(ConnectOptions(url=srv.url, name="overload"),
+                                    model="calibrated", deadline_ms=DEADLINE_MS,
+                                    policy=RetryPolicy())
+                async with target:
+                    t0 = time.monotonic()
+                    result = await run_load(target, body, LoadConfig(
+                        rate=factor * cap, duration_s=args.duration, concurrency=4096))
+                    rows[factor] = figures(result.outcomes, time.monotonic() - t0)
+            text = urllib.request.urlopen(
+                f"http://127.0.0.1:{args.metrics_port}/metrics", timeout=5).read().decode()
+        finally:
+            up.terminate()
+            up.wait(timeout=30)
+    share_1ms, refusals = refusal_share_within_1ms(text)
+    r09, r2 = rows[0.9], rows[2.0]
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; {args.slots} slots x {args.work_us} us calibrated, "
+          f"deadline {DEADLINE_MS} ms, {args.duration:.0f} s per load")
+    print(f"capacity (closed loop, {args.slots} callers): {cap:.1f} req/s "
+          f"(ideal {args.slots / args.work_us * 1e6:.0f})\n")
+    print("| load | offered | accepted/s | accepted within deadline | accepted p50 ms | "
+          "accepted p99 ms | p99/p50 | refused at first try | first-retry success | "
+          "mean retries per refused |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for f, r in rows.items():
+        print(f"| {f}x | {r['offered']:.0f} | {r['accepted_per_s']:.1f} | "
+              f"{r['accepted_within_deadline']:.2%} | {r['accepted_p50_ms']:.1f} | "
+              f"{r['accepted_p99_ms']:.1f} | {r['accepted_p99_ms'] / r['accepted_p50_ms']:.2f} "
+              f"| {r['refused_first_share']:.1%} | {r['first_retry_success']:.2%} | "
+              f"{r['mean_retries_per_refused']:.2f} |")
+    print()
+    checks = [
+        ("accepted within deadline at 2x >= 99.9%", r2["accepted_within_deadline"] >= 0.999),
+        ("accepted p99/p50 at 2x <= 1.8",
+         r2["accepted_p99_ms"] / r2["accepted_p50_ms"] <= 1.8),
+        ("first-retry success at 2x >= 99.5%", r2["first_retry_success"] >= 0.995),
+        ("mean retries per refused request at 2x <= 1.2", r2["mean_retries_per_refused"] <= 1.2),
+        ("goodput at 2x >= 90% of accepted/s at 0.9x",
+         r2["accepted_per_s"] >= 0.9 * r09["accepted_per_s"]),
+        (f"refusals decided within 1 ms (router): {share_1ms:.2%} of {refusals} >= 99%",
+         share_1ms >= 0.99),
+    ]
+    print(f"goodput at 2x: {r2['accepted_per_s'] / r09['accepted_per_s']:.0%} of 0.9x")
+    for name, ok in checks:
+        print(f"- [{'x' if ok else ' '}] {name}")
+
+
+if __name__ == "__main__":
+    run(main())

@@ -52,7 +52,7 @@ class InFlightBook:
     def __init__(
         self, js: JetStreamContext, *, answer: Answer, freed: Callable[[InFlight], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
-        asked: Callable[[InFlight, str], Awaitable[bool]],
+        asked: Callable[[InFlight, str, bool], Awaitable[bool]],
     ) -> None:
         self._js = js
         self._asked = asked
@@ -82,7 +82,7 @@ class InFlightBook:
             return
         if status == NOT_ANSWERED:
             self._resolve(fl, Status.DEADLINE, Reason.DEADLINE,
-                          "the slot finished after the deadline")
+                          "the slot finished after the deadline", node_alive=True)
         elif not fl.resolving:
             del self.entries[key]
 
@@ -90,27 +90,33 @@ class InFlightBook:
         for fl in list(self.entries.values()):
             if fl.node == node and not fl.placing:
                 self._resolve(fl, Status.UNAVAILABLE, Reason.UNHEALTHY,
-                              f"node {node} failed mid-request ({why}): retry elsewhere")
+                              f"node {node} failed mid-request ({why}): retry elsewhere",
+                              node_alive=False)
 
     def tick(self, now_s: float) -> None:
         for fl in list(self.entries.values()):
             if not fl.placing and not fl.resolving and now_s > fl.answer_by_s:
                 self._resolve(fl, Status.DEADLINE, Reason.DEADLINE,
-                              "the deadline passed with no answer from the node")
+                              "the deadline passed with no answer from the node",
+                              node_alive=True)
 
-    def _resolve(self, fl: InFlight, status: Status, reason: Reason, text: str) -> None:
+    def _resolve(self, fl: InFlight, status: Status, reason: Reason, text: str, *,
+                 node_alive: bool) -> None:
         if fl.resolving:
             return
         fl.resolving = True
-        self._spawn(self._take_and_answer(fl, status, reason, text))
+        self._spawn(self._take_and_answer(fl, status, reason, text, node_alive))
 
     async def _take_and_answer(self, fl: InFlight, status: Status, reason: Reason,
-                               text: str) -> None:
+                               text: str, node_alive: bool) -> None:
         try:
             seq = fl.seq if fl.seq is not None else await self._find(fl)
             # A node that answered but whose ack and done-event were lost (its broker died)
             # still knows it answered that message: ask before taking.
-            if seq is not None and await self._asked(fl, placement_id(fl.stream, seq)):
+            # A node presumed dead is asked once, briefly; a live one patiently (our own
+            # server may be failing over).
+            placement = placement_id(fl.stream, seq) if seq is not None else ""
+            if seq is not None and await self._asked(fl, placement, node_alive):
                 log.info("node says it answered", request_id=fl.request_id, node=fl.node)
                 return
             if seq is not None:

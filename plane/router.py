@@ -266,12 +266,12 @@ class Router:
                 log.info("re-provisioning waits for JetStream", error=repr(exc))
                 await asyncio.sleep(0.2)
 
-    async def _node_answered(self, fl: InFlight, placement: str) -> bool:
+    async def _node_answered(self, fl: InFlight, placement: str, patient: bool) -> bool:
         """True only when the node says it answered that placement. Asked again while the
         question cannot get through (our own server may be failing over); False when the
         node stays silent for `ASK_NODE_WITHIN_S` (it is dead: nobody else will answer)."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + ASK_NODE_WITHIN_S
+        give_up = loop.time() + (ASK_NODE_WITHIN_S if patient else 0.0)
         while True:
             try:
                 msg = await self.nc.request(self.names.node_answered(fl.node),

@@ -20,6 +20,7 @@ up: setup
 
 test: setup system js
 	.venv/bin/ruff check plane gpu_node kernels freshness tests benchmarks scripts
+	.venv/bin/mypy
 	.venv/bin/python -m pytest -q
 
 lint: setup

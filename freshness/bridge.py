@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from types import TracebackType
 
 import msgspec
 import nats.errors
@@ -43,6 +42,7 @@ from freshness.config import BridgeConfig, stream_token
 from freshness.metrics import BridgeMetrics
 from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.records import Stamps, msg_id, transaction_decoder
+from plane.lifecycle import Lifecycle
 from plane.subjects import Header
 
 log = structlog.get_logger("freshness.bridge")
@@ -86,7 +86,7 @@ class BridgeStats:
     commit_failures: int = 0
 
 
-class KafkaBridge:
+class KafkaBridge(Lifecycle):
     """`async with KafkaBridge(nc, BridgeConfig(...)) as bridge:` bridges until the block
     ends; `stop()` (idempotent) finishes the round in flight, commits it, then leaves."""
 
@@ -139,15 +139,6 @@ class KafkaBridge:
         finally:
             await self._close_consumer()
         log.info("bridge stopped", **vars(self.stats))
-
-    async def __aenter__(self) -> KafkaBridge:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     async def wait_assigned(self, timeout_s: float = 30.0) -> None:
         async with asyncio.timeout(timeout_s):

@@ -46,7 +46,7 @@ EXIT_FAILED = 1
 @metrics_host_option
 @replicas_option
 @click.option("--log-level", default="info", show_default=True)
-@connect_options  # type: ignore[untyped-decorator]  # plane.cli: untyped helper
+@connect_options
 def bridge(kafka: str, topics: tuple[str, ...], group_id: str, max_in_flight: int,
            max_batch: int, session_timeout_ms: int, prefix: str, metrics_port: int | None,
            metrics_host: str, replicas: int, log_level: str,
@@ -99,7 +99,7 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, max_in_flight: in
               help="Use this Kafka instead of starting tansu.")
 @click.option("--topic", default="transactions", show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
-@connect_options  # type: ignore[untyped-decorator]  # plane.cli: untyped helper
+@connect_options
 def risk_demo(duration_s: float, rate_per_s: float, cards: int, lag_ms: float,
               lag_fraction: float, freshness_ms: int, on_stale: str, deadline_ms: int,
               kafka: str | None, topic: str, log_level: str, nats_url: str | None,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from types import TracebackType
 
 import msgspec
 import nats.errors
@@ -30,6 +29,7 @@ from nats.js.kv import KeyValue
 from freshness.config import UpdaterConfig
 from freshness.provision import ensure_events_stream, ensure_features_bucket, events_stream_config
 from freshness.records import CardFeatures, Stamps, Transaction, json_encoder, transaction_decoder
+from plane.lifecycle import Lifecycle
 from plane.messages import FEATURES
 
 log = structlog.get_logger("freshness.features")
@@ -79,7 +79,7 @@ def apply_event(prev: CardFeatures | None, txn: Transaction, stamps: Stamps,
     )
 
 
-class FeatureUpdater:
+class FeatureUpdater(Lifecycle):
     """`async with FeatureUpdater(nc, UpdaterConfig(topic=...)):` keeps features current."""
 
     def __init__(self, nc: Client, config: UpdaterConfig) -> None:
@@ -127,15 +127,6 @@ class FeatureUpdater:
                 await task
         with contextlib.suppress(nats.errors.Error):
             await self._sub.unsubscribe()
-
-    async def __aenter__(self) -> FeatureUpdater:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     async def _run(self) -> None:
         while not self._stopping.is_set():

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -54,6 +53,7 @@ from freshness.decision import Action, decide, degrade_source
 from freshness.metrics import GuardMetrics
 from freshness.provision import ensure_config_bucket, ensure_features_bucket
 from freshness.records import CardFeatures, features_decoder
+from plane.lifecycle import Lifecycle
 from plane.messages import FEATURES, Freshness, RiskRequest
 from plane.settings import LiveSettings
 from plane.subjects import Header, Names, config_key
@@ -84,7 +84,7 @@ def _now_ms() -> float:
     return time.time_ns() / 1e6
 
 
-class CardFeatureGuard:
+class CardFeatureGuard(Lifecycle):
     def __init__(
         self,
         nc_or_js: Client | JetStreamContext,
@@ -132,15 +132,6 @@ class CardFeatureGuard:
         settings, self._settings = self._settings, None
         if settings is not None:
             await settings.stop()
-
-    async def __aenter__(self) -> CardFeatureGuard:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
 
     # -- the per-request path --------------------------------------------------------------
     async def lookup(self, card: str, deadline_monotonic_s: float) -> GuardResult:

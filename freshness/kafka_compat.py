@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from types import TracebackType
 
 import structlog
+
+from plane.lifecycle import Lifecycle
 
 log = structlog.get_logger("freshness.kafka_compat")
 
@@ -61,7 +62,7 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(size)
 
 
-class ApiVersionsShim:
+class ApiVersionsShim(Lifecycle):
     """`async with ApiVersionsShim(upstream_port) as shim:` listens on `shim.port`."""
 
     def __init__(self, upstream_port: int, *, port: int = 0, host: str = "127.0.0.1") -> None:
@@ -138,11 +139,3 @@ class ApiVersionsShim:
             writer.write(_FRAME.pack(len(frame)) + frame)
             await writer.drain()
 
-    async def __aenter__(self) -> ApiVersionsShim:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
-from types import TracebackType
 from typing import Any
 
 import structlog
@@ -26,6 +24,7 @@ from gpu_node.recent import RecentIds
 from gpu_node.slot import Enrich, Slot
 from plane import replies
 from plane.config import FALLBACK_DEADLINE_MS, NodeConfig
+from plane.lifecycle import Lifecycle, TaskOwner
 from plane.messages import Heartbeat, NodeAdvert, SlotAdvert, fault_decoder, json_encoder
 from plane.metrics import PlaneMetrics
 from plane.models import model_spec
@@ -36,11 +35,12 @@ from plane.subjects import advert_key, config_key
 log = structlog.get_logger("plane.node")
 
 
-class Node:
+class Node(Lifecycle, TaskOwner):
     def __init__(
         self, nc: Client, cfg: NodeConfig, metrics: PlaneMetrics | None = None, *,
         backend: Backend | None = None, enrich: Enrich | None = None, replicas: int = 1,
     ) -> None:
+        super().__init__()
         self.nc = nc
         self.cfg = cfg
         self.names = cfg.names
@@ -55,7 +55,6 @@ class Node:
         self.answered = RecentIds()
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas,
                                    advert_ttl_s=cfg.advert_ttl_s)
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._service: Service | None = None
         self._fault_sub: Any = None
         self._supervisor: Supervisor | None = None
@@ -132,20 +131,6 @@ class Node:
         with contextlib.suppress(Exception):
             await self.nc.flush(timeout=2)
         log.info("node stopped", node=self.cfg.node_id)
-
-    async def __aenter__(self) -> Node:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- slots ------------------------------------------------------------------------------
     async def _reconcile_slots(self) -> None:

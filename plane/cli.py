@@ -6,7 +6,8 @@ Environment variables are read here, once (click's `envvar=`), and nowhere else.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
@@ -24,7 +25,10 @@ EXIT_UNHEALTHY = 1
 EXIT_USAGE = 2
 
 
-def connect_options(f):  # type: ignore[no-untyped-def]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def connect_options(f: F) -> F:
     """The NATS connection options every command takes."""
     opts = [
         click.option("--nats", "nats_url", envvar="PLANE_NATS", default=None,
@@ -214,15 +218,3 @@ def status(nats_url: str | None, user: str | None, password: str | None, token: 
     """
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-status")
     _run(run_status(conn, _names(prefix)))
-
-
-# ---- commands (one line each; each module owns its command) -------------------------------
-from freshness.cli import bridge, risk_demo  # noqa: E402
-
-main.add_command(bridge)
-main.add_command(risk_demo)
-from plane.gateway.cli import gateway  # noqa: E402
-from plane.pulse.cli import pulse  # noqa: E402
-
-main.add_command(gateway)
-main.add_command(pulse)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 import uvloop
 
@@ -28,3 +29,36 @@ def stop_event() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, event.set)
     return event
+
+
+class Lifecycle:
+    """Base of the long-lived things (router, node, stack, bridge, guard ...): an async context
+    manager over the subclass's idempotent `start()` and `stop()`."""
+
+    async def start(self) -> None:
+        raise NotImplementedError  # pragma: no cover - every subclass defines it
+
+    async def stop(self) -> None:
+        raise NotImplementedError  # pragma: no cover - every subclass defines it
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+class TaskOwner:
+    """Owns the background tasks it spawns (no fire-and-forget): the set keeps a reference
+    until each task ends; `stop()` of the owner cancels and awaits what is left."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

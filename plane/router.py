@@ -13,8 +13,6 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Coroutine
-from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -34,6 +32,7 @@ from plane.budget import predict
 from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, RouterConfig
 from plane.errors import BadRequest
 from plane.inflight import NOT_ANSWERED, InFlight, InFlightBook
+from plane.lifecycle import Lifecycle, TaskOwner
 from plane.messages import (
     DoneEvent,
     Reason,
@@ -65,7 +64,7 @@ def _is_depth_refusal(exc: APIError) -> bool:
     return exc.err_code == 10077 and "maximum messages per subject" in (exc.description or "")
 
 
-class Router:
+class Router(Lifecycle, TaskOwner):
     def __init__(
         self,
         nc: Client,
@@ -74,6 +73,7 @@ class Router:
         *,
         replicas: int = 1,
     ) -> None:
+        super().__init__()
         self.nc = nc
         self.cfg = cfg
         self.metrics = metrics or PlaneMetrics()
@@ -91,7 +91,6 @@ class Router:
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._subs: list[Subscription] = []
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._service: Service | None = None
         self._started = False
         self._stopping = False
@@ -140,20 +139,6 @@ class Router:
                 await self._service.stop()
         await self.settings.stop()
         log.info("router stopped", router=self.cfg.router_id)
-
-    async def __aenter__(self) -> Router:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- control plane ----------------------------------------------------------------------
     async def _on_heartbeat(self, msg: Msg) -> None:

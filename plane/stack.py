@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from types import TracebackType
 
 from nats.aio.client import Client
 
@@ -17,6 +16,7 @@ from gpu_node.node import Node
 from gpu_node.slot import Enrich
 from plane.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.embedded import EmbeddedNats
+from plane.lifecycle import Lifecycle
 from plane.metrics import PlaneMetrics, serve_metrics
 from plane.natsconn import connect
 from plane.router import Router
@@ -42,7 +42,7 @@ class StackConfig:
     router_overrides: dict[str, object] = field(default_factory=dict)
 
 
-class PlaneStack:
+class PlaneStack(Lifecycle):
     """`async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as s: s.url`"""
 
     def __init__(self, cfg: StackConfig | None = None, *, enrich: Enrich | None = None) -> None:
@@ -121,11 +121,3 @@ class PlaneStack:
     async def stop(self) -> None:
         await self._stack.aclose()
 
-    async def __aenter__(self) -> PlaneStack:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

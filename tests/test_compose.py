@@ -17,7 +17,7 @@ import click
 import pytest
 import yaml
 
-from plane.cli import main
+from plane.app import main
 from plane.embedded import nats_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from freshness.config import OnStale
 from freshness.demo import DemoPlan, run_risk_demo
-from plane.cli import main
+from plane.app import main
 from plane.errors import ConfigError
 
 

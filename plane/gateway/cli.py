@@ -27,7 +27,7 @@ async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
 
 
 @click.command("gateway")
-@connect_options  # type: ignore[untyped-decorator]  # plane.cli leaves it untyped
+@connect_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8080, show_default=True, help="0: any free port.")
 @click.option("--max-body-bytes", type=int, default=MAX_BODY_BYTES, show_default=True)

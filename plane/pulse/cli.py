@@ -30,7 +30,7 @@ def _headers(raw: tuple[str, ...]) -> dict[str, str]:
 
 
 @click.command("pulse")
-@connect_options  # type: ignore[untyped-decorator]  # plane.cli leaves it untyped
+@connect_options
 @click.option("--url", default=None, help="Load this HTTP endpoint instead of the plane.")
 @click.option("--model", default="calibrated", show_default=True)
 @click.option("--body", default=None, help="Request body as JSON (default: valid for --model).")

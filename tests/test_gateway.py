@@ -138,5 +138,8 @@ async def test_hey_gets_200s_then_429s(gateway: Gateway) -> None:
     text = out.decode()
     counts = {int(code): int(n) for code, n in
               re.findall(r"\[(\d{3})\]\s+(\d+) responses", text)}
-    assert counts.get(200, 0) > 0 and counts.get(429, 0) > 0, text
+    # hey never retries: promises nobody redeems must not leave the slots idle. The slots
+    # can serve 2 / 50 ms = 40/s, 200 in 5 s; at least 40% of that must come back 200
+    # (measured here: about 75%), and the rest is refused at once.
+    assert counts.get(200, 0) >= 80 and counts.get(429, 0) > 0, text
     assert set(counts) <= {200, 429}, text

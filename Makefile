@@ -19,12 +19,12 @@ up: setup
 	.venv/bin/plane up --metrics-port 9464
 
 test: setup system js
-	.venv/bin/ruff check plane gpu_node kernels freshness tests benchmarks scripts
+	.venv/bin/ruff check plane gpu_node kernels freshness tests benchmarks scripts examples
 	.venv/bin/mypy
 	.venv/bin/python -m pytest -q
 
 lint: setup
-	.venv/bin/ruff check plane gpu_node kernels freshness tests benchmarks scripts
+	.venv/bin/ruff check plane gpu_node kernels freshness tests benchmarks scripts examples
 
 typecheck: setup
 	.venv/bin/mypy

@@ -7,10 +7,11 @@ import ssl
 from typing import Any
 
 import nats
+import structlog
 from nats.aio.client import Client
 
 from plane.config import ConnectOptions
-from plane.errors import ConfigError
+from plane.errors import ConfigError, Unavailable
 
 
 def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:
@@ -20,7 +21,9 @@ def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:
         "servers": opts.url.split(","),
         "name": opts.name,
         "connect_timeout": 5,
-        "max_reconnect_attempts": -1,
+        # Bounded for the first connection (a wrong password or URL fails in about ten
+        # seconds with a clear error), unbounded once connected: see `connect`.
+        "max_reconnect_attempts": INITIAL_ATTEMPTS,
         "reconnect_time_wait": 0.25,
         "allow_reconnect": True,
     }
@@ -35,5 +38,27 @@ def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:
     return kw
 
 
+log = structlog.get_logger("plane.nats")
+
+INITIAL_ATTEMPTS = 40  # x reconnect_time_wait 0.25 s
+
+
 async def connect(opts: ConnectOptions) -> Client:
-    return await nats.connect(**connect_kwargs(opts))
+    """Connect; raise `Unavailable` saying why when the server cannot be reached or refuses
+    us. Once connected, reconnect forever (a broker restart must not end a node)."""
+    last: list[BaseException] = []
+
+    async def remember(exc: Exception) -> None:
+        last[:] = [exc]  # only the latest: this callback lives as long as the connection
+        log.warning("nats connection error", name=opts.name, error=repr(exc))
+
+    try:
+        nc = await nats.connect(**connect_kwargs(opts), error_cb=remember)
+    except Exception as exc:
+        why = last[-1] if last else exc
+        raise Unavailable(
+            f"cannot connect to NATS at {opts.url}: {why}. Check the URL and the credentials "
+            "(--user/--password, --token, --creds, --tls-ca)"
+        ) from exc
+    nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
+    return nc

@@ -13,6 +13,11 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
+from plane.config import ConnectOptions
+from plane.embedded import EmbeddedNats, NatsServerSpec
+from plane.errors import ConfigError, Unavailable
+from plane.natsconn import connect
+from plane.stack import PlaneStack, StackConfig
 from plane.subjects import MSGPACK, Header
 from tests.plane_fixtures import NAMES, RISK_BODY, calibrated, client, header, plane, status
 
@@ -201,3 +206,19 @@ async def test_risk_with_a_card_goes_through_the_freshness_guard() -> None:
         assert header(m, Header.FRESHNESS) == "degraded"
         m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
         assert status(m) == 200 and header(m, Header.FRESHNESS) is None
+
+
+async def test_secured_server_credentials_pass_through() -> None:
+    async with EmbeddedNats(NatsServerSpec(user="plane", password="s3cret")) as srv:
+        with pytest.raises(Unavailable, match="Authorization Violation"):
+            await connect(ConnectOptions(url=srv.url, name="no-credentials"))
+        creds = ConnectOptions(url=srv.url, user="plane", password="s3cret")
+        async with PlaneStack(StackConfig(connect=creds, models=("risk",), slots=1)):
+            nc = await connect(creds)
+            try:
+                m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
+                assert status(m) == 200
+            finally:
+                await nc.close()
+        with pytest.raises(ConfigError, match="--user and --password go together"):
+            ConnectOptions(url=srv.url, user="plane")

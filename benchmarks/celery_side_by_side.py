@@ -6,7 +6,7 @@ both: `plane pulse`'s open-loop driver, latency from each request's scheduled se
 each system the capacity is measured first (closed loop, one caller per slot), then it is
 offered 0.5x, 0.9x and 1.5x that capacity for --duration seconds each.
 
-    .venv/bin/python benchmarks/celery_side_by_side.py --duration 60 --md benchmarks/CELERY.md
+    .venv/bin/python benchmarks/celery_side_by_side.py --duration 60   # the table in BENCHMARKS.md
 
 Needs redis-server (scripts/setup-system.sh installs it). Everything binds to 127.0.0.1; every
 process started here is stopped by its PID.

@@ -1,5 +1,5 @@
 """Smoke test of the Celery side-by-side: both systems start, are measured and stopped, and
-the table comes out. (The real run is 60 s per load: see benchmarks/CELERY.md.)"""
+the table comes out. (The real run is 60 s per load: see BENCHMARKS.md.)"""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ js: system
 	cd tests/js && npm ci --no-audit --no-fund --loglevel=error
 
 demo: setup
-	.venv/bin/plane up --demo
+	.venv/bin/plane up --demo --log-level warning
 
 up: setup
 	.venv/bin/plane up --metrics-port 9464

@@ -22,6 +22,7 @@ import structlog
 
 from freshness.kafka_compat import ApiVersionsShim
 from plane.errors import ConfigError
+from plane.processes import cancel_and_wait, stop_by_pid
 
 log = structlog.get_logger("freshness.tansu")
 
@@ -144,21 +145,9 @@ class EmbeddedTansu:
         """Stop tansu by PID (SIGTERM, or SIGKILL when `kill`); idempotent. The shim stays
         up (a restart keeps the clients' address)."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await stop_by_pid(proc, kill=kill, timeout_s=timeout_s)
         task, self._log_task = self._log_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def restart(self, *, kill: bool = False) -> None:
         """Stop and start again on the same port (memory storage: everything is lost)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import os
 import re
 import shutil
 import signal
@@ -21,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from plane.errors import ConfigError
+from plane.processes import cancel_and_wait, stop_by_pid
 
 _LISTEN_RE = re.compile(rb"Listening for client connections on [\d.]+:(\d+)")
 _CLUSTER_RE = re.compile(rb"Listening for route connections on [\d.]+:(\d+)")
@@ -144,21 +144,9 @@ class EmbeddedNats:
     async def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
         """Stop the server by PID (SIGTERM, or SIGKILL when `kill`); idempotent."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        if self._log_task is not None:
-            self._log_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._log_task
-            self._log_task = None
+        await stop_by_pid(proc, kill=kill, timeout_s=timeout_s)
+        task, self._log_task = self._log_task, None
+        await cancel_and_wait(task)
 
     async def restart(self, *, kill: bool = False) -> None:
         """Stop and start again on the same port and store directory."""

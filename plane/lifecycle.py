@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -31,15 +32,15 @@ def stop_event() -> asyncio.Event:
     return event
 
 
-class Lifecycle:
+class Lifecycle(ABC):
     """Base of the long-lived things (router, node, stack, bridge, guard ...): an async context
     manager over the subclass's idempotent `start()` and `stop()`."""
 
-    async def start(self) -> None:
-        raise NotImplementedError  # pragma: no cover - every subclass defines it
+    @abstractmethod
+    async def start(self) -> None: ...
 
-    async def stop(self) -> None:
-        raise NotImplementedError  # pragma: no cover - every subclass defines it
+    @abstractmethod
+    async def stop(self) -> None: ...
 
     async def __aenter__(self) -> Self:
         await self.start()

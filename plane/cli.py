@@ -108,13 +108,17 @@ log_option = click.option("--log-level", default="info", show_default=True,
                           type=click.Choice(["debug", "info", "warning", "error"]))
 
 
+def serving_options(f: F) -> F:
+    """What every serving command (up, node, router) takes: connection, prefix, metrics,
+    replicas, log level."""
+    for option in reversed((connect_options, prefix_option, metrics_option,
+                            metrics_host_option, replicas_option, log_option)):
+        f = option(f)
+    return f
+
+
 @main.command()
-@connect_options
-@prefix_option
-@metrics_option
-@metrics_host_option
-@replicas_option
-@log_option
+@serving_options
 @click.option("--models", default="risk,calibrated", show_default=True,
               help="Comma-separated models to serve (one node each).")
 @click.option("--slots", type=int, default=None, help="Slots per node (default: backend's).")
@@ -145,12 +149,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 
 
 @main.command()
-@connect_options
-@prefix_option
-@metrics_option
-@metrics_host_option
-@replicas_option
-@log_option
+@serving_options
 @click.option("--model", default="risk", show_default=True, type=click.Choice(sorted(MODELS)))
 @click.option("--slots", type=int, default=None, help="Slots to claim (default: backend's).")
 @click.option("--backend", default="auto", show_default=True,
@@ -182,12 +181,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
 
 
 @main.command()
-@connect_options
-@prefix_option
-@metrics_option
-@metrics_host_option
-@replicas_option
-@log_option
+@serving_options
 @click.option("--router-id", default=None, help="Router name (default: r-<hostname>).")
 def router(nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,

@@ -210,7 +210,7 @@ async def test_risk_with_a_card_goes_through_the_freshness_guard() -> None:
 
 async def test_secured_server_credentials_pass_through() -> None:
     async with EmbeddedNats(NatsServerSpec(user="plane", password="s3cret")) as srv:
-        with pytest.raises(Unavailable, match="cannot connect to NATS at .*credentials"):
+        with pytest.raises(Unavailable, match=r"cannot connect to NATS at .*credentials"):
             await connect(ConnectOptions(url=srv.url, name="no-credentials"))
         creds = ConnectOptions(url=srv.url, user="plane", password="s3cret")
         async with PlaneStack(StackConfig(connect=creds, models=("risk",), slots=1)):

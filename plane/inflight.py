@@ -111,23 +111,25 @@ class InFlightBook:
                                text: str, node_alive: bool) -> None:
         try:
             seq = fl.seq if fl.seq is not None else await self._find(fl)
-            # A node that answered but whose ack and done-event were lost (its broker died)
-            # still knows it answered that message: ask before taking.
-            # A node presumed dead is asked once, briefly; a live one patiently (our own
-            # server may be failing over).
-            placement = placement_id(fl.stream, seq) if seq is not None else ""
-            if seq is not None and await self._asked(fl, placement, node_alive):
-                log.info("node says it answered", request_id=fl.request_id, node=fl.node)
-                return
             if seq is not None:
+                # Take first, while the message is surely still there (its TTL outlives the
+                # deadline by a second): a slow question below cannot let it expire.
                 outcome = await take(self._js, fl.stream, seq)
             else:
                 # The publish's outcome was unknown and the message is not there: either it
                 # never landed (nobody else will answer) or a node took it and its done-event
-                # was lost. Answer: silence is the worse failure.
+                # was lost; the node is asked below.
                 outcome = Take.UNKNOWN
             if outcome is Take.GONE:
                 log.info("node answered first", request_id=fl.request_id, node=fl.node)
+                return
+            # Ours now, but a node whose ack and done-event were lost (its broker died) may
+            # have answered before the deadline all the same: it remembers, so ask. A node
+            # presumed dead is asked once, briefly; a live one patiently (our own server may
+            # be failing over).
+            placement = placement_id(fl.stream, seq) if seq is not None else ""
+            if seq is not None and await self._asked(fl, placement, node_alive):
+                log.info("node says it answered", request_id=fl.request_id, node=fl.node)
                 return
             if outcome is Take.UNKNOWN:
                 log.warning("broker could not say who answers; answering", node=fl.node,

@@ -302,8 +302,9 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
         # The plane served before the kill and serves again after it.
         before = [i for i, t in ledger.sent_s.items() if t < t_kill]
         recent = [i for i, t in ledger.sent_s.items() if t > t_end - RECOVERED_S]
-        assert sum(ledger.status(i) == 200 for i in before) > 0.9 * len(before), report
-        assert sum(ledger.status(i) == 200 for i in recent) > 0.9 * len(recent), report
+        ok = [i for i in ledger.answers if ledger.status(i) == 200]  # (a lost one is not ok)
+        assert len(set(before) & set(ok)) > 0.9 * len(before), report
+        assert len(set(recent) & set(ok)) > 0.9 * len(recent), report
         # The plane's own connections left the dead server.
         assert plane_on_victim >= 1
         assert len(reconnected) == len(stack.clients), report

@@ -42,7 +42,7 @@ from freshness.config import BridgeConfig, stream_token
 from freshness.metrics import BridgeMetrics
 from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.records import Stamps, msg_id, transaction_decoder
-from plane.lifecycle import Lifecycle
+from plane.lifecycle import Lifecycle, finish_or_cancel
 from plane.subjects import Header
 
 log = structlog.get_logger("freshness.bridge")
@@ -129,13 +129,8 @@ class KafkaBridge(Lifecycle):
             return
         self._stopping.set()
         try:
-            async with asyncio.timeout(self.cfg.drain_timeout_s):
-                await asyncio.shield(task)
-        except TimeoutError:
-            log.warning("bridge round did not finish in time: left uncommitted")
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if not await finish_or_cancel(task, self.cfg.drain_timeout_s):
+                log.warning("bridge round did not finish in time: left uncommitted")
         finally:
             await self._close_consumer()
         log.info("bridge stopped", **vars(self.stats))

@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 from freshness.config import UpdaterConfig
 from freshness.provision import ensure_events_stream, ensure_features_bucket, events_stream_config
 from freshness.records import CardFeatures, Stamps, Transaction, json_encoder, transaction_decoder
-from plane.lifecycle import Lifecycle
+from plane.lifecycle import Lifecycle, finish_or_cancel
 from plane.messages import FEATURES
 
 log = structlog.get_logger("freshness.features")
@@ -118,13 +118,7 @@ class FeatureUpdater(Lifecycle):
         if task is None:
             return
         self._stopping.set()
-        try:
-            async with asyncio.timeout(self.cfg.ack_wait_s):
-                await asyncio.shield(task)
-        except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await finish_or_cancel(task, self.cfg.ack_wait_s)
         with contextlib.suppress(nats.errors.Error):
             await self._sub.unsubscribe()
 

@@ -53,7 +53,7 @@ from freshness.decision import Action, decide, degrade_source
 from freshness.metrics import GuardMetrics
 from freshness.provision import ensure_config_bucket, ensure_features_bucket
 from freshness.records import CardFeatures, features_decoder
-from plane.lifecycle import Lifecycle
+from plane.lifecycle import Lifecycle, cancel_and_wait
 from plane.messages import FEATURES, Freshness, RiskRequest
 from plane.settings import LiveSettings
 from plane.subjects import Header, Names, config_key
@@ -125,10 +125,7 @@ class CardFeatureGuard(Lifecycle):
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         settings, self._settings = self._settings, None
         if settings is not None:
             await settings.stop()

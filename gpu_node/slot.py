@@ -30,6 +30,7 @@ from plane import replies
 from plane.budget import ServiceWindow
 from plane.errors import BadRequest
 from plane.inflight import NOT_ANSWERED, placement_id
+from plane.lifecycle import cancel_and_wait
 from plane.messages import (
     CalibratedReply,
     CalibratedRequest,
@@ -97,6 +98,10 @@ class Slot:
         self._claimed = False
         self._fetch_errors = 0
         self._label = (self.model, str(k))
+        # Metric children resolved once: the per-request path does no label lookups.
+        self._busy = metrics.slot_busy.labels(*self._label)
+        self._service = metrics.service_seconds.labels(self.model)
+        self._ok = metrics.node_requests.labels(self.model, "200")
 
     # -- claim / withdraw -------------------------------------------------------------------
     @property
@@ -140,9 +145,7 @@ class Slot:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(task), wait_s)
             cur = self.current
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
             if cur is not None:
                 await self.abandon(f"slot withdrawn ({cause})", cur)
         with contextlib.suppress(Exception):
@@ -247,14 +250,14 @@ class Slot:
             if not await self._claim_answer(cur):
                 return
             await self._finish(cur, Status.OK, service_us, body, headers)
-            self.metrics.service_seconds.labels(self.model).observe(service_us / 1e6)
+            self._service.observe(service_us / 1e6)
         finally:
             if self.current is cur:
                 self.current = None
 
     async def _run(self, req: Any, work_us: int) -> Any:
         loop = asyncio.get_running_loop()
-        self.metrics.slot_busy.labels(*self._label).set(1)
+        self._busy.set(1)
         expected_s = (work_us + max(5000, 4 * self.window.p99_us)) / 1e6
         try:
             if isinstance(req, CalibratedRequest):
@@ -265,7 +268,7 @@ class Slot:
                 self.executor, self.runner.run_risk, req.features, expected_s)
             return RiskReply(score=score)
         finally:
-            self.metrics.slot_busy.labels(*self._label).set(0)
+            self._busy.set(0)
 
     def _encode(self, result: Any, content_type: str | None) -> bytes:
         if content_type == "application/msgpack":
@@ -302,7 +305,9 @@ class Slot:
         self.answered.add(placement_id(self.stream, cur.msg.metadata.sequence.stream))
         await self._done(cur, int(status), service_us)
         await self.nc.publish(cur.reply, body, headers=headers)
-        self.metrics.node_requests.labels(self.model, str(int(status))).inc()
+        counter = self._ok if status == Status.OK else self.metrics.node_requests.labels(
+            self.model, str(int(status)))
+        counter.inc()
 
     async def _done(self, cur: Current, status: int, service_us: int) -> None:
         h = cur.msg.headers or {}

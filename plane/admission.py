@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plane.budget import Prediction
+from plane.budget import Prediction, fits
 from plane.messages import Reason, Status
 from plane.occupancy import ModelSlots, Reservation, SlotView
 
@@ -106,7 +106,7 @@ def check_capacity(ms: ModelSlots, ask: Ask) -> Refuse | None:
 
 
 def check_budget(ms: ModelSlots, ask: Ask) -> Refuse | None:
-    if ask.prediction.p99_us > ask.remaining_us:
+    if not fits(ask.prediction, ask.remaining_us):
         return Refuse(
             Status.BUSY, Reason.DEADLINE,
             f"a {ms.model} request takes about {ask.prediction.p99_us} us (p99); the deadline "

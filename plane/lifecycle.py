@@ -4,6 +4,7 @@ the command's main coroutine awaits before it unwinds its AsyncExitStack."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
@@ -21,6 +22,26 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     itself runs on the stdlib loop too (the tests use it)."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(coro)
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a task we own and wait until it has really ended (idempotent on None)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def finish_or_cancel(task: asyncio.Task[Any], timeout_s: float) -> bool:
+    """Staged stop: give `task` `timeout_s` to finish by itself, then cancel it. True when
+    it finished in time."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(task)
+        return True
+    except TimeoutError:
+        await cancel_and_wait(task)
+        return False
 
 
 def stop_event() -> asyncio.Event:

@@ -7,7 +7,10 @@ import asyncio
 import contextlib
 import os
 import signal
-from typing import Any
+
+from plane.lifecycle import cancel_and_wait
+
+__all__ = ["cancel_and_wait", "stop_by_pid"]
 
 
 async def stop_by_pid(
@@ -25,10 +28,3 @@ async def stop_by_pid(
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
-
-
-async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

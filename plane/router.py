@@ -46,7 +46,7 @@ from plane.models import MODELS, model_spec
 from plane.occupancy import ModelSlots, SlotView, slot_key
 from plane.provision import ProvisionPlan, ensure_all
 from plane.settings import LiveSettings
-from plane.subjects import Header, InvalidToken, check_token
+from plane.subjects import ROUTER_QUEUE_GROUP, Header, InvalidToken, check_token
 
 log = structlog.get_logger("plane.router")
 
@@ -107,7 +107,7 @@ class Router(Lifecycle, TaskOwner):
         self._subs.append(await self.nc.subscribe(n.done_all(), cb=self._on_done))
         self._spawn(self._watchdog())
         self._subs.append(
-            await self.nc.subscribe(n.infer_all(), queue="plane-routers", cb=self._on_request)
+            await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP, cb=self._on_request)
         )
         self._service = await add_service(
             self.nc, name=n.router_service, version="0.1.0",
@@ -293,10 +293,11 @@ class Router(Lifecycle, TaskOwner):
         hdrs = msg.headers or {}
         rid = hdrs.get(Header.REQUEST_ID) or self.nc.new_inbox()[7:]
         model = self.names.infer_model_of(msg.subject)
+        label = model if model in MODELS else "unknown"  # metric labels stay bounded
         try:
             check_token("model", model)
             if len(msg.data) > self.cfg.max_body_bytes:
-                await self._refuse(msg, rid, model, Refuse(
+                await self._refuse(msg, rid, label, Refuse(
                     Status.TOO_LARGE, Reason.TOO_LARGE,
                     f"body is {len(msg.data)} bytes; the limit is {self.cfg.max_body_bytes}"))
                 return
@@ -304,7 +305,6 @@ class Router(Lifecycle, TaskOwner):
             deadline_ms = self._deadline_ms(model, hdrs.get(Header.DEADLINE_MS))
             req = spec.decode(msg.data, hdrs.get(Header.CONTENT_TYPE))
         except (InvalidToken, BadRequest) as exc:
-            label = model if model in MODELS else "unknown"
             await self._refuse(msg, rid, label,
                                Refuse(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc)))
             return

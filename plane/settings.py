@@ -17,6 +17,7 @@ from collections.abc import Callable
 import structlog
 from nats.js.kv import KeyValue
 
+from plane.lifecycle import cancel_and_wait
 from plane.subjects import Names, config_key
 
 log = structlog.get_logger("plane.settings")
@@ -54,10 +55,7 @@ class LiveSettings:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _watch(self) -> None:
         assert self._kv is not None

@@ -45,3 +45,9 @@ def test_keys() -> None:
     assert advert_key("n1", "risk") == "n1.risk"
     assert config_key("deadline_ms", "risk") == "deadline_ms.risk"
     assert config_key("probe_ms") == "probe_ms"
+
+
+def test_router_queue_group_is_the_designs() -> None:
+    from plane.subjects import ROUTER_QUEUE_GROUP
+
+    assert ROUTER_QUEUE_GROUP == "plane-routers"

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import click
 
 from plane.cli import connect_options, make_connect
@@ -13,14 +10,12 @@ from plane.errors import ConfigError
 from plane.gateway.config import GatewayConfig
 from plane.gateway.server import Gateway
 from plane.lifecycle import run as run_on_uvloop
+from plane.lifecycle import stop_event
 from plane.logs import configure
 
 
 async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     async with Gateway(config, connect_opts) as gw:
         click.echo(f"plane gateway on {gw.url}", err=True)
         await stop.wait()

@@ -1,16 +1,16 @@
 """Admission: an ordered list of small checks, each returning a refusal or passing, then the
 slot choice that honours tickets.
 
-Tickets make Retry-After a promise. Each refused caller gets the earliest time a slot will be
-free *and not already promised*, and a reservation on that slot from then; successive refused
-callers get successive free times. A caller that comes back with its ticket may use its
-reserved slot (or any slot nobody was promised); a newcomer may use a free slot only when it
-predicts to finish before the next promise on it is due. Pure logic: no I/O, monotonic time in.
+Tickets make Retry-After a promise. Each refused caller is promised the earliest time a slot
+will be free *and not already promised* (see `plane.promises`: promises are pooled over the
+model's slots, not pinned to one); successive refused callers get successive free times. A
+caller back with its ticket takes any free slot unless an earlier promise needs it, and waits
+(is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
+promise would start late for it. Pure logic: no I/O, monotonic time in.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 from collections import Counter
@@ -19,32 +19,36 @@ from dataclasses import dataclass
 
 from plane.budget import Prediction, fits
 from plane.messages import Reason, Status
-from plane.occupancy import ModelSlots, Reservation, SlotView
+from plane.occupancy import ModelSlots, SlotView
+from plane.promises import Promise, next_start, simulate, would_delay
 
-# A reservation is kept this long past its due time for a late holder (then released).
-# It covers the reply's trip, the caller's timer and the SDK's jitter (up to 2 ms).
-LATE_TOLERANCE_MIN_S = 0.025
-LATE_TOLERANCE_MAX_S = 0.100
-LATE_TOLERANCE_SHARE = 1.0  # of the predicted p50 service time, within [MIN, MAX]
-# Promises are due this much before the slot is predicted to free: the holder's trip back
+# A promise is kept this long past its due time for a late holder (then released). It covers
+# the reply's trip, the caller's timer, the SDK's jitter (up to 2 ms) and a caller's process
+# that was not scheduled for a few tens of ms (a loaded host): a pooled promise that waits
+# for a late holder costs newcomers little, a holder refused for being late costs a retry.
+LATE_TOLERANCE_MIN_S = 0.050
+LATE_TOLERANCE_MAX_S = 0.200
+LATE_TOLERANCE_SHARE = 2.0  # of the predicted p50 service time, within [MIN, MAX]
+# Promises are due this much before a slot is predicted to free: the holder's trip back
 # takes about that long, and a holder that arrives a moment early is parked (below).
 RETURN_LEAD_S = 0.001
-# A holder whose own slot is about to free waits for it (on the slot's done-event) at most
-# this long, instead of being refused again: the slot starts its request the moment it frees.
-# The window is the predicted p99 - p50 spread plus a margin, plus a drift allowance for
-# promises made far ahead (each earlier holder's own variance adds up along a slot's chain),
-# within [MIN, half the p50 service time].
+# A holder that finds no slot free yet waits for one (woken by done-events) instead of being
+# refused again: a slot starts its request the moment it frees. It waits until its predicted
+# start plus the p99 - p50 spread and a margin, within [MIN, the p50 service time] from now.
 PARK_MIN_S = 0.008
 PARK_MARGIN_S = 0.002
-PARK_DRIFT_SHARE = 0.05  # of how far ahead the promise was made
 PARK_MAX_SHARE = 1.0
 # Promises pin slot time only while callers come back for them: below this share of
 # redeemed tickets (an exponential average), refusals carry a Retry-After estimate and a
-# ticket but pin no slot, so callers who never retry cannot leave slots idle.
+# ticket but pin no slot, so callers who never retry cannot leave slots idle. A lapsed
+# promise counts as a no-show only when its holder has not come back at all within
+# LAPSED_KEEP_S (a burst of late holders is not a burst of no-shows).
 MIN_REDEMPTION = 0.5
-# At most this many promises wait on one slot: a promise deep in a slot's chain drifts (every
-# earlier holder's variance adds up) and keeps a caller waiting who could go elsewhere now.
-# Beyond it the refusal says `deadline`: go elsewhere at once.
+LAPSED_KEEP_S = 1.0
+LAPSED_MAX = 10_000
+# At most this many promises per healthy slot: a promise made far ahead drifts (every earlier
+# holder's variance adds up) and keeps a caller waiting who could go elsewhere now. Beyond it
+# the refusal says `deadline`: go elsewhere at once.
 PROMISE_MAX_LINKS = 8
 REDEMPTION_WEIGHT = 0.05
 
@@ -72,16 +76,15 @@ class Ask:
 @dataclass(frozen=True, slots=True)
 class Place:
     candidates: list[SlotView]
-    redeemed: Reservation | None
+    redeemed: Promise | None
 
 
 @dataclass(frozen=True, slots=True)
 class Park:
-    """A ticket holder whose slot frees within moments: wait for it until `until_s`."""
+    """A ticket holder for whom a slot frees within moments: wait for one until `until_s`."""
 
-    view: SlotView
     until_s: float
-    holder: Reservation
+    holder: Promise
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +130,9 @@ class Admission:
         self._prefix = ticket_prefix
         self.on_lateness = on_lateness  # (model, seconds a holder came after its due time)
         self._seq = itertools.count(1)
-        self.tickets: dict[str, Reservation] = {}
+        self.tickets: dict[str, Promise] = {}
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
+        self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
 
     def decide(self, ms: ModelSlots, ask: Ask, *, may_park: bool = True) -> Place | Park | Refuse:
@@ -136,64 +140,86 @@ class Admission:
             refusal = check(ms, ask)
             if refusal is not None:
                 return refusal
+        self._expire(ms, ask.now_s)
         holder = self._holder(ms, ask)
-        finish_s = ask.now_s + ask.prediction.p99_us / 1e6
         free: list[SlotView] = []
         avoided: list[SlotView] = []
         for view in ms.ordered():
-            self._expire(ms, view, ask.now_s)
-            if view.busy or not view.healthy:
-                continue
-            if view.reservations:
-                first = view.reservations[0]
-                mine = holder is not None and first.ticket == holder.ticket
-                if not mine and first.due_s < finish_s:
-                    continue
-            (avoided if view.node == ask.avoid_node else free).append(view)
-        if holder is not None and holder.key:
-            free.sort(key=lambda v: v.key != holder.key)  # the holder's own slot first
-        if free or avoided:
+            if view.healthy and view.is_free(ask.now_s):
+                (avoided if view.node == ask.avoid_node else free).append(view)
+        if (free or avoided) and not self._would_break_a_promise(ms, ask, holder):
+            if holder is not None:
+                self.forget(ms, holder)  # kept: its slot time is this placement now
             return Place(free + avoided, holder)
-        if holder is not None:
-            self.stats["holder-no-free-slot"] += 1
-        if may_park and holder is not None and holder.key:
-            until_s = ask.park_until_s or self._park_until(holder, ask)
-            own = ms.slots.get(holder.key)
-            if own is not None and own.healthy and ask.now_s < until_s:
-                # The promise stands while its holder waits for the slot.
+        if holder is None:
+            return self._refuse(ms, ask, None)
+        self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
+        if may_park:
+            until_s = ask.park_until_s or self._park_until(ms, ask, holder)
+            if ask.now_s < until_s:
+                # The promise stands while its holder waits for a slot.
+                holder.parked = True
                 holder.expires_s = max(holder.expires_s, until_s + PARK_MARGIN_S)
-                return Park(own, until_s, holder)
+                return Park(until_s, holder)
+        self.stats["holder-refused-after-park" if ask.park_until_s else "holder-refused"] += 1
         return self._refuse(ms, ask, holder)
 
     @staticmethod
-    def _park_until(holder: Reservation, ask: Ask) -> float:
-        p = ask.prediction
-        window_s = (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S
-        window_s += PARK_DRIFT_SHARE * max(0.0, holder.due_s - holder.issued_s)
-        window_s = _within(PARK_MIN_S, max(PARK_MIN_S, PARK_MAX_SHARE * p.p50_us / 1e6),
-                           window_s)
-        return min(ask.now_s + window_s, ask.deadline_s - p.p99_us / 1e6)
+    def _would_break_a_promise(ms: ModelSlots, ask: Ask, holder: Promise | None) -> bool:
+        """Whether starting this request now makes a promise that ranks before it late.
 
-    def redeemed(self, ms: ModelSlots, reservation: Reservation) -> None:
-        """The holder was placed: release its promise."""
-        self.forget(ms, reservation)
+        A newcomer ranks after every promise still open. A holder ranks after the earlier
+        promises whose holders are here (parked) or not yet due; one that is late and not
+        here does not keep a present holder waiting.
+        """
+        now = ask.now_s
+        if holder is None:
+            protected = list(ms.promises)
+            hold_s = ask.prediction.p99_us / 1e6
+        else:
+            protected = [p for p in ms.promises if p is not holder
+                         and p.due_s <= holder.due_s and (p.parked or p.due_s > now)]
+            hold_s = ask.prediction.expected_us / 1e6
+        return would_delay(ms.free_times(now), protected, now, hold_s)
 
-    def _holder(self, ms: ModelSlots, ask: Ask) -> Reservation | None:
+    @staticmethod
+    def _park_until(ms: ModelSlots, ask: Ask, holder: Promise) -> float:
+        """Until the holder's predicted start (after the earlier promises) plus the spread."""
+        now, p = ask.now_s, ask.prediction
+        ahead = [q for q in ms.promises if q is holder or q.due_s <= holder.due_s]
+        starts, _ = simulate(ms.free_times(now), ahead, now)
+        start_s = starts.get(holder.ticket, now)
+        until_s = start_s + (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S
+        longest_s = max(PARK_MIN_S, PARK_MAX_SHARE * p.p50_us / 1e6)
+        until_s = _within(now + PARK_MIN_S, now + longest_s, until_s)
+        return min(until_s, ask.deadline_s - p.p99_us / 1e6)
+
+    def redeemed(self, ms: ModelSlots, promise: Promise) -> None:
+        """The holder was placed: its promise is kept (and out of the book already)."""
+        self.forget(ms, promise)
+
+    def _holder(self, ms: ModelSlots, ask: Ask) -> Promise | None:
         if ask.ticket is None:
             return None
         r = self.tickets.get(ask.ticket)
         if r is None:
-            self.stats["ticket-unknown"] += 1
+            lapsed = self._lapsed.pop(ask.ticket, None)
+            if lapsed is not None:  # came back after its promise lapsed: late, not a no-show
+                self.stats["ticket-late"] += 1
+                self._count(lapsed[0], redeemed=True)
+            else:
+                self.stats["ticket-unknown"] += 1
             return None
         if ask.park_until_s is None:  # first look at this holder (not a parked re-decide)
             self.on_lateness(ms.model, ask.now_s - r.due_s)
         if r.expires_s < ask.now_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
-            self._count(ms.model, redeemed=False)
+            self._count(ms.model, redeemed=True)
             return None
-        self._count(ms.model, redeemed=True)
-        if not r.key:  # a ticket that pinned no slot: the caller goes as a newcomer
+        if ask.park_until_s is None:
+            self._count(ms.model, redeemed=True)
+        if not r.pinned:  # a ticket that held no slot time: the caller goes as a newcomer
             self.stats["ticket-unpinned"] += 1
             self.tickets.pop(r.ticket, None)
             return None
@@ -204,29 +230,32 @@ class Admission:
         rate = self.redemption.get(model, 1.0)
         self.redemption[model] = rate + REDEMPTION_WEIGHT * (float(redeemed) - rate)
 
-    def _expire(self, ms: ModelSlots, view: SlotView, now_s: float) -> None:
-        while view.reservations and view.reservations[0].expires_s < now_s:
-            r = view.reservations.popleft()
-            if self.tickets.pop(r.ticket, None) is not None:
-                self._count(ms.model, redeemed=False)
+    def _expire(self, ms: ModelSlots, now_s: float) -> None:
+        for p in ms.promises.expire(now_s):
+            if self.tickets.pop(p.ticket, None) is not None:
+                self._lapsed[p.ticket] = (ms.model, now_s)
+        # Holders not back within LAPSED_KEEP_S are no-shows (oldest first: dicts keep order).
+        while self._lapsed:
+            ticket, (model, lapsed_s) = next(iter(self._lapsed.items()))
+            if lapsed_s >= now_s - LAPSED_KEEP_S and len(self._lapsed) <= LAPSED_MAX:
+                break
+            del self._lapsed[ticket]
+            self._count(model, redeemed=False)
 
-    def forget(self, ms: ModelSlots, r: Reservation) -> None:
-        self.tickets.pop(r.ticket, None)
-        view = ms.slots.get(r.key)
-        if view is not None:
-            with contextlib.suppress(ValueError):
-                view.reservations.remove(r)
+    def forget(self, ms: ModelSlots, p: Promise) -> None:
+        self.tickets.pop(p.ticket, None)
+        p.parked = False
+        ms.promises.remove(p)
 
-    def _refuse(self, ms: ModelSlots, ask: Ask, holder: Reservation | None) -> Refuse:
+    def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None) -> Refuse:
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
-        healthy = [v for v in ms.slots.values() if v.healthy]
-        best = min(healthy, key=lambda v: v.available_at(now))
-        avail_s = best.available_at(now)
-        due_s = max(now, avail_s - RETURN_LEAD_S)
+        free_s = ms.free_times(now)
+        start_s = next_start(free_s, ms.promises, now)
+        due_s = max(now, start_s - RETURN_LEAD_S)
         wait_ms = max(1, math.ceil((due_s - now) * 1000 - 1e-6))  # 1e-6: float noise
-        if len(best.reservations) >= PROMISE_MAX_LINKS:
+        if len(ms.promises) >= PROMISE_MAX_LINKS * len(free_s):
             return Refuse(
                 Status.BUSY, Reason.DEADLINE,
                 f"every {ms.model} slot already has {PROMISE_MAX_LINKS} callers promised "
@@ -244,19 +273,16 @@ class Admission:
         p50_s = ask.prediction.p50_us / 1e6
         tolerance_s = _within(LATE_TOLERANCE_MIN_S, LATE_TOLERANCE_MAX_S,
                               LATE_TOLERANCE_SHARE * p50_s)
-        pin = self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION
-        ticket = f"{self._prefix}-{next(self._seq)}"
-        r = Reservation(
-            ticket=ticket, key=best.key if pin else "", due_s=due_s,
-            end_s=max(due_s, avail_s) + ask.prediction.expected_us / 1e6,
-            expires_s=due_s + tolerance_s,
-            issued_s=now,
+        promise = Promise(
+            ticket=f"{self._prefix}-{next(self._seq)}", due_s=due_s,
+            expires_s=due_s + tolerance_s, service_s=ask.prediction.expected_us / 1e6,
+            issued_s=now, pinned=self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION,
         )
-        if pin:
-            best.reservations.append(r)
-        self.tickets[ticket] = r
+        if promise.pinned:
+            ms.promises.add(promise)
+        self.tickets[promise.ticket] = promise
         return Refuse(
             Status.BUSY, Reason.BUSY,
             f"all {ms.model} slots are busy: come back in {wait_ms} ms with this ticket",
-            retry_after_ms=wait_ms, ticket=ticket,
+            retry_after_ms=wait_ms, ticket=promise.ticket,
         )

@@ -7,23 +7,11 @@ Pure bookkeeping, no I/O; times are monotonic seconds passed in by the caller.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from plane.budget import ServiceWindow
 from plane.messages import NodeAdvert
-
-
-@dataclass(slots=True)
-class Reservation:
-    """A promise made with a 429: slot `key` is kept for ticket `ticket` from `due_s`."""
-
-    ticket: str
-    key: str
-    due_s: float
-    end_s: float
-    expires_s: float
-    issued_s: float = 0.0
+from plane.promises import PromiseBook
 
 
 @dataclass(slots=True)
@@ -37,15 +25,28 @@ class SlotView:
     free_at_s: float = 0.0  # predicted free time while busy, at the p99 (conservative)
     expected_free_s: float = 0.0  # the same at the p50 (what promises are timed to)
     request_id: str | None = None  # ours, while busy with a request this router placed
-    reservations: deque[Reservation] = field(default_factory=deque)
+    freed_s: float = -1.0  # when its last done-event came
 
-    def available_at(self, now_s: float) -> float:
-        """When the slot can start a new promise: after its current work and every ticket
-        already promised on it."""
-        t = self.expected_free_s if self.busy else now_s
-        if self.reservations:
-            t = max(t, self.reservations[-1].end_s)
-        return max(t, now_s)
+    def is_free(self, now_s: float) -> bool:
+        """Free to place on. A slot the broker said was taken by someone else (another
+        router's request: no request id of ours) counts as free again once its p99 has
+        passed, so a done-event we never see cannot keep it from us for good; the broker
+        refuses again if it is still taken."""
+        return not self.busy or (self.request_id is None and now_s >= self.free_at_s)
+
+    def free_time(self, now_s: float) -> float:
+        """When the slot is predicted to be free: now when idle, else after its current work
+        (at the p50; now, when that time has passed and it still runs)."""
+        return now_s if self.is_free(now_s) else max(now_s, self.expected_free_s)
+
+    def occupy(self, now_s: float, request_id: str | None, expected_s: float,
+               p99_s: float) -> None:
+        """Busy from now: with our request, or (None) with one the broker says is there."""
+        self.busy, self.request_id = True, request_id
+        self.expected_free_s, self.free_at_s = now_s + expected_s, now_s + p99_s
+
+    def release(self, now_s: float) -> None:
+        self.busy, self.request_id, self.freed_s = False, None, now_s
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class ModelSlots:
     slots: dict[str, SlotView] = field(default_factory=dict)
     window: ServiceWindow = field(default_factory=ServiceWindow)
     rr: int = 0  # round-robin start, so load spreads over equal slots
+    promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
 
     def apply_advert(self, advert: NodeAdvert) -> None:
         present = set()
@@ -76,11 +78,15 @@ class ModelSlots:
             del self.slots[v.key]
         return gone
 
+    def free_times(self, now_s: float) -> list[float]:
+        """Each healthy slot's predicted free time: what promises are scheduled on."""
+        return [v.free_time(now_s) for v in self.slots.values() if v.healthy]
+
     def healthy_count(self) -> int:
         return sum(1 for v in self.slots.values() if v.healthy)
 
-    def busy_count(self) -> int:
-        return sum(1 for v in self.slots.values() if v.busy)
+    def busy_count(self, now_s: float) -> int:
+        return sum(1 for v in self.slots.values() if not v.is_free(now_s))
 
     def ordered(self) -> list[SlotView]:
         """Slots in round-robin order starting after the last one used."""

@@ -44,6 +44,7 @@ from plane.messages import (
 from plane.metrics import PlaneMetrics
 from plane.models import MODELS, model_spec
 from plane.occupancy import ModelSlots, SlotView, slot_key
+from plane.parking import ParkingLot
 from plane.provision import ProvisionPlan, ensure_all
 from plane.settings import LiveSettings
 from plane.subjects import ROUTER_QUEUE_GROUP, Header, InvalidToken, check_token
@@ -54,8 +55,9 @@ WATCHDOG_PERIOD_S = 0.02
 ASK_NODE_TIMEOUT_S = 0.25
 ASK_NODE_WITHIN_S = 2.0
 # The broker frees a WorkQueue message a moment after the node's ack; when it still refuses a
-# slot our view says is free, wait this long once and try again.
+# slot whose done-event came within SETTLE_WITHIN_S, wait this long once and try again.
 BROKER_SETTLE_S = 0.0005
+SETTLE_WITHIN_S = 0.010
 
 
 def _is_depth_refusal(exc: APIError) -> bool:
@@ -87,7 +89,7 @@ class Router(Lifecycle, TaskOwner):
                                      freed=self._freed, spawn=self._spawn,
                                      asked=self._node_answered)
         self.node_seen_s: dict[str, float] = {}
-        self._freed_events: dict[str, asyncio.Event] = {}  # by model, for parked holders
+        self.parking = ParkingLot()  # holders waiting for a slot to free
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._subs: list[Subscription] = []
@@ -153,12 +155,7 @@ class Router(Lifecycle, TaskOwner):
             return
         self.node_seen_s[hb.node] = now
         for advert in hb.adverts:
-            ms = self._model(advert.model)
-            ms.apply_advert(advert)
-            for s in advert.slots:
-                view = ms.slots.get(slot_key(advert.node, s.k))
-                if view is not None and not s.healthy:
-                    view.reservations.clear()
+            self._model(advert.model).apply_advert(advert)
         self._gauge_slots()
 
     async def _on_done(self, msg: Msg) -> None:
@@ -171,10 +168,8 @@ class Router(Lifecycle, TaskOwner):
         if ms is not None:
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
-                view.busy = False
-                view.request_id = None
-                if (event := self._freed_events.get(ev.model)) is not None:
-                    event.set()
+                view.release(time.monotonic())
+                self.parking.wake_one(ev.model)
             fl = self.inflight.entries.get(key)
             if ev.status == int(Status.OK) and fl is not None and fl.request_id == ev.request_id:
                 # The slot's whole cycle as this router sees it (publish -> done-event), not
@@ -188,8 +183,8 @@ class Router(Lifecycle, TaskOwner):
         ms = self.models.get(fl.model)
         view = ms.slots.get(fl.key) if ms is not None else None
         if view is not None and view.request_id == fl.request_id:
-            view.busy = False
-            view.request_id = None
+            view.release(time.monotonic())
+            self.parking.wake_one(fl.model)
 
     async def _on_status(self, req: Any) -> None:
         body = {
@@ -197,7 +192,7 @@ class Router(Lifecycle, TaskOwner):
             "models": {
                 m: {
                     "slots": len(ms.slots), "healthy": ms.healthy_count(),
-                    "busy": ms.busy_count(), "p50_overhead_us": ms.window.p50_us,
+                    "busy": ms.busy_count(time.monotonic()), "p50_overhead_us": ms.window.p50_us,
                     "p99_overhead_us": ms.window.p99_us,
                 }
                 for m, ms in self.models.items()
@@ -279,7 +274,7 @@ class Router(Lifecycle, TaskOwner):
     def _gauge_slots(self) -> None:
         for m, ms in self.models.items():
             self.metrics.slots_known.labels(m, "healthy").set(ms.healthy_count())
-            self.metrics.slots_known.labels(m, "busy").set(ms.busy_count())
+            self.metrics.slots_known.labels(m, "busy").set(ms.busy_count(time.monotonic()))
 
     # -- data plane -------------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
@@ -347,13 +342,11 @@ class Router(Lifecycle, TaskOwner):
         if isinstance(decision, Park):
             self.metrics.parked.labels(ms.model).inc()
         while isinstance(decision, Park):
-            # Wait for any slot of the model to free, then look again (the holder's own slot,
-            # or one nobody was promised), until the park window closes.
-            event = self._freed_events.setdefault(ms.model, asyncio.Event())
-            event.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, decision.until_s - time.monotonic())):
-                    await event.wait()
+            # Wait for a slot to free for this holder (the lot wakes holders in due order),
+            # then look again, until the park window closes.
+            loop_until = asyncio.get_running_loop().time() + (
+                decision.until_s - time.monotonic())
+            await self.parking.wait(ms.model, decision.holder.due_s, loop_until)
             now = time.monotonic()
             ask = Ask(now_s=now, deadline_s=ask.deadline_s, prediction=ask.prediction,
                       ticket=ask.ticket, avoid_node=ask.avoid_node,
@@ -394,29 +387,19 @@ class Router(Lifecycle, TaskOwner):
         }
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct
-        settled = False
-        candidates = list(place.candidates)
-        i = 0
-        while i < len(candidates):
-            view = candidates[i]
-            i += 1
+        for view in place.candidates:
             # Track before publishing: the node's done-event can arrive before our PubAck.
             fl = self._track(view, rid, model, msg.reply, ask)
             try:
-                ack = await self.js.publish(view.subject, msg.data, headers=out)
+                ack = await self._publish(view, msg.data, out)
             except APIError as exc:
                 self._untrack(view, fl)
                 if _is_depth_refusal(exc):
+                    # Someone else's request is there (another router's): busy until its
+                    # done-event, or its p99 at most.
                     self.metrics.broker_refusals.labels(model).inc()
-                    view.busy = True
-                    view.expected_free_s = time.monotonic() + ask.prediction.expected_us / 1e6
-                    view.free_at_s = time.monotonic() + ask.prediction.p99_us / 1e6
-                    if i == len(candidates) and not settled:
-                        settled = True
-                        await asyncio.sleep(BROKER_SETTLE_S)
-                        view.busy = False
-                        candidates = [c for c in candidates if c.healthy]
-                        i = 0
+                    view.occupy(time.monotonic(), None, ask.prediction.expected_us / 1e6,
+                                ask.prediction.p99_us / 1e6)
                     continue
                 await self._refuse(msg, rid, model, Refuse(
                     Status.UNAVAILABLE, Reason.UNHEALTHY, f"the broker refused: {exc}",
@@ -442,18 +425,26 @@ class Router(Lifecycle, TaskOwner):
             return view
         return None
 
+    async def _publish(self, view: SlotView, data: bytes, headers: dict[str, str]) -> Any:
+        """Publish onto the slot's subject. A depth refusal just after the slot's done-event
+        is the node's ack still on its way into the stream (it is sent before the done-event,
+        but the stream applies it a moment later): wait for it once and publish again."""
+        try:
+            return await self.js.publish(view.subject, data, headers=headers)
+        except APIError as exc:
+            if not (_is_depth_refusal(exc) and time.monotonic() - view.freed_s < SETTLE_WITHIN_S):
+                raise
+        await asyncio.sleep(BROKER_SETTLE_S)
+        return await self.js.publish(view.subject, data, headers=headers)
+
     def _untrack(self, view: SlotView, fl: InFlight) -> None:
         self.inflight.untrack(fl)
         if view.request_id == fl.request_id:
-            view.busy = False
-            view.request_id = None
+            view.busy, view.request_id = False, None
 
     def _track(self, view: SlotView, rid: str, model: str, reply: str, ask: Ask) -> InFlight:
         now = time.monotonic()
-        view.busy = True
-        view.request_id = rid
-        view.free_at_s = now + ask.prediction.p99_us / 1e6
-        view.expected_free_s = now + ask.prediction.expected_us / 1e6
+        view.occupy(now, rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
         return self.inflight.track(InFlight(
             request_id=rid, model=model, reply=reply, node=view.node, key=view.key,
             placed_s=now,

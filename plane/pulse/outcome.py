@@ -13,7 +13,9 @@ TIMEOUT = "timeout"  # no answer within the client's wait (status made up by the
 ERROR = "error"  # the transport failed (connection refused, reset, nobody listening)
 
 
-class Attempts(msgspec.Struct, frozen=True, kw_only=True):
+# gc=False on both: they hold only numbers, strings and tuples of them (never a cycle), and a
+# long run keeps tens of thousands alive, which the cyclic collector would walk again and again.
+class Attempts(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A target's account of one request.
 
     statuses:        status of each attempt, in order (HTTP codes; 0 for timeout/error)
@@ -32,7 +34,7 @@ class Attempts(msgspec.Struct, frozen=True, kw_only=True):
         return sum(1 for s in self.statuses if s == 429)
 
 
-class Outcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class Outcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """One request: its scheduled send time (s from the start), latency from that time to
     its final answer (no coordinated omission), and the target's account."""
 

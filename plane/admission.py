@@ -29,12 +29,17 @@ from plane.promises import Promise, next_start, simulate, would_delay
 LATE_TOLERANCE_MIN_S = 0.050
 LATE_TOLERANCE_MAX_S = 0.200
 LATE_TOLERANCE_SHARE = 2.0  # of the predicted p50 service time, within [MIN, MAX]
-# Promises are due this much before a slot is predicted to free: the holder's trip back
-# takes about that long, and a holder that arrives a moment early is parked (below).
+# When a holder is told to come back. A slot is predicted to free at the mean of its cycle;
+# a holder told exactly that finds it still busy nearly half the time and waits (parked, below),
+# and that wait is latency its caller sees. So promises are due RETURN_LAG_SHARE of the way
+# from the mean to the p90 of the cycle later, less the trip back (RETURN_LEAD_S): fewer and
+# shorter waits, for a slot that idles a little when it frees early.
 RETURN_LEAD_S = 0.001
+RETURN_LAG_SHARE = 0.5
 # A holder that finds no slot free yet waits for one (woken by done-events) instead of being
 # refused again: a slot starts its request the moment it frees. It waits until its predicted
-# start plus the p99 - p50 spread and a margin, within [MIN, the p50 service time] from now.
+# start plus the p99 - p50 spread and a margin, within [MIN, the p99 service time] from now:
+# a new ticket would send it behind every promise made since, much further away.
 PARK_MIN_S = 0.008
 PARK_MARGIN_S = 0.002
 PARK_MAX_SHARE = 1.0
@@ -46,9 +51,9 @@ PARK_MAX_SHARE = 1.0
 MIN_REDEMPTION = 0.5
 LAPSED_KEEP_S = 1.0
 LAPSED_MAX = 10_000
-# At most this many promises per healthy slot: a promise made far ahead drifts (every earlier
-# holder's variance adds up) and keeps a caller waiting who could go elsewhere now. Beyond it
-# the refusal says `deadline`: go elsewhere at once.
+# At most this many open promises per healthy slot, so router state stays bounded under any
+# load. Beyond it the refusal says `deadline`: go elsewhere at once. (How far ahead a promise
+# may be is the caller's deadline's business: its start plus the p99 must fit in it.)
 PROMISE_MAX_LINKS = 8
 REDEMPTION_WEIGHT = 0.05
 
@@ -253,7 +258,9 @@ class Admission:
         now = ask.now_s
         free_s = ms.free_times(now)
         start_s = next_start(free_s, ms.promises, now)
-        due_s = max(now, start_s - RETURN_LEAD_S)
+        p = ask.prediction
+        lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
+        due_s = max(now, start_s + lag_s - RETURN_LEAD_S)
         wait_ms = max(1, math.ceil((due_s - now) * 1000 - 1e-6))  # 1e-6: float noise
         if len(ms.promises) >= PROMISE_MAX_LINKS * len(free_s):
             return Refuse(

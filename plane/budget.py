@@ -22,11 +22,12 @@ class ServiceWindow:
     _sum: int = field(default=0, init=False)
     _since: int = field(default=0, init=False)
     _p50: int = field(default=0, init=False)
+    _p90: int = field(default=0, init=False)
     _p99: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self._samples = deque(maxlen=self.size)
-        self._p50 = self._p99 = self.prior_us
+        self._p50 = self._p90 = self._p99 = self.prior_us
 
     def add(self, overhead_us: int) -> None:
         v = max(0, int(overhead_us))
@@ -43,6 +44,7 @@ class ServiceWindow:
         s = sorted(self._samples)
         n = len(s)
         self._p50 = s[(n - 1) // 2]
+        self._p90 = s[min(n - 1, (90 * n) // 100)]
         self._p99 = s[min(n - 1, (99 * n) // 100)]
 
     @property
@@ -59,13 +61,17 @@ class ServiceWindow:
         return self._p50
 
     @property
+    def p90_us(self) -> int:
+        return self._p90
+
+    @property
     def p99_us(self) -> int:
         return self._p99
 
     def clear(self) -> None:
         self._samples.clear()
         self._sum = 0
-        self._p50 = self._p99 = self.prior_us
+        self._p50 = self._p90 = self._p99 = self.prior_us
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +79,21 @@ class Prediction:
     p50_us: int
     p99_us: int
     mean_us: int = -1  # -1: same as the p50
+    p90_us: int = -1  # -1: same as the expected time
 
     @property
     def expected_us(self) -> int:
         return self.p50_us if self.mean_us < 0 else self.mean_us
 
+    @property
+    def likely_us(self) -> int:
+        """Long enough nine times in ten."""
+        return self.expected_us if self.p90_us < 0 else max(self.p90_us, self.expected_us)
+
 
 def predict(window: ServiceWindow, work_us: int) -> Prediction:
     return Prediction(work_us + window.p50_us, work_us + window.p99_us,
-                      work_us + window.mean_us)
+                      work_us + window.mean_us, work_us + window.p90_us)
 
 
 def fits(prediction: Prediction, remaining_us: int) -> bool:

@@ -40,7 +40,7 @@ class PlaneMetrics:
         self.tickets_honoured = Counter(
             "plane_tickets_honoured", "Tickets redeemed onto a slot", ["model"], registry=r)
         self.parked = Counter(
-            "plane_tickets_parked", "Ticket holders that waited for their own slot to free",
+            "plane_tickets_parked", "Ticket holders that waited for a slot to free",
             ["model"], registry=r)
         self.ticket_lateness = Histogram(
             "plane_ticket_lateness_seconds",

@@ -2,10 +2,11 @@
 ticket holder gets its slot ahead of newcomers, and a promise that cannot meet the deadline is
 never made."""
 
-from plane.admission import Admission, Ask, Park, Place, Refuse
+from plane.admission import PROMISE_MAX_LINKS, Admission, Ask, Park, Place, Refuse
 from plane.budget import Prediction, ServiceWindow, fits, predict
 from plane.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.occupancy import ModelSlots
+from plane.promises import Promise, next_start, simulate
 
 MS10 = Prediction(p50_us=10_000, p99_us=11_000)
 
@@ -154,3 +155,112 @@ def test_no_shows_stop_pinning_slot_time() -> None:
     last = adm.decide(ms, ask(now))
     # Free slot, no pinned promises left: a newcomer is placed at once.
     assert isinstance(last, Place)
+
+
+# -- pooled promises ----------------------------------------------------------------------------
+
+
+def test_schedule_gives_each_promise_the_earliest_free_slot() -> None:
+    promises = [Promise(ticket=t, due_s=d, expires_s=1.0, service_s=0.010)
+                for t, d in (("a", 0.009), ("b", 0.019), ("c", 0.019))]
+    starts, after = simulate([0.010, 0.020], promises, 0.0)
+    assert starts == {"a": 0.010, "b": 0.020, "c": 0.020}
+    assert sorted(after) == [0.030, 0.030]
+    assert next_start([0.010, 0.020], promises, 0.0) == 0.030
+
+
+def test_a_holder_is_served_by_whichever_slot_frees_first() -> None:
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.010, 0.020)
+    first = adm.decide(ms, ask(0.0))
+    assert isinstance(first, Refuse) and first.retry_after_ms == 9  # timed to slot 0
+    # Slot 0 overruns; slot 1 frees early, at 11 ms. The promise is kept there.
+    ms.slots["n/1"].release(0.011)
+    d = adm.decide(ms, ask(0.011, ticket=first.ticket))
+    assert isinstance(d, Place) and d.redeemed is not None
+    assert [v.key for v in d.candidates] == ["n/1"]
+
+
+def test_a_late_holder_does_not_keep_a_present_one_waiting() -> None:
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    late = adm.decide(ms, ask(0.0))
+    on_time = adm.decide(ms, ask(0.0))
+    assert isinstance(late, Refuse) and isinstance(on_time, Refuse)
+    assert (late.retry_after_ms, on_time.retry_after_ms) == (9, 19)
+    ms.slots["n/0"].release(0.010)
+    # At 19 ms the first holder has not come back (its promise still stands for newcomers).
+    newcomer = adm.decide(ms, ask(0.019))
+    assert isinstance(newcomer, Refuse)
+    d = adm.decide(ms, ask(0.019, ticket=on_time.ticket))
+    assert isinstance(d, Place)
+
+
+def test_parked_holders_go_in_due_order() -> None:
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    a = adm.decide(ms, ask(0.0))
+    b = adm.decide(ms, ask(0.0))
+    assert isinstance(a, Refuse) and isinstance(b, Refuse)
+    parked = adm.decide(ms, ask(0.009, ticket=a.ticket))
+    assert isinstance(parked, Park) and parked.holder.parked
+    ms.slots["n/0"].release(0.0105)
+    # The later holder finds the slot free, but the earlier one is here and waiting.
+    d = adm.decide(ms, ask(0.0105, ticket=b.ticket))
+    assert isinstance(d, Park)
+    d = adm.decide(ms, Ask(now_s=0.0106, deadline_s=1.0, prediction=MS10, ticket=a.ticket,
+                           park_until_s=parked.until_s))
+    assert isinstance(d, Place) and d.redeemed is not None and d.redeemed.ticket == a.ticket
+
+
+def test_a_parked_holder_whose_window_closes_gets_a_new_promise() -> None:
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    a = adm.decide(ms, ask(0.0))
+    assert isinstance(a, Refuse)
+    parked = adm.decide(ms, ask(0.009, ticket=a.ticket))
+    assert isinstance(parked, Park)
+    later = parked.until_s + 0.001
+    d = adm.decide(ms, Ask(now_s=later, deadline_s=1.0, prediction=MS10, ticket=a.ticket,
+                           park_until_s=parked.until_s), may_park=False)
+    assert isinstance(d, Refuse) and d.ticket is not None and d.ticket != a.ticket
+    assert a.ticket not in adm.tickets and adm.stats["holder-refused-after-park"] == 1
+
+
+def test_promises_stop_at_the_horizon_with_a_deadline_refusal() -> None:
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.010, 0.010)
+    for _ in range(PROMISE_MAX_LINKS * 2):
+        d = adm.decide(ms, ask(0.0))
+        assert isinstance(d, Refuse) and d.reason == Reason.BUSY and d.ticket
+    d = adm.decide(ms, ask(0.0))
+    assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE and d.ticket is None
+    assert d.retry_after_ms is not None and d.retry_after_ms > 0
+
+
+def test_late_holders_are_not_no_shows() -> None:
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    tickets = []
+    for _ in range(3):
+        d = adm.decide(ms, ask(0.0))
+        assert isinstance(d, Refuse) and d.ticket
+        tickets.append(d.ticket)
+    ms.slots["n/0"].release(0.010)
+    # Every promise lapses (a caller's process stalled) ...
+    assert isinstance(adm.decide(ms, ask(0.2)), Place)
+    # ... and the holders all come back, late: they are late, not no-shows.
+    for t in tickets:
+        adm.decide(ms, ask(0.3, ticket=t))
+    adm.decide(ms, ask(5.0))  # long after: nothing left to count as a no-show
+    assert adm.stats["ticket-late"] == 3 and adm.redemption["calibrated"] == 1.0
+
+
+def test_a_slot_taken_by_someone_else_frees_itself_after_its_p99() -> None:
+    ms = slots(1)
+    view = ms.slots["n/0"]
+    view.occupy(0.0, None, expected_s=0.010, p99_s=0.020)  # the broker said: taken
+    assert not view.is_free(0.015) and view.free_time(0.015) == 0.015
+    assert view.is_free(0.021) and ms.busy_count(0.021) == 0
+    view.occupy(0.0, "ours", expected_s=0.010, p99_s=0.020)  # ours: the in-flight book owns it
+    assert not view.is_free(0.5)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from plane.client import Client as PlaneClient
@@ -100,7 +101,7 @@ async def test_nats_server_restarted_under_load() -> None:
                 assert status in (200, 429, 503, 504)
                 assert took < 3.0 + 0.5  # never past the deadline (plus scheduling slack)
             ok = sum(1 for s, _ in outcomes if s == 200)
-            assert ok >= 50, outcomes
+            assert ok >= 50, sorted(Counter(s for s, _ in outcomes).items())
             # The plane recovered by itself: new calls succeed.
             t_end = time.monotonic() + 10
             while True:

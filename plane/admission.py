@@ -21,6 +21,7 @@ from plane.budget import Prediction, fits
 from plane.messages import Reason, Status
 from plane.occupancy import ModelSlots, SlotView
 from plane.promises import Promise, next_start, simulate, would_delay
+from plane.subjects import InvalidToken, check_token
 
 # A promise is kept this long past its due time for a late holder (then released). It covers
 # the reply's trip, the caller's timer, the SDK's jitter (up to 2 ms) and a caller's process
@@ -56,6 +57,18 @@ LAPSED_MAX = 10_000
 # may be is the caller's deadline's business: its start plus the p99 must fit in it.)
 PROMISE_MAX_LINKS = 8
 REDEMPTION_WEIGHT = 0.05
+
+
+def ticket_owner(ticket: str) -> str | None:
+    """The router that made a ticket's promise (tickets read `<router id>-<n>`), or None for
+    something that is not one of ours."""
+    owner, _, seq = ticket.rpartition("-")
+    if not seq.isdigit():
+        return None
+    try:
+        return check_token("router id", owner)
+    except InvalidToken:
+        return None
 
 
 def _within(lo: float, hi: float, x: float) -> float:

@@ -39,6 +39,10 @@ class PlaneMetrics:
             "plane_tickets_issued", "Tickets handed out with 429s", ["model"], registry=r)
         self.tickets_honoured = Counter(
             "plane_tickets_honoured", "Tickets redeemed onto a slot", ["model"], registry=r)
+        self.tickets_forwarded = Counter(
+            "plane_tickets_forwarded",
+            "Ticket holders' requests forwarded to the router that made the promise",
+            ["model", "outcome"], registry=r)
         self.parked = Counter(
             "plane_tickets_parked", "Ticket holders that waited for a slot to free",
             ["model"], registry=r)

@@ -27,7 +27,7 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from plane import replies
-from plane.admission import Admission, Ask, Park, Place, Refuse
+from plane.admission import Admission, Ask, Park, Place, Refuse, ticket_owner
 from plane.budget import predict
 from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, RouterConfig
 from plane.errors import BadRequest
@@ -111,6 +111,9 @@ class Router(Lifecycle, TaskOwner):
         self._subs.append(
             await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP, cb=self._on_request)
         )
+        # Our own subject: ticket holders whose retry reached another router come here.
+        self._subs.append(await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
+                                                  cb=self._on_request))
         self._service = await add_service(
             self.nc, name=n.router_service, version="0.1.0",
             description="the plane's router: admission onto depth-one slots",
@@ -303,6 +306,12 @@ class Router(Lifecycle, TaskOwner):
             await self._refuse(msg, rid, label,
                                Refuse(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc)))
             return
+        ticket = hdrs.get(Header.TICKET)
+        owner = ticket_owner(ticket) if ticket else None
+        if (owner is not None and owner != self.cfg.router_id
+                and Header.FORWARDED_BY not in hdrs
+                and await self._forward(msg, rid, model, owner, deadline_ms)):
+            return
         ms = self._model(model)
         work_us = spec.work_us(req)
         now = time.monotonic()
@@ -333,6 +342,33 @@ class Router(Lifecycle, TaskOwner):
             outcome = "placed"
         self.metrics.router_decision_seconds.labels(model, outcome).observe(
             time.perf_counter() - t0)
+
+    async def _forward(self, msg: Msg, rid: str, model: str, owner: str,
+                       deadline_ms: int) -> bool:
+        """Hand a ticket holder's request to the router that made its promise (the routers
+        share one queue group, so a retry lands on any of them) and relay its answer. False
+        when that router is gone: the request is decided here, as a newcomer's."""
+        headers = dict(msg.headers or {})
+        headers[Header.FORWARDED_BY] = self.cfg.router_id
+        # Longer than the owner's own deadline handling (deadline + grace + its takeover), so
+        # its answer, whatever it is, comes back before we give up on it.
+        wait_s = deadline_ms / 1000 + self.cfg.deadline_grace_ms / 1000 + 1.0
+        try:
+            answer = await self.nc.request(self.names.router_infer(owner, model), msg.data,
+                                           timeout=wait_s, headers=headers)
+        except NoRespondersError:
+            self.metrics.tickets_forwarded.labels(model, "owner-gone").inc()
+            return False
+        except (NatsTimeoutError, TimeoutError):
+            self.metrics.tickets_forwarded.labels(model, "no-answer").inc()
+            await self._refuse(msg, rid, model, Refuse(
+                Status.DEADLINE, Reason.DEADLINE,
+                f"router {owner} (which made this ticket's promise) did not answer in time"))
+            return True
+        self.metrics.tickets_forwarded.labels(model, "relayed").inc()
+        if msg.reply:
+            await self.nc.publish(msg.reply, answer.data, headers=dict(answer.headers or {}))
+        return True
 
     async def _admit(self, ms: ModelSlots, ask: Ask,
                      may_park: bool = True) -> tuple[Place | Refuse, bool]:

@@ -45,6 +45,9 @@ class Header:
     SERVICE_US = "Plane-Service-Us"
     FRESHNESS = "Plane-Freshness"
     AVOID_NODE = "Plane-Avoid-Node"  # request: a node that just refused (503); go elsewhere
+    # Internal: router -> router, on a ticket holder's request forwarded to the router that
+    # made the promise (never forwarded twice).
+    FORWARDED_BY = "Plane-Forwarded-By"
     CONTENT_TYPE = "Content-Type"
     # Internal: router -> node, on the slot message only.
     REPLY_TO = "Plane-Reply-To"
@@ -85,8 +88,20 @@ class Names:
         return f"{self.prefix}.infer.>"
 
     def infer_model_of(self, subject: str) -> str:
-        """The raw model part of a request subject (validated by the caller)."""
-        return subject[len(self.prefix) + len(".infer.") :]
+        """The raw model part of a request subject, shared or one router's own (validated by
+        the caller)."""
+        head = f"{self.prefix}.infer."
+        if subject.startswith(head):
+            return subject[len(head) :]
+        return subject.split(".infer.", 1)[-1]
+
+    def router_infer(self, router_id: str, model: str) -> str:
+        """One router's own request subject: a ticket holder's retry that reached another
+        router is forwarded here, to the router that made the promise."""
+        return f"{self.prefix}.router.{router_id}.infer.{check_token('model', model)}"
+
+    def router_infer_all(self, router_id: str) -> str:
+        return f"{self.prefix}.router.{router_id}.infer.>"
 
     def slot(self, model: str, node: str, k: int) -> str:
         return f"{self.prefix}.slot.{model}.{node}.{int(k)}"

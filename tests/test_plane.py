@@ -152,6 +152,36 @@ async def test_two_routers_never_put_two_requests_on_one_slot() -> None:
         assert len(both) == 2
 
 
+async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_gets_it(
+) -> None:
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        long = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(300_000),
+                                              timeout=5))
+        await asyncio.sleep(0.1)
+        t0 = time.perf_counter()
+        refused = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5)
+        assert status(refused) == 429
+        ticket = header(refused, Header.TICKET) or ""
+        owner = next(r for r in stack.routers if ticket.startswith(r.cfg.router_id + "-"))
+        other = next(r for r in stack.routers if r is not owner)
+        retry_ms = int(header(refused, Header.RETRY_AFTER_MS) or 0)
+        assert status(await long) == 200
+        await asyncio.sleep(max(0.0, retry_ms / 1000 - (time.perf_counter() - t0)))
+        # The retry lands on the other router (the queue group picks any): it is forwarded
+        # to the one that made the promise, which honours it.
+        again = await nc.request(NAMES.router_infer(other.cfg.router_id, "calibrated"),
+                                 calibrated(1000), timeout=5,
+                                 headers={Header.TICKET: ticket, Header.REQUEST_ID: "fwd-1"})
+        assert status(again) == 200 and header(again, Header.REQUEST_ID) == "fwd-1"
+        assert owner.admission.stats["ticket-valid"] == 1
+        assert other.admission.stats["ticket-unknown"] == 0
+        # A ticket from a router that is gone: decided where it landed, as a newcomer's.
+        gone = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                headers={Header.TICKET: "router9-7"})
+        assert status(gone) == 200
+
+
 async def test_slot_message_carries_ttl_and_routing_headers() -> None:
     async with plane(models=("calibrated",), slots=1) as stack, client(stack.url) as nc:
         js = nc.jetstream()

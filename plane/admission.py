@@ -151,7 +151,28 @@ class Admission:
         self.tickets: dict[str, Promise] = {}
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
+        self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
+        # (made, model, promise): made or gone since the router last looked (it tells the
+        # other routers).
+        self.notes: list[tuple[bool, str, Promise]] = []
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
+
+    def take_notes(self) -> list[tuple[bool, str, Promise]]:
+        notes, self.notes = self.notes, []
+        return notes
+
+    def adopt(self, ms: ModelSlots, p: Promise) -> None:
+        """Another router made promise `p`: book its slot time here too."""
+        if p.ticket not in self.foreign and p.ticket not in self.tickets:
+            p.foreign = True
+            self.foreign[p.ticket] = p
+            ms.promises.add(p)
+
+    def drop(self, ms: ModelSlots, ticket: str) -> None:
+        """Another router's promise is gone (kept or replaced)."""
+        p = self.foreign.pop(ticket, None)
+        if p is not None:
+            ms.promises.remove(p)
 
     def decide(self, ms: ModelSlots, ask: Ask, *, may_park: bool = True) -> Place | Park | Refuse:
         for check in CHECKS:
@@ -167,7 +188,9 @@ class Admission:
                 (avoided if view.node == ask.avoid_node else free).append(view)
         if (free or avoided) and not self._would_break_a_promise(ms, ask, holder):
             if holder is not None:
-                self.forget(ms, holder)  # kept: its slot time is this placement now
+                # Kept: its slot time is this placement now (the router tells the others
+                # where it went).
+                self.forget(ms, holder, tell=False)
             return Place(free + avoided, holder)
         if holder is None:
             return self._refuse(ms, ask, None)
@@ -220,6 +243,10 @@ class Admission:
         if ask.ticket is None:
             return None
         r = self.tickets.get(ask.ticket)
+        if r is None and (r := self.foreign.get(ask.ticket)) is not None:
+            # Made by a router that did not take this retry (it is gone): kept here.
+            self.stats["ticket-foreign"] += 1
+            return r
         if r is None:
             lapsed = self._lapsed.pop(ask.ticket, None)
             if lapsed is not None:  # came back after its promise lapsed: late, not a no-show
@@ -250,7 +277,9 @@ class Admission:
 
     def _expire(self, ms: ModelSlots, now_s: float) -> None:
         for p in ms.promises.expire(now_s):
-            if self.tickets.pop(p.ticket, None) is not None:
+            if p.foreign:
+                self.foreign.pop(p.ticket, None)
+            elif self.tickets.pop(p.ticket, None) is not None:
                 self._lapsed[p.ticket] = (ms.model, now_s)
         # Holders not back within LAPSED_KEEP_S are no-shows (oldest first: dicts keep order).
         while self._lapsed:
@@ -260,10 +289,12 @@ class Admission:
             del self._lapsed[ticket]
             self._count(model, redeemed=False)
 
-    def forget(self, ms: ModelSlots, p: Promise) -> None:
+    def forget(self, ms: ModelSlots, p: Promise, *, tell: bool = True) -> None:
         self.tickets.pop(p.ticket, None)
+        self.foreign.pop(p.ticket, None)
         p.parked = False
-        ms.promises.remove(p)
+        if ms.promises.remove(p) and tell:
+            self.notes.append((False, ms.model, p))
 
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None) -> Refuse:
         if holder is not None:
@@ -300,6 +331,7 @@ class Admission:
         )
         if promise.pinned:
             ms.promises.add(promise)
+            self.notes.append((True, ms.model, promise))
         self.tickets[promise.ticket] = promise
         return Refuse(
             Status.BUSY, Reason.BUSY,

@@ -99,6 +99,24 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     work_us: int = 0
 
 
+class AdmissionNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What a router tells the other routers (`plane.admission.<model>`), so that they keep
+    one schedule between them: a promise `made` (with its times, wall clock epoch ms: routers
+    may be on different hosts), a promise gone (`made` false: replaced or kept), and a slot
+    taken (`slot`, busy for about `service_us`, at most `p99_us`), by a kept promise's holder
+    (`ticket`) or a newcomer (no ticket)."""
+
+    router: str
+    model: str
+    ticket: str = ""
+    made: bool = False
+    due_ms: int = 0
+    expires_ms: int = 0
+    service_us: int = 0
+    slot: str = ""
+    p99_us: int = 0
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """Sent every heartbeat period and at once on any change: carries the node's adverts, so
     routers learn of a withdrawn slot within a millisecond (the KV advert is for discovery)."""
@@ -121,6 +139,7 @@ json_encoder = msgspec.json.Encoder()
 msgpack_encoder = msgspec.msgpack.Encoder()
 advert_decoder = msgspec.json.Decoder(NodeAdvert)
 done_decoder = msgspec.msgpack.Decoder(DoneEvent)
+admission_note_decoder = msgspec.msgpack.Decoder(AdmissionNote)
 heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 fault_decoder = msgspec.json.Decoder(FaultCommand)
 error_decoder = msgspec.json.Decoder(ErrorBody)

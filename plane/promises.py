@@ -37,6 +37,7 @@ class Promise:
     issued_s: float = 0.0
     pinned: bool = True  # holds slot time; False: the Retry-After was an estimate only
     parked: bool = False  # its holder is here, waiting for a slot to free
+    foreign: bool = False  # made by another router (told on plane.admission.<model>)
 
     def start_floor(self, now_s: float) -> float:
         """The earliest it can start: its due time, or now for a holder that is here or late."""

@@ -34,17 +34,21 @@ from plane.errors import BadRequest
 from plane.inflight import NOT_ANSWERED, InFlight, InFlightBook
 from plane.lifecycle import Lifecycle, TaskOwner
 from plane.messages import (
+    AdmissionNote,
     DoneEvent,
     Reason,
     Status,
+    admission_note_decoder,
     done_decoder,
     heartbeat_decoder,
     json_encoder,
+    msgpack_encoder,
 )
 from plane.metrics import PlaneMetrics
 from plane.models import MODELS, model_spec
 from plane.occupancy import ModelSlots, SlotView, slot_key
 from plane.parking import ParkingLot
+from plane.promises import Promise
 from plane.provision import ProvisionPlan, ensure_all
 from plane.settings import LiveSettings
 from plane.subjects import ROUTER_QUEUE_GROUP, Header, InvalidToken, check_token
@@ -107,6 +111,7 @@ class Router(Lifecycle, TaskOwner):
         n = self.names
         self._subs.append(await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat))
         self._subs.append(await self.nc.subscribe(n.done_all(), cb=self._on_done))
+        self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self._on_admission_note))
         self._spawn(self._watchdog())
         self._subs.append(
             await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP, cb=self._on_request)
@@ -181,6 +186,48 @@ class Router(Lifecycle, TaskOwner):
                 cycle_us = int((time.monotonic() - fl.placed_s) * 1e6)
                 ms.window.add(cycle_us - ev.work_us)
         self.inflight.done(key, ev.request_id, ev.status)
+
+    async def _on_admission_note(self, msg: Msg) -> None:
+        """Another router made or dropped a promise, or took a slot: book it here too, so
+        that the routers keep one schedule and never promise the same slot time twice."""
+        try:
+            note = admission_note_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if note.router == self.cfg.router_id or note.model not in MODELS:
+            return
+        ms = self._model(note.model)
+        if note.made:
+            mono_of = time.monotonic() - time.time()  # wall seconds -> our monotonic seconds
+            self.admission.adopt(ms, Promise(
+                ticket=note.ticket, due_s=note.due_ms / 1000 + mono_of,
+                expires_s=note.expires_ms / 1000 + mono_of, service_s=note.service_us / 1e6))
+            return
+        if note.ticket:
+            self.admission.drop(ms, note.ticket)
+        view = ms.slots.get(note.slot) if note.slot else None
+        if view is not None and view.request_id is None:
+            view.occupy(time.monotonic(), None, note.service_us / 1e6, note.p99_us / 1e6)
+
+    async def _tell_routers(self, took: tuple[str, SlotView, Place, Ask] | None = None) -> None:
+        """Tell the other routers the promises made and dropped since we last did, and the
+        slot we just took (`took`: model, slot, placement, request)."""
+        notes = self.admission.take_notes()
+        wall_of = time.time() - time.monotonic()  # our monotonic seconds -> wall seconds
+        for made, model, p in notes:
+            note = AdmissionNote(
+                router=self.cfg.router_id, model=model, ticket=p.ticket, made=made,
+                due_ms=int((p.due_s + wall_of) * 1000),
+                expires_ms=int((p.expires_s + wall_of) * 1000),
+                service_us=int(p.service_s * 1e6))
+            await self.nc.publish(self.names.admission(model), msgpack_encoder.encode(note))
+        if took is not None:
+            model, view, place, ask = took
+            note = AdmissionNote(
+                router=self.cfg.router_id, model=model, slot=view.key,
+                ticket=place.redeemed.ticket if place.redeemed is not None else "",
+                service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us)
+            await self.nc.publish(self.names.admission(model), msgpack_encoder.encode(note))
 
     def _freed(self, fl: InFlight) -> None:
         ms = self.models.get(fl.model)
@@ -287,6 +334,12 @@ class Router(Lifecycle, TaskOwner):
         self._spawn(self._route(msg))
 
     async def _route(self, msg: Msg) -> None:
+        try:
+            await self._route_one(msg)
+        finally:
+            await self._tell_routers()
+
+    async def _route_one(self, msg: Msg) -> None:
         t0 = time.perf_counter()
         hdrs = msg.headers or {}
         rid = hdrs.get(Header.REQUEST_ID) or self.nc.new_inbox()[7:]
@@ -458,6 +511,7 @@ class Router(Lifecycle, TaskOwner):
             if place.redeemed is not None:
                 self.admission.redeemed(ms, place.redeemed)
                 self.metrics.tickets_honoured.labels(model).inc()
+            await self._tell_routers(took=(model, view, place, ask))
             return view
         return None
 

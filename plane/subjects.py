@@ -118,6 +118,14 @@ class Names:
     def done_all(self) -> str:
         return f"{self.prefix}.done.>"
 
+    def admission(self, model: str) -> str:
+        """Where routers tell each other the promises they make and drop, and the slots they
+        take."""
+        return f"{self.prefix}.admission.{check_token('model', model)}"
+
+    def admission_all(self) -> str:
+        return f"{self.prefix}.admission.>"
+
     def health(self, node: str) -> str:
         return f"{self.prefix}.health.{node}"
 

@@ -174,12 +174,40 @@ async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_
                                  calibrated(1000), timeout=5,
                                  headers={Header.TICKET: ticket, Header.REQUEST_ID: "fwd-1"})
         assert status(again) == 200 and header(again, Header.REQUEST_ID) == "fwd-1"
-        assert owner.admission.stats["ticket-valid"] == 1
+        assert owner.admission.stats["ticket-valid"] == 1, owner.admission.stats
         assert other.admission.stats["ticket-unknown"] == 0
         # A ticket from a router that is gone: decided where it landed, as a newcomer's.
         gone = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
                                 headers={Header.TICKET: "router9-7"})
         assert status(gone) == 200
+
+
+async def test_routers_share_their_promises() -> None:
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        x, y = stack.routers
+        long = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(200_000),
+                                              timeout=5))
+        await asyncio.sleep(0.05)
+        refused = await nc.request(NAMES.router_infer(x.cfg.router_id, "calibrated"),
+                                   calibrated(1000), timeout=5)
+        assert status(refused) == 429
+        ticket = header(refused, Header.TICKET) or ""
+        assert ticket.startswith(x.cfg.router_id + "-")
+        assert status(await long) == 200
+        await asyncio.sleep(0.02)
+        # The slot is free, and y made no promise: but x did, so y refuses a newcomer ...
+        assert ticket in y.admission.foreign
+        newcomer = await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
+                                    calibrated(1000), timeout=5)
+        assert status(newcomer) == 429 and header(newcomer, Header.TICKET)
+        # ... and x's holder gets the slot; y learns where it went and drops the promise.
+        kept = await nc.request(NAMES.router_infer(x.cfg.router_id, "calibrated"),
+                                calibrated(1000), timeout=5, headers={Header.TICKET: ticket})
+        assert status(kept) == 200
+        await asyncio.sleep(0.02)
+        assert ticket not in y.admission.foreign
+        assert y.admission.stats["ticket-foreign"] == 0 and x.admission.stats["ticket-valid"] == 1
 
 
 async def test_slot_message_carries_ttl_and_routing_headers() -> None:

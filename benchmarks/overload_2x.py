@@ -1,10 +1,13 @@
 """The plane's promise under overload: `plane pulse --retry` at 0.9x and 2x the capacity.
 
     .venv/bin/python benchmarks/overload_2x.py [--duration 60] [--slots 4] [--work-us 20000]
+                                               [--routers 1]
 
 One run: an embedded nats-server, `plane up --nats URL --models calibrated --slots N` as its
-own process (router and node), and this process as the caller (the pulse driver: open loop,
-latency from each request's scheduled send time, the SDK's retries: Retry-After, tickets).
+own process (router and node), `--routers` - 1 more `plane router` processes (the routers
+share one queue group: a retry lands on any of them), and this process as the caller (the
+pulse driver: open loop, latency from each request's scheduled send time, the SDK's retries:
+Retry-After, tickets).
 The capacity is measured first (closed loop, one caller per slot); then 0.9x and 2x of it are
 offered for --duration seconds each. Prints the issue's targets next to what was measured.
 """
@@ -93,6 +96,7 @@ async def main() -> None:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--work-us", type=int, default=20_000)
     ap.add_argument("--metrics-port", type=int, default=9791)
+    ap.add_argument("--routers", type=int, default=1)
     args = ap.parse_args()
     body = json.dumps({"duration_us": args.work_us}).encode()
     async with EmbeddedNats() as srv:
@@ -100,11 +104,15 @@ async def main() -> None:
             [str(BIN / "plane"), "up", "--nats", srv.url, "--models", "calibrated",
              "--slots", str(args.slots), "--log-level", "warning",
              "--metrics-port", str(args.metrics_port)], stdout=subprocess.PIPE, text=True)
+        more = [subprocess.Popen(
+            [str(BIN / "plane"), "router", "--nats", srv.url, "--router-id", f"extra{i}",
+             "--log-level", "warning"]) for i in range(args.routers - 1)]
         try:
             assert up.stdout is not None
             while "Ctrl-C" not in (line := await asyncio.to_thread(up.stdout.readline)):
                 if not line:
                     raise RuntimeError("plane up exited")
+            await asyncio.sleep(2.0 if more else 0.0)  # the extra routers see the node's advert
             cap = await capacity(srv.url, body, args.slots, 10.0)
             rows = {}
             for factor in (0.9, 2.0):
@@ -119,13 +127,15 @@ async def main() -> None:
             text = urllib.request.urlopen(
                 f"http://127.0.0.1:{args.metrics_port}/metrics", timeout=5).read().decode()
         finally:
-            up.terminate()
-            up.wait(timeout=30)
+            for proc in [*more, up]:
+                proc.terminate()
+            for proc in [*more, up]:
+                proc.wait(timeout=30)
     share_1ms, refusals = refusal_share_within_1ms(text)
     r09, r2 = rows[0.9], rows[2.0]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {args.slots} slots x {args.work_us} us calibrated, "
-          f"deadline {DEADLINE_MS} ms, {args.duration:.0f} s per load")
+          f"{args.routers} router(s), deadline {DEADLINE_MS} ms, {args.duration:.0f} s per load")
     print(f"capacity (closed loop, {args.slots} callers): {cap:.1f} req/s "
           f"(ideal {args.slots / args.work_us * 1e6:.0f})\n")
     print("| load | offered | accepted/s | accepted within deadline | accepted p50 ms | "

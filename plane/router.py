@@ -62,6 +62,11 @@ ASK_NODE_WITHIN_S = 2.0
 # slot whose done-event came within SETTLE_WITHIN_S, wait this long once and try again.
 BROKER_SETTLE_S = 0.0005
 SETTLE_WITHIN_S = 0.010
+# Routers say they are there on plane.admission.<PRESENCE> this often; a router that has heard
+# no other for PEER_GONE_S tells nobody its promises and placements.
+PEER_ANNOUNCE_S = 1.0
+PEER_GONE_S = 3.0
+PRESENCE = "_routers"
 
 
 def _is_depth_refusal(exc: APIError) -> bool:
@@ -94,6 +99,8 @@ class Router(Lifecycle, TaskOwner):
                                      asked=self._node_answered)
         self.node_seen_s: dict[str, float] = {}
         self.parking = ParkingLot()  # holders waiting for a slot to free
+        self._peer_seen_s = -math.inf  # when another router last spoke on plane.admission.*
+        self._announced_s = -math.inf
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._subs: list[Subscription] = []
@@ -194,7 +201,10 @@ class Router(Lifecycle, TaskOwner):
             note = admission_note_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        if note.router == self.cfg.router_id or note.model not in MODELS:
+        if note.router == self.cfg.router_id:
+            return
+        self._peer_seen_s = time.monotonic()
+        if note.model not in MODELS:
             return
         ms = self._model(note.model)
         if note.made:
@@ -213,6 +223,8 @@ class Router(Lifecycle, TaskOwner):
         """Tell the other routers the promises made and dropped since we last did, and the
         slot we just took (`took`: model, slot, placement, request)."""
         notes = self.admission.take_notes()
+        if time.monotonic() - self._peer_seen_s > PEER_GONE_S:
+            return  # a router alone: nobody to tell (and nothing added to its hot path)
         wall_of = time.time() - time.monotonic()  # our monotonic seconds -> wall seconds
         for made, model, p in notes:
             note = AdmissionNote(
@@ -283,6 +295,10 @@ class Router(Lifecycle, TaskOwner):
                 if now - seen > timeout_s:
                     self._forget_node(node, f"no heartbeat for {timeout_s:.1f} s")
             self.inflight.tick(now)
+            if now - self._announced_s >= PEER_ANNOUNCE_S:
+                self._announced_s = now
+                await self.nc.publish(self.names.admission(PRESENCE), msgpack_encoder.encode(
+                    AdmissionNote(router=self.cfg.router_id, model=PRESENCE)))
 
     async def _reprovision(self) -> None:
         """After a reconnect (a broker restart loses memory streams): provision again, in its

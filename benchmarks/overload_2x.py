@@ -81,11 +81,12 @@ def figures(outcomes: list[Outcome], seconds: float) -> dict[str, float]:
 
 
 def refusal_share_within_1ms(metrics_text: str) -> tuple[float, int]:
-    """From the router's decision histogram: the share of refusals decided within 1 ms."""
+    """From the routers' decision histograms (summed): the share of refusals decided within
+    1 ms by the router that decided them."""
     def bucket(le: str) -> float:
-        m = re.search(r'plane_router_decision_seconds_bucket\{le="' + re.escape(le)
-                      + r'",model="calibrated",outcome="refused"\} (\S+)', metrics_text)
-        return float(m.group(1)) if m else 0.0
+        found = re.findall(r'plane_router_decision_seconds_bucket\{le="' + re.escape(le)
+                           + r'",model="calibrated",outcome="refused"\} (\S+)', metrics_text)
+        return sum(float(v) for v in found)
     total = bucket("+Inf")
     return (bucket("0.001") / total if total else float("nan")), int(total)
 
@@ -105,8 +106,9 @@ async def main() -> None:
              "--slots", str(args.slots), "--log-level", "warning",
              "--metrics-port", str(args.metrics_port)], stdout=subprocess.PIPE, text=True)
         more = [subprocess.Popen(
-            [str(BIN / "plane"), "router", "--nats", srv.url, "--router-id", f"extra{i}",
-             "--log-level", "warning"]) for i in range(args.routers - 1)]
+            [str(BIN / "plane"), "router", "--nats", srv.url, "--router-id", f"router{i + 1}",
+             "--log-level", "warning", "--metrics-port", str(args.metrics_port + 1 + i)])
+            for i in range(args.routers - 1)]
         try:
             assert up.stdout is not None
             while "Ctrl-C" not in (line := await asyncio.to_thread(up.stdout.readline)):
@@ -124,8 +126,9 @@ async def main() -> None:
                     result = await run_load(target, body, LoadConfig(
                         rate=factor * cap, duration_s=args.duration, concurrency=4096))
                     rows[factor] = figures(result.outcomes, time.monotonic() - t0)
-            text = urllib.request.urlopen(
-                f"http://127.0.0.1:{args.metrics_port}/metrics", timeout=5).read().decode()
+            text = "\n".join(urllib.request.urlopen(
+                f"http://127.0.0.1:{args.metrics_port + i}/metrics", timeout=5).read().decode()
+                for i in range(args.routers))
         finally:
             for proc in [*more, up]:
                 proc.terminate()

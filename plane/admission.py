@@ -112,6 +112,7 @@ class Refuse:
     message: str
     retry_after_ms: int | None = None
     ticket: str | None = None
+    delegate: bool = False  # a promise is needed and another router makes them: ask it
 
 
 Check = Callable[[ModelSlots, Ask], Refuse | None]
@@ -174,7 +175,10 @@ class Admission:
         if p is not None:
             ms.promises.remove(p)
 
-    def decide(self, ms: ModelSlots, ask: Ask, *, may_park: bool = True) -> Place | Park | Refuse:
+    def decide(self, ms: ModelSlots, ask: Ask, *, may_park: bool = True,
+               may_promise: bool = True) -> Place | Park | Refuse:
+        """Place, park or refuse `ask`. With `may_promise` false (another router makes this
+        model's promises) a refusal that would carry a ticket says `delegate` instead."""
         for check in CHECKS:
             refusal = check(ms, ask)
             if refusal is not None:
@@ -193,7 +197,7 @@ class Admission:
                 self.forget(ms, holder, tell=False)
             return Place(free + avoided, holder)
         if holder is None:
-            return self._refuse(ms, ask, None)
+            return self._refuse(ms, ask, None, may_promise)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
         if may_park:
             until_s = ask.park_until_s or self._park_until(ms, ask, holder)
@@ -203,7 +207,7 @@ class Admission:
                 holder.expires_s = max(holder.expires_s, until_s + PARK_MARGIN_S)
                 return Park(until_s, holder)
         self.stats["holder-refused-after-park" if ask.park_until_s else "holder-refused"] += 1
-        return self._refuse(ms, ask, holder)
+        return self._refuse(ms, ask, holder, may_promise)
 
     @staticmethod
     def _would_break_a_promise(ms: ModelSlots, ask: Ask, holder: Promise | None) -> bool:
@@ -296,7 +300,8 @@ class Admission:
         if ms.promises.remove(p) and tell:
             self.notes.append((False, ms.model, p))
 
-    def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None) -> Refuse:
+    def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
+                may_promise: bool = True) -> Refuse:
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
@@ -320,6 +325,9 @@ class Admission:
                 f"(earliest in {wait_ms} ms): go elsewhere or raise Plane-Deadline-Ms",
                 retry_after_ms=wait_ms,
             )
+        if not may_promise:
+            return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
+                          retry_after_ms=wait_ms, delegate=True)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         p50_s = ask.prediction.p50_us / 1e6
         tolerance_s = _within(LATE_TOLERANCE_MIN_S, LATE_TOLERANCE_MAX_S,

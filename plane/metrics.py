@@ -39,10 +39,11 @@ class PlaneMetrics:
             "plane_tickets_issued", "Tickets handed out with 429s", ["model"], registry=r)
         self.tickets_honoured = Counter(
             "plane_tickets_honoured", "Tickets redeemed onto a slot", ["model"], registry=r)
-        self.tickets_forwarded = Counter(
-            "plane_tickets_forwarded",
-            "Ticket holders' requests forwarded to the router that made the promise",
-            ["model", "outcome"], registry=r)
+        self.forwarded = Counter(
+            "plane_router_forwarded",
+            "Requests forwarded to another router: a ticket holder's to the router that made "
+            "its promise (why=ticket), a refusal that needs a promise to the router that makes "
+            "them (why=promise)", ["model", "why", "outcome"], registry=r)
         self.parked = Counter(
             "plane_tickets_parked", "Ticket holders that waited for a slot to free",
             ["model"], registry=r)

@@ -100,6 +100,7 @@ class Router(Lifecycle, TaskOwner):
         self.node_seen_s: dict[str, float] = {}
         self.parking = ParkingLot()  # holders waiting for a slot to free
         self._peer_seen_s = -math.inf  # when another router last spoke on plane.admission.*
+        self._peers: dict[str, float] = {}  # other routers, when each last spoke
         self._announced_s = -math.inf
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
@@ -203,7 +204,7 @@ class Router(Lifecycle, TaskOwner):
             return
         if note.router == self.cfg.router_id:
             return
-        self._peer_seen_s = time.monotonic()
+        self._peer_seen_s = self._peers[note.router] = time.monotonic()
         if note.model not in MODELS:
             return
         ms = self._model(note.model)
@@ -377,10 +378,13 @@ class Router(Lifecycle, TaskOwner):
             return
         ticket = hdrs.get(Header.TICKET)
         owner = ticket_owner(ticket) if ticket else None
-        if (owner is not None and owner != self.cfg.router_id
-                and Header.FORWARDED_BY not in hdrs
-                and await self._forward(msg, rid, model, owner, deadline_ms)):
+        forwarded = Header.FORWARDED_BY in hdrs  # never forwarded twice
+        if (owner is not None and owner != self.cfg.router_id and not forwarded
+                and await self._forward(msg, rid, model, owner, deadline_ms, "ticket")):
             return
+        # One router makes every promise (so no two promise the same slot time); the others
+        # place what fits now and hand it what needs a promise.
+        promiser = self.cfg.router_id if forwarded else self._promiser()
         ms = self._model(model)
         work_us = spec.work_us(req)
         now = time.monotonic()
@@ -389,7 +393,16 @@ class Router(Lifecycle, TaskOwner):
             prediction=predict(ms.window, work_us),
             ticket=hdrs.get(Header.TICKET), avoid_node=hdrs.get(Header.AVOID_NODE),
         )
-        decision, parked = await self._admit(ms, ask)
+        decision, parked = await self._admit(
+            ms, ask, may_promise=promiser == self.cfg.router_id)
+        if isinstance(decision, Refuse) and decision.delegate:
+            if await self._forward(msg, rid, model, promiser, deadline_ms, "promise"):
+                self.metrics.router_decision_seconds.labels(model, "forwarded").observe(
+                    time.perf_counter() - t0)
+                return
+            ask = Ask(now_s=time.monotonic(), deadline_s=ask.deadline_s,
+                      prediction=ask.prediction, avoid_node=ask.avoid_node)
+            decision, _ = await self._admit(ms, ask, may_park=False)  # it is gone: promise here
         if isinstance(decision, Refuse):
             await self._refuse(msg, rid, model, decision)
             self.metrics.router_decision_seconds.labels(
@@ -412,11 +425,18 @@ class Router(Lifecycle, TaskOwner):
         self.metrics.router_decision_seconds.labels(model, outcome).observe(
             time.perf_counter() - t0)
 
+    def _promiser(self) -> str:
+        """The router that makes promises: the first by id of those heard from lately."""
+        now = time.monotonic()
+        alive = [r for r, seen in self._peers.items() if now - seen <= PEER_GONE_S]
+        return min([self.cfg.router_id, *alive])
+
     async def _forward(self, msg: Msg, rid: str, model: str, owner: str,
-                       deadline_ms: int) -> bool:
-        """Hand a ticket holder's request to the router that made its promise (the routers
-        share one queue group, so a retry lands on any of them) and relay its answer. False
-        when that router is gone: the request is decided here, as a newcomer's."""
+                       deadline_ms: int, why: str) -> bool:
+        """Hand a request to router `owner` and relay its answer: a ticket holder's to the
+        router that made its promise (the routers share one queue group, so a retry lands on
+        any of them), or one that needs a promise to the router that makes them. False when
+        that router is gone: the request is decided here."""
         headers = dict(msg.headers or {})
         headers[Header.FORWARDED_BY] = self.cfg.router_id
         # Longer than the owner's own deadline handling (deadline + grace + its takeover), so
@@ -426,23 +446,23 @@ class Router(Lifecycle, TaskOwner):
             answer = await self.nc.request(self.names.router_infer(owner, model), msg.data,
                                            timeout=wait_s, headers=headers)
         except NoRespondersError:
-            self.metrics.tickets_forwarded.labels(model, "owner-gone").inc()
+            self.metrics.forwarded.labels(model, why, "owner-gone").inc()
             return False
         except (NatsTimeoutError, TimeoutError):
-            self.metrics.tickets_forwarded.labels(model, "no-answer").inc()
+            self.metrics.forwarded.labels(model, why, "no-answer").inc()
             await self._refuse(msg, rid, model, Refuse(
                 Status.DEADLINE, Reason.DEADLINE,
-                f"router {owner} (which made this ticket's promise) did not answer in time"))
+                f"router {owner} (asked for this request's promise) did not answer in time"))
             return True
-        self.metrics.tickets_forwarded.labels(model, "relayed").inc()
+        self.metrics.forwarded.labels(model, why, "relayed").inc()
         if msg.reply:
             await self.nc.publish(msg.reply, answer.data, headers=dict(answer.headers or {}))
         return True
 
-    async def _admit(self, ms: ModelSlots, ask: Ask,
-                     may_park: bool = True) -> tuple[Place | Refuse, bool]:
+    async def _admit(self, ms: ModelSlots, ask: Ask, may_park: bool = True,
+                     may_promise: bool = True) -> tuple[Place | Refuse, bool]:
         """The decision, and whether the caller was parked on the way to it."""
-        decision = self.admission.decide(ms, ask, may_park=may_park)
+        decision = self.admission.decide(ms, ask, may_park=may_park, may_promise=may_promise)
         parked = isinstance(decision, Park)
         if isinstance(decision, Park):
             self.metrics.parked.labels(ms.model).inc()
@@ -456,7 +476,8 @@ class Router(Lifecycle, TaskOwner):
             ask = Ask(now_s=now, deadline_s=ask.deadline_s, prediction=ask.prediction,
                       ticket=ask.ticket, avoid_node=ask.avoid_node,
                       park_until_s=decision.until_s)
-            decision = self.admission.decide(ms, ask, may_park=now < decision.until_s)
+            decision = self.admission.decide(ms, ask, may_park=now < decision.until_s,
+                                             may_promise=may_promise)
         return decision, parked
 
     def _deadline_ms(self, model: str, raw: str | None) -> int:

@@ -34,21 +34,18 @@ from plane.errors import BadRequest
 from plane.inflight import NOT_ANSWERED, InFlight, InFlightBook
 from plane.lifecycle import Lifecycle, TaskOwner
 from plane.messages import (
-    AdmissionNote,
     DoneEvent,
     Reason,
     Status,
-    admission_note_decoder,
     done_decoder,
     heartbeat_decoder,
     json_encoder,
-    msgpack_encoder,
 )
 from plane.metrics import PlaneMetrics
 from plane.models import MODELS, model_spec
 from plane.occupancy import ModelSlots, SlotView, slot_key
 from plane.parking import ParkingLot
-from plane.promises import Promise
+from plane.peers import Peers
 from plane.provision import ProvisionPlan, ensure_all
 from plane.settings import LiveSettings
 from plane.subjects import ROUTER_QUEUE_GROUP, Header, InvalidToken, check_token
@@ -62,11 +59,6 @@ ASK_NODE_WITHIN_S = 2.0
 # slot whose done-event came within SETTLE_WITHIN_S, wait this long once and try again.
 BROKER_SETTLE_S = 0.0005
 SETTLE_WITHIN_S = 0.010
-# Routers say they are there on plane.admission.<PRESENCE> this often; a router that has heard
-# no other for PEER_GONE_S tells nobody its promises and placements.
-PEER_ANNOUNCE_S = 1.0
-PEER_GONE_S = 3.0
-PRESENCE = "_routers"
 
 
 def _is_depth_refusal(exc: APIError) -> bool:
@@ -99,9 +91,7 @@ class Router(Lifecycle, TaskOwner):
                                      asked=self._node_answered)
         self.node_seen_s: dict[str, float] = {}
         self.parking = ParkingLot()  # holders waiting for a slot to free
-        self._peer_seen_s = -math.inf  # when another router last spoke on plane.admission.*
-        self._peers: dict[str, float] = {}  # other routers, when each last spoke
-        self._announced_s = -math.inf
+        self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._subs: list[Subscription] = []
@@ -119,7 +109,7 @@ class Router(Lifecycle, TaskOwner):
         n = self.names
         self._subs.append(await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat))
         self._subs.append(await self.nc.subscribe(n.done_all(), cb=self._on_done))
-        self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self._on_admission_note))
+        self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self.peers.on_note))
         self._spawn(self._watchdog())
         self._subs.append(
             await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP, cb=self._on_request)
@@ -195,53 +185,6 @@ class Router(Lifecycle, TaskOwner):
                 ms.window.add(cycle_us - ev.work_us)
         self.inflight.done(key, ev.request_id, ev.status)
 
-    async def _on_admission_note(self, msg: Msg) -> None:
-        """Another router made or dropped a promise, or took a slot: book it here too, so
-        that the routers keep one schedule and never promise the same slot time twice."""
-        try:
-            note = admission_note_decoder.decode(msg.data)
-        except msgspec.DecodeError:
-            return
-        if note.router == self.cfg.router_id:
-            return
-        self._peer_seen_s = self._peers[note.router] = time.monotonic()
-        if note.model not in MODELS:
-            return
-        ms = self._model(note.model)
-        if note.made:
-            mono_of = time.monotonic() - time.time()  # wall seconds -> our monotonic seconds
-            self.admission.adopt(ms, Promise(
-                ticket=note.ticket, due_s=note.due_ms / 1000 + mono_of,
-                expires_s=note.expires_ms / 1000 + mono_of, service_s=note.service_us / 1e6))
-            return
-        if note.ticket:
-            self.admission.drop(ms, note.ticket)
-        view = ms.slots.get(note.slot) if note.slot else None
-        if view is not None and view.request_id is None:
-            view.occupy(time.monotonic(), None, note.service_us / 1e6, note.p99_us / 1e6)
-
-    async def _tell_routers(self, took: tuple[str, SlotView, Place, Ask] | None = None) -> None:
-        """Tell the other routers the promises made and dropped since we last did, and the
-        slot we just took (`took`: model, slot, placement, request)."""
-        notes = self.admission.take_notes()
-        if time.monotonic() - self._peer_seen_s > PEER_GONE_S:
-            return  # a router alone: nobody to tell (and nothing added to its hot path)
-        wall_of = time.time() - time.monotonic()  # our monotonic seconds -> wall seconds
-        for made, model, p in notes:
-            note = AdmissionNote(
-                router=self.cfg.router_id, model=model, ticket=p.ticket, made=made,
-                due_ms=int((p.due_s + wall_of) * 1000),
-                expires_ms=int((p.expires_s + wall_of) * 1000),
-                service_us=int(p.service_s * 1e6))
-            await self.nc.publish(self.names.admission(model), msgpack_encoder.encode(note))
-        if took is not None:
-            model, view, place, ask = took
-            note = AdmissionNote(
-                router=self.cfg.router_id, model=model, slot=view.key,
-                ticket=place.redeemed.ticket if place.redeemed is not None else "",
-                service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us)
-            await self.nc.publish(self.names.admission(model), msgpack_encoder.encode(note))
-
     def _freed(self, fl: InFlight) -> None:
         ms = self.models.get(fl.model)
         view = ms.slots.get(fl.key) if ms is not None else None
@@ -296,10 +239,7 @@ class Router(Lifecycle, TaskOwner):
                 if now - seen > timeout_s:
                     self._forget_node(node, f"no heartbeat for {timeout_s:.1f} s")
             self.inflight.tick(now)
-            if now - self._announced_s >= PEER_ANNOUNCE_S:
-                self._announced_s = now
-                await self.nc.publish(self.names.admission(PRESENCE), msgpack_encoder.encode(
-                    AdmissionNote(router=self.cfg.router_id, model=PRESENCE)))
+            await self.peers.announce_if_due(now)
 
     async def _reprovision(self) -> None:
         """After a reconnect (a broker restart loses memory streams): provision again, in its
@@ -354,7 +294,7 @@ class Router(Lifecycle, TaskOwner):
         try:
             await self._route_one(msg)
         finally:
-            await self._tell_routers()
+            await self.peers.tell()
 
     async def _route_one(self, msg: Msg) -> None:
         t0 = time.perf_counter()
@@ -384,7 +324,7 @@ class Router(Lifecycle, TaskOwner):
             return
         # One router makes every promise (so no two promise the same slot time); the others
         # place what fits now and hand it what needs a promise.
-        promiser = self.cfg.router_id if forwarded else self._promiser()
+        promiser = self.cfg.router_id if forwarded else self.peers.promiser()
         ms = self._model(model)
         work_us = spec.work_us(req)
         now = time.monotonic()
@@ -424,12 +364,6 @@ class Router(Lifecycle, TaskOwner):
             outcome = "placed"
         self.metrics.router_decision_seconds.labels(model, outcome).observe(
             time.perf_counter() - t0)
-
-    def _promiser(self) -> str:
-        """The router that makes promises: the first by id of those heard from lately."""
-        now = time.monotonic()
-        alive = [r for r, seen in self._peers.items() if now - seen <= PEER_GONE_S]
-        return min([self.cfg.router_id, *alive])
 
     async def _forward(self, msg: Msg, rid: str, model: str, owner: str,
                        deadline_ms: int, why: str) -> bool:
@@ -548,7 +482,7 @@ class Router(Lifecycle, TaskOwner):
             if place.redeemed is not None:
                 self.admission.redeemed(ms, place.redeemed)
                 self.metrics.tickets_honoured.labels(model).inc()
-            await self._tell_routers(took=(model, view, place, ask))
+            await self.peers.tell(took=(model, view, place, ask))
             return view
         return None
 

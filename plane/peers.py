@@ -1,0 +1,110 @@
+"""The other routers of a plane: who is there, which of them makes the promises, and what each
+tells the others so that they keep one schedule.
+
+Routers share one queue group, so any of them may take any request. Two routers that each
+made their own promises would now and then promise the same slot time (neither has heard of
+the other's latest), and one of the two holders would find no slot. So the first router by id
+of those alive makes every promise; the others place what fits now and forward the rest to it
+(see `Router._forward`). Every router tells the others, on `<prefix>.admission.<model>`, the
+promises it makes and drops and the slots it takes, and books theirs in its own schedule. A
+router that has heard no other for `GONE_S` tells nobody: a plane with one router pays nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from plane.admission import Admission, Ask, Place
+from plane.messages import AdmissionNote, admission_note_decoder, msgpack_encoder
+from plane.models import MODELS
+from plane.occupancy import ModelSlots, SlotView
+from plane.promises import Promise
+from plane.subjects import Names
+
+log = structlog.get_logger("plane.peers")
+
+ANNOUNCE_S = 1.0  # each router says it is there this often ...
+GONE_S = 3.0  # ... and one not heard from for this long is gone
+PRESENCE = "_routers"  # the model token of the announcements (no model is named so)
+
+
+class Peers:
+    def __init__(self, nc: Client, names: Names, router_id: str, admission: Admission,
+                 model: Callable[[str], ModelSlots]) -> None:
+        self.nc = nc
+        self.names = names
+        self.router_id = router_id
+        self.admission = admission
+        self._model = model  # the router's ModelSlots for a model (made on first use)
+        self.seen_s: dict[str, float] = {}  # other routers, when each last spoke
+        self._last_heard_s = -math.inf
+        self._announced_s = -math.inf
+
+    def promiser(self) -> str:
+        """The router that makes promises: the first by id of those heard from lately."""
+        now = time.monotonic()
+        return min([self.router_id, *(r for r, t in self.seen_s.items() if now - t <= GONE_S)])
+
+    async def announce_if_due(self, now_s: float) -> None:
+        if now_s - self._announced_s >= ANNOUNCE_S:
+            self._announced_s = now_s
+            await self._send(PRESENCE, AdmissionNote(router=self.router_id, model=PRESENCE))
+
+    async def on_note(self, msg: Msg) -> None:
+        """Another router made or dropped a promise, or took a slot: book it here too."""
+        try:
+            note = admission_note_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("bad admission note ignored", subject=msg.subject)
+            return
+        if note.router == self.router_id:
+            return
+        self._last_heard_s = self.seen_s[note.router] = time.monotonic()
+        if note.model not in MODELS:
+            return
+        ms = self._model(note.model)
+        if note.made:
+            mono_of = time.monotonic() - time.time()  # wall seconds -> our monotonic seconds
+            self.admission.adopt(ms, Promise(
+                ticket=note.ticket, due_s=note.due_ms / 1000 + mono_of,
+                expires_s=note.expires_ms / 1000 + mono_of, service_s=note.service_us / 1e6))
+            return
+        if note.ticket:
+            self.admission.drop(ms, note.ticket)
+        view = ms.slots.get(note.slot) if note.slot else None
+        if view is not None and view.request_id is None:
+            view.occupy(time.monotonic(), None, note.service_us / 1e6, note.p99_us / 1e6)
+
+    async def tell(self, took: tuple[str, SlotView, Place, Ask] | None = None) -> None:
+        """Tell the others the promises made and dropped since we last did, and the slot we
+        just took (`took`: model, slot, placement, request)."""
+        notes = self.admission.take_notes()
+        if time.monotonic() - self._last_heard_s > GONE_S:
+            return  # alone: nobody to tell (and nothing added to the hot path)
+        wall_of = time.time() - time.monotonic()  # our monotonic seconds -> wall seconds
+        for made, model, p in notes:
+            await self._send(model, AdmissionNote(
+                router=self.router_id, model=model, ticket=p.ticket, made=made,
+                due_ms=int((p.due_s + wall_of) * 1000),
+                expires_ms=int((p.expires_s + wall_of) * 1000),
+                service_us=int(p.service_s * 1e6)))
+        if took is not None:
+            model, view, place, ask = took
+            await self._send(model, AdmissionNote(
+                router=self.router_id, model=model, slot=view.key,
+                ticket=place.redeemed.ticket if place.redeemed is not None else "",
+                service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us))
+
+    async def _send(self, model: str, note: AdmissionNote) -> None:
+        # A note that cannot go out (the connection is down) is lost, not an error: a peer
+        # hears the next one; a promise it missed expires by itself.
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.names.admission(model), msgpack_encoder.encode(note))

@@ -115,6 +115,7 @@ class AdmissionNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     service_us: int = 0
     slot: str = ""
     p99_us: int = 0
+    instance: str = ""  # the sending process (two routers with one id are a mistake to report)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -47,6 +48,8 @@ class Peers:
         self.seen_s: dict[str, float] = {}  # other routers, when each last spoke
         self._last_heard_s = -math.inf
         self._announced_s = -math.inf
+        self.instance = uuid.uuid4().hex[:12]
+        self._clash_logged_s = -math.inf
 
     def promiser(self) -> str:
         """The router that makes promises: the first by id of those heard from lately."""
@@ -56,7 +59,8 @@ class Peers:
     async def announce_if_due(self, now_s: float) -> None:
         if now_s - self._announced_s >= ANNOUNCE_S:
             self._announced_s = now_s
-            await self._send(PRESENCE, AdmissionNote(router=self.router_id, model=PRESENCE))
+            await self._send(PRESENCE, AdmissionNote(router=self.router_id, model=PRESENCE,
+                                                     instance=self.instance))
 
     async def on_note(self, msg: Msg) -> None:
         """Another router made or dropped a promise, or took a slot: book it here too."""
@@ -66,6 +70,8 @@ class Peers:
             log.warning("bad admission note ignored", subject=msg.subject)
             return
         if note.router == self.router_id:
+            if note.instance and note.instance != self.instance:
+                self._clash(note.instance)
             return
         self._last_heard_s = self.seen_s[note.router] = time.monotonic()
         if note.model not in MODELS:
@@ -102,6 +108,14 @@ class Peers:
                 router=self.router_id, model=model, slot=view.key,
                 ticket=place.redeemed.ticket if place.redeemed is not None else "",
                 service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us))
+
+    def _clash(self, other: str) -> None:
+        now = time.monotonic()
+        if now - self._clash_logged_s >= 10.0:
+            self._clash_logged_s = now
+            log.error("another router has this router's id: their tickets and promises will "
+                      "clash; give each router a distinct --router-id",
+                      router=self.router_id, other_instance=other)
 
     async def _send(self, model: str, note: AdmissionNote) -> None:
         # A note that cannot go out (the connection is down) is lost, not an error: a peer

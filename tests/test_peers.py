@@ -1,0 +1,60 @@
+"""The other routers, as notes arrive: who makes promises, promises booked from another
+router, and two routers that share an id (a deployment mistake) reported."""
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import structlog
+
+from plane.admission import Admission
+from plane.messages import AdmissionNote, msgpack_encoder
+from plane.occupancy import ModelSlots
+from plane.peers import PRESENCE, Peers
+from plane.subjects import Names
+
+
+def peers(router_id: str = "router1") -> tuple[Peers, dict[str, ModelSlots]]:
+    models: dict[str, ModelSlots] = {}
+
+    def model(m: str) -> ModelSlots:
+        return models.setdefault(m, ModelSlots(model=m))
+
+    nc: Any = None  # on_note and promiser never publish
+    return Peers(nc, Names(), router_id, Admission(router_id), model), models
+
+
+def note(**kw: Any) -> Any:
+    return SimpleNamespace(data=msgpack_encoder.encode(AdmissionNote(**kw)),
+                           subject="plane.admission.x")
+
+
+async def test_the_first_router_by_id_heard_lately_makes_promises() -> None:
+    p, _ = peers("router1")
+    assert p.promiser() == "router1"  # alone
+    await p.on_note(note(router="router0", model=PRESENCE, instance="a"))
+    assert p.promiser() == "router0"
+    p.seen_s["router0"] -= 10  # not heard from for longer than GONE_S
+    assert p.promiser() == "router1"
+
+
+async def test_a_promise_made_elsewhere_is_booked_here_and_dropped_when_kept() -> None:
+    p, models = peers()
+    due_ms = int(time.time() * 1000) + 50
+    await p.on_note(note(router="router0", model="calibrated", ticket="router0-7", made=True,
+                         due_ms=due_ms, expires_ms=due_ms + 50, service_us=20_000))
+    ms = models["calibrated"]
+    [promise] = list(ms.promises)
+    assert promise.foreign and 0.03 < promise.due_s - time.monotonic() < 0.07
+    await p.on_note(note(router="router0", model="calibrated", ticket="router0-7",
+                         slot="n/0", service_us=20_000, p99_us=30_000))
+    assert not list(ms.promises) and "router0-7" not in p.admission.foreign
+
+
+async def test_two_routers_with_one_id_are_reported() -> None:
+    p, _ = peers("router0")
+    with structlog.testing.capture_logs() as logs:
+        await p.on_note(note(router="router0", model=PRESENCE, instance=p.instance))
+        assert not logs  # our own announcement
+        await p.on_note(note(router="router0", model=PRESENCE, instance="someone-else"))
+    assert logs and "--router-id" in logs[0]["event"] and logs[0]["log_level"] == "error"

@@ -39,8 +39,8 @@ RETURN_LEAD_S = 0.001
 RETURN_LAG_SHARE = 0.5
 # A holder that finds no slot free yet waits for one (woken by done-events) instead of being
 # refused again: a slot starts its request the moment it frees. It waits until its predicted
-# start plus the p99 - p50 spread and a margin, within [MIN, the p99 service time] from now:
-# a new ticket would send it behind every promise made since, much further away.
+# start plus the p99 - p50 spread and a margin, within [MIN, the p50 service time] from now
+# (longer waits showed as the accepted tail; with promises due past the mean they are rare).
 PARK_MIN_S = 0.008
 PARK_MARGIN_S = 0.002
 PARK_MAX_SHARE = 1.0

@@ -87,7 +87,7 @@ def _run(coro: Any) -> None:
     sys.exit(code)
 
 
-def _names(prefix: str) -> Names:
+def names_for(prefix: str) -> Names:
     try:
         return Names(prefix)
     except InvalidToken as exc:
@@ -141,7 +141,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
     model_list = tuple(m.strip() for m in models.split(",") if m.strip())
     cfg = StackConfig(
         connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
-        names=_names(prefix), models=model_list, slots=slots, backend=backend,
+        names=names_for(prefix), models=model_list, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
         freshness=True,
     )
@@ -172,7 +172,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     """
     configure_logs(log_level)
     extra = {"node_id": node_id} if node_id else {}
-    cfg = NodeConfig(names=_names(prefix), model=model, slots=slots, backend=backend,
+    cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults, **extra)  # type: ignore[arg-type]
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,
                         f"plane-node-{cfg.node_id}")
@@ -194,7 +194,7 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
     """
     configure_logs(log_level)
     extra = {"router_id": router_id} if router_id else {}
-    cfg = RouterConfig(names=_names(prefix), **extra)  # type: ignore[arg-type]
+    cfg = RouterConfig(names=names_for(prefix), **extra)  # type: ignore[arg-type]
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-router")
     _run(run_router(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg))
 
@@ -211,4 +211,4 @@ def status(nats_url: str | None, user: str | None, password: str | None, token: 
       plane status --nats nats://127.0.0.1:4222 && echo healthy
     """
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-status")
-    _run(run_status(conn, _names(prefix)))
+    _run(run_status(conn, names_for(prefix)))

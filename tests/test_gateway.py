@@ -15,6 +15,7 @@ import pytest
 from plane.config import ConnectOptions
 from plane.gateway import Gateway, GatewayConfig, http_headers
 from plane.stack import PlaneStack, StackConfig
+from plane.subjects import Names
 
 TOKEN = "s3cret-token"
 
@@ -143,3 +144,16 @@ async def test_hey_gets_200s_then_429s(gateway: Gateway) -> None:
     # (measured here: about 75%), and the rest is refused at once.
     assert counts.get(200, 0) >= 80 and counts.get(429, 0) > 0, text
     assert set(counts) <= {200, 429}, text
+
+
+async def test_the_gateway_serves_the_plane_of_its_prefix(http: aiohttp.ClientSession) -> None:
+    acme = Names("acme")
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=1, names=acme)) as s:
+        body = {"duration_us": 1}
+        async with Gateway(GatewayConfig(port=0, names=acme), ConnectOptions(url=s.url)) as gw, \
+                http.post(f"{gw.url}/v1/infer/calibrated", json=body) as r:
+            assert r.status == 200
+        # A gateway for another prefix finds no router there: 503, at once.
+        async with Gateway(GatewayConfig(port=0), ConnectOptions(url=s.url)) as gw, \
+                http.post(f"{gw.url}/v1/infer/calibrated", json=body) as r:
+            assert r.status == 503

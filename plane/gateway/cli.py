@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from plane.cli import connect_options, make_connect
+from plane.cli import connect_options, make_connect, names_for, prefix_option
 from plane.config import MAX_BODY_BYTES, ConnectOptions
 from plane.errors import ConfigError
 from plane.gateway.config import GatewayConfig
@@ -23,6 +23,7 @@ async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
 
 @click.command("gateway")
 @connect_options
+@prefix_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8080, show_default=True, help="0: any free port.")
 @click.option("--max-body-bytes", type=int, default=MAX_BODY_BYTES, show_default=True)
@@ -30,8 +31,8 @@ async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
               help="Require 'Authorization: Bearer <token>' on /v1/* (env PLANE_GATEWAY_TOKEN).")
 @click.option("--log-level", default="info", show_default=True)
 def gateway(nats_url: str | None, user: str | None, password: str | None, token: str | None,
-            creds: str | None, tls_ca: str | None, host: str, port: int, max_body_bytes: int,
-            bearer_token: str | None, log_level: str) -> None:
+            creds: str | None, tls_ca: str | None, prefix: str, host: str, port: int,
+            max_body_bytes: int, bearer_token: str | None, log_level: str) -> None:
     """HTTP in front of the plane: POST /v1/infer/{model}; GET /healthz /readyz /metrics.
 
     \b
@@ -43,7 +44,7 @@ def gateway(nats_url: str | None, user: str | None, password: str | None, token:
     """
     try:
         config = GatewayConfig(host=host, port=port, max_body_bytes=max_body_bytes,
-                               bearer_token=bearer_token)
+                               bearer_token=bearer_token, names=names_for(prefix))
         opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="plane-gateway")
         if opts.url is None:
             raise ConfigError("give --nats URL of the plane's NATS server")

@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from plane.client import Client
+from plane.client import Client, ClientConfig
 from plane.config import ConnectOptions
 from plane.gateway.app import build_app
 from plane.gateway.config import GatewayConfig
@@ -44,7 +44,7 @@ class Gateway:
             return
         self._nc = await connect(self.connect_opts)
         try:
-            client = Client(self._nc)
+            client = Client(self._nc, ClientConfig(names=self.config.names))
             app = build_app(client, self.config, self.metrics)
             self._runner = web.AppRunner(app, access_log=None,
                                          shutdown_timeout=self.config.shutdown_timeout_s)

@@ -38,15 +38,11 @@ from freshness.kafka_admin import ensure_topics
 from freshness.records import Stamps, Transaction
 from freshness.tansu import EmbeddedTansu
 from plane.embedded import EmbeddedNats
+from plane.quantiles import quantile
 from plane.subjects import Names
 
 NAMES = Names()
 ENC = msgspec.json.Encoder()
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def _config(bootstrap: str, topic: str) -> BridgeConfig:
@@ -123,8 +119,8 @@ async def latency(nc: nats.NATS, bootstrap: str, rate: float, seconds: float) ->
         await sub.unsubscribe()
     return {
         "records": float(len(bridge_ms)),
-        "bridge_p50": _pct(bridge_ms, 0.5), "bridge_p99": _pct(bridge_ms, 0.99),
-        "e2e_p50": _pct(e2e_ms, 0.5), "e2e_p99": _pct(e2e_ms, 0.99),
+        "bridge_p50": quantile(bridge_ms, 0.5), "bridge_p99": quantile(bridge_ms, 0.99),
+        "e2e_p50": quantile(e2e_ms, 0.5), "e2e_p99": quantile(e2e_ms, 0.99),
     }
 
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +42,7 @@ from plane.backoff import RetryPolicy  # noqa: E402
 from plane.client import Client  # noqa: E402
 from plane.config import ConnectOptions  # noqa: E402
 from plane.embedded import EmbeddedNats  # noqa: E402
+from plane.processes import die_with_parent, free_port  # noqa: E402
 from plane.pulse import Attempts, LoadConfig, NatsTarget, Target, default_body, pulse  # noqa: E402
 from plane.pulse.outcome import ERROR, TIMEOUT  # noqa: E402
 from plane.pulse.summary import Summary  # noqa: E402
@@ -53,24 +52,13 @@ _meta = msgspec.json.Decoder(dict[str, object])
 
 
 # -- processes we start and stop by PID -----------------------------------------------------
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def child(args: Sequence[str], log: Path) -> AsyncIterator[asyncio.subprocess.Process]:
     """A child process logging to `log`; SIGTERM (then SIGKILL) by PID on exit."""
     with log.open("wb") as f:
         proc = await asyncio.create_subprocess_exec(
             *args, stdin=asyncio.subprocess.DEVNULL, stdout=f, stderr=f, cwd=REPO,
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
     try:
         yield proc
     finally:
@@ -187,7 +175,7 @@ async def celery_system(slots: int, logs: Path, timeout_s: float) -> AsyncIterat
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
         raise click.ClickException("redis-server not found: run scripts/setup-system.sh")
-    port = _free_port()
+    port = free_port()
     url = f"redis://127.0.0.1:{port}"
     rlog = logs / "redis.log"
     async with child([redis_bin, "--bind", "127.0.0.1", "--port", str(port), "--save", "",

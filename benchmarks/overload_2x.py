@@ -34,6 +34,7 @@ from plane.lifecycle import run
 from plane.pulse.outcome import Outcome
 from plane.pulse.runner import LoadConfig, run_load
 from plane.pulse.targets import NatsTarget
+from plane.quantiles import quantile
 
 BIN = Path(sys.executable).parent
 DEADLINE_MS = 1000
@@ -56,8 +57,8 @@ async def capacity(url: str, body: bytes, callers: int, seconds: float) -> float
 
 
 def pct(values: list[int], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))] / 1000 if s else float("nan")
+    """The p-th percentile of microsecond values, in ms."""
+    return quantile(values, p / 100) / 1000
 
 
 def figures(outcomes: list[Outcome], seconds: float) -> dict[str, float]:

@@ -43,6 +43,7 @@ from plane.embedded import EmbeddedNats
 from plane.errors import ConfigError
 from plane.messages import FEATURES, RiskRequest
 from plane.natsconn import connect
+from plane.quantiles import quantile
 from plane.subjects import Header, Names
 
 log = structlog.get_logger("freshness.demo")
@@ -106,13 +107,6 @@ _reply_decoder = msgspec.json.Decoder(_Reply)
 _encoder = msgspec.json.Encoder()
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 @dataclass
 class DemoReport:
     plan: DemoPlan
@@ -149,10 +143,10 @@ class DemoReport:
             + (", ".join(f"{k}: {v}" for k, v in sorted(self.freshness.items())) or "-"),
             f"  published         NATS {p.names.scored(stream_token(p.topic))}: {self.scored}, "
             f"Kafka {p.scored_topic}: {self.to_kafka}",
-            f"  scoring request   p50 {_pct(self.request_ms, 0.5):.2f} ms, "
-            f"p99 {_pct(self.request_ms, 0.99):.2f} ms (deadline {p.deadline_ms} ms)",
-            f"  event -> scored   p50 {_pct(self.end_to_end_ms, 0.5):.2f} ms, "
-            f"p99 {_pct(self.end_to_end_ms, 0.99):.2f} ms",
+            f"  scoring request   p50 {quantile(self.request_ms, 0.5):.2f} ms, "
+            f"p99 {quantile(self.request_ms, 0.99):.2f} ms (deadline {p.deadline_ms} ms)",
+            f"  event -> scored   p50 {quantile(self.end_to_end_ms, 0.5):.2f} ms, "
+            f"p99 {quantile(self.end_to_end_ms, 0.99):.2f} ms",
             "  result            " + ("OK: every record bridged and scored once" if self.ok
                                       else "INCOMPLETE: see the counts above"),
         ]

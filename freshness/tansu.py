@@ -10,11 +10,7 @@ opens no outbound connection) and is stopped by PID; Linux sends it SIGTERM if w
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import os
-import signal
-import socket
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -22,7 +18,7 @@ import structlog
 
 from freshness.kafka_compat import ApiVersionsShim
 from plane.errors import ConfigError
-from plane.processes import cancel_and_wait, stop_by_pid
+from plane.processes import ChildProcess, free_port
 
 log = structlog.get_logger("freshness.tansu")
 
@@ -41,19 +37,6 @@ def tansu_binary() -> str:
         raise ConfigError(f"tansu not found ({exc}); pass --kafka HOST:PORT instead") from exc
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (tansu cannot report a port it picked itself)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass(kw_only=True)
 class TansuSpec:
     port: int = 0  # 0: a free port, kept across restarts
@@ -62,15 +45,15 @@ class TansuSpec:
     cluster_id: str = "plane"
 
 
-class EmbeddedTansu:
-    """`async with EmbeddedTansu() as kafka:` then `kafka.bootstrap` ("127.0.0.1:PORT")."""
+class EmbeddedTansu(ChildProcess):
+    """`async with EmbeddedTansu() as kafka:` then `kafka.bootstrap` ("127.0.0.1:PORT").
+    `restart()` keeps its port (memory storage: everything else is lost); the shim, if any,
+    stays up through it, so clients keep their address."""
 
     def __init__(self, spec: TansuSpec | None = None) -> None:
+        super().__init__()
         self.spec = spec or TansuSpec()
-        self._proc: asyncio.subprocess.Process | None = None
         self._shim: ApiVersionsShim | None = None
-        self._log_task: asyncio.Task[None] | None = None
-        self.log_tail: list[bytes] = []
 
     @property
     def port(self) -> int:
@@ -85,12 +68,8 @@ class EmbeddedTansu:
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
     async def start(self, timeout_s: float = 15.0) -> None:
-        if self._proc is not None and self._proc.returncode is None:
+        if self.running:
             return
         if not self.spec.port:
             self.spec.port = free_port()
@@ -100,33 +79,27 @@ class EmbeddedTansu:
         listen = f"tcp://127.0.0.1:{self.spec.port}"
         advertised = f"tcp://127.0.0.1:{self.port}"
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RUST_LOG": "warn"}
-        self._proc = await asyncio.create_subprocess_exec(
+        stream = await self._spawn(
             tansu_binary(), "broker",
             "--cluster-id", self.spec.cluster_id,
             "--listener-url", listen,
             "--advertised-listener-url", advertised,
             "--storage-engine", "memory://tansu/",
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent,
+            log_on_stdout=True, env=env,
         )
-        assert self._proc.stdout is not None
-        self._log_task = asyncio.create_task(self._drain_log(self._proc.stdout))
+        self._keep_reading(stream)
         try:
             await self._wait_listening(timeout_s)
         except BaseException:
             await self.stop()
             raise
-        log.info("tansu started", pid=self._proc.pid, bootstrap=self.bootstrap)
+        log.info("tansu started", pid=self.pid, bootstrap=self.bootstrap)
 
     async def _wait_listening(self, timeout_s: float) -> None:
         async with asyncio.timeout(timeout_s):
             while True:
-                if self._proc is None or self._proc.returncode is not None:
-                    tail = b"".join(self.log_tail[-20:]).decode(errors="replace")
-                    raise RuntimeError(f"tansu exited at start:\n{tail}")
+                if not self.running:
+                    raise RuntimeError(f"tansu exited at start:\n{self._last_log()}")
                 try:
                     _, w = await asyncio.open_connection("127.0.0.1", self.spec.port)
                 except OSError:
@@ -134,25 +107,6 @@ class EmbeddedTansu:
                     continue
                 w.close()
                 return
-
-    async def _drain_log(self, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
-            self.log_tail.append(line)
-            if len(self.log_tail) > 200:
-                del self.log_tail[:100]
-
-    async def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
-        """Stop tansu by PID (SIGTERM, or SIGKILL when `kill`); idempotent. The shim stays
-        up (a restart keeps the clients' address)."""
-        proc, self._proc = self._proc, None
-        await stop_by_pid(proc, kill=kill, timeout_s=timeout_s)
-        task, self._log_task = self._log_task, None
-        await cancel_and_wait(task)
-
-    async def restart(self, *, kill: bool = False) -> None:
-        """Stop and start again on the same port (memory storage: everything is lost)."""
-        await self.stop(kill=kill)
-        await self.start()
 
     async def close(self) -> None:
         await self.stop()

@@ -15,7 +15,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plane.budget import Prediction, fits
 from plane.messages import Reason, Status
@@ -89,6 +89,10 @@ class Ask:
     @property
     def remaining_us(self) -> int:
         return int((self.deadline_s - self.now_s) * 1e6)
+
+    def later(self, now_s: float, *, as_newcomer: bool = False) -> Ask:
+        """The same request, looked at again at `now_s` (without its ticket: as a newcomer)."""
+        return replace(self, now_s=now_s, ticket=None if as_newcomer else self.ticket)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +229,8 @@ class Admission:
             protected = [p for p in ms.promises if p is not holder
                          and p.due_s <= holder.due_s and (p.parked or p.due_s > now)]
             hold_s = ask.prediction.expected_us / 1e6
-        return would_delay(ms.free_times(now), protected, now, hold_s)
+        # No promise open (the common case below capacity): nothing to simulate.
+        return bool(protected) and would_delay(ms.free_times(now), protected, now, hold_s)
 
     @staticmethod
     def _park_until(ms: ModelSlots, ask: Ask, holder: Promise) -> float:

@@ -8,11 +8,8 @@ back from its log line, so there is no race between choosing a port and binding 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import re
 import shutil
-import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -20,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 from plane.errors import ConfigError
-from plane.processes import cancel_and_wait, stop_by_pid
+from plane.processes import ChildProcess
 
 _LISTEN_RE = re.compile(rb"Listening for client connections on [\d.]+:(\d+)")
 _CLUSTER_RE = re.compile(rb"Listening for route connections on [\d.]+:(\d+)")
@@ -41,14 +38,6 @@ def nats_server_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: ask Linux to SIGTERM it if we die (no orphans even
-    when the parent is SIGKILLed)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass(kw_only=True)
 class NatsServerSpec:
     port: int = -1  # -1: the server picks a free port
@@ -62,26 +51,21 @@ class NatsServerSpec:
     extra_args: list[str] = field(default_factory=list)
 
 
-class EmbeddedNats:
-    """`async with EmbeddedNats() as srv:` starts nats-server with JetStream; `srv.url`."""
+class EmbeddedNats(ChildProcess):
+    """`async with EmbeddedNats() as srv:` starts nats-server with JetStream; `srv.url`.
+    `restart()` keeps its port and store directory."""
 
     def __init__(self, spec: NatsServerSpec | None = None) -> None:
+        super().__init__()
         self.spec = spec or NatsServerSpec()
-        self._proc: asyncio.subprocess.Process | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._log_task: asyncio.Task[None] | None = None
         self.port: int | None = None
-        self.log_tail: list[bytes] = []
 
     @property
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("server not started")
         return f"nats://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
 
     def _args(self) -> list[str]:
         s = self.spec
@@ -102,24 +86,15 @@ class EmbeddedNats:
         return args + s.extra_args
 
     async def start(self, timeout_s: float = 15.0) -> None:
-        if self._proc is not None and self._proc.returncode is None:
+        if self.running:
             return
-        self._proc = await asyncio.create_subprocess_exec(
-            *self._args(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-        )
-        assert self._proc.stderr is not None
-        stream = self._proc.stderr
+        stream = await self._spawn(*self._args(), log_on_stdout=False)
         try:
             async with asyncio.timeout(timeout_s):
                 while True:
                     line = await stream.readline()
                     if not line:
-                        tail = b"".join(self.log_tail[-20:]).decode(errors="replace")
-                        raise RuntimeError(f"nats-server exited at start:\n{tail}")
+                        raise RuntimeError(f"nats-server exited at start:\n{self._last_log()}")
                     self._remember(line)
                     if m := _LISTEN_RE.search(line):
                         self.port = int(m.group(1))
@@ -130,28 +105,7 @@ class EmbeddedNats:
             raise
         if self.spec.port == -1:
             self.spec.port = self.port or -1  # a restart reuses the same port
-        self._log_task = asyncio.create_task(self._drain_log(stream))
-
-    def _remember(self, line: bytes) -> None:
-        self.log_tail.append(line)
-        if len(self.log_tail) > 200:
-            del self.log_tail[:100]
-
-    async def _drain_log(self, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
-            self._remember(line)
-
-    async def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
-        """Stop the server by PID (SIGTERM, or SIGKILL when `kill`); idempotent."""
-        proc, self._proc = self._proc, None
-        await stop_by_pid(proc, kill=kill, timeout_s=timeout_s)
-        task, self._log_task = self._log_task, None
-        await cancel_and_wait(task)
-
-    async def restart(self, *, kill: bool = False) -> None:
-        """Stop and start again on the same port and store directory."""
-        await self.stop(kill=kill)
-        await self.start()
+        self._keep_reading(stream)
 
     async def close(self) -> None:
         await self.stop()

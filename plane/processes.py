@@ -1,16 +1,36 @@
-"""Child processes the project starts itself (nats-server, tansu, redis-server in benchmarks):
-stopped by PID, politely first, and their log readers cancelled."""
+"""Child processes the project starts itself (nats-server, tansu, redis-server and Celery in
+benchmarks): started so that they die with us, their log's tail kept for errors, stopped by
+PID, politely first, and their log readers cancelled."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
+import socket
+from abc import ABC, abstractmethod
 
 from plane.lifecycle import cancel_and_wait
 
-__all__ = ["cancel_and_wait", "stop_by_pid"]
+__all__ = ["ChildProcess", "cancel_and_wait", "die_with_parent", "free_port", "stop_by_pid"]
+
+LOG_TAIL_LINES = 200
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: runs in the child before exec and asks Linux to SIGTERM it if we die
+    (no orphans, even when the parent is SIGKILLed)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for servers that cannot report one they picked)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def stop_by_pid(
@@ -28,3 +48,69 @@ async def stop_by_pid(
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
+
+
+class ChildProcess(ABC):
+    """A server run as our child: `start()` (the subclass's: how to run it and when it is
+    ready), `stop()` by PID, `restart()` on the same address; the last lines of its log are
+    kept in `log_tail` for the error that says why it did not start."""
+
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log_task: asyncio.Task[None] | None = None
+        self.log_tail: list[bytes] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    @abstractmethod
+    async def start(self, timeout_s: float = 15.0) -> None: ...
+
+    async def _spawn(self, *args: str, log_on_stdout: bool,
+                     env: dict[str, str] | None = None) -> asyncio.StreamReader:
+        """Start the process; return the stream its log comes on (stderr, or stdout and
+        stderr together when `log_on_stdout`)."""
+        self._proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if log_on_stdout else asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.STDOUT if log_on_stdout else asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=die_with_parent,
+        )
+        stream = self._proc.stdout if log_on_stdout else self._proc.stderr
+        assert stream is not None
+        return stream
+
+    def _remember(self, line: bytes) -> None:
+        self.log_tail.append(line)
+        if len(self.log_tail) > LOG_TAIL_LINES:
+            del self.log_tail[: LOG_TAIL_LINES // 2]
+
+    def _last_log(self, lines: int = 20) -> str:
+        return b"".join(self.log_tail[-lines:]).decode(errors="replace")
+
+    def _keep_reading(self, stream: asyncio.StreamReader) -> None:
+        """Read the log for as long as the process runs (a full pipe would block it)."""
+        self._log_task = asyncio.create_task(self._read_log(stream))
+
+    async def _read_log(self, stream: asyncio.StreamReader) -> None:
+        while line := await stream.readline():
+            self._remember(line)
+
+    async def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop by PID (SIGTERM, or SIGKILL when `kill`); idempotent."""
+        proc, self._proc = self._proc, None
+        await stop_by_pid(proc, kill=kill, timeout_s=timeout_s)
+        task, self._log_task = self._log_task, None
+        await cancel_and_wait(task)
+
+    async def restart(self, *, kill: bool = False) -> None:
+        """Stop and start again on the same address."""
+        await self.stop(kill=kill)
+        await self.start()

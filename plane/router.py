@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -340,8 +341,7 @@ class Router(Lifecycle, TaskOwner):
                 self.metrics.router_decision_seconds.labels(model, "forwarded").observe(
                     time.perf_counter() - t0)
                 return
-            ask = Ask(now_s=time.monotonic(), deadline_s=ask.deadline_s,
-                      prediction=ask.prediction, avoid_node=ask.avoid_node)
+            ask = ask.later(time.monotonic(), as_newcomer=True)
             decision, _ = await self._admit(ms, ask, may_park=False)  # it is gone: promise here
         if isinstance(decision, Refuse):
             await self._refuse(msg, rid, model, decision)
@@ -352,8 +352,7 @@ class Router(Lifecycle, TaskOwner):
         placed = await self._place(msg, rid, model, ms, decision, ask, work_us)
         if placed is None:
             # Every candidate was taken under us (another router): refuse with a ticket now.
-            ask = Ask(now_s=time.monotonic(), deadline_s=ask.deadline_s,
-                      prediction=ask.prediction, avoid_node=ask.avoid_node)
+            ask = ask.later(time.monotonic(), as_newcomer=True)
             again, _ = await self._admit(ms, ask, may_park=False)
             refusal = again if isinstance(again, Refuse) else Refuse(
                 Status.BUSY, Reason.BUSY, "all slots are busy", retry_after_ms=max(
@@ -407,9 +406,7 @@ class Router(Lifecycle, TaskOwner):
                 decision.until_s - time.monotonic())
             await self.parking.wait(ms.model, decision.holder.due_s, loop_until)
             now = time.monotonic()
-            ask = Ask(now_s=now, deadline_s=ask.deadline_s, prediction=ask.prediction,
-                      ticket=ask.ticket, avoid_node=ask.avoid_node,
-                      park_until_s=decision.until_s)
+            ask = replace(ask.later(now), park_until_s=decision.until_s)
             decision = self.admission.decide(ms, ask, may_park=now < decision.until_s,
                                              may_promise=may_promise)
         return decision, parked

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,6 +34,7 @@ from nats.js.errors import Error as JsError
 
 from plane.config import ConnectOptions
 from plane.embedded import EmbeddedNats, NatsServerSpec
+from plane.processes import free_port
 from plane.provision import ProvisionPlan, ensure_all
 from plane.stack import PlaneStack, StackConfig
 from plane.subjects import Header
@@ -63,17 +63,11 @@ MAX_LOST_AT_KILL = 5
 NATS_STATUS = "Status"  # the header nats-py fills from a server status line ("NATS/1.0 503")
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @asynccontextmanager
 async def cluster() -> AsyncIterator[list[EmbeddedNats]]:
     """Three servers, routes to each other, distinct names and stores; yields once JetStream
     has a meta leader and the plane's streams exist with three replicas."""
-    cluster_ports = [free_loopback_port() for _ in range(SERVERS)]
+    cluster_ports = [free_port() for _ in range(SERVERS)]
     servers = [
         EmbeddedNats(NatsServerSpec(
             server_name=f"n{i}", cluster_name="plane-test", cluster_port=cluster_ports[i],

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from plane.quantiles import nearest_rank
+
 
 class Plateau(msgspec.Struct, frozen=True, kw_only=True):
     found: bool
@@ -31,10 +33,6 @@ class Plateau(msgspec.Struct, frozen=True, kw_only=True):
     far_share: float  # share of answers above far_factor * floor
     upper_share: float  # share of that far mass in the upper half of its range
     level_ms: float | None = None  # the median of the far tail, when a plateau is found
-
-
-def _quantile(sorted_ms: Sequence[float], q: float) -> float:
-    return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))]
 
 
 def detect_plateau(
@@ -49,7 +47,7 @@ def detect_plateau(
     if len(latencies_ms) < min_samples:
         return Plateau(found=False, floor_ms=0.0, far_share=0.0, upper_share=0.0)
     xs = sorted(latencies_ms)
-    floor = max(_quantile(xs, 0.001), 1e-9)
+    floor = max(nearest_rank(xs, 0.001), 1e-9)
     far = [x for x in xs if x > far_factor * floor]
     far_share = len(far) / len(xs)
     if not far:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
-from types import TracebackType
 
 import structlog
 
@@ -113,12 +112,3 @@ class EmbeddedTansu(ChildProcess):
         shim, self._shim = self._shim, None
         if shim is not None:
             await shim.stop()
-
-    async def __aenter__(self) -> EmbeddedTansu:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()

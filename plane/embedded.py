@@ -14,7 +14,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
 from plane.errors import ConfigError
 from plane.processes import ChildProcess
@@ -112,15 +111,3 @@ class EmbeddedNats(ChildProcess):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-    async def __aenter__(self) -> EmbeddedNats:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()

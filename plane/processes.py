@@ -11,6 +11,8 @@ import os
 import signal
 import socket
 from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import Self
 
 from plane.lifecycle import cancel_and_wait
 
@@ -114,3 +116,15 @@ class ChildProcess(ABC):
         """Stop and start again on the same address."""
         await self.stop(kill=kill)
         await self.start()
+
+    async def close(self) -> None:
+        """Stop for good (subclasses also release what outlives restarts)."""
+        await self.stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

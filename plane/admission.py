@@ -11,8 +11,9 @@ promise would start late for it. Pure logic: no I/O, monotonic time in.
 
 from __future__ import annotations
 
-import itertools
 import math
+import secrets
+import string
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -59,11 +60,21 @@ PROMISE_MAX_LINKS = 8
 REDEMPTION_WEIGHT = 0.05
 
 
+# A ticket's own part: random, so that nobody can guess another caller's ticket and jump the
+# line with it (sequential tickets were: `r1-1`, `r1-2`, ...).
+TICKET_HEX = 16
+
+
+def new_ticket(router_id: str) -> str:
+    """`<router id>-<16 random hex digits>`: the maker stays readable (a retry on another
+    router is forwarded to it), the rest cannot be guessed."""
+    return f"{router_id}-{secrets.token_hex(TICKET_HEX // 2)}"
+
+
 def ticket_owner(ticket: str) -> str | None:
-    """The router that made a ticket's promise (tickets read `<router id>-<n>`), or None for
-    something that is not one of ours."""
-    owner, _, seq = ticket.rpartition("-")
-    if not seq.isdigit():
+    """The router that made a ticket's promise, or None for something that is not a ticket."""
+    owner, _, tail = ticket.rpartition("-")
+    if len(tail) != TICKET_HEX or not all(c in string.hexdigits for c in tail):
         return None
     try:
         return check_token("router id", owner)
@@ -152,7 +163,6 @@ class Admission:
                  on_lateness: Callable[[str, float], None] = lambda model, s: None) -> None:
         self._prefix = ticket_prefix
         self.on_lateness = on_lateness  # (model, seconds a holder came after its due time)
-        self._seq = itertools.count(1)
         self.tickets: dict[str, Promise] = {}
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
@@ -338,7 +348,7 @@ class Admission:
         tolerance_s = _within(LATE_TOLERANCE_MIN_S, LATE_TOLERANCE_MAX_S,
                               LATE_TOLERANCE_SHARE * p50_s)
         promise = Promise(
-            ticket=f"{self._prefix}-{next(self._seq)}", due_s=due_s,
+            ticket=new_ticket(self._prefix), due_s=due_s,
             expires_s=due_s + tolerance_s, service_s=ask.prediction.expected_us / 1e6,
             issued_s=now, pinned=self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION,
         )

@@ -5,6 +5,11 @@ A request's predicted service time is its requested device work (`work_us`, 0 fo
 whose work does not depend on the input) plus the slot's measured *overhead*. The window keeps
 the last `size` overheads; percentiles are recomputed lazily, at most every `refresh` samples,
 so the per-request cost is an append.
+
+A window may also age its samples (`max_age_s`): the router's does, so that an estimate
+polluted by a burst (its own loop behind, cycles measured in seconds) heals by itself within
+that age even when nothing is placed meanwhile (refused requests add no samples). Emptied by
+age, the window falls back to its prior and fresh placements measure the slot again.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ class ServiceWindow:
     size: int = 256
     refresh: int = 8
     prior_us: int = 1000  # what we assume before the first sample
+    max_age_s: float | None = None  # samples older than this are dropped by `expire`
     _samples: deque[int] = field(init=False)
+    _times: deque[float] = field(init=False)  # monotonic time of each sample, when aging
     _sum: int = field(default=0, init=False)
     _since: int = field(default=0, init=False)
     _p50: int = field(default=0, init=False)
@@ -27,20 +34,40 @@ class ServiceWindow:
 
     def __post_init__(self) -> None:
         self._samples = deque(maxlen=self.size)
+        self._times = deque(maxlen=self.size)
         self._p50 = self._p90 = self._p99 = self.prior_us
 
-    def add(self, overhead_us: int) -> None:
+    def add(self, overhead_us: int, now_s: float = 0.0) -> None:
+        """One sample; `now_s` (monotonic) only matters to a window that ages."""
         v = max(0, int(overhead_us))
         if len(self._samples) == self._samples.maxlen:
             self._sum -= self._samples[0]
         self._samples.append(v)
+        if self.max_age_s is not None:
+            self._times.append(now_s)
         self._sum += v
         self._since += 1
         if self._since >= self.refresh or len(self._samples) <= self.refresh:
             self._recompute()
 
+    def expire(self, now_s: float) -> int:
+        """Drop the samples older than `max_age_s`; how many went."""
+        if self.max_age_s is None:
+            return 0
+        cutoff, gone = now_s - self.max_age_s, 0
+        while self._times and self._times[0] < cutoff:
+            self._times.popleft()
+            self._sum -= self._samples.popleft()
+            gone += 1
+        if gone:
+            self._recompute()
+        return gone
+
     def _recompute(self) -> None:
         self._since = 0
+        if not self._samples:
+            self._p50 = self._p90 = self._p99 = self.prior_us
+            return
         s = sorted(self._samples)
         n = len(s)
         self._p50 = s[(n - 1) // 2]
@@ -70,6 +97,7 @@ class ServiceWindow:
 
     def clear(self) -> None:
         self._samples.clear()
+        self._times.clear()
         self._sum = 0
         self._p50 = self._p90 = self._p99 = self.prior_us
 

@@ -54,9 +54,14 @@ class RouterConfig:
     # nothing (nodes never answer after the deadline; this covers delivery and clock skew).
     deadline_grace_ms: int = 50
     publish_timeout_s: float = 2.0
+    # Requests decided or placed at once; beyond it a request is refused 429 on arrival,
+    # without a task, so a flood cannot starve the loop of heartbeats and done-events.
+    max_routing: int = 1024
 
     def __post_init__(self) -> None:
         _token("router id", self.router_id.replace(".", "-"))
+        if not 1 <= self.max_routing <= 1_000_000:
+            raise ConfigError("max_routing must be between 1 and 1,000,000")
         if not 256 <= self.max_body_bytes <= 16 * 1024 * 1024:
             raise ConfigError("max_body_bytes must be between 256 B and 16 MiB")
         for model, ms in self.default_deadline_ms.items():

@@ -67,6 +67,17 @@ def stop_event() -> asyncio.Event:
     return event
 
 
+async def until_any(*events: asyncio.Event) -> None:
+    """Wait until one of `events` is set (a stop signal, or a component that failed)."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
 class Lifecycle(ABC):
     """Base of the long-lived things (router, node, stack, bridge, guard ...): an async context
     manager over the subclass's idempotent `start()` and `stop()`."""

@@ -30,6 +30,10 @@ class PlaneMetrics:
             ["model", "outcome"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.refusals = Counter(
             "plane_refusals", "Refusals by reason", ["model", "reason"], registry=r)
+        self.shed = Counter(
+            "plane_router_shed",
+            "Requests refused at once because the router had max_routing requests in hand",
+            ["model"], registry=r)
         self.broker_refusals = Counter(
             "plane_broker_slot_refusals", "Slot publishes refused by the broker (depth one)",
             ["model"], registry=r)

@@ -7,11 +7,16 @@ Pure bookkeeping, no I/O; times are monotonic seconds passed in by the caller.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plane.budget import ServiceWindow
 from plane.messages import NodeAdvert
 from plane.promises import PromiseBook
+
+# The router's cycle samples age out after this long (see `ServiceWindow.max_age_s`): an
+# estimate a burst polluted heals within it, with or without placements meanwhile.
+CYCLE_MAX_AGE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -53,13 +58,23 @@ class SlotView:
 class ModelSlots:
     model: str
     slots: dict[str, SlotView] = field(default_factory=dict)
-    window: ServiceWindow = field(default_factory=ServiceWindow)
+    window: ServiceWindow = field(
+        default_factory=lambda: ServiceWindow(max_age_s=CYCLE_MAX_AGE_S))
     rr: int = 0  # round-robin start, so load spreads over equal slots
     promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
 
-    def apply_advert(self, advert: NodeAdvert) -> None:
+    def apply_advert(self, advert: NodeAdvert,
+                     slot_subject: Callable[[str, str, int], str]) -> list[str]:
+        """Book a node's advert. A slot is placed on at the subject the plane's names give it
+        (`slot_subject(model, node, k)`), never at one an advert names: a slot whose advert
+        says otherwise is ignored, and its subject returned (a router must not publish where
+        any client tells it to, `$JS.API...` say)."""
         present = set()
+        rejected: list[str] = []
         for s in advert.slots:
+            if s.subject != slot_subject(advert.model, advert.node, s.k):
+                rejected.append(s.subject)
+                continue
             key = slot_key(advert.node, s.k)
             present.add(key)
             view = self.slots.get(key)
@@ -71,6 +86,7 @@ class ModelSlots:
         for key in [k for k, v in self.slots.items() if v.node == advert.node]:
             if key not in present:
                 del self.slots[key]
+        return rejected
 
     def remove_node(self, node: str) -> list[SlotView]:
         gone = [v for v in self.slots.values() if v.node == node]

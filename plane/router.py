@@ -60,6 +60,16 @@ ASK_NODE_WITHIN_S = 2.0
 # slot whose done-event came within SETTLE_WITHIN_S, wait this long once and try again.
 BROKER_SETTLE_S = 0.0005
 SETTLE_WITHIN_S = 0.010
+# The watchdog judges nodes by their heartbeats only while the router's own loop keeps time:
+# a tick this late means heartbeats may sit unread in our buffers (a burst of requests), not
+# that nodes died. Cycle samples measured while the loop lags measure the lag, not the slot,
+# and are not added to the estimate for LAG_QUIET_S after.
+LOOP_LAG_S = 0.05
+LAG_QUIET_S = 1.0
+BEHIND_PATIENCE = 5
+# Room for headers in every message the router sends on a caller's behalf: the caller's own
+# (bounded, see plane.headers), ours, and the reply subject (the server's max_control_line).
+WIRE_HEADROOM_BYTES = 16 * 1024
 
 
 def _is_depth_refusal(exc: APIError) -> bool:
@@ -97,18 +107,28 @@ class Router(Lifecycle, TaskOwner):
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._subs: list[Subscription] = []
         self._service: Service | None = None
+        self._health_sub: Subscription | None = None
+        self._routing = 0  # requests being decided or placed now (capped: max_routing)
+        self.max_body_bytes = cfg.max_body_bytes  # at most what the server carries (start)
+        self._lagged_s = -math.inf  # when the loop was last seen lagging
         self._started = False
         self._stopping = False
+        # Set when the connection is closed for good (nats-py does not reconnect after some
+        # server errors): the process must exit so its supervisor restarts it, never linger
+        # deaf. The composition root waits on it (see `plane.up`).
+        self.lost = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         if self._started:
             return
         self._started = True
+        self._fit_body_limit()
         _, config_kv = await ensure_all(self.js, self._plan)
         await self.settings.start(config_kv)
         n = self.names
-        self._subs.append(await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat))
+        self._health_sub = await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat)
+        self._subs.append(self._health_sub)
         self._subs.append(await self.nc.subscribe(n.done_all(), cb=self._on_done))
         self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self.peers.on_note))
         self._spawn(self._watchdog())
@@ -128,6 +148,17 @@ class Router(Lifecycle, TaskOwner):
         )
         await self.nc.flush()
         log.info("router started", router=self.cfg.router_id, subject=n.infer_all())
+
+    def _fit_body_limit(self) -> None:
+        """Every message the router sends (a slot publish, a forward) is a caller's body plus
+        headers; one over the server's max_payload makes the server close our connection.
+        So the body limit is at most what the server carries, less room for the headers."""
+        room = self.nc.max_payload - WIRE_HEADROOM_BYTES
+        if self.max_body_bytes > room:
+            log.warning("body limit lowered to fit the server's max_payload",
+                        configured=self.max_body_bytes, limit=room,
+                        max_payload=self.nc.max_payload)
+            self.max_body_bytes = max(0, room)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Stop taking requests, let placements in progress finish, then close."""
@@ -156,13 +187,19 @@ class Router(Lifecycle, TaskOwner):
         except msgspec.DecodeError:
             log.warning("bad heartbeat ignored", subject=msg.subject)
             return
+        if msg.subject != self.names.health(hb.node):
+            return  # a node speaks only for itself, on its own subject
         now = time.monotonic()
         if hb.stopping:
             self._forget_node(hb.node, "node stopping")
             return
         self.node_seen_s[hb.node] = now
         for advert in hb.adverts:
-            self._model(advert.model).apply_advert(advert)
+            if advert.model not in MODELS or advert.node != hb.node:
+                continue  # router state only for the plane's models and the sender's own slots
+            for subject in self._model(advert.model).apply_advert(advert, self.names.slot):
+                log.warning("slot advert ignored: its subject is not the slot's",
+                            node=advert.node, subject=subject[:120])
         self._gauge_slots()
 
     async def _on_done(self, msg: Msg) -> None:
@@ -178,12 +215,14 @@ class Router(Lifecycle, TaskOwner):
                 view.release(time.monotonic())
                 self.parking.wake_one(ev.model)
             fl = self.inflight.entries.get(key)
-            if ev.status == int(Status.OK) and fl is not None and fl.request_id == ev.request_id:
+            now = time.monotonic()
+            if (ev.status == int(Status.OK) and fl is not None and fl.request_id == ev.request_id
+                    and now - self._lagged_s > LAG_QUIET_S):
                 # The slot's whole cycle as this router sees it (publish -> done-event), not
                 # only the node's service time: that is when the slot is free again, and what
                 # promises must be spaced by.
-                cycle_us = int((time.monotonic() - fl.placed_s) * 1e6)
-                ms.window.add(cycle_us - ev.work_us)
+                cycle_us = int((now - fl.placed_s) * 1e6)
+                ms.window.add(cycle_us - ev.work_us, now)
         self.inflight.done(key, ev.request_id, ev.status)
 
     def _freed(self, fl: InFlight) -> None:
@@ -230,17 +269,38 @@ class Router(Lifecycle, TaskOwner):
         the in-flight book takes their slot messages and answers 503 / 504."""
         timeout_s = self.cfg.node_timeout_ms / 1000
         reconnects = self.nc.stats["reconnects"]
+        last = time.monotonic()
         while not self._stopping:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
+            if self.nc.is_closed:
+                log.error("connection to NATS closed for good: stopping so that this router "
+                          "is restarted", router=self.cfg.router_id,
+                          error=repr(self.nc.last_error))
+                self.lost.set()
+                return
             if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
                 reconnects = self.nc.stats["reconnects"]
                 self._spawn(self._reprovision())
             now = time.monotonic()
+            if now - last > WATCHDOG_PERIOD_S + LOOP_LAG_S:
+                self._lagged_s = now
+            last = now
+            behind = self._behind(now)
             for node, seen in list(self.node_seen_s.items()):
-                if now - seen > timeout_s:
-                    self._forget_node(node, f"no heartbeat for {timeout_s:.1f} s")
+                # While behind, only a silence far past the timeout counts (a loop that lags
+                # for good must still find a dead node).
+                if now - seen > timeout_s * (BEHIND_PATIENCE if behind else 1):
+                    self._forget_node(node, f"no heartbeat for {now - seen:.1f} s")
+            for ms in self.models.values():
+                ms.window.expire(now)
             self.inflight.tick(now)
             await self.peers.announce_if_due(now)
+
+    def _behind(self, now_s: float) -> bool:
+        """Whether this router may not have read the heartbeats that were sent to it: its loop
+        lagged just now, or heartbeats wait unread in the subscription."""
+        pending = self._health_sub.pending_msgs if self._health_sub is not None else 0
+        return pending > 0 or now_s - self._lagged_s < WATCHDOG_PERIOD_S * 5
 
     async def _reprovision(self) -> None:
         """After a reconnect (a broker restart loses memory streams): provision again, in its
@@ -289,13 +349,32 @@ class Router(Lifecycle, TaskOwner):
         if not msg.reply:
             log.warning("request without reply subject dropped", subject=msg.subject)
             return
+        if self._routing >= self.cfg.max_routing:
+            # A flood: refuse at once, in the callback, without a task or any state per
+            # request, so the loop keeps up with heartbeats and done-events (and memory stays
+            # bounded). Come back after about one slot cycle.
+            await self._shed(msg)
+            return
+        self._routing += 1
         self._spawn(self._route(msg))
 
     async def _route(self, msg: Msg) -> None:
         try:
             await self._route_one(msg)
         finally:
+            self._routing -= 1
             await self.peers.tell()
+
+    async def _shed(self, msg: Msg) -> None:
+        model = self.names.infer_model_of(msg.subject)
+        ms = self.models.get(model)
+        label = model if ms is not None else "unknown"  # metric labels stay bounded
+        wait_ms = max(1, math.ceil(ms.window.mean_us / 1000)) if ms is not None else 1000
+        self.metrics.shed.labels(label).inc()
+        await self._refuse(msg, self.nc.new_inbox()[7:], label, Refuse(
+            Status.BUSY, Reason.BUSY,
+            f"router {self.cfg.router_id} has {self._routing} requests in hand (its limit): "
+            "come back shortly", retry_after_ms=wait_ms))
 
     async def _route_one(self, msg: Msg) -> None:
         t0 = time.perf_counter()
@@ -305,10 +384,10 @@ class Router(Lifecycle, TaskOwner):
         label = model if model in MODELS else "unknown"  # metric labels stay bounded
         try:
             check_token("model", model)
-            if len(msg.data) > self.cfg.max_body_bytes:
+            if len(msg.data) > self.max_body_bytes:
                 await self._refuse(msg, rid, label, Refuse(
                     Status.TOO_LARGE, Reason.TOO_LARGE,
-                    f"body is {len(msg.data)} bytes; the limit is {self.cfg.max_body_bytes}"))
+                    f"body is {len(msg.data)} bytes; the limit is {self.max_body_bytes}"))
                 return
             spec = model_spec(model)
             deadline_ms = self._deadline_ms(model, hdrs.get(Header.DEADLINE_MS))

@@ -7,14 +7,17 @@ from plane.budget import Prediction, ServiceWindow, fits, predict
 from plane.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.occupancy import ModelSlots
 from plane.promises import Promise, next_start, simulate
+from plane.subjects import Names
 
+NAMES = Names()
 MS10 = Prediction(p50_us=10_000, p99_us=11_000)
 
 
 def slots(n: int, healthy: bool = True) -> ModelSlots:
     ms = ModelSlots(model="calibrated")
     ms.apply_advert(NodeAdvert(node="n", model="calibrated", backend="torch", at_ms=0, slots=[
-        SlotAdvert(k=k, subject=f"s{k}", healthy=healthy) for k in range(n)]))
+        SlotAdvert(k=k, subject=NAMES.slot("calibrated", "n", k), healthy=healthy)
+        for k in range(n)]), NAMES.slot)
     return ms
 
 
@@ -112,7 +115,8 @@ def test_work_longer_than_the_deadline_is_refused_at_once() -> None:
 def test_avoided_node_goes_last() -> None:
     ms = slots(1)
     ms.apply_advert(NodeAdvert(node="m", model="calibrated", backend="torch", at_ms=0,
-                               slots=[SlotAdvert(k=0, subject="m0")]))
+                               slots=[SlotAdvert(k=0, subject=NAMES.slot("calibrated", "m", 0))]),
+                    NAMES.slot)
     d = Admission("r").decide(ms, Ask(now_s=0, deadline_s=1, prediction=MS10, avoid_node="n"))
     assert isinstance(d, Place) and d.candidates[0].node == "m" and d.candidates[-1].node == "n"
 

@@ -1,0 +1,196 @@
+"""The router against an outside probe (issue 16): a message that would exceed the server's
+max_payload, a connection the server closed, a flood, an estimate a burst polluted, tickets
+that could be guessed, and adverts or heartbeats that name what they should not. Real
+nats-server, real router and nodes; each case failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from plane.admission import TICKET_HEX, ticket_owner
+from plane.budget import ServiceWindow
+from plane.embedded import EmbeddedNats, NatsServerSpec
+from plane.messages import Heartbeat, NodeAdvert, SlotAdvert, json_encoder
+from plane.subjects import Header
+from tests.ledger import Ledger
+from tests.plane_fixtures import NAMES, calibrated, header, plane, status
+
+pytestmark = pytest.mark.slow
+
+
+async def _wait_for(pred: object, timeout_s: float, what: str) -> None:
+    assert callable(pred)
+    t_end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > t_end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def test_body_that_would_overflow_the_servers_max_payload_is_413(tmp_path: Path) -> None:
+    """A server with a 64 KiB max_payload and the router's default 64 KiB body limit: a
+    valid body just under 64 KiB plus the router's headers used to exceed max_payload on the
+    slot publish, the server closed the router's connection and the router served nothing
+    after. Now the router's body limit fits what the server carries: 413, and it serves on."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    server = EmbeddedNats(NatsServerSpec(extra_args=["-c", str(conf)]))
+    async with server as srv, plane(srv.url, models=("calibrated",), slots=2,
+                                    backend="torch") as stack:
+        router = stack.routers[0]
+        nc = await nats.connect(srv.url)
+        try:
+            body = b'{"duration_us": 0' + b" " * 65_480 + b"}"
+            m = await nc.request(NAMES.infer("calibrated"), body, timeout=5)
+            assert status(m) == 413, m.headers
+            ok = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
+            assert status(ok) == 200
+            assert not router.nc.is_closed and not router.lost.is_set()
+        finally:
+            await nc.close()
+
+
+async def test_router_reports_a_connection_closed_for_good() -> None:
+    """nats-py does not reconnect after some server errors: the router must say so (its
+    `lost` event, on which `plane router` exits non-zero) instead of lingering deaf."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack:
+        router = stack.routers[0]
+        assert not router.lost.is_set()
+        await router.nc.close()
+        await asyncio.wait_for(router.lost.wait(), 2.0)
+
+
+async def test_a_flood_is_shed_at_once_and_each_request_answered_once() -> None:
+    """More requests in hand than `max_routing`: the rest are refused 429 on arrival, with
+    no task per request, and every request still gets exactly one answer."""
+    async with plane(models=("calibrated",), slots=2, backend="torch",
+                     router_overrides={"max_routing": 20}) as stack:
+        nc = await nats.connect(stack.url)
+        try:
+            ledger = await Ledger(nc).start()
+            for _ in range(600):
+                await ledger.send(NAMES.infer("calibrated"), calibrated(20_000), 2000)
+            await nc.flush()
+            await ledger.settle(20)
+            assert ledger.unanswered() == [] and ledger.answered_twice() == []
+            shed = stack.metrics.shed.labels("calibrated")._value.get()
+            assert shed > 0, ledger.statuses()
+            assert ledger.statuses()[200] > 0
+        finally:
+            await nc.close()
+
+
+def test_cycle_estimate_ages_out() -> None:
+    """Samples a burst polluted (cycles of seconds) leave the estimate within its max age,
+    even with no new sample; a window that does not age keeps them."""
+    aging = ServiceWindow(prior_us=1000, max_age_s=2.0)
+    for i in range(50):
+        aging.add(600_000, now_s=10.0 + i * 0.001)
+    assert aging.p99_us == 600_000
+    aging.expire(11.0)
+    assert aging.p99_us == 600_000  # not yet two seconds old
+    aging.expire(12.1)
+    assert aging.count == 0 and aging.p99_us == 1000 and aging.mean_us == 1000
+    aging.add(1500, now_s=12.2)
+    assert aging.p50_us == 1500
+
+
+async def test_estimate_heals_after_a_burst() -> None:
+    """After a burst that leaves the router's cycle estimate polluted, requests whose
+    deadline fits the real service time are placed again within a few seconds (refusals add
+    no samples: an estimate that never ages would refuse them for good)."""
+    async with plane(models=("calibrated",), slots=2, backend="torch") as stack:
+        router = stack.routers[0]
+        ms = router.models["calibrated"]
+        now = time.monotonic()
+        for _ in range(256):  # what a loop seconds behind measured
+            ms.window.add(900_000, now)
+        assert ms.window.p99_us == 900_000
+        nc = await nats.connect(stack.url)
+        try:
+            headers = {Header.DEADLINE_MS: "300"}
+            first = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                     headers=headers)
+            assert status(first) == 429 and header(first, Header.REASON) == "deadline"
+            t_end = time.monotonic() + 5.0
+            while True:
+                m = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                     headers=headers)
+                if status(m) == 200:
+                    break
+                assert time.monotonic() < t_end, "estimate never healed"
+                await asyncio.sleep(0.1)
+        finally:
+            await nc.close()
+
+
+def test_tickets_cannot_be_guessed() -> None:
+    from plane.admission import new_ticket
+
+    a, b = new_ticket("router0"), new_ticket("router0")
+    assert a != b and ticket_owner(a) == "router0" == ticket_owner(b)
+    assert len(a.rpartition("-")[2]) == TICKET_HEX
+    assert ticket_owner("router0-1") is None and ticket_owner("router0-2") is None
+    assert ticket_owner("r-host-00112233445566zz") is None
+
+
+async def test_refusal_tickets_are_random() -> None:
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack:
+        nc = await nats.connect(stack.url)
+        try:
+            msgs = await asyncio.gather(*(
+                nc.request(NAMES.infer("calibrated"), calibrated(200_000), timeout=5,
+                           headers={Header.DEADLINE_MS: "5000"}) for _ in range(4)))
+            tickets = [header(m, Header.TICKET) for m in msgs if status(m) == 429]
+            assert len(tickets) >= 2 and all(t is not None for t in tickets)
+            assert all(ticket_owner(t or "") == "router0" for t in tickets)
+            assert len(set(tickets)) == len(tickets)
+        finally:
+            await nc.close()
+
+
+async def test_adverts_cannot_point_the_router_at_other_subjects() -> None:
+    """A heartbeat from anyone naming a JetStream API subject as a slot: the router must never
+    publish there (it places only on the subject the plane's names give a slot), and a
+    heartbeat on one node's subject cannot speak for another node."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack:
+        router = stack.routers[0]
+        nc = await nats.connect(stack.url)
+        try:
+            evil = f"$JS.API.STREAM.PURGE.{NAMES.slots_stream}"
+            calls: list[bytes] = []
+
+            async def seen(m: nats.aio.msg.Msg) -> None:
+                calls.append(m.data)
+
+            spy = await nc.subscribe(evil, cb=seen)
+            advert = NodeAdvert(node="evil", model="calibrated", backend="torch", at_ms=0,
+                                slots=[SlotAdvert(k=0, subject=evil)])
+            hb = Heartbeat(node="evil", at_ms=0, adverts=[advert])
+            await nc.publish(NAMES.health("evil"), json_encoder.encode(hb))
+            # The same advert on another node's heartbeat subject, under a well-formed name.
+            good = NodeAdvert(node="ghost", model="calibrated", backend="torch", at_ms=0,
+                              slots=[SlotAdvert(k=0, subject=NAMES.slot("calibrated", "ghost",
+                                                                         0))])
+            await nc.publish(NAMES.health("evil"),
+                             json_encoder.encode(Heartbeat(node="ghost", at_ms=0,
+                                                           adverts=[good])))
+            await nc.flush()
+            await asyncio.sleep(0.2)
+            keys = set(router.models["calibrated"].slots)
+            assert keys == {"node0-calibrated/0"}, keys
+            for _ in range(10):
+                m = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
+                assert status(m) == 200
+            await nc.flush()
+            assert calls == []
+            await spy.unsubscribe()
+            info = await nc.jetstream().stream_info(NAMES.slots_stream)
+            assert info.config.name == NAMES.slots_stream
+        finally:
+            await nc.close()

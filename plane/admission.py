@@ -47,17 +47,19 @@ PARK_MARGIN_S = 0.002
 PARK_MAX_SHARE = 1.0
 # Promises pin slot time only while callers come back for them: below this share of
 # redeemed tickets (an exponential average), refusals carry a Retry-After estimate and a
-# ticket but pin no slot, so callers who never retry cannot leave slots idle. A lapsed
-# promise counts as a no-show only when its holder has not come back at all within
-# LAPSED_KEEP_S (a burst of late holders is not a burst of no-shows).
+# ticket but pin no slot, so callers who never retry cannot leave slots idle. A ticket counts
+# as a no-show only when its holder has not come back at all within LAPSED_KEEP_S of its
+# expiry (a burst of late holders is not a burst of no-shows); pinned or not, so that the
+# average follows the callers there are now. With REDEMPTION_WEIGHT 0.1, seven no-shows in a
+# row stop pinning: under callers that never retry (`hey`), within about half a second.
 MIN_REDEMPTION = 0.5
-LAPSED_KEEP_S = 1.0
+LAPSED_KEEP_S = 0.5
 LAPSED_MAX = 10_000
 # At most this many open promises per healthy slot, so router state stays bounded under any
 # load. Beyond it the refusal says `deadline`: go elsewhere at once. (How far ahead a promise
 # may be is the caller's deadline's business: its start plus the p99 must fit in it.)
 PROMISE_MAX_LINKS = 8
-REDEMPTION_WEIGHT = 0.05
+REDEMPTION_WEIGHT = 0.1
 
 
 # A ticket's own part: random, so that nobody can guess another caller's ticket and jump the
@@ -163,7 +165,9 @@ class Admission:
                  on_lateness: Callable[[str, float], None] = lambda model, s: None) -> None:
         self._prefix = ticket_prefix
         self.on_lateness = on_lateness  # (model, seconds a holder came after its due time)
-        self.tickets: dict[str, Promise] = {}
+        self.tickets: dict[str, Promise] = {}  # pinned promises this router made, open
+        # Tickets that pinned no slot time, until they lapse: ticket -> (model, expires_s).
+        self._unpinned: dict[str, tuple[str, float]] = {}
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
@@ -267,8 +271,12 @@ class Admission:
             self.stats["ticket-foreign"] += 1
             return r
         if r is None:
-            lapsed = self._lapsed.pop(ask.ticket, None)
-            if lapsed is not None:  # came back after its promise lapsed: late, not a no-show
+            if (unpinned := self._unpinned.pop(ask.ticket, None)) is not None:
+                # A ticket that held no slot time: the caller goes as a newcomer.
+                self.stats["ticket-unpinned"] += 1
+                self._count(unpinned[0], redeemed=True)
+            elif (lapsed := self._lapsed.pop(ask.ticket, None)) is not None:
+                # Came back after its promise lapsed: late, not a no-show.
                 self.stats["ticket-late"] += 1
                 self._count(lapsed[0], redeemed=True)
             else:
@@ -283,10 +291,6 @@ class Admission:
             return None
         if ask.park_until_s is None:
             self._count(ms.model, redeemed=True)
-        if not r.pinned:  # a ticket that held no slot time: the caller goes as a newcomer
-            self.stats["ticket-unpinned"] += 1
-            self.tickets.pop(r.ticket, None)
-            return None
         self.stats["ticket-valid"] += 1
         return r
 
@@ -301,12 +305,13 @@ class Admission:
             elif self.tickets.pop(p.ticket, None) is not None:
                 self._lapsed[p.ticket] = (ms.model, now_s)
         # Holders not back within LAPSED_KEEP_S are no-shows (oldest first: dicts keep order).
-        while self._lapsed:
-            ticket, (model, lapsed_s) = next(iter(self._lapsed.items()))
-            if lapsed_s >= now_s - LAPSED_KEEP_S and len(self._lapsed) <= LAPSED_MAX:
-                break
-            del self._lapsed[ticket]
-            self._count(model, redeemed=False)
+        for book in (self._lapsed, self._unpinned):
+            while book:
+                ticket, (model, lapsed_s) = next(iter(book.items()))
+                if lapsed_s >= now_s - LAPSED_KEEP_S and len(book) <= LAPSED_MAX:
+                    break
+                del book[ticket]
+                self._count(model, redeemed=False)
 
     def forget(self, ms: ModelSlots, p: Promise, *, tell: bool = True) -> None:
         self.tickets.pop(p.ticket, None)
@@ -355,7 +360,9 @@ class Admission:
         if promise.pinned:
             ms.promises.add(promise)
             self.notes.append((True, ms.model, promise))
-        self.tickets[promise.ticket] = promise
+            self.tickets[promise.ticket] = promise
+        else:
+            self._unpinned[promise.ticket] = (ms.model, promise.expires_s)
         return Refuse(
             Status.BUSY, Reason.BUSY,
             f"all {ms.model} slots are busy: come back in {wait_ms} ms with this ticket",

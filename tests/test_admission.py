@@ -161,6 +161,20 @@ def test_no_shows_stop_pinning_slot_time() -> None:
     assert isinstance(last, Place)
 
 
+def test_tickets_nobody_redeems_do_not_pile_up() -> None:
+    """Callers that never come back: once promises stop pinning, the tickets still handed out
+    lapse too (they used to be kept for ever: router memory grew with every refusal)."""
+    ms, adm = slots(1), Admission("r")
+    now = 0.0
+    for _ in range(2000):
+        busy_until(ms, now + 0.010)  # always busy: another caller's request runs
+        assert isinstance(adm.decide(ms, ask(now)), Refuse)
+        now += 0.01
+    assert adm.redemption["calibrated"] < 0.5
+    open_tickets = len(adm.tickets) + len(adm._unpinned) + len(adm._lapsed)
+    assert open_tickets < 100, open_tickets
+
+
 # -- pooled promises ----------------------------------------------------------------------------
 
 

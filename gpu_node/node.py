@@ -1,16 +1,26 @@
 """A GPU node: claims N slots for one model, advertises them, keeps them healthy, follows
 live settings, and shuts down in phases.
 
-Shutdown: tell routers we are stopping (heartbeat `stopping`), stop fetching, let running
-requests finish within `drain_timeout_s` (answering 503 for any still running), flush, close.
+Shutdown: tell routers we are stopping (heartbeats `stopping`, sent on through the drain, so
+they place nothing more here but leave what runs to us), stop fetching, let running requests
+finish within `drain_timeout_s` (answering 503 for any still running), answer what landed
+unfetched, flush, close. While draining, every answer first takes its message through the
+broker (`plane.ownership`), so it is the only one even if a router acted too.
+
+Identity: one process serves a node id. A node refuses to start while another live process
+serves its id, waits for one that is stopping, and stands down when a process with its id
+started after it (see `plane.identity`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from typing import Any
 
+import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -22,17 +32,29 @@ from gpu_node.faults import WatchedRunner
 from gpu_node.health import Supervisor
 from gpu_node.recent import RecentIds
 from gpu_node.slot import Enrich, Slot
+from gpu_node.standing import Other, Standing
 from plane import replies
 from plane.config import FALLBACK_DEADLINE_MS, NodeConfig
+from plane.identity import ensure_node_id_free
 from plane.lifecycle import Lifecycle, TaskOwner
-from plane.messages import Heartbeat, NodeAdvert, SlotAdvert, fault_decoder, json_encoder
+from plane.messages import (
+    Heartbeat,
+    NodeAdvert,
+    SlotAdvert,
+    fault_decoder,
+    heartbeat_decoder,
+    json_encoder,
+)
 from plane.metrics import PlaneMetrics
 from plane.models import model_spec
 from plane.provision import ProvisionPlan, ensure_all
-from plane.settings import LiveSettings
+from plane.settings import MAX_SLOTS, LiveSettings, refused
 from plane.subjects import advert_key, config_key
 
 log = structlog.get_logger("plane.node")
+
+# A process with this id that is stopping may still drain for its drain timeout plus this.
+STOPPING_GRACE_S = 5.0
 
 
 class Node(Lifecycle, TaskOwner):
@@ -62,19 +84,47 @@ class Node(Lifecycle, TaskOwner):
         self._started = False
         self._stopping = False
         self._publish_pending = False
+        self.standing = Standing(period_s=cfg.heartbeat_period_s)  # instance, replaced?
+        self._own_sub: Any = None
+        self._older_logged_s = -math.inf
+
+    @property
+    def slot_limit(self) -> int:
+        """The most slots a live setting may ask of this node: four per partition its backend
+        makes by default (a CPU: 2 slots, one thread each, so 8; a GPU: its SMs over the
+        smallest partition), at least what it was started with, at most the settings' cap.
+        Each slot is a JetStream consumer, a thread and its buffers; past a few per partition
+        they only queue for the same cores or SMs (`slots.<node>=300` on a CPU started 300
+        consumers and 302 threads)."""
+        return min(MAX_SLOTS, max(4 * self.backend.default_slots(), self.cfg.slots or 0))
 
     @property
     def target_slots(self) -> int:
         live = self.settings.get("slots", self.cfg.node_id)
-        return live or self.cfg.slots or self.backend.default_slots()
+        configured = self.cfg.slots or self.backend.default_slots()
+        if live is None:
+            return configured
+        if live <= self.slot_limit:
+            return live
+        refused(config_key("slots", self.cfg.node_id), str(live), 1, self.slot_limit,
+                f"more than the {self.backend.name} backend runs well")
+        return len(self.slots) or configured  # keep what runs
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         if self._started:
             return
+        await ensure_node_id_free(
+            self.nc, self.names, self.cfg.node_id, period_s=self.cfg.heartbeat_period_s,
+            stopping_wait_s=self.cfg.drain_timeout_s + STOPPING_GRACE_S)
         self._started = True
         self._nodes_kv, config_kv = await ensure_all(self.js, self._plan)
         await self.settings.start(config_kv)
+        self._own_sub = await self.nc.subscribe(self.names.health(self.cfg.node_id),
+                                                cb=self._on_own_heartbeat)
+        # Routers hear of this process before any of its slots fetches (standing.SETTLE_S).
+        await self._send_heartbeat()
+        await self.nc.flush()
         await self._reconcile_slots()
         self._supervisor = Supervisor(
             slots=lambda: list(self.slots), metrics=self.metrics,
@@ -110,21 +160,28 @@ class Node(Lifecycle, TaskOwner):
         if self._supervisor is not None:
             self._supervisor.stop()
         with contextlib.suppress(Exception):
-            await self._send_heartbeat(stopping=True)
+            await self._send_heartbeat()  # stopping; the heartbeat loop goes on saying so
             await self.nc.flush(timeout=2)
         await asyncio.gather(*(s.withdraw("shutdown", wait_s=self.cfg.drain_timeout_s)
                                for s in self.slots), return_exceptions=True)
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self._nodes_kv.delete(advert_key(self.cfg.node_id, self.cfg.model))
-        if self._fault_sub is not None:
+        if self.nc.is_connected and not self.standing.superseded:
+            await asyncio.gather(*(s.sweep("the node stopped") for s in self.slots),
+                                 return_exceptions=True)
+        if not self.standing.superseded:  # else the key is the process's that replaced us
             with contextlib.suppress(Exception):
-                await self._fault_sub.unsubscribe()
+                await self._nodes_kv.delete(advert_key(self.cfg.node_id, self.cfg.model))
+        # Gone from the status endpoint before the heartbeats stop: a process starting with
+        # this id waits while the endpoint answers (plane.identity), and finds the id clean.
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in (self._fault_sub, self._own_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         await self.settings.stop()
         for s in self.slots:
             await s.close()
@@ -142,7 +199,7 @@ class Node(Lifecycle, TaskOwner):
                 names=self.names, node=self.cfg.node_id, spec=self.spec,
                 stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
                 fetch_expiry_s=self.cfg.fetch_expiry_s, enrich=self.enrich,
-                answered=self.answered,
+                answered=self.answered, must_take=self.must_take,
             )
             self.slots.append(slot)
             await slot.claim()
@@ -197,7 +254,7 @@ class Node(Lifecycle, TaskOwner):
 
     def changed(self) -> None:
         """Something routers must know changed: publish adverts now (coalesced)."""
-        if self._publish_pending or self._stopping:
+        if self._publish_pending or self._stopping or self.standing.superseded:
             return
         self._publish_pending = True
         self._spawn(self._publish_now())
@@ -212,22 +269,65 @@ class Node(Lifecycle, TaskOwner):
             await self._nodes_kv.put(advert_key(self.cfg.node_id, self.cfg.model),
                                      json_encoder.encode(self.advert()))
 
-    async def _send_heartbeat(self, stopping: bool = False) -> None:
+    async def _send_heartbeat(self) -> None:
+        st = self.standing
+        stopping = self._stopping or st.superseded
         hb = Heartbeat(node=self.cfg.node_id, at_ms=replies.now_ms(),
-                       adverts=[] if stopping else [self.advert()], stopping=stopping)
+                       adverts=[] if stopping else [self.advert()], stopping=stopping,
+                       instance=st.instance, started_ms=st.started_ms)
         await self.nc.publish(self.names.health(self.cfg.node_id), json_encoder.encode(hb))
+        st.heartbeat(time.monotonic())
+
+    def must_take(self, fetched_s: float) -> bool:
+        """Whether a router may already have acted on a request this node fetched at
+        `fetched_s` (monotonic), so that its answer must take the message through the broker
+        rather than ack it: while draining, or as `Standing.must_take` says."""
+        return self._stopping or self.standing.must_take(fetched_s, time.monotonic())
+
+    async def _on_own_heartbeat(self, msg: Msg) -> None:
+        """A heartbeat on our own subject from another process with our id. The one started
+        later serves the id (routers listen to it alone); this one, if older, stands down."""
+        try:
+            hb = heartbeat_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if self.standing.superseded or self._stopping:
+            return
+        other = self.standing.heard(hb)
+        if other is Other.OLDER and time.monotonic() - self._older_logged_s >= 10.0:
+            self._older_logged_s = time.monotonic()
+            log.error("another process has this node id (it started earlier and will stand "
+                      "down); give each node a distinct --node-id", node=self.cfg.node_id,
+                      other_instance=hb.instance)
+        if other is not Other.NEWER:
+            return
+        log.error("a process with this node id started after this one: it serves the id now "
+                  "and this one stands down; give each node a distinct --node-id",
+                  node=self.cfg.node_id, other_instance=hb.instance)
+        self._spawn(self._stand_down())
+
+    async def _stand_down(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.stop()
+        with contextlib.suppress(Exception):
+            await self._send_heartbeat()
+        await asyncio.gather(*(s.withdraw("superseded", wait_s=self.cfg.drain_timeout_s)
+                               for s in self.slots), return_exceptions=True)
 
     async def _heartbeat_loop(self) -> None:
+        """Until stop() cancels it after the drain: routers must hear a draining node too."""
         ticks = 0
         per_advert = max(1, round(self.cfg.advert_period_s / self.cfg.heartbeat_period_s))
         reconnects = self.nc.stats["reconnects"]
-        while not self._stopping:
-            if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
+        while True:
+            live = not (self._stopping or self.standing.superseded)
+            if (live and self.nc.stats["reconnects"] != reconnects
+                    and self.nc.is_connected):
                 reconnects = self.nc.stats["reconnects"]
                 self._spawn(self._after_reconnect())  # heartbeats go on meanwhile
             with contextlib.suppress(Exception):
                 await self._send_heartbeat()
-                if ticks % per_advert == 0:
+                if live and ticks % per_advert == 0:
                     await self.publish_advert()
             ticks += 1
             await asyncio.sleep(self.cfg.heartbeat_period_s)

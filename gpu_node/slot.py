@@ -3,7 +3,11 @@
 The slot claims its subject with a pull consumer (`max_ack_pending=1`), runs each request on
 its own single-thread executor (never on the event loop), then acks (which frees the subject),
 publishes the done-event and answers the caller, in that order, so the slot is free before the
-caller hears back.
+caller hears back. When a router may already have acted on the request (past its deadline,
+disconnected, or whenever the node says so: draining, replaced, heartbeats lapsed), the slot
+takes the message through the API instead and answers only if the take succeeds
+(`plane.ownership`). A message left on the subject unfetched (an earlier life of the slot, a
+process it replaced) is never purged unseen: it is taken and answered 503 the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from plane.models import ModelSpec
 from plane.ownership import Take, take
 from plane.subjects import Header, Names
 
+MustTake = Callable[[float], bool]  # fetched at (monotonic s) -> may a router have acted on it?
+
 log = structlog.get_logger("plane.slot")
 
 # Consumers outlive a short network blip but not a dead node.
@@ -54,6 +60,9 @@ CONSUMER_INACTIVE_S = 30.0
 # Longer than any request may run (calibrated is capped at 10 s): the node acks or terms
 # every message itself; an unacked one is only ever an orphan, freed by its TTL.
 ACK_WAIT_S = 30.0
+# Depth one leaves at most one message on a subject; in a cluster a few more have been seen
+# (nats-server #6245): a sweep takes at most this many.
+SWEEP_MAX = 4
 
 
 @dataclass(slots=True)
@@ -63,6 +72,7 @@ class Current:
     reply: str
     deadline_at_ms: int
     work_us: int
+    fetched_s: float  # monotonic
     answered: bool = False
 
 
@@ -74,6 +84,7 @@ class Slot:
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
         node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, fetch_expiry_s: float,
         enrich: Enrich | None = None, answered: RecentIds | None = None,
+        must_take: MustTake | None = None,
     ) -> None:
         self.k = k
         self.runner = runner
@@ -87,6 +98,7 @@ class Slot:
         self.fetch_expiry_s = fetch_expiry_s
         self.enrich = enrich
         self.answered = answered if answered is not None else RecentIds()
+        self.must_take = must_take or (lambda fetched_s: False)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)
@@ -109,14 +121,13 @@ class Slot:
         return self._claimed
 
     async def claim(self) -> None:
-        """Take the subject: clear any orphan of an earlier life, bind a fresh consumer, and
-        start fetching."""
+        """Take the subject: answer whatever an earlier life left on it (see `sweep`), bind a
+        fresh consumer, and start fetching."""
         if self._claimed:
             return
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(self.stream, self.consumer)
-        with contextlib.suppress(NotFoundError):
-            await self.js.purge_stream(self.stream, subject=self.subject)
+        await self.sweep("left by an earlier process of this slot")
         self._psub = await self.js.pull_subscribe(
             self.subject, durable=self.consumer, stream=self.stream,
             config=ConsumerConfig(
@@ -151,6 +162,38 @@ class Slot:
         with contextlib.suppress(Exception):
             await self._psub.unsubscribe()
         log.info("slot withdrawn", model=self.model, slot=self.k, cause=cause)
+
+    async def sweep(self, why: str) -> None:
+        """Answer the messages waiting on our subject unfetched: an earlier life's orphan, the
+        request a process we replaced was running, or one placed while we stopped. Never a
+        purge: each is taken (`plane.ownership.take`) and answered 503 only if the take
+        succeeds, so whoever removes it first (the router at the deadline, the process still
+        running it) answers, and nobody is left without an answer."""
+        for _ in range(SWEEP_MAX):
+            try:
+                raw = await self.js.get_last_msg(self.stream, self.subject)
+            except NotFoundError:
+                return
+            except Exception as exc:  # cannot tell: the consumer will deliver it
+                log.warning("sweep could not read the subject", slot=self.k, error=repr(exc))
+                return
+            h = raw.headers or {}
+            seq = raw.seq or 0
+            outcome = await take(self.js, self.stream, seq)
+            if outcome is Take.UNKNOWN:
+                return  # still there, or not: the consumer delivers it if it is
+            if outcome is Take.GONE or Header.REPLY_TO not in h:
+                continue
+            rid = h.get(Header.REQUEST_ID, "")
+            self.answered.add(placement_id(self.stream, seq))
+            await self._publish_done(h, rid, int(Status.UNAVAILABLE), 0, 0)
+            body, headers = replies.error_reply(
+                rid, Status.UNAVAILABLE, Reason.UNHEALTHY,
+                f"slot {self.node}/{self.k} did not run it ({why}); retry elsewhere",
+                node=self.node)
+            await self.nc.publish(h[Header.REPLY_TO], body, headers=headers)
+            self.metrics.node_requests.labels(self.model, str(int(Status.UNAVAILABLE))).inc()
+            log.warning("unfetched request answered", slot=self.k, request_id=rid, why=why)
 
     async def abandon(self, why: str, cur: Current | None = None) -> None:
         """Answer the request in progress 503 and free its subject (the runner may still be
@@ -206,6 +249,7 @@ class Slot:
             cur = Current(
                 msg=msg, request_id=h[Header.REQUEST_ID], reply=h[Header.REPLY_TO],
                 deadline_at_ms=int(h[Header.DEADLINE_AT]), work_us=int(h.get(Header.WORK_US, 0)),
+                fetched_s=time.monotonic(),
             )
         except (KeyError, ValueError):
             log.error("slot message without routing headers terminated", slot=self.k)
@@ -284,12 +328,14 @@ class Slot:
                            replies.error_headers(cur.request_id, status, reason, node=self.node))
 
     async def _claim_answer(self, cur: Current) -> bool:
-        """Become the one who answers `cur` (see plane.ownership). Before the deadline and
-        connected, a plain ack does it (the router acts only after the deadline plus a grace);
-        otherwise take the message through the API, which says who was first. False: the
-        router answered; stay silent (and tell routers the slot is free)."""
+        """Become the one who answers `cur` (see plane.ownership). Before the deadline,
+        connected, and while no router can have acted on it yet (`must_take`), a plain ack
+        does it (the router acts only after the deadline plus a grace, or when the node is
+        gone); otherwise take the message through the API, which says who was first. False:
+        someone else answered; stay silent (and tell routers the slot is free)."""
         cur.answered = True
-        if self.nc.is_connected and replies.now_ms() <= cur.deadline_at_ms:
+        if (self.nc.is_connected and replies.now_ms() <= cur.deadline_at_ms
+                and not self.must_take(cur.fetched_s)):
             await cur.msg.ack()
             return True
         outcome = await take(self.js, self.stream, cur.msg.metadata.sequence.stream)
@@ -310,10 +356,14 @@ class Slot:
         counter.inc()
 
     async def _done(self, cur: Current, status: int, service_us: int) -> None:
-        h = cur.msg.headers or {}
-        ev = DoneEvent(request_id=cur.request_id, node=self.node, model=self.model, k=self.k,
+        await self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,
+                                 cur.work_us)
+
+    async def _publish_done(self, h: dict[str, str], request_id: str, status: int,
+                            service_us: int, work_us: int) -> None:
+        ev = DoneEvent(request_id=request_id, node=self.node, model=self.model, k=self.k,
                        status=status, service_us=service_us, router=h.get(Header.ROUTER, ""),
-                       work_us=cur.work_us)
+                       work_us=work_us)
         await self.nc.publish(self.done_subject, msgpack_encoder.encode(ev))
 
     # -- probes -----------------------------------------------------------------------------

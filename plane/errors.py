@@ -43,3 +43,13 @@ class Unavailable(PlaneError, ConnectionError):
 
 class ConfigError(PlaneError, ValueError):
     """A configuration value is wrong; the message names the option and what is allowed."""
+
+
+class IdentityInUse(ConfigError):
+    """Another running process has this node or router id (`kind`, `ident`): give this one
+    another id, or stop the other first."""
+
+    def __init__(self, message: str, *, kind: str, ident: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.ident = ident

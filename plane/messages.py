@@ -120,12 +120,18 @@ class AdmissionNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     """Sent every heartbeat period and at once on any change: carries the node's adverts, so
-    routers learn of a withdrawn slot within a millisecond (the KV advert is for discovery)."""
+    routers learn of a withdrawn slot within a millisecond (the KV advert is for discovery).
+
+    A stopping node keeps sending them (`stopping`, no adverts) until its drain is over.
+    `instance` tells processes with one node id apart (a restart, or a second process by
+    mistake): the one started last (`started_ms`, then `instance`) speaks for the id."""
 
     node: str
     at_ms: int
     adverts: list[NodeAdvert]
     stopping: bool = False
+    instance: str = ""  # random, per process; "" from a node older than the field
+    started_ms: int = 0  # when that process started, wall clock epoch ms
 
 
 class FaultCommand(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,9 +1,13 @@
 """Connect to NATS with the options every command shares (URL, user/password, token, creds,
-TLS CA). One function, so a secured server works the same for router, node, gateway, bridge."""
+TLS CA). One function, so a secured server works the same for router, node, gateway, bridge;
+and one to close, so that a stop with the server gone is as clean as any other."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -41,19 +45,55 @@ def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:
 log = structlog.get_logger("plane.nats")
 
 INITIAL_ATTEMPTS = 40  # x reconnect_time_wait 0.25 s
+# While the server is gone every reconnect attempt (4 a second) reports an error: one line
+# for the first, then at most one per ERROR_LOG_EVERY_S saying how many it stands for.
+ERROR_LOG_EVERY_S = 30.0
+DRAIN_TIMEOUT_S = 5.0
+
+
+class Throttle:
+    """At most one pass per `every_s` for each kind of event; `allow` answers None to hold
+    one back, else how many were held back since the last pass. `reset` after a recovery,
+    so the next outage is reported at once."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._last: dict[str, tuple[float, int]] = {}  # kind -> (last pass, held since)
+
+    def allow(self, kind: str) -> int | None:
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last[0] < self.every_s:
+            self._last[kind] = (last[0], last[1] + 1)
+            return None
+        self._last[kind] = (now, 0)
+        return last[1] if last is not None else 0
+
+    def reset(self) -> None:
+        self._last.clear()
 
 
 async def connect(opts: ConnectOptions) -> Client:
     """Connect; raise `Unavailable` saying why when the server cannot be reached or refuses
     us. Once connected, reconnect forever (a broker restart must not end a node)."""
     last: list[BaseException] = []
+    throttle = Throttle(ERROR_LOG_EVERY_S)
 
     async def remember(exc: Exception) -> None:
         last[:] = [exc]  # only the latest: this callback lives as long as the connection
-        log.warning("nats connection error", name=opts.name, error=repr(exc))
+        held = throttle.allow(type(exc).__name__)
+        if held is not None:
+            log.warning("nats connection error", name=opts.name, error=repr(exc),
+                        repeats_not_logged=held)
+
+    async def reconnected() -> None:
+        throttle.reset()  # so the first error of the next outage is logged at once
+        log.info("nats reconnected", name=opts.name)
 
     try:
-        nc = await nats.connect(**connect_kwargs(opts), error_cb=remember)
+        nc = await nats.connect(**connect_kwargs(opts), error_cb=remember,
+                                reconnected_cb=reconnected)
     except Exception as exc:
         why = last[-1] if last else exc
         raise Unavailable(
@@ -62,3 +102,27 @@ async def connect(opts: ConnectOptions) -> Client:
         ) from exc
     nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
     return nc
+
+
+async def close(nc: Client, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Drain while connected (what is in flight is delivered), else close. `drain()` on a
+    connection that is reconnecting raises ConnectionReconnectingError (a stop with the
+    server gone exited 1 with a traceback), and one that loses its server on the way would
+    wait out nats-py's 30 s drain timeout. Idempotent."""
+    if nc.is_closed:
+        return
+    if nc.is_connected:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await nc.drain()
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("nats drain cut short: closing", error=repr(exc))
+    try:
+        await nc.close()
+    except (nats.errors.Error, OSError, RuntimeError) as exc:
+        # nats-py 2.16 flushes what it buffered while disconnected into the dead transport
+        # (uvloop: RuntimeError "handler is closed"). The client is closed all the same (its
+        # status is set first); what it buffered had nowhere to go.
+        log.info("nats closed without its server", error=repr(exc),
+                 unsent_bytes=nc.pending_data_size)

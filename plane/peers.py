@@ -8,14 +8,17 @@ of those alive makes every promise; the others place what fits now and forward t
 (see `Router._forward`). Every router tells the others, on `<prefix>.admission.<model>`, the
 promises it makes and drops and the slots it takes, and books theirs in its own schedule. A
 router that has heard no other for `GONE_S` tells nobody: a plane with one router pays nothing.
+
+One router per id: a router refuses to start while another live router has its id (their
+tickets and forwarded requests would reach both), and waits for one that is stopping.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
-import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -24,6 +27,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from plane.admission import Admission, Ask, Place
+from plane.errors import IdentityInUse
+from plane.identity import answers, new_instance
 from plane.messages import AdmissionNote, admission_note_decoder, msgpack_encoder
 from plane.models import MODELS
 from plane.occupancy import ModelSlots, SlotView
@@ -35,6 +40,8 @@ log = structlog.get_logger("plane.peers")
 ANNOUNCE_S = 1.0  # each router says it is there this often ...
 GONE_S = 3.0  # ... and one not heard from for this long is gone
 PRESENCE = "_routers"  # the model token of the announcements (no model is named so)
+ASKED_S = 0.5  # how long a starting router waits for a router with its id to answer
+STOPPING_WAIT_S = 10.0  # a router stopping under our id has this long to go (its stop: 5 s)
 
 
 class Peers:
@@ -48,7 +55,7 @@ class Peers:
         self.seen_s: dict[str, float] = {}  # other routers, when each last spoke
         self._last_heard_s = -math.inf
         self._announced_s = -math.inf
-        self.instance = uuid.uuid4().hex[:12]
+        self.instance = new_instance()
         self._clash_logged_s = -math.inf
 
     def promiser(self) -> str:
@@ -59,8 +66,39 @@ class Peers:
     async def announce_if_due(self, now_s: float) -> None:
         if now_s - self._announced_s >= ANNOUNCE_S:
             self._announced_s = now_s
-            await self._send(PRESENCE, AdmissionNote(router=self.router_id, model=PRESENCE,
-                                                     instance=self.instance))
+            await self._send(PRESENCE, self._presence())
+
+    def _presence(self) -> AdmissionNote:
+        return AdmissionNote(router=self.router_id, model=PRESENCE, instance=self.instance)
+
+    async def ensure_id_free(self, wait_s: float = STOPPING_WAIT_S) -> None:
+        """Before the router listens to anything: raise `IdentityInUse` if another live
+        router has our id; wait, up to `wait_s`, for one that is stopping (a rolling
+        restart) to go.
+
+        A router with our id answers our status subject (no responder, the usual case, says
+        so at once). If one does, we ask on the presence subject: a live one answers there; a
+        stopping one has stopped listening, and we wait until its status endpoint is gone."""
+        status = self.names.router_status(self.router_id)
+        if not await answers(self.nc, status, ASKED_S):
+            return
+        asked = msgpack_encoder.encode(self._presence())
+        if await answers(self.nc, self.names.admission(PRESENCE), ASKED_S, asked):
+            raise IdentityInUse(
+                f"router id {self.router_id!r} is in use by another running router: give "
+                "this router another --router-id, or stop the other one first",
+                kind="router", ident=self.router_id)
+        log.warning("a router with this id is stopping: waiting for it to go",
+                    router=self.router_id, up_to_s=wait_s)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait_s
+        while await answers(self.nc, status, ASKED_S):
+            if loop.time() >= give_up:
+                raise IdentityInUse(
+                    f"router id {self.router_id!r}: a router with this id still answers after "
+                    f"{wait_s:.0f} s: stop it, or use another --router-id",
+                    kind="router", ident=self.router_id)
+            await asyncio.sleep(0.1)
 
     async def on_note(self, msg: Msg) -> None:
         """Another router made or dropped a promise, or took a slot: book it here too."""
@@ -72,6 +110,8 @@ class Peers:
         if note.router == self.router_id:
             if note.instance and note.instance != self.instance:
                 self._clash(note.instance)
+                if msg.reply:  # a router starting with our id asks: we are here, live
+                    await self._send(PRESENCE, self._presence(), subject=msg.reply)
             return
         self._last_heard_s = self.seen_s[note.router] = time.monotonic()
         if note.model not in MODELS:
@@ -117,8 +157,9 @@ class Peers:
                       "clash; give each router a distinct --router-id",
                       router=self.router_id, other_instance=other)
 
-    async def _send(self, model: str, note: AdmissionNote) -> None:
+    async def _send(self, model: str, note: AdmissionNote, subject: str = "") -> None:
         # A note that cannot go out (the connection is down) is lost, not an error: a peer
         # hears the next one; a promise it missed expires by itself.
         with contextlib.suppress(Exception):
-            await self.nc.publish(self.names.admission(model), msgpack_encoder.encode(note))
+            await self.nc.publish(subject or self.names.admission(model),
+                                  msgpack_encoder.encode(note))

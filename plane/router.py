@@ -30,8 +30,10 @@ from nats.micro.service import Service
 from plane import replies
 from plane.admission import Admission, Ask, Park, Place, Refuse, ticket_owner
 from plane.budget import predict
-from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, RouterConfig
+from plane.config import FALLBACK_DEADLINE_MS, RouterConfig
 from plane.errors import BadRequest
+from plane.headers import read_caller
+from plane.identity import Heard, Instances
 from plane.inflight import NOT_ANSWERED, InFlight, InFlightBook
 from plane.lifecycle import Lifecycle, TaskOwner
 from plane.messages import (
@@ -56,9 +58,12 @@ log = structlog.get_logger("plane.router")
 WATCHDOG_PERIOD_S = 0.02
 ASK_NODE_TIMEOUT_S = 0.25
 ASK_NODE_WITHIN_S = 2.0
-# The broker frees a WorkQueue message a moment after the node's ack; when it still refuses a
-# slot whose done-event came within SETTLE_WITHIN_S, wait this long once and try again.
-BROKER_SETTLE_S = 0.0005
+# The broker frees a WorkQueue message a moment after the node's ack (it applies acks in the
+# consumer's own goroutine, so the done-event, sent after the ack, can overtake it): when it
+# still refuses a slot whose done-event came within SETTLE_WITHIN_S, wait and try again, a
+# few times with growing waits (on a loaded host the ack can take milliseconds to land).
+# Without this, callers = slots in a closed loop saw 28-46% false 429s.
+BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)
 SETTLE_WITHIN_S = 0.010
 # The watchdog judges nodes by their heartbeats only while the router's own loop keeps time:
 # a tick this late means heartbeats may sit unread in our buffers (a burst of requests), not
@@ -101,6 +106,7 @@ class Router(Lifecycle, TaskOwner):
                                      freed=self._freed, spawn=self._spawn,
                                      asked=self._node_answered)
         self.node_seen_s: dict[str, float] = {}
+        self.instances = Instances()  # which process speaks for each node id
         self.parking = ParkingLot()  # holders waiting for a slot to free
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
         self.settings = LiveSettings(cfg.names)
@@ -115,13 +121,14 @@ class Router(Lifecycle, TaskOwner):
         self._stopping = False
         # Set when the connection is closed for good (nats-py does not reconnect after some
         # server errors): the process must exit so its supervisor restarts it, never linger
-        # deaf. The composition root waits on it (see `plane.up`).
+        # deaf. The composition root waits on it (see `plane.serve`).
         self.lost = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         if self._started:
             return
+        await self.peers.ensure_id_free()  # before we listen: we must not hear ourselves
         self._started = True
         self._fit_body_limit()
         _, config_kv = await ensure_all(self.js, self._plan)
@@ -190,10 +197,16 @@ class Router(Lifecycle, TaskOwner):
         if msg.subject != self.names.health(hb.node):
             return  # a node speaks only for itself, on its own subject
         now = time.monotonic()
-        if hb.stopping:
-            self._forget_node(hb.node, "node stopping")
-            return
+        heard = self.instances.compare(hb.node, hb.instance, hb.started_ms)
+        if heard is Heard.OLDER:
+            return  # a process its id's newer one replaced: it speaks for nothing now
+        if heard is Heard.NEWER:  # a restart: what the old process ran is a dead node's
+            self._forget_node(hb.node, "a new process took over its id")
+        self.instances.adopt(hb.node, hb.instance, hb.started_ms)
         self.node_seen_s[hb.node] = now
+        if hb.stopping:
+            self._forget_node(hb.node, "node stopping", draining=True)
+            return
         for advert in hb.adverts:
             if advert.model not in MODELS or advert.node != hb.node:
                 continue  # router state only for the plane's models and the sender's own slots
@@ -256,12 +269,17 @@ class Router(Lifecycle, TaskOwner):
             ms = self.models[model] = ModelSlots(model=model)
         return ms
 
-    def _forget_node(self, node: str, why: str) -> None:
-        self.node_seen_s.pop(node, None)
+    def _forget_node(self, node: str, why: str, *, draining: bool = False) -> None:
+        """Place nothing more on `node`. A draining node answers what it runs (the deadline
+        and heartbeat-loss rules still hold); any other is dead: its requests in flight are
+        taken and answered here (plane.inflight)."""
         for ms in self.models.values():
             if ms.remove_node(node):
                 log.warning("node's slots removed", node=node, model=ms.model, why=why)
-        self.inflight.node_dead(node, why)
+        if not draining:
+            self.node_seen_s.pop(node, None)
+            self.instances.forget(node)
+            self.inflight.node_dead(node, why)
         self._gauge_slots()
 
     async def _watchdog(self) -> None:
@@ -379,9 +397,16 @@ class Router(Lifecycle, TaskOwner):
     async def _route_one(self, msg: Msg) -> None:
         t0 = time.perf_counter()
         hdrs = msg.headers or {}
-        rid = hdrs.get(Header.REQUEST_ID) or self.nc.new_inbox()[7:]
         model = self.names.infer_model_of(msg.subject)
         label = model if model in MODELS else "unknown"  # metric labels stay bounded
+        try:
+            caller = read_caller(hdrs)  # before anything of the caller's is echoed
+        except BadRequest as exc:
+            # A request id that failed the check is never echoed: the 400 gets a fresh one.
+            await self._refuse(msg, exc.request_id or self.nc.new_inbox()[7:], label, Refuse(
+                Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc)))
+            return
+        rid = caller.request_id or self.nc.new_inbox()[7:]
         try:
             check_token("model", model)
             if len(msg.data) > self.max_body_bytes:
@@ -390,8 +415,8 @@ class Router(Lifecycle, TaskOwner):
                     f"body is {len(msg.data)} bytes; the limit is {self.max_body_bytes}"))
                 return
             spec = model_spec(model)
-            deadline_ms = self._deadline_ms(model, hdrs.get(Header.DEADLINE_MS))
-            req = spec.decode(msg.data, hdrs.get(Header.CONTENT_TYPE))
+            deadline_ms = self._deadline_ms(model, caller.deadline_ms)
+            req = spec.decode(msg.data, caller.content_type)
         except (InvalidToken, BadRequest) as exc:
             await self._refuse(msg, rid, label,
                                Refuse(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc)))
@@ -490,17 +515,13 @@ class Router(Lifecycle, TaskOwner):
                                              may_promise=may_promise)
         return decision, parked
 
-    def _deadline_ms(self, model: str, raw: str | None) -> int:
-        if raw is None:
-            return self.settings.deadline_ms(model) or self.cfg.default_deadline_ms.get(
-                model, FALLBACK_DEADLINE_MS)
-        try:
-            value = int(raw)
-        except ValueError:
-            raise BadRequest(f"{Header.DEADLINE_MS} must be an integer, got {raw!r}") from None
-        if not 1 <= value <= MAX_DEADLINE_MS:
-            raise BadRequest(f"{Header.DEADLINE_MS} must be 1..{MAX_DEADLINE_MS}, got {value}")
-        return value
+    def _deadline_ms(self, model: str, asked_ms: int | None) -> int:
+        """The caller's deadline (already checked, `plane.headers`), else the model's live
+        setting, else its configured default."""
+        if asked_ms is not None:
+            return asked_ms
+        return self.settings.deadline_ms(model) or self.cfg.default_deadline_ms.get(
+            model, FALLBACK_DEADLINE_MS)
 
     async def _place(
         self, msg: Msg, rid: str, model: str, ms: ModelSlots, place: Place, ask: Ask,
@@ -571,8 +592,16 @@ class Router(Lifecycle, TaskOwner):
         except APIError as exc:
             if not (_is_depth_refusal(exc) and time.monotonic() - view.freed_s < SETTLE_WITHIN_S):
                 raise
-        await asyncio.sleep(BROKER_SETTLE_S)
-        return await self.js.publish(view.subject, data, headers=headers)
+            refused = exc
+        for wait_s in BROKER_SETTLE_S:
+            await asyncio.sleep(wait_s)
+            try:
+                return await self.js.publish(view.subject, data, headers=headers)
+            except APIError as exc:
+                if not _is_depth_refusal(exc):
+                    raise
+                refused = exc
+        raise refused
 
     def _untrack(self, view: SlotView, fl: InFlight) -> None:
         self.inflight.untrack(fl)

@@ -1,11 +1,19 @@
 """Live settings from the KV bucket `PLANE_CONFIG`: change one number there and running nodes
 and routers follow within about a second (a KV watch: in practice milliseconds).
 
-Keys (values are decimal integers):
-  deadline_ms.<model>   default deadline of a model (routers), and its budget (nodes)
-  slots.<node>          slots a node claims (nodes)
-  probe_ms              health-probe period (nodes)
-  freshness_ms          freshness threshold (freshness guard)
+Keys, and the range each value must be in:
+  deadline_ms.<model>   1..600000     default deadline of a model (routers), and its budget
+                                      (nodes); the router's longest deadline, MAX_DEADLINE_MS
+  slots.<node>          1..256        slots a node claims (nodes); a node also refuses more
+                                      than its backend can run (`gpu_node.node.slot_limit`)
+  probe_ms              10..60000     health-probe period (nodes): faster only burns CPU
+  freshness_ms          1..3600000    freshness threshold (freshness guard)
+
+A value is plain ASCII decimal (no sign, space, underscore or other scripts' digits). One that
+is not, or is out of range, or a key of no setting above, is refused with a warning naming the
+key, the value and the range, and the previous value stays in force: a typo must not take a
+model offline (`deadline_ms.calibrated=-5` withdrew every slot), size a TTL in weeks, or start
+hundreds of consumers.
 """
 
 from __future__ import annotations
@@ -17,12 +25,44 @@ from collections.abc import Callable
 import structlog
 from nats.js.kv import KeyValue
 
+from plane.config import MAX_DEADLINE_MS
+from plane.headers import decimal, shown
 from plane.lifecycle import cancel_and_wait
 from plane.subjects import Names, config_key
 
 log = structlog.get_logger("plane.settings")
 
 Listener = Callable[[str, int | None], None]
+
+MAX_SLOTS = 256  # per node: each slot is a JetStream consumer and a thread
+# Setting (the key up to its first dot) -> the range its value must be in.
+RANGES: dict[str, tuple[int, int]] = {
+    "deadline_ms": (1, MAX_DEADLINE_MS),
+    "slots": (1, MAX_SLOTS),
+    "probe_ms": (10, 60_000),
+    "freshness_ms": (1, 3_600_000),
+}
+
+
+def refused(key: str, text: str, low: int | None, high: int | None, why: str) -> None:
+    """The one warning line for a live value not taken (here, and a node's own checks)."""
+    log.warning("live setting refused", key=key, value=shown(text),
+                range=f"{low}..{high}" if low is not None else None, why=why)
+
+
+def parse_value(key: str, raw: bytes) -> int | None:
+    """The value of `key`, checked; None (after a warning) when it is refused."""
+    text = raw.decode("utf-8", "replace")
+    bounds = RANGES.get(key.split(".", 1)[0])
+    if bounds is None:
+        refused(key, text, None, None, f"no such setting; known: {', '.join(RANGES)}")
+        return None
+    low, high = bounds
+    try:
+        return decimal(text, what=key, low=low, high=high)
+    except ValueError as exc:
+        refused(key, text, low, high, str(exc))
+        return None
 
 
 class LiveSettings:
@@ -83,11 +123,9 @@ class LiveSettings:
             value = None
             self.values.pop(key, None)
         else:
-            try:
-                value = int(raw.decode())
-            except ValueError:
-                log.warning("config value ignored: not an integer", key=key, value=raw[:40])
-                return
+            value = parse_value(key, raw)
+            if value is None:
+                return  # refused: the previous value stays
             self.values[key] = value
         log.info("live setting", key=key, value=value)
         for listener in self._listeners:

@@ -21,7 +21,7 @@ class InvalidToken(ValueError):
 
 def check_token(kind: str, value: str) -> str:
     """Return `value` if it is a valid subject token, else raise `InvalidToken` saying why."""
-    if not TOKEN_RE.match(value):
+    if not TOKEN_RE.fullmatch(value):  # match() lets a trailing newline through ($)
         raise InvalidToken(
             f"invalid {kind} name {value!r}: use 1 to 64 characters from A-Z a-z 0-9 _ -"
         )

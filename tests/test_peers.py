@@ -26,7 +26,7 @@ def peers(router_id: str = "router1") -> tuple[Peers, dict[str, ModelSlots]]:
 
 def note(**kw: Any) -> Any:
     return SimpleNamespace(data=msgpack_encoder.encode(AdmissionNote(**kw)),
-                           subject="plane.admission.x")
+                           subject="plane.admission.x", reply="")
 
 
 async def test_the_first_router_by_id_heard_lately_makes_promises() -> None:

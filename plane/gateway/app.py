@@ -9,9 +9,11 @@ back to it in Plane-Ticket and goes out again when it sends that header).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
@@ -20,15 +22,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from plane.backoff import NO_RETRY
 from plane.client import Client
 from plane.client.result import Result
-from plane.errors import ConfigError
+from plane.errors import BadRequest
 from plane.gateway.config import GatewayConfig
 from plane.gateway.metrics import GatewayMetrics
+from plane.headers import CallerHeaders, read_caller
 from plane.messages import Reason, Status, error_body
 from plane.replies import now_ms
-from plane.subjects import MSGPACK, Header, check_token
+from plane.subjects import MSGPACK, TOKEN_RE, Header, InvalidToken, check_token
 
 SERVER_TIME_HTTP = "X-Server-Time"
 JSON = "application/json"
+REQUEST_TIMEOUT = 408  # HTTP only: the gateway's own answer to a body sent too slowly
 # Reply headers passed through to the HTTP caller, as they came.
 PASSED = (Header.REQUEST_ID, Header.STATUS, Header.REASON, Header.NODE, Header.SLOT,
           Header.SERVICE_US, Header.TICKET, Header.RETRY_AFTER_MS, Header.SERVER_TIME,
@@ -53,10 +57,12 @@ def http_headers(reply: Mapping[str, str], *, content_type: str | None = None) -
     return out
 
 
-def _error(status: Status, reason: Reason, message: str, **extra: str) -> web.Response:
-    headers = http_headers({Header.STATUS: str(int(status)), Header.REASON: reason.value,
-                            **extra})
-    return web.Response(status=int(status), body=error_body(message, reason), headers=headers)
+def _error(status: int, reason: Reason, message: str, request_id: str | None) -> web.Response:
+    """An error answered by the gateway itself. It carries the caller's request id when that
+    one passed the check, else a fresh one (a bad id is never echoed)."""
+    headers = http_headers({Header.STATUS: str(status), Header.REASON: reason.value,
+                            Header.REQUEST_ID: request_id or uuid.uuid4().hex})
+    return web.Response(status=status, body=error_body(message, reason), headers=headers)
 
 
 def _unauthorized() -> web.Response:
@@ -65,58 +71,54 @@ def _unauthorized() -> web.Response:
                         headers={"WWW-Authenticate": 'Bearer realm="plane"'})
 
 
-def _request_args(request: web.Request) -> dict[str, object]:
-    """What the caller said in its headers, checked; raises ConfigError naming the header."""
-    h = request.headers
-    args: dict[str, object] = {}
-    for name, key in ((Header.DEADLINE_MS, "deadline_ms"), (Header.ATTEMPT, "first_attempt")):
-        raw = h.get(name)
-        if raw is not None:
-            if not raw.isdigit() or int(raw) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
-            args[key] = int(raw)
-    for name, key in ((Header.REQUEST_ID, "request_id"), (Header.TICKET, "ticket"),
-                      (Header.AVOID_NODE, "avoid_node")):
-        if (raw := h.get(name)) is not None:
-            if len(raw) > 128:
-                raise ConfigError(f"{name} is longer than 128 characters")
-            args[key] = raw
-    if h.get("Content-Type", "").startswith(MSGPACK):
-        args["content_type"] = MSGPACK
-    return args
+def _call_args(caller: CallerHeaders) -> dict[str, object]:
+    """What the caller said in its headers (checked by `plane.headers`), as `Client.call`
+    arguments."""
+    args: dict[str, object] = {
+        "deadline_ms": caller.deadline_ms, "first_attempt": caller.attempt,
+        "request_id": caller.request_id, "ticket": caller.ticket,
+        "avoid_node": caller.avoid_node,
+        "content_type": MSGPACK if (caller.content_type or "").startswith(MSGPACK) else None,
+    }
+    return {k: v for k, v in args.items() if v is not None}
 
 
 async def infer(request: web.Request) -> web.Response:
-    config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
     metrics = request.app[METRICS_KEY]
     started = time.monotonic()
     model = request.match_info["model"]
-    label = model
-    try:
-        check_token("model", model)
-    except ValueError as exc:
-        label = "_invalid"
-        response = _error(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc))
-    else:
-        response = await _forward(request, client, config, model)
+    response = await _infer(request, model)
+    label = model if TOKEN_RE.fullmatch(model) else "_invalid"
     metrics.observe(label, response.status, time.monotonic() - started)
     return response
 
 
-async def _forward(request: web.Request, client: Client, config: GatewayConfig,
-                   model: str) -> web.Response:
+async def _infer(request: web.Request, model: str) -> web.Response:
+    config, client = request.app[CONFIG_KEY], request.app[CLIENT_KEY]
+    try:
+        caller = read_caller(request.headers)  # before anything of the caller's is echoed
+    except BadRequest as exc:
+        return _error(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc), exc.request_id)
+    rid = caller.request_id
+    try:
+        check_token("model", model)
+    except InvalidToken as exc:
+        return _error(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc), rid)
+    too_large = f"body larger than {config.max_body_bytes} bytes"
     if request.content_length is not None and request.content_length > config.max_body_bytes:
-        return _error(Status.TOO_LARGE, Reason.TOO_LARGE,
-                      f"body larger than {config.max_body_bytes} bytes")
+        return _error(Status.TOO_LARGE, Reason.TOO_LARGE, too_large, rid)
     try:
-        body = await request.read()
+        # A body trickled in (slow POST) holds a connection as a slow head would.
+        async with asyncio.timeout(config.body_timeout_s):
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        return _error(Status.TOO_LARGE, Reason.TOO_LARGE,
-                      f"body larger than {config.max_body_bytes} bytes")
-    try:
-        args = _request_args(request)
-    except ConfigError as exc:
-        return _error(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc))
+        return _error(Status.TOO_LARGE, Reason.TOO_LARGE, too_large, rid)
+    except TimeoutError:
+        response = _error(REQUEST_TIMEOUT, Reason.BAD_REQUEST,
+                          f"the body did not arrive within {config.body_timeout_s} s", rid)
+        response.force_close()
+        return response
+    args = _call_args(caller)
     result: Result = await client.call(model, body, policy=NO_RETRY, **args)  # type: ignore[arg-type]
     ctype = MSGPACK if args.get("content_type") == MSGPACK and result.ok else None
     return web.Response(status=result.status, body=result.body,

@@ -17,8 +17,17 @@ class GatewayConfig:
     max_body_bytes: int = MAX_BODY_BYTES  # larger bodies get a 413 before reaching NATS
     bearer_token: str | None = None  # when set, /v1/* needs `Authorization: Bearer <token>`
     shutdown_timeout_s: float = 5.0
+    # Slow clients (slowloris): a connection must deliver a whole request head within
+    # `header_timeout_s` of opening, or of its previous answer, else it is closed; an idle
+    # keep-alive connection is closed after as long. A body must arrive within
+    # `body_timeout_s` of its head (else 408, and the connection is closed).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not 0.1 <= getattr(self, name) <= 3600:
+                raise ConfigError(f"{name} must be between 0.1 and 3600 s")
         if not 0 <= self.port <= 65535:
             raise ConfigError("--port must be in 0..65535")
         if not 1 <= self.max_body_bytes <= 16 * 1024 * 1024:

@@ -18,7 +18,7 @@ from plane.config import ConnectOptions
 from plane.gateway.app import build_app
 from plane.gateway.config import GatewayConfig
 from plane.gateway.metrics import GatewayMetrics
-from plane.natsconn import connect
+from plane.natsconn import close, connect
 
 log = structlog.get_logger("plane.gateway")
 
@@ -46,8 +46,14 @@ class Gateway:
         try:
             client = Client(self._nc, ClientConfig(names=self.config.names))
             app = build_app(client, self.config, self.metrics)
+            # aiohttp's keep-alive timer is also its only head timeout: in 3.14 (checked in
+            # `RequestHandler.connection_made`) it runs from the moment a connection opens,
+            # and again after each answer, and when it fires on a connection still waiting
+            # for a whole request head it closes it. Its default (3630 s) let a client
+            # trickling a head hold a connection for an hour.
             self._runner = web.AppRunner(app, access_log=None,
-                                         shutdown_timeout=self.config.shutdown_timeout_s)
+                                         shutdown_timeout=self.config.shutdown_timeout_s,
+                                         keepalive_timeout=self.config.header_timeout_s)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.config.host, self.config.port)
             await site.start()
@@ -64,8 +70,8 @@ class Gateway:
         if runner is not None:
             await runner.cleanup()
         nc, self._nc = self._nc, None
-        if nc is not None and not nc.is_closed:
-            await nc.drain()
+        if nc is not None:
+            await close(nc)
         if runner is not None:
             log.info("gateway stopped")
 

@@ -1,0 +1,123 @@
+"""What a caller may say in its request headers, read strictly, in one place: the router, the
+HTTP gateway and the live settings use these parsers, so the three agree on every limit.
+
+Why strict: what a caller sends is echoed (the request id goes into every reply and into the
+slot message) or turned into a number that sizes something (a deadline becomes a TTL and a
+schedule). A request id of a megabyte echoed into a reply exceeds the server's max_payload,
+and the server closes the router's connection; past 64 KiB of headers JetStream refuses the
+slot publish, which was answered 503 `unhealthy`: a caller's error reported as an outage. So
+a value the plane cannot carry safely is a 400 at once, and a bad request id is never echoed
+(the 400 carries a fresh one). And Python's `int()` is lenient (' 50', '+50', '5_0' and
+Arabic-Indic digits all parse; '²' passes `str.isdigit()`, then `int()` fails; 5,000 digits
+fail with a different error), so a number is ASCII digits only, at most as many as its bound.
+
+Limits (also in docs/design.md, "Headers"):
+  Plane-Request-Id   1..128 visible ASCII characters (0x21-0x7E)
+  Plane-Deadline-Ms  ASCII decimal, 1..MAX_DEADLINE_MS
+  Plane-Attempt      ASCII decimal, 1..MAX_ATTEMPT
+  Plane-Ticket       1..128 visible ASCII characters
+  Plane-Avoid-Node   a node name: 1..64 of A-Z a-z 0-9 _ -
+  Content-Type       1..128 printable ASCII characters (0x20-0x7E)
+  every header       names and values together at most MAX_HEADER_BYTES (UTF-8), so that the
+                     router's messages on a caller's behalf stay far under the server's limits
+
+NATS and HTTP both strip the white space around a header value before we see it, so ' 50'
+arrives as '50' by either route; the settings parser sees raw values and refuses it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from plane.config import MAX_DEADLINE_MS
+from plane.errors import BadRequest
+from plane.subjects import Header, InvalidToken, check_token
+
+MAX_ID_CHARS = 128
+MAX_ATTEMPT = 10_000
+MAX_HEADER_BYTES = 8 * 1024
+SHOWN_CHARS = 32  # of a bad value, in an error message: never echo a caller's megabyte
+
+_VISIBLE = re.compile(rf"[\x21-\x7e]{{1,{MAX_ID_CHARS}}}")
+_PRINTABLE = re.compile(rf"[\x20-\x7e]{{1,{MAX_ID_CHARS}}}")
+
+
+def shown(raw: str) -> str:
+    """`raw` for an error message or a log line: its repr, cut to a few characters."""
+    if len(raw) <= SHOWN_CHARS:
+        return repr(raw)
+    return f"{raw[:SHOWN_CHARS]!r}... ({len(raw)} characters)"
+
+
+def decimal(raw: str, *, what: str, low: int, high: int) -> int:
+    """`raw` as an integer in `low..high`: ASCII digits only (no sign, space, underscore or
+    other scripts' digits) and at most as many as `high` has. Raises ValueError naming
+    `what`, the value (cut short) and the range."""
+    if not (0 < len(raw) <= len(str(high)) and raw.isascii() and raw.isdigit()):
+        raise ValueError(f"{what} must be a decimal integer {low}..{high}, got {shown(raw)}")
+    value = int(raw)
+    if not low <= value <= high:
+        raise ValueError(f"{what} must be {low}..{high}, got {value}")
+    return value
+
+
+def header_bytes(headers: Mapping[str, str]) -> int:
+    """Size of `headers` on the wire, `Name: value\\r\\n` each (UTF-8)."""
+    return sum(len(k) + len(v.encode("utf-8", "replace")) + 4 for k, v in headers.items())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallerHeaders:
+    """A request's headers, checked: None where the caller did not send one."""
+
+    request_id: str | None = None
+    deadline_ms: int | None = None
+    attempt: int | None = None
+    ticket: str | None = None
+    avoid_node: str | None = None
+    content_type: str | None = None
+
+
+def _text(headers: Mapping[str, str], name: str, pattern: re.Pattern[str]) -> str | None:
+    raw = headers.get(name)
+    if raw is not None and not pattern.fullmatch(raw):
+        raise ValueError(f"{name} must be 1..{MAX_ID_CHARS} printable ASCII characters, "
+                         f"got {shown(raw)}")
+    return raw
+
+
+def _number(headers: Mapping[str, str], name: str, high: int) -> int | None:
+    raw = headers.get(name)
+    return None if raw is None else decimal(raw, what=name, low=1, high=high)
+
+
+def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
+    """Check what a caller sent. Raises `BadRequest` saying what is wrong; its `request_id` is
+    the caller's id when that one is valid, else None (the answer then gets a fresh id)."""
+    try:
+        request_id = _text(headers, Header.REQUEST_ID, _VISIBLE)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    try:
+        size = header_bytes(headers)
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"headers are {size} bytes; the limit is {MAX_HEADER_BYTES}")
+        avoid = headers.get(Header.AVOID_NODE)
+        if avoid is not None:
+            check_token("node", avoid)
+        return CallerHeaders(
+            request_id=request_id,
+            deadline_ms=_number(headers, Header.DEADLINE_MS, MAX_DEADLINE_MS),
+            attempt=_number(headers, Header.ATTEMPT, MAX_ATTEMPT),
+            ticket=_text(headers, Header.TICKET, _VISIBLE),
+            avoid_node=avoid,
+            content_type=_text(headers, Header.CONTENT_TYPE, _PRINTABLE),
+        )
+    except InvalidToken:
+        raise BadRequest(f"{Header.AVOID_NODE} must be a node name (1..64 of A-Z a-z 0-9 _ -), "
+                         f"got {shown(headers[Header.AVOID_NODE])}",
+                         request_id=request_id) from None
+    except ValueError as exc:
+        raise BadRequest(str(exc), request_id=request_id) from None

@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,56 +36,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.celery_app import TASK_NAME, configure  # noqa: E402
+from benchmarks.children import child, until  # noqa: E402
 from plane.backoff import RetryPolicy  # noqa: E402
 from plane.client import Client  # noqa: E402
 from plane.config import ConnectOptions  # noqa: E402
 from plane.embedded import EmbeddedNats  # noqa: E402
-from plane.processes import die_with_parent, free_port  # noqa: E402
+from plane.processes import free_port  # noqa: E402
 from plane.pulse import Attempts, LoadConfig, NatsTarget, Target, default_body, pulse  # noqa: E402
 from plane.pulse.outcome import ERROR, TIMEOUT  # noqa: E402
 from plane.pulse.summary import Summary  # noqa: E402
 
 BIN = Path(sys.executable).parent
 _meta = msgspec.json.Decoder(dict[str, object])
-
-
-# -- processes we start and stop by PID -----------------------------------------------------
-@contextlib.asynccontextmanager
-async def child(args: Sequence[str], log: Path) -> AsyncIterator[asyncio.subprocess.Process]:
-    """A child process logging to `log`; SIGTERM (then SIGKILL) by PID on exit."""
-    with log.open("wb") as f:
-        proc = await asyncio.create_subprocess_exec(
-            *args, stdin=asyncio.subprocess.DEVNULL, stdout=f, stderr=f, cwd=REPO,
-            preexec_fn=die_with_parent)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await proc.wait()
-            except TimeoutError:
-                os.kill(proc.pid, signal.SIGKILL)
-                await proc.wait()
-
-
-def _tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-3000:] if log.exists() else ""
-
-
-async def _until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float,
-                 log: Path) -> None:
-    """Poll `check` until it says yes; on timeout raise with the tail of `log`."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                if await check():
-                    return
-                await asyncio.sleep(0.2)
-    except TimeoutError:
-        tail = await asyncio.to_thread(_tail, log)
-        raise RuntimeError(f"{what} not ready after {timeout_s} s; log tail:\n{tail}") from None
 
 
 # -- the Celery adapter: a pulse target ------------------------------------------------------
@@ -188,7 +148,7 @@ async def celery_system(slots: int, logs: Path, timeout_s: float) -> AsyncIterat
             except (aioredis.ConnectionError, OSError):
                 return False
 
-        await _until("redis-server", pong, 10, rlog)
+        await until("redis-server", pong, 10, rlog)
         await client.aclose()
         wlog = logs / "celery-worker.log"
         async with child([str(BIN / "celery"), "-b", f"{url}/0", "--result-backend", f"{url}/1",
@@ -198,7 +158,7 @@ async def celery_system(slots: int, logs: Path, timeout_s: float) -> AsyncIterat
                           "--loglevel", "WARNING"], wlog):
             target = CeleryTarget(f"{url}/0", f"{url}/1", timeout_s=timeout_s)
             async with target:
-                await _until("celery worker", target.ready, 60, wlog)
+                await until("celery worker", target.ready, 60, wlog)
             yield target
 
 
@@ -214,7 +174,7 @@ async def plane_system(slots: int, logs: Path, deadline_ms: int) -> AsyncIterato
                     r = await probe.call("calibrated", {"duration_us": 1}, deadline_ms=500)
                     return r.ok
 
-                await _until("plane up", answers, 60, ulog)
+                await until("plane up", answers, 60, ulog)
             yield NatsTarget(ConnectOptions(url=nats_server.url, name="bench"),
                              model="calibrated", deadline_ms=deadline_ms,
                              policy=RetryPolicy(max_attempts=4))

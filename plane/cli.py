@@ -1,6 +1,10 @@
 """The `plane` command: thin parsing on top of the packages' own `run_*` functions.
 
 Environment variables are read here, once (click's `envvar=`), and nowhere else.
+
+Only the commands that compute (`up`, `node`) import the node, and with it torch and triton
+(seconds): they do it inside themselves, so `plane --help` and every other command start
+without them (`tests/test_cli_imports.py`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,8 @@ from plane.errors import PlaneError
 from plane.lifecycle import run
 from plane.logs import configure as configure_logs
 from plane.models import MODELS
-from plane.stack import StackConfig
+from plane.serve import ServeSpec, run_router, run_status
 from plane.subjects import InvalidToken, Names
-from plane.up import ServeSpec, run_node, run_router, run_status, run_up
 
 EXIT_OK = 0
 EXIT_UNHEALTHY = 1
@@ -137,6 +140,9 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
       plane up --demo
       plane up --nats nats://127.0.0.1:4222 --models calibrated --slots 4 --metrics-port 9464
     """
+    from plane.stack import StackConfig  # the node: torch and triton
+    from plane.up import run_up
+
     configure_logs(log_level)
     model_list = tuple(m.strip() for m in models.split(",") if m.strip())
     cfg = StackConfig(
@@ -170,6 +176,8 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     Example:
       plane node --nats nats://127.0.0.1:4222 --model risk --slots 2 --metrics-port 9465
     """
+    from plane.up import run_node  # the node: torch and triton
+
     configure_logs(log_level)
     extra = {"node_id": node_id} if node_id else {}
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,

@@ -1,5 +1,7 @@
-"""`plane up`, `plane node`, `plane router`, `plane status`: the serving commands' work,
-separate from their parsing in `plane.cli`."""
+"""`plane up` and `plane node`: the work of the commands that compute, separate from their
+parsing in `plane.cli`. They import the node, and with it torch and triton (seconds), so
+`plane.cli` imports this module only inside these two commands; the commands that do not
+compute are in `plane.serve`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client
@@ -16,12 +17,12 @@ from freshness.config import GuardConfig
 from freshness.guard import CardFeatureGuard, risk_enricher
 from freshness.metrics import GuardMetrics
 from gpu_node.node import Node
-from plane.config import ConnectOptions, NodeConfig, RouterConfig
+from plane.config import NodeConfig
 from plane.lifecycle import stop_event
 from plane.messages import FEATURES
 from plane.metrics import PlaneMetrics, serve_metrics
-from plane.natsconn import connect
-from plane.router import Router
+from plane.natsconn import close, connect
+from plane.serve import ServeSpec
 from plane.stack import PlaneStack, StackConfig
 from plane.subjects import Header, Names
 
@@ -83,14 +84,6 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> None:
             print(f"  #{i}: {h.get(Header.STATUS)} {extra}")
 
 
-@dataclass(frozen=True)
-class ServeSpec:
-    connect: ConnectOptions
-    metrics_port: int | None
-    metrics_host: str = "127.0.0.1"
-    replicas: int = 1
-
-
 async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) -> int:
     metrics = PlaneMetrics()
     nc = await connect(spec.connect)
@@ -106,38 +99,5 @@ async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) 
                     Node(nc, cfg, metrics, replicas=spec.replicas, enrich=enrich))
                 await stop_event().wait()
     finally:
-        await nc.drain()
+        await close(nc)  # drains; closes when the server is gone
     return 0
-
-
-async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
-    metrics = PlaneMetrics()
-    nc = await connect(spec.connect)
-    try:
-        with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
-            async with Router(nc, cfg, metrics, replicas=spec.replicas):
-                await stop_event().wait()
-    finally:
-        await nc.drain()
-    return 0
-
-
-async def run_status(opts: ConnectOptions, names: Names, timeout_s: float = 1.0) -> int:
-    """Exit 0 when at least one router and one node answer `$SRV.PING`, else 1."""
-    nc = await connect(opts)
-    try:
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        await nc.publish("$SRV.PING", b"", reply=inbox)
-        seen: dict[str, int] = {}
-        with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    m = await sub.next_msg(timeout=timeout_s)
-                    svc = json.loads(m.data).get("name", "?")
-                    seen[svc] = seen.get(svc, 0) + 1
-        print(json.dumps(seen))
-        healthy = seen.get(names.router_service, 0) > 0 and seen.get(names.node_service, 0) > 0
-        return 0 if healthy else 1
-    finally:
-        await nc.close()

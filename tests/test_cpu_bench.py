@@ -1,0 +1,36 @@
+"""Smoke test of the CPU-per-request benchmark: both paths start, every load is measured,
+every process's CPU is read, and the JSON comes out. (The real run is 20 s per load and
+path: see docs/perf/README.md.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def test_cpu_per_request_smoke() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "cpu_per_request.py"),
+        "--requests", "300", "--warmup", "50", "--idle", "0.5", "--settle", "0", "--slots", "2",
+        "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    data = json.loads(out)
+    rows = data["rows"]
+    assert [(r["system"], r["load"].split(",")[0]) for r in rows] == [
+        (s, load) for load in ("closed", "closed", "open") for s in ("floor", "plane")]
+    for r in rows:
+        assert r["requests"] == 300 and r["statuses"].get("200", 0) > 0
+        roles = {"echo", "nats-server"} if r["system"] == "floor" else {
+            "router", "node", "nats-server"}
+        assert set(r["cpu_us"]) == roles
+        assert all(ticks >= 0 for ticks in r["cpu_ticks"].values())
+    assert data["capacity_per_s"] > 0 and 0 <= data["false_refusal_share"] <= 1
+    assert {r["name"] for r in data["ratios"]} and all(
+        len(r["by_load"]) == 3 for r in data["ratios"])

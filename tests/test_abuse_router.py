@@ -66,10 +66,12 @@ async def test_router_reports_a_connection_closed_for_good() -> None:
 
 
 async def test_a_flood_is_shed_at_once_and_each_request_answered_once() -> None:
-    """More requests in hand than `max_routing`: the rest are refused 429 on arrival, with
-    no task per request, and every request still gets exactly one answer."""
+    """More requests in hand (awaiting their PubAck, parked, forwarded) than `max_routing`:
+    the rest are refused 429 on arrival, with no state per request, and every request still
+    gets exactly one answer. (A limit of one: any request that arrives while a placement
+    awaits the broker's answer is shed.)"""
     async with plane(models=("calibrated",), slots=2, backend="torch",
-                     router_overrides={"max_routing": 20}) as stack:
+                     router_overrides={"max_routing": 1}) as stack:
         nc = await nats.connect(stack.url)
         try:
             ledger = await Ledger(nc).start()

@@ -25,6 +25,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
+from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.service import Service
 
@@ -74,6 +75,8 @@ SETTLE_WITHIN_S = 0.010
 LOOP_LAG_S = 0.05
 LAG_QUIET_S = 1.0
 BEHIND_PATIENCE = 5
+# How long a starting router waits to hear the advertised nodes before it takes requests.
+LEARN_SLOTS_S = 1.0
 # Room for headers in every message the router sends on a caller's behalf: the caller's own
 # (bounded, see plane.headers), ours, and the reply subject (the server's max_control_line).
 WIRE_HEADROOM_BYTES = 16 * 1024
@@ -147,6 +150,7 @@ class Router(Lifecycle, TaskOwner):
         self._service: Service | None = None
         self._health_sub: Subscription | None = None
         self._done_sub: Subscription | None = None
+        self._heard = asyncio.Event()  # set by each heartbeat (start-up waits on it)
         # Slot publishes whose PubAck comes to a callback (no task, future or timer each).
         self.publisher = SlotPublisher(nc, cfg.publish_timeout_s)
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
@@ -166,7 +170,7 @@ class Router(Lifecycle, TaskOwner):
         await self.peers.ensure_id_free()  # before we listen: we must not hear ourselves
         self._started = True
         self._fit_body_limit()
-        _, config_kv = await ensure_all(self.js, self._plan)
+        nodes_kv, config_kv = await ensure_all(self.js, self._plan)
         await self.settings.start(config_kv)
         n = self.names
         self._health_sub = await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat)
@@ -176,6 +180,7 @@ class Router(Lifecycle, TaskOwner):
         self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self.peers.on_note))
         await self.publisher.start()
         self._spawn(self._watchdog())
+        await self._learn_slots(nodes_kv)
         self._subs.append(
             await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP, cb=self._on_request)
         )
@@ -203,6 +208,22 @@ class Router(Lifecycle, TaskOwner):
                         configured=self.max_body_bytes, limit=room,
                         max_payload=self.nc.max_payload)
             self.max_body_bytes = max(0, room)
+
+    async def _learn_slots(self, nodes_kv: KeyValue, within_s: float = LEARN_SLOTS_S) -> None:
+        """Before joining the queue group, hear the nodes that advertise slots (their
+        heartbeats come every 250 ms): a router that took requests first answered each one
+        503 `no-capacity` for a moment after every restart."""
+        try:
+            keys = await nodes_kv.keys()
+        except Exception:  # no advert at all (a new plane), or the bucket cannot say
+            return
+        models = {key.rpartition(".")[2] for key in keys}
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while not all((ms := self.models.get(m)) is not None and ms.healthy_count()
+                              for m in models):
+                    self._heard.clear()
+                    await self._heard.wait()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Stop taking requests, let placements in progress finish, then close."""
@@ -255,6 +276,7 @@ class Router(Lifecycle, TaskOwner):
                 log.warning("slot advert ignored: its subject is not the slot's",
                             node=advert.node, subject=subject[:120])
         self._gauge_slots()
+        self._heard.set()
 
     async def _on_done(self, msg: Msg) -> None:
         try:

@@ -196,3 +196,26 @@ async def test_adverts_cannot_point_the_router_at_other_subjects() -> None:
             assert info.config.name == NAMES.slots_stream
         finally:
             await nc.close()
+
+
+async def test_a_restarted_router_knows_the_slots_before_it_takes_requests() -> None:
+    """A router that joined the queue group before hearing the nodes' heartbeats answered
+    its first requests 503 `no-capacity` after every restart (the soak saw hundreds)."""
+    from plane.config import RouterConfig
+    from plane.router import Router
+
+    async with plane(models=("calibrated",), slots=2, backend="torch") as stack:
+        await stack.routers[0].stop()
+        nc = await nats.connect(stack.url)
+        router_nc = await nats.connect(stack.url)
+        try:
+            router = Router(router_nc, RouterConfig(router_id="router9"))
+            await router.start()
+            try:
+                m = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
+                assert status(m) == 200, (status(m), header(m, Header.REASON))
+            finally:
+                await router.stop()
+        finally:
+            await router_nc.close()
+            await nc.close()

@@ -113,7 +113,13 @@ class Peers:
                 if msg.reply:  # a router starting with our id asks: we are here, live
                     await self._send(PRESENCE, self._presence(), subject=msg.reply)
             return
-        self._last_heard_s = self.seen_s[note.router] = time.monotonic()
+        now = time.monotonic()
+        if now - self.seen_s.get(note.router, -math.inf) > GONE_S:
+            # A router new to us (just started): announce ourselves at the watchdog's next
+            # tick rather than within a second, so that it hears us before it places
+            # anything (a router that has heard no other tells nobody what it takes).
+            self._announced_s = -math.inf
+        self._last_heard_s = self.seen_s[note.router] = now
         if note.model not in MODELS:
             return
         ms = self._model(note.model)

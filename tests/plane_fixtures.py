@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -49,3 +51,12 @@ def header(msg: Msg, name: str) -> str | None:
 
 def where(msgs: list[Msg], pred: Callable[[Msg], bool]) -> list[Msg]:
     return [m for m in msgs if pred(m)]
+
+
+async def wait_until(pred: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll `pred` until it holds, or fail naming `what` (no fixed sleeps on a loaded box)."""
+    t_end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > t_end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

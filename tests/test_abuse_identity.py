@@ -27,21 +27,12 @@ from plane.router import Router
 from plane.stack import PlaneStack
 from plane.subjects import Header
 from tests.ledger import Ledger
-from tests.plane_fixtures import NAMES, calibrated, client, plane, status
+from tests.plane_fixtures import NAMES, calibrated, client, plane, status, wait_until
 
 pytestmark = pytest.mark.slow
 
 PLANE = str(Path(sys.executable).parent / "plane")
 NODE = "node0-calibrated"
-
-
-async def _wait_for(pred: object, timeout_s: float, what: str) -> None:
-    assert callable(pred)
-    t_end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > t_end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def _healthy(stack: PlaneStack, model: str, node: str) -> int:
@@ -149,7 +140,7 @@ async def test_b_a_new_process_with_the_id_answers_what_the_stalled_one_left() -
         try:
             async with plane(srv.url, models=()) as stack, client(srv.url) as nc, \
                     client(srv.url) as node_nc:
-                await _wait_for(lambda: _healthy(stack, "calibrated", "n1") == 2, 30,
+                await wait_until(lambda: _healthy(stack, "calibrated", "n1") == 2, 30,
                                 "the old n1's slots")
                 ledger = await Ledger(nc).start()
                 for _ in range(2):
@@ -209,13 +200,13 @@ async def test_b_a_claim_answers_what_it_finds_on_its_subject_and_never_purges()
                                         backend="torch"))
         await node.start()
         try:
-            await _wait_for(lambda: answers, 3, "an answer to the orphan")
+            await wait_until(lambda: answers, 3, "an answer to the orphan")
             await asyncio.sleep(0.5)
             assert len(answers) == 1
             h = answers[0].headers or {}
             assert h[Header.STATUS] == "503" and h[Header.REASON] == "unhealthy"
             assert h[Header.NODE] == "n1" and h[Header.REQUEST_ID] == "orphan-1"
-            await _wait_for(lambda: _healthy(stack, "calibrated", "n1") == 1, 3, "the slot")
+            await wait_until(lambda: _healthy(stack, "calibrated", "n1") == 1, 3, "the slot")
             m = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
             assert status(m) == 200  # and the slot is free
         finally:
@@ -245,7 +236,7 @@ async def test_b_a_restart_waits_for_the_stopping_process_and_every_request_is_a
             _exactly_once(ledger)
             assert ledger.answers[0][0][0] < started_s, "it did not wait for the old one"
             assert ledger.statuses() == {200: 1}, ledger.statuses()
-            await _wait_for(lambda: _healthy(stack, "calibrated", NODE) == 1, 5,
+            await wait_until(lambda: _healthy(stack, "calibrated", NODE) == 1, 5,
                             "the new process's slot")
             m = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
             assert status(m) == 200
@@ -294,7 +285,7 @@ async def test_c_one_process_heartbeat_never_keeps_another_models_slots_alive() 
         now_ms = int(time.time() * 1000)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(beat(heartbeat("a", now_ms - 1000, "risk"), risk_dead))
-            await _wait_for(lambda: "risk" in router.models and router.models["risk"].slots,
+            await wait_until(lambda: "risk" in router.models and router.models["risk"].slots,
                             3, "the risk process's slot")
             tg.create_task(beat(heartbeat("b", now_ms, "calibrated"), calibrated_dead))
             await asyncio.sleep(0.3)
@@ -325,7 +316,7 @@ async def test_c_a_router_whose_id_a_live_router_has_is_refused() -> None:
         await again.start()
         try:
             assert time.monotonic() - t0 < 3.0  # not the 10 s a stopping one is given
-            await _wait_for(lambda: _healthy_in(again, "calibrated") == 1, 3, "the slot")
+            await wait_until(lambda: _healthy_in(again, "calibrated") == 1, 3, "the slot")
             m = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
             assert status(m) == 200
         finally:

@@ -23,15 +23,6 @@ from tests.plane_fixtures import NAMES, calibrated, header, plane, status
 pytestmark = pytest.mark.slow
 
 
-async def _wait_for(pred: object, timeout_s: float, what: str) -> None:
-    assert callable(pred)
-    t_end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > t_end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def test_body_that_would_overflow_the_servers_max_payload_is_413(tmp_path: Path) -> None:
     """A server with a 64 KiB max_payload and the router's default 64 KiB body limit: a
     valid body just under 64 KiB plus the router's headers used to exceed max_payload on the

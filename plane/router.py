@@ -147,6 +147,7 @@ class Router(Lifecycle, TaskOwner):
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._subs: list[Subscription] = []
+        self._request_subs: list[Subscription] = []  # drained, not dropped, at stop
         self._service: Service | None = None
         self._health_sub: Subscription | None = None
         self._done_sub: Subscription | None = None
@@ -181,12 +182,12 @@ class Router(Lifecycle, TaskOwner):
         await self.publisher.start()
         self._spawn(self._watchdog())
         await self._learn_slots(nodes_kv)
-        self._subs.append(
-            await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP, cb=self._on_request)
-        )
-        # Our own subject: ticket holders whose retry reached another router come here.
-        self._subs.append(await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
-                                                  cb=self._on_request))
+        self._request_subs = [
+            await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP, cb=self._on_request),
+            # Our own subject: ticket holders whose retry reached another router come here.
+            await self.nc.subscribe(n.router_infer_all(self.cfg.router_id), cb=self._on_request),
+        ]
+        self._subs.extend(self._request_subs)
         self._service = await add_service(
             self.nc, name=n.router_service, version="0.1.0",
             description="the plane's router: admission onto depth-one slots",
@@ -230,9 +231,13 @@ class Router(Lifecycle, TaskOwner):
         if not self._started or self._stopping:
             return
         self._stopping = True
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        # Drain, not unsubscribe, the subjects that bring requests: nats-py discards what a
+        # subscription has read but not yet handed to us when it unsubscribes, and a request
+        # already delivered to this router is answered by no one else (the soak lost one
+        # request per few router SIGTERMs). Drain tells the server to stop, waits for the
+        # round trip that ends its deliveries, and hands us every request it brought.
+        taking = [s for s in self._subs if s in self._request_subs]
+        await asyncio.gather(*(self._drain(s) for s in taking))
         # Placements whose PubAck is on its way: the broker answers within its timeout.
         await self.publisher.drained(timeout_s)
         pending = [t for t in self._tasks if not t.done()]
@@ -241,6 +246,11 @@ class Router(Lifecycle, TaskOwner):
             for t in still:
                 t.cancel()
             await asyncio.gather(*still, return_exceptions=True)
+        # Heartbeats, done-events and peers' notes served the placements above until now.
+        for sub in self._subs:
+            if sub not in taking:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
@@ -248,6 +258,12 @@ class Router(Lifecycle, TaskOwner):
             await self.publisher.stop()
         await self.settings.stop()
         log.info("router stopped", router=self.cfg.router_id)
+
+    async def _drain(self, sub: Subscription) -> None:
+        try:
+            await sub.drain()
+        except Exception as exc:  # a closed connection: nothing more can arrive anyway
+            log.info("request subscription not drained", error=repr(exc))
 
     # -- control plane ----------------------------------------------------------------------
     async def _on_heartbeat(self, msg: Msg) -> None:

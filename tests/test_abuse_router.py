@@ -210,3 +210,25 @@ async def test_a_restarted_router_knows_the_slots_before_it_takes_requests() -> 
         finally:
             await router_nc.close()
             await nc.close()
+
+
+async def test_a_stopping_router_answers_every_request_it_was_handed() -> None:
+    """Requests the server has delivered to a router but the router has not read yet (in its
+    socket and in the subscription's queue) when it is told to stop: nats-py's unsubscribe
+    discards them and no one else can answer them (the soak lost one request per few router
+    SIGTERMs). The router drains instead: each gets exactly one answer."""
+    async with plane(models=("calibrated",), slots=2, backend="torch") as stack:
+        router = stack.routers[0]
+        nc = await nats.connect(stack.url)
+        try:
+            ledger = await Ledger(nc).start()
+            for _ in range(300):
+                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 2000)
+            await nc.flush()
+            time.sleep(0.2)  # noqa: ASYNC251 - the point: the router reads nothing meanwhile
+            await router.stop()
+            await ledger.settle(10)
+            assert ledger.unanswered() == [], (len(ledger.unanswered()), ledger.statuses())
+            assert ledger.answered_twice() == []
+        finally:
+            await nc.close()

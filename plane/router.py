@@ -38,6 +38,7 @@ from plane.headers import read_caller
 from plane.identity import Heard, Instances
 from plane.inflight import NOT_ANSWERED, InFlight, InFlightBook
 from plane.lifecycle import Lifecycle, TaskOwner
+from plane.memory import FloodMemory
 from plane.messages import (
     DoneEvent,
     Reason,
@@ -163,6 +164,7 @@ class Router(Lifecycle, TaskOwner):
         # server errors): the process must exit so its supervisor restarts it, never linger
         # deaf. The composition root waits on it (see `plane.serve`).
         self.lost = asyncio.Event()
+        self.flood_memory = FloodMemory()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -393,6 +395,7 @@ class Router(Lifecycle, TaskOwner):
             for then in self.publisher.expire(now):
                 self._spawn(then(TimedOut()))
             self.inflight.tick(now)
+            self.flood_memory.observe(self._in_hand() + self._backlog(), now)
             await self.peers.announce_if_due(now)
 
     def _behind(self, now_s: float) -> bool:
@@ -461,6 +464,10 @@ class Router(Lifecycle, TaskOwner):
             # refused callers = slots 13% of the time.
             await asyncio.sleep(0)
         await self._route_one(msg)
+
+    def _backlog(self) -> int:
+        """Requests delivered to us and not read yet."""
+        return sum(s.pending_msgs for s in self._request_subs)
 
     def _in_hand(self) -> int:
         """Requests decided or placed now: those whose PubAck is awaited, and those waiting

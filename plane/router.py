@@ -263,7 +263,7 @@ class Router(Lifecycle, TaskOwner):
 
     async def _drain(self, sub: Subscription) -> None:
         try:
-            await sub.drain()
+            await sub.drain()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
         except Exception as exc:  # a closed connection: nothing more can arrive anyway
             log.info("request subscription not drained", error=repr(exc))
 

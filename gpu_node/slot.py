@@ -33,7 +33,6 @@ from gpu_node.recent import RecentIds
 from plane import replies
 from plane.budget import ServiceWindow
 from plane.errors import BadRequest
-from plane.inflight import NOT_ANSWERED, placement_id
 from plane.lifecycle import cancel_and_wait
 from plane.messages import (
     CalibratedReply,
@@ -48,7 +47,7 @@ from plane.messages import (
 )
 from plane.metrics import PlaneMetrics
 from plane.models import ModelSpec
-from plane.ownership import Take, take
+from plane.ownership import NOT_ANSWERED, Take, placement_id, take
 from plane.subjects import Header, Names
 
 MustTake = Callable[[float], bool]  # fetched at (monotonic s) -> may a router have acted on it?

@@ -5,7 +5,7 @@ restart (or, by mistake, a second process) under one id is told apart from the f
   last does: a restart replaces its predecessor (whose requests in flight the router then
   treats as a dead node's), and an older process still talking speaks for nothing.
 - `ensure_node_id_free`: a node, before it claims anything, makes sure no other process
-  serves its id; a router does the same with its peers (`plane.peers.Peers.ensure_id_free`).
+  serves its id; a router does the same with its peers (`plane.router.peers.Peers.ensure_id_free`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,16 @@ import enum
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
+# A done-event's status when the node did not answer (it finished after the deadline, and
+# the deadline owner answers): the slot is free, the request is not answered by the node.
+NOT_ANSWERED = 0
+
+
+def placement_id(stream: str, seq: int) -> str:
+    """One placement of one request: unique, unlike caller request ids (reused by retries)."""
+    return f"{stream}:{seq}"
+
+
 # JetStream's "sequence N not found": the message is gone (acked, or deleted by the other side).
 SEQUENCE_NOT_FOUND = 10043
 
@@ -36,10 +46,8 @@ async def take(js: JetStreamContext, stream: str, seq: int, *, within_s: float =
         except APIError as exc:
             if exc.err_code == SEQUENCE_NOT_FOUND:
                 return Take.GONE
-            error: Exception = exc
-        except Exception as exc:  # timeouts, no leader, reconnecting
-            error = exc
+        except Exception:  # timeouts, no leader, reconnecting: ask again
+            pass
         if loop.time() + retry_s > give_up:
-            del error
             return Take.UNKNOWN
         await asyncio.sleep(retry_s)

@@ -12,10 +12,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from plane.admission import TICKET_HEX, ticket_owner
 from plane.budget import ServiceWindow
 from plane.embedded import EmbeddedNats, NatsServerSpec
 from plane.messages import Heartbeat, NodeAdvert, SlotAdvert, json_encoder
+from plane.router.admission import TICKET_HEX, ticket_owner
 from plane.subjects import Header
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, header, plane, status
@@ -123,7 +123,7 @@ async def test_estimate_heals_after_a_burst() -> None:
 
 
 def test_tickets_cannot_be_guessed() -> None:
-    from plane.admission import new_ticket
+    from plane.router.admission import new_ticket
 
     a, b = new_ticket("router0"), new_ticket("router0")
     assert a != b and ticket_owner(a) == "router0" == ticket_owner(b)

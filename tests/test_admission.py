@@ -2,11 +2,11 @@
 ticket holder gets its slot ahead of newcomers, and a promise that cannot meet the deadline is
 never made."""
 
-from plane.admission import PROMISE_MAX_LINKS, Admission, Ask, Park, Place, Refuse
 from plane.budget import Prediction, ServiceWindow, fits, predict
 from plane.messages import NodeAdvert, Reason, SlotAdvert, Status
-from plane.occupancy import ModelSlots
-from plane.promises import Promise, next_start, simulate
+from plane.router.admission import PROMISE_MAX_LINKS, Admission, Ask, Park, Place, Refuse
+from plane.router.occupancy import ModelSlots
+from plane.router.promises import Promise, next_start, simulate
 from plane.subjects import Names
 
 NAMES = Names()

@@ -3,7 +3,7 @@ allocator is asked once to return its free pages; never during a flood, never fo
 
 from __future__ import annotations
 
-from plane.memory import FloodMemory
+from plane.router.memory import FloodMemory
 
 
 def test_trims_once_after_a_flood_has_drained_and_stayed_quiet() -> None:

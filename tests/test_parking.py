@@ -2,7 +2,7 @@
 
 import asyncio
 
-from plane.parking import ParkingLot
+from plane.router.parking import ParkingLot
 
 
 async def test_wakes_the_holder_due_first_one_at_a_time() -> None:

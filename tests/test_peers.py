@@ -7,10 +7,10 @@ from typing import Any
 
 import structlog
 
-from plane.admission import Admission
 from plane.messages import AdmissionNote, msgpack_encoder
-from plane.occupancy import ModelSlots
-from plane.peers import PRESENCE, Peers
+from plane.router.admission import Admission
+from plane.router.occupancy import ModelSlots
+from plane.router.peers import PRESENCE, Peers
 from plane.subjects import Names
 
 
@@ -26,7 +26,7 @@ def peers(router_id: str = "router1") -> tuple[Peers, dict[str, ModelSlots]]:
 
 def note(**kw: Any) -> Any:
     return SimpleNamespace(data=msgpack_encoder.encode(AdmissionNote(**kw)),
-                           subject="plane.admission.x", reply="")
+                           subject="plane.router.admission.x", reply="")
 
 
 async def test_the_first_router_by_id_heard_lately_makes_promises() -> None:

@@ -26,16 +26,16 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from plane.admission import Admission, Ask, Place
 from plane.errors import IdentityInUse
 from plane.identity import answers, new_instance
 from plane.messages import AdmissionNote, admission_note_decoder, msgpack_encoder
 from plane.models import MODELS
-from plane.occupancy import ModelSlots, SlotView
-from plane.promises import Promise
+from plane.router.admission import Admission, Ask, Place
+from plane.router.occupancy import ModelSlots, SlotView
+from plane.router.promises import Promise
 from plane.subjects import Names
 
-log = structlog.get_logger("plane.peers")
+log = structlog.get_logger("plane.router.peers")
 
 ANNOUNCE_S = 1.0  # each router says it is there this often ...
 GONE_S = 3.0  # ... and one not heard from for this long is gone

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from plane.budget import ServiceWindow
 from plane.messages import NodeAdvert
-from plane.promises import PromiseBook
+from plane.router.promises import PromiseBook
 
 # The router's cycle samples age out after this long (see `ServiceWindow.max_age_s`): an
 # estimate a burst polluted heals within it, with or without placements meanwhile.

@@ -14,19 +14,12 @@ import structlog
 from nats.js import JetStreamContext
 
 from plane.messages import Reason, Status
-from plane.ownership import Take, take
+from plane.ownership import NOT_ANSWERED, Take, placement_id, take
 from plane.subjects import Header
 
-log = structlog.get_logger("plane.inflight")
+log = structlog.get_logger("plane.router.inflight")
 
 # Done-event status of a request the node did not answer (it finished after the deadline).
-NOT_ANSWERED = 0
-
-
-def placement_id(stream: str, seq: int) -> str:
-    """One placement of one request: unique, unlike caller request ids (reused by retries)."""
-    return f"{stream}:{seq}"
-
 
 @dataclass(slots=True)
 class InFlight:

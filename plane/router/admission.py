@@ -2,7 +2,7 @@
 slot choice that honours tickets.
 
 Tickets make Retry-After a promise. Each refused caller is promised the earliest time a slot
-will be free *and not already promised* (see `plane.promises`: promises are pooled over the
+will be free *and not already promised* (see `plane.router.promises`: promises are pooled over the
 model's slots, not pinned to one); successive refused callers get successive free times. A
 caller back with its ticket takes any free slot unless an earlier promise needs it, and waits
 (is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 
 from plane.budget import Prediction, fits
 from plane.messages import Reason, Status
-from plane.occupancy import ModelSlots, SlotView
-from plane.promises import Promise, next_start, simulate, would_delay
+from plane.router.occupancy import ModelSlots, SlotView
+from plane.router.promises import Promise, next_start, simulate, would_delay
 from plane.subjects import InvalidToken, check_token
 
 # A promise is kept this long past its due time for a late holder (then released). It covers

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-log = structlog.get_logger("plane.memory")
+log = structlog.get_logger("plane.router.memory")
 
 
 def _glibc_trim() -> Callable[[], object] | None:

@@ -30,15 +30,12 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from plane import replies
-from plane.admission import Admission, Ask, Park, Place, Refuse, ticket_owner
 from plane.budget import predict
 from plane.config import FALLBACK_DEADLINE_MS, RouterConfig
 from plane.errors import BadRequest
 from plane.headers import read_caller
 from plane.identity import Heard, Instances
-from plane.inflight import NOT_ANSWERED, InFlight, InFlightBook
 from plane.lifecycle import Lifecycle, TaskOwner
-from plane.memory import FloodMemory
 from plane.messages import (
     DoneEvent,
     Reason,
@@ -49,12 +46,16 @@ from plane.messages import (
 )
 from plane.metrics import PlaneMetrics
 from plane.models import MODELS, model_spec
-from plane.occupancy import ModelSlots, SlotView, slot_key
-from plane.parking import ParkingLot
-from plane.peers import Peers
+from plane.ownership import NOT_ANSWERED
 from plane.provision import ProvisionPlan, ensure_all
+from plane.router.admission import Admission, Ask, Park, Place, Refuse, ticket_owner
+from plane.router.inflight import InFlight, InFlightBook
+from plane.router.memory import FloodMemory
+from plane.router.occupancy import ModelSlots, SlotView, slot_key
+from plane.router.parking import ParkingLot
+from plane.router.peers import Peers
+from plane.router.slot_publish import NoStream, Outcome, Published, Refused, SlotPublisher, TimedOut
 from plane.settings import LiveSettings
-from plane.slot_publish import NoStream, Outcome, Published, Refused, SlotPublisher, TimedOut
 from plane.subjects import ROUTER_QUEUE_GROUP, Header, InvalidToken, check_token
 
 log = structlog.get_logger("plane.router")
@@ -353,7 +354,7 @@ class Router(Lifecycle, TaskOwner):
     def _forget_node(self, node: str, why: str, *, draining: bool = False) -> None:
         """Place nothing more on `node`. A draining node answers what it runs (the deadline
         and heartbeat-loss rules still hold); any other is dead: its requests in flight are
-        taken and answered here (plane.inflight)."""
+        taken and answered here (plane.router.inflight)."""
         for ms in self.models.values():
             if ms.remove_node(node):
                 log.warning("node's slots removed", node=node, model=ms.model, why=why)

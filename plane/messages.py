@@ -99,23 +99,50 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     work_us: int = 0
 
 
-class AdmissionNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """What a router tells the other routers (`plane.admission.<model>`), so that they keep
-    one schedule between them: a promise `made` (with its times, wall clock epoch ms: routers
-    may be on different hosts), a promise gone (`made` false: replaced or kept), and a slot
-    taken (`slot`, busy for about `service_us`, at most `p99_us`), by a kept promise's holder
-    (`ticket`) or a newcomer (no ticket)."""
+class PeerNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What a router tells the other routers (`plane.admission.<model>`, presence on
+    `plane.admission._routers`), so that they keep one schedule between them. A tagged union
+    (msgspec: the tag is the first array element), one struct per kind of note; times are
+    wall-clock epoch ms (routers may be on different hosts). `instance` is the sending
+    process: two routers with one id are a mistake to report."""
 
     router: str
+    instance: str = ""
+
+
+class PromiseMade(PeerNote, frozen=True, tag="made"):
+    """A promise (ticket) made: its slot time is booked by every router."""
+
     model: str
-    ticket: str = ""
-    made: bool = False
-    due_ms: int = 0
-    expires_ms: int = 0
-    service_us: int = 0
-    slot: str = ""
-    p99_us: int = 0
-    instance: str = ""  # the sending process (two routers with one id are a mistake to report)
+    ticket: str
+    due_ms: int
+    expires_ms: int
+    service_us: int
+
+
+class PromiseGone(PeerNote, frozen=True, tag="gone"):
+    """A promise kept elsewhere, replaced or lapsed: its slot time is free again."""
+
+    model: str
+    ticket: str
+
+
+class SlotTaken(PeerNote, frozen=True, tag="took"):
+    """A slot taken: busy for about `service_us`, at most `p99_us`; by a kept promise's
+    holder (`ticket`: that promise is gone too) or by a newcomer (no ticket)."""
+
+    model: str
+    slot: str
+    service_us: int
+    p99_us: int
+    ticket: str | None = None
+
+
+class Presence(PeerNote, frozen=True, tag="here"):
+    """A router is there (every second), or asks whether a live router has its id."""
+
+
+AdmissionNote = PromiseMade | PromiseGone | SlotTaken | Presence
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

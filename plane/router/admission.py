@@ -132,6 +132,16 @@ class Refuse:
     delegate: bool = False  # a promise is needed and another router makes them: ask it
 
 
+@dataclass(frozen=True, slots=True)
+class PromiseChange:
+    """A promise this router made (`made`) or that is gone (kept, replaced, lapsed): what it
+    tells the other routers (`plane.router.peers`)."""
+
+    model: str
+    promise: Promise
+    made: bool
+
+
 Check = Callable[[ModelSlots, Ask], Refuse | None]
 
 
@@ -171,12 +181,11 @@ class Admission:
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
-        # (made, model, promise): made or gone since the router last looked (it tells the
-        # other routers).
-        self.notes: list[tuple[bool, str, Promise]] = []
+        # Promises made or gone since the router last looked (it tells the other routers).
+        self.notes: list[PromiseChange] = []
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
 
-    def take_notes(self) -> list[tuple[bool, str, Promise]]:
+    def take_notes(self) -> list[PromiseChange]:
         notes, self.notes = self.notes, []
         return notes
 
@@ -318,7 +327,7 @@ class Admission:
         self.foreign.pop(p.ticket, None)
         p.parked = False
         if ms.promises.remove(p) and tell:
-            self.notes.append((False, ms.model, p))
+            self.notes.append(PromiseChange(ms.model, p, made=False))
 
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
                 may_promise: bool = True) -> Refuse:
@@ -359,7 +368,7 @@ class Admission:
         )
         if promise.pinned:
             ms.promises.add(promise)
-            self.notes.append((True, ms.model, promise))
+            self.notes.append(PromiseChange(ms.model, promise, made=True))
             self.tickets[promise.ticket] = promise
         else:
             self._unpinned[promise.ticket] = (ms.model, promise.expires_s)

@@ -28,7 +28,15 @@ from nats.aio.msg import Msg
 
 from plane.errors import IdentityInUse
 from plane.identity import answers, new_instance
-from plane.messages import AdmissionNote, admission_note_decoder, msgpack_encoder
+from plane.messages import (
+    AdmissionNote,
+    Presence,
+    PromiseGone,
+    PromiseMade,
+    SlotTaken,
+    admission_note_decoder,
+    msgpack_encoder,
+)
 from plane.models import MODELS
 from plane.router.admission import Admission, Ask, Place
 from plane.router.occupancy import ModelSlots, SlotView
@@ -39,7 +47,7 @@ log = structlog.get_logger("plane.router.peers")
 
 ANNOUNCE_S = 1.0  # each router says it is there this often ...
 GONE_S = 3.0  # ... and one not heard from for this long is gone
-PRESENCE = "_routers"  # the model token of the announcements (no model is named so)
+PRESENCE = "_routers"  # the subject token of the announcements (no model is named so)
 ASKED_S = 0.5  # how long a starting router waits for a router with its id to answer
 STOPPING_WAIT_S = 10.0  # a router stopping under our id has this long to go (its stop: 5 s)
 
@@ -68,8 +76,8 @@ class Peers:
             self._announced_s = now_s
             await self._send(PRESENCE, self._presence())
 
-    def _presence(self) -> AdmissionNote:
-        return AdmissionNote(router=self.router_id, model=PRESENCE, instance=self.instance)
+    def _presence(self) -> Presence:
+        return Presence(router=self.router_id, instance=self.instance)
 
     async def ensure_id_free(self, wait_s: float = STOPPING_WAIT_S) -> None:
         """Before the router listens to anything: raise `IdentityInUse` if another live
@@ -120,40 +128,54 @@ class Peers:
             # anything (a router that has heard no other tells nobody what it takes).
             self._announced_s = -math.inf
         self._last_heard_s = self.seen_s[note.router] = now
-        if note.model not in MODELS:
-            return
-        ms = self._model(note.model)
-        if note.made:
-            mono_of = time.monotonic() - time.time()  # wall seconds -> our monotonic seconds
-            self.admission.adopt(ms, Promise(
-                ticket=note.ticket, due_s=note.due_ms / 1000 + mono_of,
-                expires_s=note.expires_ms / 1000 + mono_of, service_s=note.service_us / 1e6))
-            return
-        if note.ticket:
-            self.admission.drop(ms, note.ticket)
-        view = ms.slots.get(note.slot) if note.slot else None
-        if view is not None and view.request_id is None:
-            view.occupy(time.monotonic(), None, note.service_us / 1e6, note.p99_us / 1e6)
+        match note:
+            case Presence():
+                return
+            case PromiseMade() if note.model in MODELS:
+                mono_of = time.monotonic() - time.time()  # wall seconds -> our monotonic ones
+                self.admission.adopt(self._model(note.model), Promise(
+                    ticket=note.ticket, due_s=note.due_ms / 1000 + mono_of,
+                    expires_s=note.expires_ms / 1000 + mono_of,
+                    service_s=note.service_us / 1e6))
+            case PromiseGone() if note.model in MODELS:
+                self.admission.drop(self._model(note.model), note.ticket)
+            case SlotTaken() if note.model in MODELS:
+                ms = self._model(note.model)
+                if note.ticket is not None:
+                    self.admission.drop(ms, note.ticket)
+                view = ms.slots.get(note.slot)
+                if view is not None and view.request_id is None:
+                    view.occupy(time.monotonic(), None, note.service_us / 1e6,
+                                note.p99_us / 1e6)
 
-    async def tell(self, took: tuple[str, SlotView, Place, Ask] | None = None) -> None:
-        """Tell the others the promises made and dropped since we last did, and the slot we
-        just took (`took`: model, slot, placement, request)."""
+    async def tell(self) -> None:
+        """Tell the others the promises made and dropped since we last did."""
         notes = self.admission.take_notes()
-        if time.monotonic() - self._last_heard_s > GONE_S:
-            return  # alone: nobody to tell (and nothing added to the hot path)
+        if not notes or self._alone():
+            return
         wall_of = time.time() - time.monotonic()  # our monotonic seconds -> wall seconds
-        for made, model, p in notes:
-            await self._send(model, AdmissionNote(
-                router=self.router_id, model=model, ticket=p.ticket, made=made,
+        for n in notes:
+            p = n.promise
+            await self._send(n.model, PromiseMade(
+                router=self.router_id, model=n.model, ticket=p.ticket,
                 due_ms=int((p.due_s + wall_of) * 1000),
                 expires_ms=int((p.expires_s + wall_of) * 1000),
-                service_us=int(p.service_s * 1e6)))
-        if took is not None:
-            model, view, place, ask = took
-            await self._send(model, AdmissionNote(
-                router=self.router_id, model=model, slot=view.key,
-                ticket=place.redeemed.ticket if place.redeemed is not None else "",
-                service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us))
+                service_us=int(p.service_s * 1e6)) if n.made else PromiseGone(
+                router=self.router_id, model=n.model, ticket=p.ticket))
+
+    async def tell_taken(self, model: str, view: SlotView, place: Place, ask: Ask) -> None:
+        """Tell the others the promises changed and the slot we just took, and by whom."""
+        await self.tell()
+        if self._alone():
+            return
+        await self._send(model, SlotTaken(
+            router=self.router_id, model=model, slot=view.key,
+            ticket=place.redeemed.ticket if place.redeemed is not None else None,
+            service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us))
+
+    def _alone(self) -> bool:
+        """No other router heard from lately: nobody to tell (nothing on the hot path)."""
+        return time.monotonic() - self._last_heard_s > GONE_S
 
     def _clash(self, other: str) -> None:
         now = time.monotonic()

@@ -701,7 +701,7 @@ class Router(Lifecycle, TaskOwner):
                 if p.place.redeemed is not None:
                     self.admission.redeemed(r.ms, p.place.redeemed)
                     self.metrics.tickets_honoured.labels(r.model).inc()
-                await self.peers.tell(took=(r.model, view, p.place, r.ask))
+                await self.peers.tell_taken(r.model, view, p.place, r.ask)
                 await self._decided(r, "placed")
             case TimedOut():
                 # Unknown outcome: the message may be on the slot. Answering now could make a

@@ -142,6 +142,35 @@ class PromiseChange:
     made: bool
 
 
+# The refusals made outside `Admission.decide`, built here all the same: every refusal the
+# router sends is made in this module.
+def bad_request(why: str) -> Refuse:
+    return Refuse(Status.BAD_REQUEST, Reason.BAD_REQUEST, why)
+
+
+def too_large(size: int, limit: int) -> Refuse:
+    return Refuse(Status.TOO_LARGE, Reason.TOO_LARGE,
+                  f"body is {size} bytes; the limit is {limit}")
+
+
+def shed(router: str, in_hand: int, wait_ms: int) -> Refuse:
+    """A flood: more requests in hand than the router's limit (no ticket: no state kept)."""
+    return Refuse(Status.BUSY, Reason.BUSY,
+                  f"router {router} has {in_hand} requests in hand (its limit): come back "
+                  "shortly", retry_after_ms=wait_ms)
+
+
+def owner_silent(owner: str) -> Refuse:
+    """A forwarded request whose router did not answer in time."""
+    return Refuse(Status.DEADLINE, Reason.DEADLINE,
+                  f"router {owner} (asked for this request's promise) did not answer in time")
+
+
+def unplaceable(why: str) -> Refuse:
+    """The broker would not take the placement (closed connection, no stream, an error)."""
+    return Refuse(Status.UNAVAILABLE, Reason.UNHEALTHY, why, retry_after_ms=1000)
+
+
 Check = Callable[[ModelSlots, Ask], Refuse | None]
 
 
@@ -201,6 +230,24 @@ class Admission:
         p = self.foreign.pop(ticket, None)
         if p is not None:
             ms.promises.remove(p)
+
+    def after_lost_race(self, ms: ModelSlots, ask: Ask, now_s: float) -> Refuse:
+        """Every candidate slot was taken under us (by another router): decide again as a
+        newcomer (a ticket, most often); a slot that looks free again is not tried twice."""
+        match self.decide(ms, ask.later(now_s, as_newcomer=True), may_park=False):
+            case Refuse() as refusal:
+                return refusal
+            case _:
+                return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
+                              retry_after_ms=max(1, math.ceil(ask.prediction.p50_us / 1000)))
+
+    def decide_unparked(self, ms: ModelSlots, ask: Ask) -> Place | Refuse:
+        """A decision that cannot park (after a forward failed: the promiser is gone)."""
+        match self.decide(ms, ask, may_park=False):
+            case Place() | Refuse() as decision:
+                return decision
+            case Park():
+                raise AssertionError("may_park=False never parks")
 
     def decide(self, ms: ModelSlots, ask: Ask, *, may_park: bool = True,
                may_promise: bool = True) -> Place | Park | Refuse:

@@ -50,7 +50,11 @@ class SlotView:
         self.busy, self.request_id = True, request_id
         self.expected_free_s, self.free_at_s = now_s + expected_s, now_s + p99_s
 
-    def release(self, now_s: float) -> None:
+    def release(self, now_s: float, request_id: str | None = None) -> None:
+        """Free from now (its done-event came, or our placement on it did not happen). With
+        `request_id`, only while that request is the one it holds."""
+        if request_id is not None and self.request_id != request_id:
+            return
         self.busy, self.request_id, self.freed_s = False, None, now_s
 
 

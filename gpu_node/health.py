@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -38,8 +38,6 @@ class SlotHealth:
     probe: asyncio.Task[bool] | None = None
     last_probe_s: float = 0.0
     failures_seen: int = 0
-    withdrawn_at_s: float | None = None
-    history: list[tuple[str, float]] = field(default_factory=list)
 
 
 class Supervisor:
@@ -107,8 +105,6 @@ class Supervisor:
     async def _decide(self, slot: Slot, st: SlotHealth) -> None:
         if slot.claimed and st.misses >= self._misses:
             slot.healthy = False
-            st.withdrawn_at_s = time.monotonic()
-            st.history.append(("unhealthy", st.withdrawn_at_s))
             log.warning("slot withdrawn: missed probes", slot=slot.k, misses=st.misses)
             await self._withdraw(slot, "unhealthy", wait_s=0.0)
             return
@@ -118,7 +114,6 @@ class Supervisor:
         if slot.claimed and not fits:
             log.warning("slot withdrawn: p99 over budget", slot=slot.k, budget_us=budget,
                         request_p99_us=req_p99, probe_p50_us=slot.probe_window.p50_us)
-            st.history.append(("budget", time.monotonic()))
             await self._withdraw(slot, "budget", wait_s=budget / 1e6)
             # Judge the comeback on fresh probes only.
             slot.window.clear()
@@ -129,7 +124,6 @@ class Supervisor:
             fresh = slot.withdrawn_for != "budget" or slot.probe_window.count >= RECLAIM_PROBES
             if recovered and fits and fresh:
                 slot.healthy = True
-                st.history.append(("reclaimed", time.monotonic()))
                 log.info("slot reclaimed", slot=slot.k, was=slot.withdrawn_for)
                 with contextlib.suppress(Exception):
                     await slot.claim()

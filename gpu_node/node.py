@@ -79,6 +79,7 @@ class Node(Lifecycle, TaskOwner):
                                    advert_ttl_s=cfg.advert_ttl_s)
         self._service: Service | None = None
         self._fault_sub: Any = None
+        self._answered_sub: Any = None
         self._supervisor: Supervisor | None = None
         self._nodes_kv: Any = None
         self._started = False
@@ -178,7 +179,8 @@ class Node(Lifecycle, TaskOwner):
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sub in (self._fault_sub, self._own_sub):
+        # Routers ask whether we answered a placement until our drain is over: last to go.
+        for sub in (self._fault_sub, self._own_sub, self._answered_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

@@ -124,7 +124,3 @@ class PromiseBook:
             self._items = keep
             self._dues = [p.due_s for p in keep]
         return gone
-
-    def clear(self) -> list[Promise]:
-        gone, self._items, self._dues = self._items, [], []
-        return gone

@@ -12,7 +12,10 @@ from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import structlog
 import uvloop
+
+_log = structlog.get_logger("plane.lifecycle")
 
 T = TypeVar("T")
 
@@ -104,8 +107,24 @@ class TaskOwner:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.task_failures = 0
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` as a task this object owns. The number of tasks is bounded by the
+        owner's own admission (a router sheds past `max_routing` requests in hand, see
+        `plane.router.requests`), not here: a task refused here would be an answer lost."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        """Every failure is logged (with its traceback) and counted, never lost unseen."""
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.task_failures += 1
+            _log.error("task failed", owner=type(self).__name__,
+                       task=getattr(task.get_coro(), "__qualname__", task.get_name()),
+                       exc_info=exc)

@@ -47,7 +47,7 @@ from plane.messages import (
 )
 from plane.metrics import PlaneMetrics
 from plane.models import model_spec
-from plane.provision import ProvisionPlan, ensure_all
+from plane.provision import ProvisionPlan, ensure_all, ensure_all_again
 from plane.settings import MAX_SLOTS, LiveSettings, refused
 from plane.subjects import advert_key, config_key
 
@@ -339,13 +339,7 @@ class Node(Lifecycle, TaskOwner):
         adverts: provision again, and re-claim the slots whose consumer is gone (in a
         cluster the replicated stream and consumers survive a reconnect: keep those)."""
         log.warning("reconnected: checking stream and consumers", node=self.cfg.node_id)
-        for _ in range(50):
-            try:
-                self._nodes_kv, _ = await ensure_all(self.js, self._plan)
-                break
-            except Exception as exc:
-                log.info("re-provisioning waits for JetStream", error=repr(exc))
-                await asyncio.sleep(0.2)
+        self._nodes_kv = await ensure_all_again(self.js, self._plan) or self._nodes_kv
         for slot in self.slots:
             if slot.claimed and not await slot.consumer_alive():
                 log.warning("consumer lost: re-claiming slot", slot=slot.k)

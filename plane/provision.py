@@ -3,6 +3,7 @@ calls it at start, so whichever process comes first sets the broker up."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import structlog
@@ -104,3 +105,20 @@ async def _ensure_kv(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
 async def ensure_all(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValue, KeyValue]:
     await ensure_slot_stream(js, plan)
     return await ensure_buckets(js, plan)
+
+
+async def ensure_all_again(js: JetStreamContext, plan: ProvisionPlan, *, tries: int = 50,
+                           wait_s: float = 0.2) -> KeyValue | None:
+    """After a reconnect (a broker restart loses memory streams): provision again, asking
+    until JetStream has a leader (`tries` x `wait_s`). The node-advert bucket, or None when
+    JetStream never answered."""
+    for _ in range(tries):
+        try:
+            nodes_kv, _ = await ensure_all(js, plan)
+            return nodes_kv
+        except Exception as exc:
+            log.info("re-provisioning waits for JetStream", error=repr(exc))
+            await asyncio.sleep(wait_s)
+    log.error("re-provisioning gave up: JetStream did not answer",
+              tries=tries, within_s=tries * wait_s)
+    return None

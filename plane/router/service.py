@@ -39,7 +39,7 @@ from plane.messages import (
 from plane.metrics import PlaneMetrics
 from plane.models import MODELS
 from plane.ownership import NOT_ANSWERED
-from plane.provision import ProvisionPlan, ensure_all
+from plane.provision import ProvisionPlan, ensure_all, ensure_all_again
 from plane.router.admission import Admission
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.memory import FloodMemory
@@ -354,13 +354,7 @@ class Router(Lifecycle, TaskOwner):
         """After a reconnect (a broker restart loses memory streams): provision again, in its
         own task so the watchdog keeps running while there is no JetStream leader."""
         log.warning("reconnected: re-provisioning", router=self.cfg.router_id)
-        for _ in range(50):
-            try:
-                await ensure_all(self.js, self._plan)
-                return
-            except Exception as exc:
-                log.info("re-provisioning waits for JetStream", error=repr(exc))
-                await asyncio.sleep(0.2)
+        await ensure_all_again(self.js, self._plan)
 
     async def _node_answered(self, fl: InFlight, placement: str, patient: bool) -> bool:
         """True only when the node says it answered that placement. Asked again while the

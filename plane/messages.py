@@ -31,6 +31,8 @@ class Reason(enum.StrEnum):
     BAD_REQUEST = "bad-request"
     TOO_LARGE = "too-large"
     NO_CAPACITY = "no-capacity"
+    TENANT_SHARE = "tenant-share"  # the tenant holds more than its fair share: others first
+    TENANT_LIMIT = "tenant-limit"  # the tenant's own max_rate or max_slots
 
 
 class Freshness(enum.StrEnum):
@@ -97,6 +99,7 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     service_us: int
     router: str = ""
     work_us: int = 0
+    sms: int = 0  # the slot's partition in SMs (0: not a GPU partition; metered as 1)
 
 
 class PeerNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -56,6 +56,17 @@ class PlaneMetrics:
             "How long after its promised time a ticket holder came back (negative: early)",
             ["model"], buckets=(-0.005, -0.001, 0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
                                 0.25, 1.0), registry=r)
+        # Metering, per tenant (bounded: plane.router.tenancy) and model, by the router that
+        # placed or refused each request.
+        self.tenant_requests = Counter(
+            "plane_tenant_requests", "Requests per tenant by final status",
+            ["tenant", "model", "status"], registry=r)
+        self.tenant_slot_us = Counter(
+            "plane_tenant_slot_microseconds", "Slot time used per tenant (the node's service "
+            "time, Plane-Service-Us)", ["tenant", "model"], registry=r)
+        self.tenant_sm_ms = Counter(
+            "plane_tenant_sm_milliseconds", "SM-milliseconds used per tenant (slot time x SMs "
+            "of the slot's partition; 1 off a GPU)", ["tenant", "model"], registry=r)
         self.watchdog_answers = Counter(
             "plane_router_watchdog_answers", "Answers the router gave for silent nodes",
             ["model", "status"], registry=r)
@@ -73,6 +84,38 @@ class PlaneMetrics:
             "plane_probe_misses", "Health probes missed", ["model", "slot"], registry=r)
         self.withdrawals = Counter(
             "plane_slot_withdrawals", "Slots withdrawn", ["model", "cause"], registry=r)
+        self.slot_busy_seconds = Counter(
+            "plane_slot_busy_seconds", "Time slots spent running requests", ["model", "slot"],
+            registry=r)
+        self.slot_sm_seconds = Counter(
+            "plane_slot_sm_seconds",
+            "Busy time x SMs of the slot's partition (SM-seconds; x1000 for SM-ms); only "
+            "slots with SMs (CUDA) export it", ["model", "slot"], registry=r)
+        # GPU telemetry (gpu_node/telemetry.py): samples only while NVML answers; without
+        # NVML the names are declared and carry no sample, never a made-up zero.
+        gpu = ["node", "device"]
+        self.gpu_utilization = Gauge(
+            "plane_gpu_utilization_ratio",
+            "Share of NVML's sample period in which a kernel ran (nvidia-smi utilization.gpu)",
+            gpu, registry=r)
+        self.gpu_sm_clock = Gauge(
+            "plane_gpu_sm_clock_hertz", "SM clock", gpu, registry=r)
+        self.gpu_memory_used = Gauge(
+            "plane_gpu_memory_used_bytes", "Device memory in use (all processes)", gpu,
+            registry=r)
+        self.gpu_power = Gauge(
+            "plane_gpu_power_watts", "Board power draw", gpu, registry=r)
+        self.gpu_temperature = Gauge(
+            "plane_gpu_temperature_celsius", "GPU core temperature", gpu, registry=r)
+        self.gpu_throttle = Gauge(
+            "plane_gpu_throttle", "1 while NVML reports this clock-throttle reason",
+            [*gpu, "reason"], registry=r)
+        self.gpu_ecc_uncorrected = Gauge(
+            "plane_gpu_ecc_uncorrected_errors",
+            "Uncorrected ECC errors since the driver loaded (volatile count)", gpu, registry=r)
+        self.gpu_xid_errors = Counter(
+            "plane_gpu_xid_errors", "XID critical errors NVML reported while the node ran",
+            gpu, registry=r)
 
 
 @contextlib.contextmanager

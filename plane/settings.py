@@ -8,6 +8,10 @@ Keys, and the range each value must be in:
                                       than its backend can run (`gpu_node.node.slot_limit`)
   probe_ms              10..60000     health-probe period (nodes): faster only burns CPU
   freshness_ms          1..3600000    freshness threshold (freshness guard)
+  share.<tenant>        1..1000       the tenant's weight in fair shares of slot time
+                                      (routers; default 1)
+  max_rate.<tenant>     1..1000000    requests per second the tenant may send, per router
+  max_slots.<tenant>    1..256        slots the tenant may hold at once, per router
 
 A value is plain ASCII decimal (no sign, space, underscore or other scripts' digits). One that
 is not, or is out of range, or a key of no setting above, is refused with a warning naming the
@@ -41,6 +45,9 @@ RANGES: dict[str, tuple[int, int]] = {
     "slots": (1, MAX_SLOTS),
     "probe_ms": (10, 60_000),
     "freshness_ms": (1, 3_600_000),
+    "share": (1, 1000),
+    "max_rate": (1, 1_000_000),
+    "max_slots": (1, MAX_SLOTS),
 }
 
 

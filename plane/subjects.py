@@ -45,6 +45,11 @@ class Header:
     SERVICE_US = "Plane-Service-Us"
     FRESHNESS = "Plane-Freshness"
     AVOID_NODE = "Plane-Avoid-Node"  # request: a node that just refused (503); go elsewhere
+    # Request: the tenant, as a trusted sender inside the plane's own account says (the HTTP
+    # gateway, from its bearer tokens). A tenant's own requests arrive through a service
+    # import, and then the server's `Nats-Request-Info` names its account instead.
+    TENANT = "Plane-Tenant"
+    NATS_REQUEST_INFO = "Nats-Request-Info"  # set by nats-server on a shared service import
     # Internal: router -> router, on a ticket holder's request forwarded to the router that
     # made the promise (never forwarded twice).
     FORWARDED_BY = "Plane-Forwarded-By"
@@ -146,6 +151,10 @@ class Names:
 
     def router_status(self, router_id: str) -> str:
         return f"{self.prefix}.router.{router_id}.status"
+
+    def router_meter(self, router_id: str) -> str:
+        """One router's metering: per tenant and model, what it placed and what came of it."""
+        return f"{self.prefix}.router.{router_id}.meter"
 
     def node_status(self, node: str) -> str:
         return f"{self.prefix}.node.{node}.status"

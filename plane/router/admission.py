@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from plane.budget import Prediction, fits
 from plane.messages import Reason, Status
+from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise, next_start, simulate, would_delay
 from plane.subjects import InvalidToken, check_token
@@ -169,6 +170,20 @@ def owner_silent(owner: str) -> Refuse:
 def unplaceable(why: str) -> Refuse:
     """The broker would not take the placement (closed connection, no stream, an error)."""
     return Refuse(Status.UNAVAILABLE, Reason.UNHEALTHY, why, retry_after_ms=1000)
+
+
+def tenant_share(tenant: str, over: OverShare) -> Refuse:
+    """Slots are contended and this tenant holds more than its fair share: others first."""
+    return Refuse(Status.BUSY, Reason.TENANT_SHARE,
+                  f"tenant {tenant} holds {over.used_share:.0%} of the slot time and its fair "
+                  f"share is {over.share:.0%}: come back in {over.retry_after_ms} ms",
+                  retry_after_ms=over.retry_after_ms)
+
+
+def tenant_limit(tenant: str, over: OverLimit) -> Refuse:
+    return Refuse(Status.BUSY, Reason.TENANT_LIMIT,
+                  f"tenant {tenant} is at its {over.what} of {over.limit}: come back in "
+                  f"{over.retry_after_ms} ms", retry_after_ms=over.retry_after_ms)
 
 
 Check = Callable[[ModelSlots, Ask], Refuse | None]

@@ -29,6 +29,7 @@ class InFlight:
     node: str
     key: str
     placed_s: float  # monotonic, when the router began publishing it
+    tenant: str  # who sent it (metering, fair shares)
     subject: str
     stream: str
     deadline_s: float

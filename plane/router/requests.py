@@ -36,7 +36,9 @@ from plane.metrics import PlaneMetrics
 from plane.models import MODELS, model_spec
 from plane.router import admission as refusals
 from plane.router.admission import Admission, Ask, Park, Place, Refuse, ticket_owner
+from plane.router.fairness import FairShare
 from plane.router.inflight import InFlight, InFlightBook
+from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
@@ -48,6 +50,7 @@ from plane.router.slot_publish import (
     SlotPublisher,
     TimedOut,
 )
+from plane.router.tenancy import Tenants
 from plane.settings import LiveSettings
 from plane.subjects import Header, InvalidToken, check_token
 
@@ -80,6 +83,7 @@ class Routing:
     work_us: int
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
+    tenant: str  # who sent it (plane.router.tenancy)
     forwarded: bool  # came from another router (never forwarded twice)
     promiser: str  # the router that makes promises now
     may_promise: bool  # this router is it
@@ -136,6 +140,12 @@ class RequestPath:
         self._done_pending = parts.done_pending
         self.max_body_bytes = parts.cfg.max_body_bytes  # at most what the server carries
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
+        settings = parts.settings
+        self.tenants = Tenants()
+        self.fair = FairShare(weight=lambda t: settings.get("share", t) or 1,
+                              max_rate=lambda t: settings.get("max_rate", t),
+                              max_slots=lambda t: settings.get("max_slots", t))
+        self.meter = Meter(parts.metrics)
 
     def fit_body_limit(self, max_payload: int, headroom: int) -> None:
         """Every message the router sends (a slot publish, a forward) is a caller's body plus
@@ -217,12 +227,17 @@ class RequestPath:
         promiser = self.cfg.router_id if forwarded else self.peers.promiser()
         r = Routing(
             msg=msg, rid=rid, model=model, ms=ms, deadline_ms=deadline_ms, work_us=work_us,
-            t0=t0, forwarded=forwarded, promiser=promiser,
+            t0=t0, tenant=self.tenants.of(hdrs), forwarded=forwarded, promiser=promiser,
             may_promise=promiser == self.cfg.router_id,
             ask=Ask(now_s=now, deadline_s=now + deadline_ms / 1000,
                     prediction=predict(ms.window, work_us), ticket=caller.ticket,
                     avoid_node=caller.avoid_node),
         )
+        self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
+        if not caller.ticket and not forwarded and (refusal := self._tenant_refusal(r, now)):
+            await self._refuse(msg, rid, model, refusal)
+            await self._decided(r, "refused")
+            return
         if owner is not None and owner != self.cfg.router_id and not forwarded:
             self._spawn(self._decide_slowly(r, None, ticket_owner=owner))
             return
@@ -231,6 +246,30 @@ class RequestPath:
                 self._spawn(self._decide_slowly(r, decision))
             case Place() | Refuse():
                 await self._conclude(r, decision, parked=False)
+
+    def _tenant_refusal(self, r: Routing, now_s: float) -> Refuse | None:
+        """The tenant's own limits, then (only while the slots are contended: none free, or
+        holders promised) its fair share: a tenant over it is refused first, so that the
+        others keep being admitted. A ticket holder was promised its turn: never refused
+        here; nor a request another router forwarded (it judged it)."""
+        expected_us = r.ask.prediction.expected_us
+        if (over_limit := self.fair.limit(r.model, r.tenant, now_s, expected_us)) is not None:
+            return refusals.tenant_limit(r.tenant, over_limit)
+        ms = r.ms
+        healthy = ms.healthy_count()
+        contended = len(ms.promises) > 0 or ms.busy_count(now_s) >= healthy
+        if not contended or not self.fair.shared(r.model):
+            return None
+        over = self.fair.over_share(r.model, r.tenant, now_s, healthy * 1e6)
+        return refusals.tenant_share(r.tenant, over) if over is not None else None
+
+    def ended(self, fl: InFlight, status: int, service_us: int, sms: int) -> None:
+        """A placed request is over (its done-event, or the watchdog answered for it)."""
+        self.fair.ended(fl.model, fl.tenant)
+        if status:  # NOT_ANSWERED: the router's own answer is metered where it is given
+            self.meter.answered(fl.tenant, fl.model, status)
+        if service_us:
+            self.meter.used(fl.tenant, fl.model, service_us, sms)
 
     async def _decide_slowly(self, r: Routing, decision: Place | Park | Refuse | None, *,
                              ticket_owner: str | None = None) -> None:
@@ -359,7 +398,7 @@ class RequestPath:
             return
         view = p.place.candidates[p.i]
         # Track before publishing: the node's done-event can arrive before our PubAck.
-        p.fl = self._track(view, r.rid, r.model, r.msg.reply, r.ask)
+        p.fl = self._track(view, r)
         await self._send(p)
 
     async def _send(self, p: Placing) -> None:
@@ -377,12 +416,16 @@ class RequestPath:
         match outcome:
             case Published(seq=seq):
                 self.inflight.placed(fl, seq)
+                self.fair.placed(r.model, r.tenant, r.ask.prediction.expected_us,
+                                 time.monotonic())
                 if p.place.redeemed is not None:
                     self.admission.redeemed(r.ms, p.place.redeemed)
                     self.metrics.tickets_honoured.labels(r.model).inc()
                 await self.peers.tell_taken(r.model, view, p.place, r.ask)
                 await self._decided(r, "placed")
             case TimedOut():
+                self.fair.placed(r.model, r.tenant, r.ask.prediction.expected_us,
+                                 time.monotonic())
                 # Unknown outcome: the message may be on the slot. Answering now could make a
                 # second answer; the in-flight book owns it (done-event, or a take at the
                 # deadline).
@@ -429,12 +472,13 @@ class RequestPath:
         self.inflight.untrack(fl)
         view.release(time.monotonic(), fl.request_id)
 
-    def _track(self, view: SlotView, rid: str, model: str, reply: str, ask: Ask) -> InFlight:
+    def _track(self, view: SlotView, r: Routing) -> InFlight:
         now = time.monotonic()
-        view.occupy(now, rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
+        ask = r.ask
+        view.occupy(now, r.rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
         return self.inflight.track(InFlight(
-            request_id=rid, model=model, reply=reply, node=view.node, key=view.key,
-            placed_s=now,
+            request_id=r.rid, model=r.model, reply=r.msg.reply, node=view.node, key=view.key,
+            placed_s=now, tenant=r.tenant,
             subject=view.subject, stream=self.cfg.names.slot_stream_for(view.node),
             deadline_s=ask.deadline_s,
             answer_by_s=ask.deadline_s + self.cfg.deadline_grace_ms / 1000,
@@ -444,6 +488,7 @@ class RequestPath:
         body, headers = replies.error_reply(
             rid, r.status, r.reason, r.message, retry_after_ms=r.retry_after_ms, ticket=r.ticket)
         self.metrics.router_requests.labels(model, str(int(r.status))).inc()
+        self.meter.answered(self.tenants.of(msg.headers or {}), model, int(r.status))
         if r.status is Status.BUSY:
             self.metrics.refusals.labels(model, r.reason.value).inc()
             if r.ticket is not None:

@@ -155,6 +155,8 @@ class Router(Lifecycle, TaskOwner):
         await self._service.add_endpoint(
             name="status", subject=n.router_status(self.cfg.router_id), handler=self._on_status
         )
+        await self._service.add_endpoint(
+            name="meter", subject=n.router_meter(self.cfg.router_id), handler=self._on_meter)
         await self.nc.flush()
         log.info("router started", router=self.cfg.router_id, subject=n.infer_all())
 
@@ -256,6 +258,10 @@ class Router(Lifecycle, TaskOwner):
                 self.parking.wake_one(ev.model)
             fl = self.inflight.entries.get(key)
             now = time.monotonic()
+            ours = fl is not None and fl.request_id == ev.request_id and not fl.resolving
+            if ours and ev.status != NOT_ANSWERED:
+                assert fl is not None
+                self.requests.ended(fl, ev.status, ev.service_us, ev.sms)
             if (ev.status == int(Status.OK) and fl is not None and fl.request_id == ev.request_id
                     and now - self._lagged_s > LAG_QUIET_S):
                 # The slot's whole cycle as this router sees it (publish -> done-event), not
@@ -266,6 +272,7 @@ class Router(Lifecycle, TaskOwner):
         self.inflight.done(key, ev.request_id, ev.status)
 
     def _freed(self, fl: InFlight) -> None:
+        self.requests.ended(fl, 0, 0, 0)  # the watchdog's answer is metered where it is given
         ms = self.models.get(fl.model)
         view = ms.slots.get(fl.key) if ms is not None else None
         if view is not None and view.request_id == fl.request_id:
@@ -289,6 +296,11 @@ class Router(Lifecycle, TaskOwner):
             "inflight": len(self.inflight),
         }
         await req.respond(json_encoder.encode(body))
+
+    async def _on_meter(self, req: Any) -> None:
+        """Per tenant and model: requests by final status, slot µs, SM·ms (this router's)."""
+        await req.respond(json_encoder.encode(
+            {"router": self.cfg.router_id, "meter": self.requests.meter.readings()}))
 
     def _model(self, model: str) -> ModelSlots:
         ms = self.models.get(model)
@@ -377,6 +389,7 @@ class Router(Lifecycle, TaskOwner):
         body, headers = replies.error_reply(fl.request_id, status, reason, text, node=fl.node)
         self.metrics.watchdog_answers.labels(fl.model, str(int(status))).inc()
         self.metrics.router_requests.labels(fl.model, str(int(status))).inc()
+        self.requests.meter.answered(fl.tenant, fl.model, int(status))
         await self.nc.publish(fl.reply, body, headers=headers)
         log.warning("router answered for node", request_id=fl.request_id, node=fl.node,
                     status=int(status))

@@ -1,0 +1,97 @@
+"""Fair shares of slot time between tenants (pure: exact numbers), and who a request's
+tenant is (the server's word over the caller's)."""
+
+from __future__ import annotations
+
+import pytest
+
+from plane.router.fairness import FairShare, OverLimit, allocate
+from plane.router.tenancy import DEFAULT_TENANT, OTHER_TENANT, Tenants, named_tenant
+
+
+def test_allocation_is_weighted_max_min_over_what_each_asks() -> None:
+    # One light tenant asks for less than its half: it gets all of it, the heavy the rest.
+    assert allocate({"a": 300.0, "b": 3000.0}, {"a": 1, "b": 1}, 1000.0) == pytest.approx(
+        {"a": 300.0, "b": 700.0})
+    # All ask for more than they can have: shares by weight.
+    assert allocate({"a": 9e9, "b": 9e9, "c": 9e9}, {"a": 1, "b": 2, "c": 3},
+                    600.0) == pytest.approx({"a": 100.0, "b": 200.0, "c": 300.0})
+    # Water-filling over two rounds: a is satisfied, b and c split the rest 1:3.
+    assert allocate({"a": 50.0, "b": 9e9, "c": 9e9}, {"a": 1, "b": 1, "c": 3},
+                    450.0) == pytest.approx({"a": 50.0, "b": 100.0, "c": 300.0})
+
+
+def heavy_and_light() -> FairShare:
+    fair = FairShare(weight=lambda t: 1)
+    for _ in range(100):  # the heavy tenant asks for 3x what it got, the light for 300 us
+        fair.asked("m", "heavy", 30_000, 0.0)
+    for _ in range(10):
+        fair.placed("m", "heavy", 10_000, 0.0)
+    fair.asked("m", "light", 3_000, 0.0)
+    fair.placed("m", "light", 3_000, 0.0)
+    return fair
+
+
+def test_a_tenant_over_its_share_is_refused_and_the_other_is_not() -> None:
+    fair = heavy_and_light()
+    assert fair.shared("m")
+    # light asked 3,000 of 103,000 placed: it gets all it asked; heavy gets the rest (100,000),
+    # which is what it holds: neither is over.
+    assert fair.over_share("m", "heavy", 0.0, 2e6) is None
+    fair.asked("m", "light", 60_000, 0.0)  # light now asks for more than it holds
+    over = fair.over_share("m", "heavy", 0.0, 2e6)
+    assert over is not None
+    # alloc: light 51,500 (half of 103,000), heavy 51,500; heavy holds 100,000 of 103,000.
+    assert over.share == pytest.approx(0.5) and over.used_share == pytest.approx(100 / 103)
+    # It waits until the excess (48,500 us) is worked off at its share of 2 slots (1e6 us/s).
+    assert over.retry_after_ms == 49
+    assert fair.over_share("m", "light", 0.0, 2e6) is None
+
+
+def test_alone_a_tenant_has_the_whole_plane() -> None:
+    fair = FairShare(weight=lambda t: 1)
+    fair.asked("m", "only", 1e9, 0.0)
+    fair.placed("m", "only", 1e9, 0.0)
+    assert not fair.shared("m") and fair.over_share("m", "only", 0.0, 1e6) is None
+
+
+def test_use_decays_so_an_old_burst_is_forgotten() -> None:
+    fair = heavy_and_light()
+    fair.asked("m", "light", 60_000, 0.0)
+    assert fair.over_share("m", "heavy", 0.0, 2e6) is not None
+    for t in ("light", "heavy"):  # 15 time constants later: only what they do now counts
+        fair.asked("m", t, 10_000, 30.0)
+        fair.placed("m", t, 5_000, 30.0)
+    assert fair.over_share("m", "heavy", 30.0, 2e6) is None
+
+
+def test_tenant_limits_slots_and_rate() -> None:
+    fair = FairShare(weight=lambda t: 1, max_rate=lambda t: 100 if t == "r" else None,
+                     max_slots=lambda t: 2 if t == "s" else None)
+    fair.placed("m", "s", 1, 0.0)
+    assert fair.limit("m", "s", 0.0, 5000) is None
+    fair.placed("m", "s", 1, 0.0)
+    assert fair.limit("m", "s", 0.0, 5000) == OverLimit("max_slots", 2, 5)
+    fair.ended("m", "s")
+    assert fair.limit("m", "s", 0.0, 5000) is None
+    # 100/s with a burst of 10: ten pass at once, the eleventh waits 10 ms for a token.
+    assert [fair.limit("m", "r", 0.0, 0) for _ in range(10)] == [None] * 10
+    assert fair.limit("m", "r", 0.0, 0) == OverLimit("max_rate", 100, 10)
+    assert fair.limit("m", "r", 0.011, 0) is None
+
+
+def test_the_servers_word_names_the_tenant_not_the_callers() -> None:
+    info = '{"acc":"TEAM_A","user":"x","rtt":1}'
+    assert named_tenant({"Nats-Request-Info": info, "Plane-Tenant": "TEAM_B"}) == "TEAM_A"
+    assert named_tenant({"Plane-Tenant": "TEAM_B"}) == "TEAM_B"
+    assert named_tenant({}) == DEFAULT_TENANT
+    assert named_tenant({"Plane-Tenant": "no spaces"}) == OTHER_TENANT
+    assert named_tenant({"Nats-Request-Info": "not json"}) == DEFAULT_TENANT
+
+
+def test_tenant_names_are_bounded() -> None:
+    tenants = Tenants(limit=4)  # default and other, then two more
+    assert tenants.of({"Plane-Tenant": "a"}) == "a"
+    assert tenants.of({"Plane-Tenant": "b"}) == "b"
+    assert tenants.of({"Plane-Tenant": "c"}) == OTHER_TENANT
+    assert tenants.of({"Plane-Tenant": "a"}) == "a"

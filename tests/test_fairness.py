@@ -37,32 +37,32 @@ def test_a_tenant_over_its_share_is_refused_and_the_other_is_not() -> None:
     assert fair.shared("m")
     # light asked 3,000 of 103,000 placed: it gets all it asked; heavy gets the rest (100,000),
     # which is what it holds: neither is over.
-    assert fair.over_share("m", "heavy", 0.0, 2e6) is None
+    assert fair.over_share("m", "heavy", 0.0, 2e6, 16) is None
     fair.asked("m", "light", 60_000, 0.0)  # light now asks for more than it holds
-    over = fair.over_share("m", "heavy", 0.0, 2e6)
+    over = fair.over_share("m", "heavy", 0.0, 2e6, 16)
     assert over is not None
     # alloc: light 51,500 (half of 103,000), heavy 51,500; heavy holds 100,000 of 103,000.
     assert over.share == pytest.approx(0.5) and over.used_share == pytest.approx(100 / 103)
     # It waits until the excess (48,500 us) is worked off at its share of 2 slots (1e6 us/s).
     assert over.retry_after_ms == 49
-    assert fair.over_share("m", "light", 0.0, 2e6) is None
+    assert fair.over_share("m", "light", 0.0, 2e6, 16) is None
 
 
 def test_alone_a_tenant_has_the_whole_plane() -> None:
     fair = FairShare(weight=lambda t: 1)
     fair.asked("m", "only", 1e9, 0.0)
     fair.placed("m", "only", 1e9, 0.0)
-    assert not fair.shared("m") and fair.over_share("m", "only", 0.0, 1e6) is None
+    assert not fair.shared("m") and fair.over_share("m", "only", 0.0, 1e6, 16) is None
 
 
 def test_use_decays_so_an_old_burst_is_forgotten() -> None:
     fair = heavy_and_light()
     fair.asked("m", "light", 60_000, 0.0)
-    assert fair.over_share("m", "heavy", 0.0, 2e6) is not None
+    assert fair.over_share("m", "heavy", 0.0, 2e6, 16) is not None
     for t in ("light", "heavy"):  # 15 time constants later: only what they do now counts
         fair.asked("m", t, 10_000, 30.0)
         fair.placed("m", t, 5_000, 30.0)
-    assert fair.over_share("m", "heavy", 30.0, 2e6) is None
+    assert fair.over_share("m", "heavy", 30.0, 2e6, 16) is None
 
 
 def test_tenant_limits_slots_and_rate() -> None:
@@ -95,3 +95,42 @@ def test_tenant_names_are_bounded() -> None:
     assert tenants.of({"Plane-Tenant": "b"}) == "b"
     assert tenants.of({"Plane-Tenant": "c"}) == OTHER_TENANT
     assert tenants.of({"Plane-Tenant": "a"}) == "a"
+
+
+def test_a_tenant_holds_at_most_its_share_of_the_promises() -> None:
+    """Heavy at its allocation of slot time (not over it) but asking for ever more tickets:
+    past its share of the promise links (half of 16 here) it is refused, so the light
+    tenant always finds a promise free."""
+    fair = FairShare(weight=lambda t: 1)
+    for t in ("heavy", "light"):
+        fair.asked("m", t, 1e6, 0.0)
+        fair.placed("m", t, 10_000, 0.0)
+    for i in range(7):
+        fair.promised("m", "heavy", f"h{i}", 0.020 + i / 1000)
+    assert fair.over_share("m", "heavy", 0.0, 2e6, 16) is None  # 7 of its 8
+    fair.promised("m", "heavy", "h7", 0.030)
+    over = fair.over_share("m", "heavy", 0.0, 2e6, 16)
+    assert over is not None and over.retry_after_ms == 20  # its earliest promise's time
+    assert fair.over_share("m", "light", 0.0, 2e6, 16) is None
+    fair.kept("m", "heavy", "h0")  # a holder came back: room again
+    assert fair.over_share("m", "heavy", 0.0, 2e6, 16) is None
+    fair.promised("m", "heavy", "h8", 0.030)
+    assert fair.over_share("m", "heavy", 0.040, 2e6, 16) is None  # all lapsed by then
+
+
+def test_each_tenant_asking_is_guaranteed_its_weights_share_of_the_promises() -> None:
+    """Whoever holds how much slot time: light may take promises up to what heavy's
+    guarantee (its weight's half of 16) leaves, and no further while heavy asks; once heavy
+    has gone quiet, light may have them all."""
+    fair = FairShare(weight=lambda t: 1)
+    fair.asked("m", "heavy", 1e6, 0.0)
+    fair.placed("m", "heavy", 90_000, 0.0)
+    fair.asked("m", "light", 20_000, 0.0)
+    fair.placed("m", "light", 10_000, 0.0)
+    for i in range(7):
+        fair.promised("m", "light", f"l{i}", 5.0)
+    assert fair.over_share("m", "light", 0.0, 2e6, 16) is None
+    fair.promised("m", "light", "l7", 5.0)
+    assert fair.over_share("m", "light", 0.0, 2e6, 16) is not None
+    fair.asked("m", "light", 1, 1.0)  # a second later heavy has asked nothing for 1 s
+    assert fair.over_share("m", "light", 1.0, 2e6, 16) is None

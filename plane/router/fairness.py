@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TAU_S = 2.0  # the window the shares are judged over (exponential decay time constant)
+ASKING_S = 0.5  # a tenant that sent nothing for this long is not asking now
 SLACK = 1.05  # a tenant is over its allocation only beyond this factor of it
-QUIET_US = 1.0  # a tenant that asked for less than this (decayed µs) is not asking
 RETRY_MIN_MS, RETRY_MAX_MS = 1, 1000
 RATE_BURST_S = 0.1  # a rate limit lets this many seconds' worth through at once
 
@@ -51,6 +51,8 @@ class TenantUse:
     placed: Decaying = field(default_factory=Decaying)
     asked: Decaying = field(default_factory=Decaying)
     in_flight: int = 0
+    asked_s: float = -math.inf  # when it last asked
+    promises: dict[str, float] = field(default_factory=dict)  # open tickets -> until (s)
     tokens: float = math.inf  # the rate limit's bucket (inf: no limit seen yet)
     tokens_at_s: float = 0.0
 
@@ -119,7 +121,9 @@ class FairShare:
 
     def asked(self, model: str, tenant: str, us: float, now_s: float) -> None:
         """A request arrived (whatever becomes of it): what the tenant asks for."""
-        self._of(model, tenant).asked.add(us, now_s)
+        use = self._of(model, tenant)
+        use.asked.add(us, now_s)
+        use.asked_s = now_s
 
     def placed(self, model: str, tenant: str, us: float, now_s: float) -> None:
         use = self._of(model, tenant)
@@ -154,30 +158,59 @@ class FairShare:
         use.tokens -= 1.0
         return None
 
-    def over_share(self, model: str, tenant: str, now_s: float,
-                   capacity_us_per_s: float) -> OverShare | None:
-        """Whether `tenant` holds more than its fair allocation of `model`'s slot time (ask
-        only while the slots are contended)."""
-        rows = {t: self._use[(model, t)] for t in self._tenants_of.get(model, ())}
-        asked = {t: u.asked.read(now_s) for t, u in rows.items()}
-        asking = {t: a for t, a in asked.items() if a >= QUIET_US or t == tenant}
+    def _asking(self, model: str, tenant: str, now_s: float) -> dict[str, TenantUse]:
+        """The tenants asking for `model` now (and `tenant`): one that went quiet has nothing
+        to be shared with (what it held still decays, but no longer counts)."""
+        return {t: self._use[(model, t)] for t in self._tenants_of.get(model, ())
+                if now_s - self._use[(model, t)].asked_s <= ASKING_S or t == tenant}
+
+    def over_share(self, model: str, tenant: str, now_s: float, capacity_us_per_s: float,
+                   promise_links: int) -> OverShare | None:
+        """Whether `tenant` holds more than its fair allocation of `model`'s slot time, or
+        more promises than the others leave it (`promise_links`: how many the model's slots
+        take; each tenant asking is guaranteed its weight's share of them, so a light tenant
+        always finds a promise free). Ask only while the slots are contended."""
+        asking = self._asking(model, tenant, now_s)
         if len(asking) < 2:
             return None  # alone: the whole plane is its share
-        placed = {t: rows[t].placed.read(now_s) for t in asking}
+        placed = {t: u.placed.read(now_s) for t, u in asking.items()}
         total = sum(placed.values())
-        if total <= 0:
-            return None
         weights = {t: self._weight(t) for t in asking}
-        alloc = allocate(asking, weights, total)
-        mine = placed[tenant]
-        if mine <= alloc[tenant] * SLACK:
-            return None
-        # Back when what it holds above its allocation has been worked off at its own share
-        # of the capacity (the others fill the slots meanwhile).
-        own_rate = max(1.0, capacity_us_per_s * alloc[tenant] / total)
-        wait_ms = (mine - alloc[tenant]) / own_rate * 1000
-        return OverShare(used_share=mine / total, share=alloc[tenant] / total,
-                         retry_after_ms=_clamp_ms(wait_ms))
+        if total > 0:
+            alloc = allocate({t: u.asked.read(now_s) for t, u in asking.items()}, weights,
+                             total)[tenant]
+            mine = placed[tenant]
+            if mine > alloc * SLACK:
+                # Back when what it holds above its allocation has been worked off at its
+                # own share of the capacity (the others fill the slots meanwhile).
+                own_rate = max(1.0, capacity_us_per_s * alloc / total)
+                return OverShare(used_share=mine / total, share=alloc / total,
+                                 retry_after_ms=_clamp_ms((mine - alloc) / own_rate * 1000))
+        wsum = sum(weights.values())
+        mine_open = self._open_promises(model, tenant, now_s)
+        others = sum(max(len(self._open_promises(model, t, now_s)),
+                         math.floor(promise_links * weights[t] / wsum))
+                     for t in asking if t != tenant)
+        if mine_open and len(mine_open) >= promise_links - others:
+            return OverShare(used_share=placed[tenant] / total if total > 0 else 0.0,
+                             share=weights[tenant] / wsum,
+                             retry_after_ms=_clamp_ms((min(mine_open) - now_s) * 1000))
+        return None
+
+    def promised(self, model: str, tenant: str, ticket: str, until_s: float) -> None:
+        """A ticket given to `tenant`, open until `until_s` (its due time and tolerance)."""
+        self._of(model, tenant).promises[ticket] = until_s
+
+    def kept(self, model: str, tenant: str, ticket: str) -> None:
+        use = self._use.get((model, tenant))
+        if use is not None:
+            use.promises.pop(ticket, None)
+
+    def _open_promises(self, model: str, tenant: str, now_s: float) -> list[float]:
+        promises = self._of(model, tenant).promises
+        for ticket in [t for t, until in promises.items() if until < now_s]:
+            del promises[ticket]
+        return list(promises.values())
 
     def tenants(self) -> set[str]:
         return {t for _, t in self._use}

@@ -35,7 +35,15 @@ from plane.messages import Status
 from plane.metrics import PlaneMetrics
 from plane.models import MODELS, model_spec
 from plane.router import admission as refusals
-from plane.router.admission import Admission, Ask, Park, Place, Refuse, ticket_owner
+from plane.router.admission import (
+    PROMISE_MAX_LINKS,
+    Admission,
+    Ask,
+    Park,
+    Place,
+    Refuse,
+    ticket_owner,
+)
 from plane.router.fairness import FairShare
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
@@ -63,6 +71,9 @@ log = structlog.get_logger("plane.router.requests")
 # Without this, callers = slots in a closed loop saw 28-46% false 429s.
 BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)
 SETTLE_WITHIN_S = 0.010
+# A tenant's ticket counts against its share of the promises until its due time and this
+# long after (the holder's way back; a promise kept earlier is let go at once).
+PROMISE_OPEN_S = 0.05
 
 
 def _is_depth_refusal(exc: APIError) -> bool:
@@ -260,7 +271,8 @@ class RequestPath:
         contended = len(ms.promises) > 0 or ms.busy_count(now_s) >= healthy
         if not contended or not self.fair.shared(r.model):
             return None
-        over = self.fair.over_share(r.model, r.tenant, now_s, healthy * 1e6)
+        over = self.fair.over_share(r.model, r.tenant, now_s, healthy * 1e6,
+                                    PROMISE_MAX_LINKS * healthy)
         return refusals.tenant_share(r.tenant, over) if over is not None else None
 
     def ended(self, fl: InFlight, status: int, service_us: int, sms: int) -> None:
@@ -302,6 +314,10 @@ class RequestPath:
     async def _conclude(self, r: Routing, decision: Place | Refuse, *, parked: bool) -> None:
         match decision:
             case Refuse():
+                if decision.ticket is not None and decision.retry_after_ms is not None:
+                    self.fair.promised(r.model, r.tenant, decision.ticket,
+                                       time.monotonic() + decision.retry_after_ms / 1000
+                                       + PROMISE_OPEN_S)
                 await self._refuse(r.msg, r.rid, r.model, decision)
                 await self._decided(r, "refused-after-park" if parked else "refused")
             case Place():
@@ -418,6 +434,8 @@ class RequestPath:
                 self.inflight.placed(fl, seq)
                 self.fair.placed(r.model, r.tenant, r.ask.prediction.expected_us,
                                  time.monotonic())
+                if r.ask.ticket is not None:
+                    self.fair.kept(r.model, r.tenant, r.ask.ticket)
                 if p.place.redeemed is not None:
                     self.admission.redeemed(r.ms, p.place.redeemed)
                     self.metrics.tickets_honoured.labels(r.model).inc()

@@ -33,6 +33,7 @@ from gpu_node.health import Supervisor
 from gpu_node.recent import RecentIds
 from gpu_node.slot import Enrich, Slot
 from gpu_node.standing import Other, Standing
+from gpu_node.telemetry import GpuTelemetry, make_telemetry, partition_sms
 from plane import replies
 from plane.config import FALLBACK_DEADLINE_MS, NodeConfig
 from plane.identity import ensure_node_id_free
@@ -88,6 +89,7 @@ class Node(Lifecycle, TaskOwner):
         self.standing = Standing(period_s=cfg.heartbeat_period_s)  # instance, replaced?
         self._own_sub: Any = None
         self._older_logged_s = -math.inf
+        self._telemetry: GpuTelemetry | None = None
 
     @property
     def slot_limit(self) -> int:
@@ -134,6 +136,11 @@ class Node(Lifecycle, TaskOwner):
         )
         self._spawn(self._supervisor.run())
         self._spawn(self._heartbeat_loop())
+        self._telemetry = await asyncio.to_thread(  # nvmlInit blocks
+            make_telemetry, self.backend, self.metrics, node=self.cfg.node_id,
+            period_s=self.cfg.gpu_sample_period_s)
+        if self._telemetry is not None:
+            await self._telemetry.start()
         self.settings.on_change(self._on_setting)
         self._answered_sub = await self.nc.subscribe(
             self.names.node_answered(self.cfg.node_id), cb=self._on_answered_query)
@@ -176,6 +183,8 @@ class Node(Lifecycle, TaskOwner):
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
+        if self._telemetry is not None:
+            await self._telemetry.stop()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -202,6 +211,7 @@ class Node(Lifecycle, TaskOwner):
                 stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
                 fetch_expiry_s=self.cfg.fetch_expiry_s, enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
+                sms=partition_sms(self.backend),
             )
             self.slots.append(slot)
             await slot.claim()
@@ -237,7 +247,13 @@ class Node(Lifecycle, TaskOwner):
             await self.nc.publish(msg.reply, b"1" if self.answered.seen(placement) else b"0")
 
     async def _on_status(self, req: Any) -> None:
-        await req.respond(json_encoder.encode(self.advert()))
+        """The advert, plus what `plane status` and `plane top` show: which slots run a
+        request now, and the device's last NVML reading (absent without one)."""
+        body = msgspec.to_builtins(self.advert())
+        body["busy"] = [s.current is not None for s in self.slots]
+        if self._telemetry is not None and self._telemetry.last is not None:
+            body["gpu"] = msgspec.to_builtins(self._telemetry.last)
+        await req.respond(json_encoder.encode(body))
 
     # -- adverts ----------------------------------------------------------------------------
     def advert(self) -> NodeAdvert:

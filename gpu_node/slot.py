@@ -83,7 +83,7 @@ class Slot:
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
         node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, fetch_expiry_s: float,
         enrich: Enrich | None = None, answered: RecentIds | None = None,
-        must_take: MustTake | None = None,
+        must_take: MustTake | None = None, sms: int = 0,
     ) -> None:
         self.k = k
         self.runner = runner
@@ -113,6 +113,10 @@ class Slot:
         self._busy = metrics.slot_busy.labels(*self._label)
         self._service = metrics.service_seconds.labels(self.model)
         self._ok = metrics.node_requests.labels(self.model, "200")
+        # Busy time, and busy time x the partition's SMs (`sms`: 0 on a CPU, no SM-seconds).
+        self._busy_s = metrics.slot_busy_seconds.labels(*self._label)
+        self._sm_s = metrics.slot_sm_seconds.labels(*self._label) if sms > 0 else None
+        self.sms = sms
 
     # -- claim / withdraw -------------------------------------------------------------------
     @property
@@ -302,6 +306,7 @@ class Slot:
         loop = asyncio.get_running_loop()
         self._busy.set(1)
         expected_s = (work_us + max(5000, 4 * self.window.p99_us)) / 1e6
+        started_s = time.perf_counter()
         try:
             if isinstance(req, CalibratedRequest):
                 await loop.run_in_executor(
@@ -312,6 +317,10 @@ class Slot:
             return RiskReply(score=score)
         finally:
             self._busy.set(0)
+            busy_s = time.perf_counter() - started_s
+            self._busy_s.inc(busy_s)
+            if self._sm_s is not None:
+                self._sm_s.inc(busy_s * self.sms)
 
     def _encode(self, result: Any, content_type: str | None) -> bytes:
         if content_type == "application/msgpack":
@@ -362,7 +371,7 @@ class Slot:
                             service_us: int, work_us: int) -> None:
         ev = DoneEvent(request_id=request_id, node=self.node, model=self.model, k=self.k,
                        status=status, service_us=service_us, router=h.get(Header.ROUTER, ""),
-                       work_us=work_us)
+                       work_us=work_us, sms=self.sms)
         await self.nc.publish(self.done_subject, msgpack_encoder.encode(ev))
 
     # -- probes -----------------------------------------------------------------------------

@@ -15,8 +15,10 @@ from typing import Any, TypeVar
 
 import click
 
+from plane.auth.cli import auth
 from plane.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.errors import PlaneError
+from plane.extras import DISTRIBUTION, missing_extra
 from plane.lifecycle import run
 from plane.logs import configure as configure_logs
 from plane.models import MODELS
@@ -65,9 +67,16 @@ class PlaneGroup(click.Group):
         except PlaneError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(EXIT_USAGE)
+        except ModuleNotFoundError as exc:  # an optional part not installed (`plane.extras`)
+            missing = missing_extra(exc, f"plane {ctx.invoked_subcommand or ''}".strip())
+            if missing is None:
+                raise
+            click.echo(f"error: {missing}", err=True)
+            ctx.exit(EXIT_USAGE)
 
 
 @click.group(cls=PlaneGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name=DISTRIBUTION, prog_name="plane")
 def main() -> None:
     """The plane: GPU inference on NATS JetStream with no request queue.
 
@@ -128,18 +137,29 @@ def serving_options(f: F) -> F:
 @click.option("--backend", default="auto", show_default=True,
               type=click.Choice(["auto", "torch", "interpret", "triton"]))
 @click.option("--demo", is_flag=True, help="Make example calls (answers and refusals), then stop.")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Port of the embedded nats-server (default: any free port).")
+@click.option("--auth", "auth_dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Run the embedded server with DIR/nats.conf (`plane auth init DIR`); each "
+                   "part connects with its role, and the tenants' settings go to PLANE_CONFIG.")
 def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
        creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
        metrics_host: str, replicas: int, log_level: str, models: str, slots: int | None,
-       backend: str, demo: bool) -> None:
+       backend: str, demo: bool, port: int | None, auth_dir: str | None) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router, nodes, metrics.
 
     \b
     Examples:
       plane up
       plane up --demo
+      plane up --port 4222            # a fixed port, as in the README's Python example
+      plane up --auth ./auth          # secured: `plane auth init ./auth` first
       plane up --nats nats://127.0.0.1:4222 --models calibrated --slots 4 --metrics-port 9464
     """
+    if port is not None and nats_url is not None:
+        raise click.UsageError("--port is the embedded server's: give --port or --nats, not both")
+    if auth_dir is not None and nats_url is not None:
+        raise click.UsageError("--auth is the embedded server's: give --auth or --nats, not both")
     from plane.stack import StackConfig  # the node: torch and triton
     from plane.up import run_up
 
@@ -151,7 +171,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
         freshness=True,
     )
-    _run(run_up(cfg, demo=demo))
+    _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir))
 
 
 @main.command()
@@ -165,11 +185,15 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 @click.option("--allow-faults", is_flag=True, help="Accept fault injection (tests, drills).")
 @click.option("--freshness/--no-freshness", default=True, show_default=True,
               help="risk: guard streamed per-card features by their freshness.")
+@click.option("--gpu-sample-ms", type=click.IntRange(50, 3_600_000), default=1000,
+              show_default=True,
+              help="CUDA: read NVML (utilisation, clocks, power ...) this often into /metrics "
+                   "(100 for `plane breathe --metrics`).")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
-         freshness: bool) -> None:
+         freshness: bool, gpu_sample_ms: int) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
@@ -181,7 +205,8 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     configure_logs(log_level)
     extra = {"node_id": node_id} if node_id else {}
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
-                     sms_per_slot=sms_per_slot, allow_faults=allow_faults, **extra)  # type: ignore[arg-type]
+                     sms_per_slot=sms_per_slot, allow_faults=allow_faults,
+                     gpu_sample_period_s=gpu_sample_ms / 1000, **extra)  # type: ignore[arg-type]
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,
                         f"plane-node-{cfg.node_id}")
     _run(run_node(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg,
@@ -207,16 +232,100 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
     _run(run_router(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg))
 
 
+metrics_urls_option = click.option(
+    "--metrics", "metrics_urls", multiple=True, metavar="URL",
+    help="Also read this /metrics (repeat): refusals, first-retry success, accepted p50/p99, "
+         "GPU utilisation.")
+NO_URL_HELP = ("Without --nats there is nothing to ask: `plane up`'s embedded server is its own "
+               "(on a free port, unless `plane up --port`), so the command stops with exit 2.")
+
+
 @main.command()
 @connect_options
 @prefix_option
+@metrics_urls_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (with \"healthy\").")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0.1, 10), default=1.0,
+              show_default=True, help="Seconds for connecting, and again for the answers.")
 def status(nats_url: str | None, user: str | None, password: str | None, token: str | None,
-           creds: str | None, tls_ca: str | None, prefix: str) -> None:
-    """Health check: exit 0 when a router and a node answer $SRV.PING, else 1.
+           creds: str | None, tls_ca: str | None, prefix: str, metrics_urls: tuple[str, ...],
+           as_json: bool, timeout_s: float) -> None:
+    """Every router and node once: slots healthy/busy, promises open, in flight, cycle
+    p50/p99, GPU utilisation (with --metrics: refusals, first-retry success, accepted
+    p50/p99). Health check: exit 0 when a router and a node answer and a router sees a
+    healthy slot; 1 otherwise (a dead server too, within about 2 x --timeout).
+
+    \b
+    Examples:
+      plane status --nats nats://127.0.0.1:4222 && echo healthy
+      plane status --nats nats://127.0.0.1:4222 --json --metrics http://127.0.0.1:9466/metrics
+    """
+    if nats_url is None:
+        raise click.UsageError(NO_URL_HELP)
+    conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-status")
+    _run(run_status(conn, names_for(prefix), metrics_urls=metrics_urls, as_json=as_json,
+                    timeout_s=timeout_s))
+
+
+@main.command()
+@connect_options
+@prefix_option
+@metrics_urls_option
+@click.option("--interval", "interval_s", type=click.FloatRange(0.2, 60), default=1.0,
+              show_default=True, help="Seconds between refreshes.")
+def top(nats_url: str | None, user: str | None, password: str | None, token: str | None,
+        creds: str | None, tls_ca: str | None, prefix: str, metrics_urls: tuple[str, ...],
+        interval_s: float) -> None:
+    """A live view of every router and node (Ctrl-C stops): slots healthy/busy, promises
+    open, in flight, cycle p50/p99, GPU utilisation; with --metrics, refusals per second,
+    first-retry success and accepted p50/p99 over each interval.
 
     \b
     Example:
-      plane status --nats nats://127.0.0.1:4222 && echo healthy
+      plane top --nats nats://127.0.0.1:4222 --metrics http://127.0.0.1:9466/metrics
     """
-    conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-status")
-    _run(run_status(conn, names_for(prefix)))
+    from plane.serve import run_top_command
+
+    if nats_url is None:
+        raise click.UsageError(NO_URL_HELP)
+    conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-top")
+    _run(run_top_command(conn, names_for(prefix), metrics_urls=metrics_urls,
+                         interval_s=interval_s))
+
+
+@main.command()
+@click.option("--file", "path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Samples from nvidia-smi --query-gpu=timestamp,index,utilization.gpu "
+                   "--format=csv -lms 100 > FILE.")
+@click.option("--metrics", "metrics_url", default=None,
+              help="Poll a node's /metrics URL (plane_gpu_utilization_ratio; start the node "
+                   "with --gpu-sample-ms 100).")
+@click.option("--nvml", is_flag=True, help="Read NVML on this machine (needs nvidia-ml-py).")
+@click.option("--device", default=None, help="Only this device index (default: every one).")
+@click.option("--seconds", type=click.FloatRange(1, 3600), default=30.0, show_default=True,
+              help="--metrics/--nvml: how long to sample, at 10 Hz.")
+@click.option("--json", "as_json", is_flag=True, help="The verdict and evidence as JSON.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Write utilisation over time as a PNG here.")
+def breathe(path: str | None, metrics_url: str | None, nvml: bool, device: str | None,
+            seconds: float, as_json: bool, out: str | None) -> None:
+    """Is the GPU breathing? Verdict on utilisation samples: steady, breathing (periodic
+    swings: a hidden queue fills and drains, or a batcher waits), saturated, idle, bursty,
+    inconclusive, with the evidence (mean, std, dominant period, time near 100% and near 0).
+
+    \b
+    Examples:
+      nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv -lms 100 > u.csv
+      plane breathe --file u.csv --out breathe.png
+      plane breathe --metrics http://127.0.0.1:9465/metrics --seconds 30 --json
+      plane breathe --nvml --device 0 --seconds 20
+    """
+    from plane.breathe_cli import run_breathe  # numpy, and NVML only with --nvml
+
+    if sum((path is not None, metrics_url is not None, nvml)) != 1:
+        raise click.UsageError("give one of --file, --metrics, --nvml")
+    sys.exit(run_breathe(path=path, metrics_url=metrics_url, nvml=nvml, device=device,
+                         seconds=seconds, as_json=as_json, out=out))
+
+
+main.add_command(auth)

@@ -89,6 +89,8 @@ class NodeConfig:
     drain_timeout_s: float = 5.0
     # Accept fault-injection commands on `<prefix>.fault.<node>` (tests and drills only).
     allow_faults: bool = False
+    # GPU telemetry (gpu_node/telemetry.py): NVML read every this many seconds on CUDA.
+    gpu_sample_period_s: float = 1.0
     default_deadline_ms: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_DEADLINE_MS))
 
     def __post_init__(self) -> None:
@@ -102,3 +104,5 @@ class NodeConfig:
             raise ConfigError("--sms-per-slot must be at least 1")
         if self.probe_period_ms < 10:
             raise ConfigError("probe period must be at least 10 ms")
+        if not 0.05 <= self.gpu_sample_period_s <= 3600:
+            raise ConfigError("--gpu-sample-ms must be between 50 and 3,600,000")

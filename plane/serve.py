@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import nats
+import msgspec
 
 from plane.config import ConnectOptions, RouterConfig
+from plane.errors import Unavailable
 from plane.lifecycle import stop_event, until_any
 from plane.metrics import PlaneMetrics, serve_metrics
 from plane.natsconn import close, connect
@@ -49,24 +51,49 @@ async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
     return 0
 
 
-async def run_status(opts: ConnectOptions, names: Names, timeout_s: float = 1.0) -> int:
-    """Exit 0 when at least one router and one node answer `$SRV.PING`, else 1."""
-    nc = await connect(opts)
+async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequence[str] = (),
+                     as_json: bool = False, timeout_s: float = 1.0) -> int:
+    """Print every router and node once (and what `metrics_urls` add); exit 0 when a router
+    and a node answer and some slot is healthy to a router, else 1. Bounded: a dead server
+    or a silent process costs at most about `timeout_s` each for connecting and asking."""
+    from rich.console import Console  # the tables: only here, not for `plane router`
+
+    from plane.planeview import PlaneView, connect_fast
+    from plane.top import render, snapshot
+
     try:
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        await nc.publish("$SRV.PING", b"", reply=inbox)
-        seen: dict[str, int] = {}
-        with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    m = await sub.next_msg(timeout=timeout_s)
-                    if not m.data:  # the server's "no responders": nobody serves
-                        break
-                    svc = json.loads(m.data).get("name", "?")
-                    seen[svc] = seen.get(svc, 0) + 1
-        print(json.dumps(seen))
-        healthy = seen.get(names.router_service, 0) > 0 and seen.get(names.node_service, 0) > 0
-        return 0 if healthy else 1
+        nc = await connect_fast(opts, timeout_s)
+    except Unavailable as exc:
+        view = PlaneView(routers=[], nodes=[], problems=[str(exc)])
+    else:
+        try:
+            view = await snapshot(nc, names, metrics_urls, timeout_s=timeout_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+    if as_json:
+        body = msgspec.to_builtins(view)
+        for m in body["metrics"]:
+            del m["buckets"]  # the histogram itself: its p50/p99 are there
+        print(json.dumps({"healthy": view.healthy, **body}))
+    else:
+        Console().print(render(view))
+    return 0 if view.healthy else 1
+
+
+async def run_top_command(opts: ConnectOptions, names: Names, *, metrics_urls: Sequence[str],
+                          interval_s: float) -> int:
+    from plane.planeview import connect_fast
+    from plane.top import run_top
+
+    nc = await connect_fast(opts, 2.0)
+    try:
+        stop = stop_event()
+        async with asyncio.TaskGroup() as tg:
+            top = tg.create_task(run_top(nc, names, metrics_urls, interval_s=interval_s))
+            await stop.wait()  # Ctrl-C
+            top.cancel()
     finally:
-        await nc.close()
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return 0

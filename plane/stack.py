@@ -40,6 +40,12 @@ class StackConfig:
     freshness: bool = False
     node_overrides: dict[str, object] = field(default_factory=dict)
     router_overrides: dict[str, object] = field(default_factory=dict)
+    # Per role ("router", "node"): the credentials of a secured server (`plane auth`); their
+    # URL is the stack's. A role not named here connects with `connect`.
+    roles: dict[str, ConnectOptions] = field(default_factory=dict)
+    # Live settings put into PLANE_CONFIG once the plane is up (as the "admin" role): the
+    # tenants' `share.<t>`, `max_rate.<t>` of `plane up --auth`.
+    settings: dict[str, int] = field(default_factory=dict)
 
 
 class PlaneStack(Lifecycle):
@@ -75,7 +81,7 @@ class PlaneStack(Lifecycle):
                         slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
                         **cfg.node_overrides,  # type: ignore[arg-type]
                     )
-                    nc = await self._connect(f"plane-node-{node_cfg.node_id}")
+                    nc = await self._connect(f"plane-node-{node_cfg.node_id}", "node")
                     enrich = self.enrich if model == "risk" else None
                     if enrich is None and model == "risk" and cfg.freshness:
                         guard = CardFeatureGuard(nc, cfg.names, GuardConfig(),
@@ -88,19 +94,28 @@ class PlaneStack(Lifecycle):
             for i in range(cfg.routers):
                 router_cfg = RouterConfig(names=cfg.names, router_id=f"router{i}",
                                           **cfg.router_overrides)  # type: ignore[arg-type]
-                nc = await self._connect(f"plane-router-{i}")
+                nc = await self._connect(f"plane-router-{i}", "router")
                 self.routers.append(await st.enter_async_context(
                     Router(nc, router_cfg, self.metrics, replicas=cfg.replicas)))
             await self.wait_ready()
+            if cfg.settings:
+                await self._put_settings(cfg.settings)
         except BaseException:
             await st.aclose()
             raise
 
-    async def _connect(self, name: str) -> Client:
-        nc = await connect(replace(self.cfg.connect, url=self.url, name=name))
+    async def _connect(self, name: str, role: str) -> Client:
+        opts = self.cfg.roles.get(role, self.cfg.connect)
+        nc = await connect(replace(opts, url=self.url, name=name))
         self._stack.push_async_callback(nc.close)
         self.clients.append(nc)
         return nc
+
+    async def _put_settings(self, settings: dict[str, int]) -> None:
+        nc = await self._connect("plane-settings", "admin")
+        kv = await nc.jetstream().key_value(self.cfg.names.config_bucket)
+        for key, value in settings.items():
+            await kv.put(key, str(value).encode())
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Until every router sees every node's healthy slots."""

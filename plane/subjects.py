@@ -69,6 +69,9 @@ class Header:
     # NATS server headers we set.
     NATS_TTL = "Nats-TTL"
     NATS_MSG_ID = "Nats-Msg-Id"
+    # The NATS services standard's error headers, on every error reply beside Plane-Status.
+    NATS_SERVICE_ERROR = "Nats-Service-Error"
+    NATS_SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
 
 
 MSGPACK = "application/msgpack"

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
+import sys
 import time
+from dataclasses import replace
 
-import nats
 from nats.aio.client import Client
 
 from freshness.config import GuardConfig
 from freshness.guard import CardFeatureGuard, risk_enricher
 from freshness.metrics import GuardMetrics
 from gpu_node.node import Node
+from plane.auth.store import AuthDir
 from plane.config import NodeConfig
+from plane.embedded import EmbeddedNats, NatsServerSpec
 from plane.lifecycle import stop_event
 from plane.messages import FEATURES
 from plane.metrics import PlaneMetrics, serve_metrics
@@ -33,28 +37,58 @@ def example_body(model: str) -> dict[str, object]:
     return {"duration_us": 2000}
 
 
-async def run_up(cfg: StackConfig, *, demo: bool) -> int:
-    async with PlaneStack(cfg) as stack:
-        names = cfg.names
-        body = json.dumps(example_body(cfg.models[0]))
-        print(f"plane is up: NATS {stack.url}")
-        if stack.metrics_port:
-            print(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
-        print("call it from any NATS client, for example:")
-        print(f"  nats --server {stack.url} req {names.infer(cfg.models[0])} '{body}' "
-              f"-H {Header.DEADLINE_MS}:50")
-        print(f"  .venv/bin/plane pulse --nats {stack.url} --model {cfg.models[0]} "
-              "--rate 100 --duration 5")
-        if demo:
-            nc = await nats.connect(stack.url)
-            try:
-                await demo_calls(nc, names, cfg.models)
-            finally:
-                await nc.close()
-            return 0
-        print("Ctrl-C stops everything.")
-        await stop_event().wait()
-        print("stopping ...")
+def line_buffered_stdout() -> None:
+    """`plane up > log` shows each line as it is printed (the URL first), not at exit: a
+    redirected stdout is block-buffered by default."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
+
+
+async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
+                 auth_dir: str | None = None) -> int:
+    """Serve a whole plane until a stop signal (or, with `demo`, make example calls). With no
+    `--nats` URL it runs nats-server itself, on `port` (None: any free port), with
+    `auth_dir`'s config when given (`plane auth init`): then each part connects with its
+    role, the rest (demo calls) as admin."""
+    line_buffered_stdout()
+    auth = AuthDir(auth_dir) if auth_dir is not None else None
+    async with contextlib.AsyncExitStack() as started:
+        if cfg.connect.url is None:
+            server = await started.enter_async_context(
+                EmbeddedNats(NatsServerSpec(port=port if port is not None else -1,
+                                            extra_args=auth.server_args() if auth else [])))
+            cfg = replace(cfg, connect=replace(cfg.connect, url=server.url))
+        if auth is not None:
+            cfg = replace(cfg, connect=auth.options("admin", cfg.connect.url, name="plane-up"),
+                          roles=auth.roles(), settings=auth.tenant_settings())
+        code = await _serve(await started.enter_async_context(PlaneStack(cfg)), cfg, demo=demo)
+    return code
+
+
+async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool) -> int:
+    """Print where the plane is (the URL first) and how to call it; serve or demo."""
+    names = cfg.names
+    body = json.dumps(example_body(cfg.models[0]))
+    print(f"plane is up: NATS {stack.url}")
+    if stack.metrics_port:
+        print(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
+    print("call it from any NATS client, for example:")
+    print(f"  nats --server {stack.url} req {names.infer(cfg.models[0])} '{body}' "
+          f"-H {Header.DEADLINE_MS}:50")
+    print(f"  .venv/bin/plane pulse --nats {stack.url} --model {cfg.models[0]} "
+          "--rate 100 --duration 5")
+    print(f"  Python: async with Client.connect({stack.url!r}) as plane: "
+          f"await plane.invoke({cfg.models[0]!r}, {body})")
+    if demo:
+        nc = await connect(replace(cfg.connect, url=stack.url, name="plane-demo"))
+        try:
+            await demo_calls(nc, names, cfg.models)
+        finally:
+            await nc.close()
+        return 0
+    print("Ctrl-C stops everything.")
+    await stop_event().wait()
+    print("stopping ...")
     return 0
 
 

@@ -2,6 +2,10 @@
 seconds): `plane --help`, and the router, gateway, pulse, status and bridge commands. Only
 `plane up` and `plane node` import the node, inside themselves (see `plane.cli`).
 
+The SDK and the light commands (client, gateway, pulse, router, status) are the base install:
+they also leave out what the extras bring (matplotlib, the Kafka clients, numpy, pynvml), so
+that they work where only the base is installed (`tests/test_packaging.py`).
+
 Each check runs in a fresh interpreter, since this one may have imported torch already."""
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "triton")
+# Everything an extra brings (`plane.extras`): none of it on the base install's paths.
+EXTRAS = (*HEAVY, "numpy", "pynvml", "matplotlib", "aiokafka", "confluent_kafka", "kafka")
 
 # Runs the command through click's CliRunner (in-process, so sys.modules can be read after),
 # then prints what it came to as one JSON line.
@@ -31,6 +37,14 @@ print(json.dumps({{"exit_code": result.exit_code, "output": result.output, "heav
 IMPORT_PROBE = """
 import json, sys
 import plane.app, plane.serve, plane.gateway.server, plane.pulse.api, freshness.run
+print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+# The base install's modules: the SDK and the light commands.
+BASE_PROBE = """
+import json, sys
+import plane, plane.client, plane.app, plane.serve, plane.gateway.server, plane.pulse.api
+import plane.pulse.cli
 print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 """
 
@@ -59,3 +73,21 @@ def test_help_does_not_import_torch_or_triton(args: list[str]) -> None:
 
 def test_modules_of_the_commands_that_do_not_compute_leave_torch_and_triton_out() -> None:
     assert json.loads(_python(IMPORT_PROBE.format(heavy=HEAVY))) == []
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"],
+    ["--version"],
+    ["router", "--help"],
+    ["gateway", "--help"],
+    ["pulse", "--help"],
+    ["status", "--help"],
+], ids=" ".join)
+def test_light_commands_import_no_extra(args: list[str]) -> None:
+    result = json.loads(_python(CLI_PROBE.format(heavy=EXTRAS), *args))
+    assert result["exit_code"] == 0, result["output"]
+    assert result["heavy"] == [], f"plane {' '.join(args)} imported {result['heavy']}"
+
+
+def test_sdk_and_light_modules_import_no_extra() -> None:
+    assert json.loads(_python(BASE_PROBE.format(heavy=EXTRAS))) == []

@@ -29,9 +29,17 @@ def test_old_reader_accepts_new_advert() -> None:
 
 def test_old_reader_accepts_new_done_event() -> None:
     # DoneEvent is array-like: new fields are appended at the end.
-    wire = msgspec.msgpack.encode(["rid", "n", "risk", 1, 200, 350, "r0", 0, "future-field"])
+    wire = msgspec.msgpack.encode(["rid", "n", "risk", 1, 200, 350, "r0", 0, 16,
+                                   "future-field"])
     ev = done_decoder.decode(wire)
-    assert isinstance(ev, DoneEvent) and ev.service_us == 350
+    assert isinstance(ev, DoneEvent) and ev.service_us == 350 and ev.sms == 16
+
+
+def test_new_reader_accepts_old_done_event() -> None:
+    """A node from before `sms` was appended: the field takes its default."""
+    wire = msgspec.msgpack.encode(["rid", "n", "risk", 1, 200, 350, "r0", 0])
+    ev = done_decoder.decode(wire)
+    assert isinstance(ev, DoneEvent) and ev.sms == 0
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,16 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from nats.aio.msg import Msg
 
 from plane.backoff import RetryPolicy
 from plane.config import ConnectOptions
+from plane.embedded import EmbeddedNats
 from plane.pulse import LoadConfig, NatsTarget, default_body, pulse
 from plane.pulse.summary import ABSENT, PRESENT
 from plane.stack import PlaneStack, StackConfig
+from plane.subjects import Header
+from tests.plane_fixtures import NAMES, client
 
 SERVICE_S = 0.010  # the queueing server's one worker: 100 requests/s at most
 PLANE = str(Path(sys.executable).parent / "plane")
@@ -70,12 +74,13 @@ async def test_cli_against_a_queueing_server(queueing_server: str, tmp_path: Pat
     assert proc.returncode == 0, err.decode()
     s = json.loads(out)
     assert s["verdict"] == PRESENT, s
+    assert s["decided_by"] == "growth"  # no refusals: the backlog's growth is the evidence
     assert s["plateau"] or s["p99_over_p50"] > 1.8
     assert s["status_counts"] == {"200": 450} and s["sent"] == 450
     assert s["p99_by_window_ms"][-1] > 3 * s["p99_by_window_ms"][0]  # it keeps growing
     rows = (tmp_path / "latencies.csv").read_text().splitlines()
     assert rows[0].startswith("scheduled_s,latency_ms") and len(rows) == 451
-    assert (tmp_path / "histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "pulse.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == PRESENT
 
 
@@ -108,3 +113,52 @@ async def test_cli_against_the_plane_without_retries() -> None:
     s = json.loads(out)
     assert s["verdict"] == ABSENT, s
     assert s["first_retry_success"] is None and s["retry_after_share"] == 1.0
+
+
+async def _pulse_cli(*args: str) -> dict[str, object]:
+    proc = await asyncio.create_subprocess_exec(
+        PLANE, "pulse", "--rate", "20", "--duration", "0.5", "--json", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+async def test_pulse_sends_a_deadline_only_when_asked(nats_server: EmbeddedNats) -> None:
+    """Without --deadline-ms the router's live deadline applies: no Plane-Deadline-Ms goes
+    out, over NATS or HTTP; with it, every request carries it."""
+    seen: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(request.headers.get(Header.DEADLINE_MS))
+        return web.json_response({"duration_us": 1})
+
+    app = web.Application()
+    app.router.add_post("/", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    try:
+        s = await _pulse_cli("--url", url)
+        assert seen and set(seen) == {None}
+        assert s["deadline_ms"] is None and s["within_deadline_share"] is None
+        seen.clear()
+        await _pulse_cli("--url", url, "--deadline-ms", "700")
+        assert seen and all(v is not None and 0 < int(v) <= 700 for v in seen)
+    finally:
+        await runner.cleanup()
+
+    async with client(nats_server.url) as nc:
+        async def respond(msg: Msg) -> None:
+            seen.append((msg.headers or {}).get(Header.DEADLINE_MS))
+            await msg.respond(b'{"duration_us": 1}')
+
+        await nc.subscribe(NAMES.infer("calibrated"), cb=respond)
+        await nc.flush()
+        seen.clear()
+        await _pulse_cli("--nats", nats_server.url)
+        assert seen and set(seen) == {None}
+        seen.clear()
+        await _pulse_cli("--nats", nats_server.url, "--deadline-ms", "700")
+        assert seen and all(v is not None and 0 < int(v) <= 700 for v in seen)

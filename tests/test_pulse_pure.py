@@ -19,7 +19,22 @@ from plane.pulse import (
     summarize,
     verdict,
 )
-from plane.pulse.summary import ABSENT, INCONCLUSIVE, PRESENT
+from plane.pulse.series import per_second, percentile_curve
+from plane.pulse.summary import (
+    ABSENT,
+    BY_GROWTH,
+    BY_HINTS,
+    BY_NO_ANSWERS,
+    BY_NO_REFUSALS,
+    BY_NO_SATURATION,
+    BY_PLATEAU,
+    BY_RATIO,
+    BY_REFUSALS,
+    INCONCLUSIVE,
+    NOT_SATURATED,
+    PRESENT,
+    Signals,
+)
 
 N = 5000
 
@@ -96,13 +111,82 @@ def test_too_few_samples_is_no_plateau() -> None:
 
 
 # -- verdict ---------------------------------------------------------------------------------
+def _sig(ratio: float | None, plateau: bool = False, refusals: int = 0,
+         hinted: float | None = None, first: float = 10.0, last: float = 10.0,
+         dropped: int = 0, timeouts: int = 0) -> Signals:
+    return Signals(p99_over_p50=ratio, plateau=plateau, refusals=refusals,
+                   retry_after_share=hinted, first_third_p50_ms=first, last_third_p50_ms=last,
+                   dropped=dropped, timeouts=timeouts, requests=1000)
+
+
 def test_verdict() -> None:
-    assert verdict(1.2, False, 10, 1.0)[0] == ABSENT
-    assert verdict(1.9, False, 10, 1.0)[0] == PRESENT
-    assert verdict(1.2, True, 10, 1.0)[0] == PRESENT
-    assert verdict(1.2, False, 10, 0.5)[0] == PRESENT
-    assert verdict(1.2, False, 0, None)[0] == INCONCLUSIVE
-    assert verdict(None, False, 10, 1.0)[0] == INCONCLUSIVE
+    assert verdict(_sig(1.2, refusals=10, hinted=1.0))[::2] == (ABSENT, BY_REFUSALS)
+    assert verdict(_sig(1.9, refusals=10, hinted=1.0))[::2] == (PRESENT, BY_RATIO)
+    assert verdict(_sig(1.2, True, 10, 1.0))[::2] == (PRESENT, BY_PLATEAU)
+    assert verdict(_sig(1.2, refusals=10, hinted=0.5))[::2] == (PRESENT, BY_HINTS)
+    assert verdict(_sig(None, refusals=10, hinted=1.0))[::2] == (INCONCLUSIVE, BY_NO_ANSWERS)
+    # Growth is both saturation and the mark of a queue, refusals or not.
+    assert verdict(_sig(1.9, first=10, last=400))[::2] == (PRESENT, BY_GROWTH)
+    # Saturated (drops, timeouts) without refusals or a queue's mark: how it sheds is unseen.
+    assert verdict(_sig(1.2, dropped=5))[::2] == (INCONCLUSIVE, BY_NO_REFUSALS)
+    assert verdict(_sig(1.2, timeouts=20))[::2] == (INCONCLUSIVE, BY_NO_REFUSALS)
+    assert verdict(_sig(1.2, timeouts=2))[::2] == (NOT_SATURATED, BY_NO_SATURATION)  # 0.2%
+
+
+def test_no_queue_verdict_without_saturation() -> None:
+    """Issue 12's run: 150 of 150 answered 200, no refusal, p99/p50 1.94 on a busy machine.
+    No refusals and no growth: not saturated, never "queueing layer present"."""
+    v, reasons, by = verdict(_sig(1.94, first=2.0, last=2.1))
+    assert (v, by) == (NOT_SATURATED, BY_NO_SATURATION)
+    assert "jitter" in reasons[-1] and "1.94" in reasons[-1]
+    v, _, _ = verdict(_sig(1.94, plateau=True, first=2.0, last=2.1))
+    assert v == NOT_SATURATED
+    # Sub-millisecond wobble is not growth.
+    assert verdict(_sig(1.5, first=0.2, last=0.5))[0] == NOT_SATURATED
+
+
+def test_summary_of_a_run_under_capacity_with_jitter() -> None:
+    outs = [_o(i / 50, 2.0 if i % 50 else 3.9, (200,)) for i in range(150)]
+    s = summarize(outs, target="t", rate=50, duration_s=3.0, concurrency=8, deadline_ms=None,
+                  dropped=0)
+    assert s.verdict == NOT_SATURATED and s.decided_by == BY_NO_SATURATION
+    assert s.within_deadline_share is None and s.deadline_ms is None
+    assert s.p50_first_third_ms == pytest.approx(2.0, abs=0.01)
+
+
+def test_summary_of_a_growing_queue() -> None:
+    outs = [_o(i / 100, 10 + 5 * i, (200,)) for i in range(300)]  # each waits longer
+    s = summarize(outs, target="t", rate=100, duration_s=3.0, concurrency=512,
+                  deadline_ms=None, dropped=0)
+    assert s.verdict == PRESENT and s.decided_by == BY_GROWTH
+    assert s.p50_last_third_ms is not None and s.p50_first_third_ms is not None
+    assert s.p50_last_third_ms > 2 * s.p50_first_third_ms
+
+
+# -- series ----------------------------------------------------------------------------------
+def test_per_second_series() -> None:
+    outs = [_o(0.1, 10.0, (200,)), _o(0.2, 20.0, (200,)), _o(0.3, 1.0, (429,), hinted=1),
+            _o(1.5, 30.0, (429, 200), hinted=1, last_ms=12.0), _o(2.2, 900.0, (0,))]
+    secs = per_second(outs)
+    assert [s.t_s for s in secs] == [0, 1, 2]
+    assert [s.arrivals for s in secs] == [3, 1, 1]
+    assert [s.refused for s in secs] == [1, 1, 0]
+    assert secs[0].refusal_rate == pytest.approx(1 / 3)
+    assert (secs[0].accepted_p50_ms, secs[0].accepted_p99_ms) == (20.0, 20.0)
+    assert secs[0].refused_p50_ms == 1.0
+    assert secs[1].accepted_p50_ms == 12.0 and secs[1].refused_p50_ms is None  # retried
+    assert secs[2].accepted_p99_ms == 900.0  # a timeout counts at its time
+    assert per_second([]) == []
+
+
+def test_percentile_curve_stops_where_the_data_does() -> None:
+    xs = [float(i) for i in range(1, 1001)]
+    curve = percentile_curve(xs)
+    assert [p for p, _ in curve][:7] == [0.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5]
+    assert all(1 / (1 - p / 100) <= 1001 + 1e-6 for p, _ in curve)
+    assert curve[-1][1] == 1000.0
+    assert [v for _, v in curve] == sorted(v for _, v in curve)
+    assert percentile_curve([]) == []
 
 
 # -- summary ---------------------------------------------------------------------------------

@@ -3,23 +3,41 @@
     async with Client.connect(url) as plane:
         result = await plane.invoke("risk", {"features": [0.0] * 32}, deadline_ms=50)
 
+With no `deadline_ms` the call sends none and the plane's live deadline for the model
+applies (`deadline_ms.<model>` in the PLANE_CONFIG bucket).
+
 Errors are those of `plane.errors`: `Rejected` (429, with `retry_after_ms` and `reason`),
 `BadRequest` (400/413), `DeadlineExceeded` (504 or no answer in time; also a `TimeoutError`),
-`Unavailable` (503, or nobody listening). Each carries `attempts` and `request_id`.
+`Unavailable` (503, or nobody listening), `ConnectFailed` (an `Unavailable`: no NATS server
+at the URL, with `url`). Each carries `attempts` and `request_id`.
 """
 
 from plane.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
 from plane.client.aio import Client, ClientConfig, encode_payload
 from plane.client.result import Result
 from plane.client.sync import SyncClient
+from plane.errors import (
+    BadRequest,
+    ConnectFailed,
+    DeadlineExceeded,
+    PlaneError,
+    Rejected,
+    Unavailable,
+)
 
 __all__ = [
     "NO_RETRY",
+    "BadRequest",
     "Client",
     "ClientConfig",
+    "ConnectFailed",
+    "DeadlineExceeded",
+    "PlaneError",
+    "Rejected",
     "Result",
     "RetryPolicy",
     "SyncClient",
+    "Unavailable",
     "encode_payload",
     "retry_delay_ms",
 ]

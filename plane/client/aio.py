@@ -4,6 +4,11 @@
         result = await plane.invoke("calibrated", {"duration_us": 2000}, deadline_ms=200)
         print(result.json(), result.attempts, result.node, result.service_us)
 
+A call that gives no `deadline_ms` sends no `Plane-Deadline-Ms`: the plane's live deadline
+for the model (`deadline_ms.<model>` in the PLANE_CONFIG bucket) applies to it, on each
+attempt; the client bounds the whole call by `ClientConfig.wait_ms` only in case the plane
+stays silent.
+
 On a 429 it waits as `plane.backoff.retry_delay_ms` says (the server's Retry-After-Ms when its
 clock agrees with ours, else capped exponential backoff with full jitter), and sends back the
 ticket it was given. After a 503 that named a node it asks for another (Plane-Avoid-Node). It
@@ -22,17 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import nats
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.backoff import RetryPolicy, retry_delay_ms
+from plane.client.connection import CONNECT_ATTEMPTS, open_connection
 from plane.client.result import Result, header_int, reply_status
-from plane.config import DEFAULT_DEADLINE_MS, FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS, ConnectOptions
+from plane.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.errors import ConfigError
 from plane.messages import Reason, Status, error_body
-from plane.natsconn import connect_kwargs
 from plane.subjects import Header, Names
 
 _encoder = msgspec.json.Encoder()
@@ -42,16 +46,27 @@ _encoder = msgspec.json.Encoder()
 class ClientConfig:
     names: Names = field(default_factory=Names)
     policy: RetryPolicy = field(default_factory=RetryPolicy)
-    default_deadline_ms: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_DEADLINE_MS))
+    # Deadlines to send, per model, for calls that give none. Empty (the default): send none,
+    # so the plane's live `deadline_ms.<model>` applies.
+    default_deadline_ms: dict[str, int] = field(default_factory=dict)
+    # How long a call without a deadline waits for its answer, retries included. The plane
+    # answers within its deadline; this only bounds a plane that stays silent.
+    wait_ms: int = 30_000
+    connect_attempts: int = CONNECT_ATTEMPTS  # retries of the first connect, then ConnectFailed
     seed: int | None = None  # the jitter's random source; None: seeded from the OS
 
     def __post_init__(self) -> None:
         for model, ms in self.default_deadline_ms.items():
             if not 1 <= ms <= MAX_DEADLINE_MS:
                 raise ConfigError(f"deadline for {model} must be 1..{MAX_DEADLINE_MS} ms")
+        if not 1 <= self.wait_ms <= 2 * MAX_DEADLINE_MS:
+            raise ConfigError(f"wait_ms must be 1..{2 * MAX_DEADLINE_MS} ms")
+        if not 1 <= self.connect_attempts <= 1000:
+            raise ConfigError("connect_attempts must be 1..1000")
 
-    def deadline_ms(self, model: str) -> int:
-        return self.default_deadline_ms.get(model, FALLBACK_DEADLINE_MS)
+    def deadline_ms(self, model: str) -> int | None:
+        """The deadline to send for `model` when a call gives none (None: send none)."""
+        return self.default_deadline_ms.get(model)
 
 
 def encode_payload(payload: Any) -> bytes:
@@ -86,7 +101,8 @@ class Client:
     ) -> AsyncIterator[Client]:
         if isinstance(opts, str):
             opts = ConnectOptions(url=opts, name="plane-client")
-        nc = await nats.connect(**connect_kwargs(opts))
+        config = config or ClientConfig()
+        nc = await open_connection(opts, config.connect_attempts)
         try:
             yield cls(nc, config)
         finally:
@@ -124,9 +140,13 @@ class Client:
         """Like `invoke`, but returns the final answer whatever its status (never raises for
         a status). The gateway and `plane pulse` use this to see every reply as it was."""
         subject = self.config.names.infer(model)  # raises InvalidToken on a bad name
-        budget_ms = deadline_ms if deadline_ms is not None else self.config.deadline_ms(model)
-        if budget_ms <= 0:
+        if deadline_ms is None:
+            deadline_ms = self.config.deadline_ms(model)
+        if deadline_ms is not None and deadline_ms <= 0:
             raise ConfigError("deadline_ms must be positive")
+        # With no deadline the plane's own applies to each attempt; we only bound the wait.
+        send_deadline = deadline_ms is not None
+        budget_ms = deadline_ms if deadline_ms is not None else self.config.wait_ms
         policy = policy or self.config.policy
         body = encode_payload(payload)
         request_id = request_id or uuid.uuid4().hex
@@ -137,11 +157,9 @@ class Client:
         attempt = first_attempt
         while True:
             remaining_s = deadline_at - time.monotonic()
-            headers = {
-                Header.DEADLINE_MS: str(max(1, int(remaining_s * 1000))),
-                Header.REQUEST_ID: request_id,
-                Header.ATTEMPT: str(attempt),
-            }
+            headers = {Header.REQUEST_ID: request_id, Header.ATTEMPT: str(attempt)}
+            if send_deadline:
+                headers[Header.DEADLINE_MS] = str(max(1, int(remaining_s * 1000)))
             if ticket:
                 headers[Header.TICKET] = ticket
             if avoid_node:
@@ -150,7 +168,10 @@ class Client:
                 headers[Header.CONTENT_TYPE] = content_type
             sent = time.monotonic()
             reply_body, reply_headers, local = await self._attempt(
-                subject, body, headers, remaining_s
+                subject, body, headers, remaining_s,
+                "no answer within the deadline" if send_deadline else
+                f"no answer within {budget_ms} ms (ClientConfig.wait_ms: the call set no "
+                "deadline)",
             )
             last_attempt_ms = (time.monotonic() - sent) * 1000
             status = reply_status(reply_headers)
@@ -197,7 +218,8 @@ class Client:
         )
 
     async def _attempt(
-        self, subject: str, body: bytes, headers: dict[str, str], timeout_s: float
+        self, subject: str, body: bytes, headers: dict[str, str], timeout_s: float,
+        no_answer: str,
     ) -> tuple[bytes, dict[str, str], bool]:
         """One request; (body, headers, made_up_locally)."""
         if timeout_s <= 0:
@@ -206,7 +228,7 @@ class Client:
         try:
             msg = await self.nc.request(subject, body, timeout=timeout_s, headers=headers)
         except NatsTimeout:
-            b, h = _local_reply(Status.DEADLINE, Reason.DEADLINE, "no answer within the deadline")
+            b, h = _local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer)
             return b, h, True
         except NoRespondersError:
             b, h = _local_reply(

@@ -16,12 +16,10 @@ from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
-import nats
-
 from plane.client.aio import Client, ClientConfig
+from plane.client.connection import open_connection
 from plane.client.result import Result
 from plane.config import ConnectOptions
-from plane.natsconn import connect_kwargs
 
 T = TypeVar("T")
 
@@ -47,7 +45,7 @@ class SyncClient:
         thread.start()
         self._loop, self._thread = loop, thread
         try:
-            nc = self._run(nats.connect(**connect_kwargs(self._opts)), 10.0)
+            nc = self._run(open_connection(self._opts, self._config.connect_attempts), 30.0)
         except BaseException:
             self.close()
             raise
@@ -86,7 +84,9 @@ class SyncClient:
                          self._wait_s(model, deadline_ms))
 
     def _wait_s(self, model: str, deadline_ms: int | None) -> float:
-        ms = deadline_ms if deadline_ms is not None else self._config.deadline_ms(model)
+        if deadline_ms is None:
+            deadline_ms = self._config.deadline_ms(model)
+        ms = deadline_ms if deadline_ms is not None else self._config.wait_ms
         return ms / 1000 + _SLACK_S
 
     def _require(self) -> Client:

@@ -1,7 +1,12 @@
 """HTTP to NATS and back, one to one: `POST /v1/infer/{model}` becomes a request on
 `plane.infer.<model>`; the reply's Plane-Status becomes the HTTP status and its headers the
 HTTP headers. A 429 carries Retry-After in whole seconds (RFC 9110), Retry-After-Ms, and
-X-Server-Time (the plane's clock, epoch ms). Also GET /healthz, /readyz and /metrics.
+X-Server-Time (the plane's clock, epoch ms). Also GET /healthz, /readyz (a router answers),
+/metrics and /openapi.json (`plane.gateway.openapi`).
+
+Every error is JSON, `{"error": "...", "reason": "..."}`, whoever makes it: the plane, the
+gateway (an unknown model is a 404 `not-found`), or aiohttp itself (404 and 405 for a path or
+method it has no route for: `json_errors` rewrites its plain-text bodies).
 
 The gateway never retries: the HTTP caller sees each refusal and decides (the ticket comes
 back to it in Plane-Ticket and goes out again when it sends that header).
@@ -15,7 +20,10 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
+import msgspec
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -25,10 +33,13 @@ from plane.client.result import Result
 from plane.errors import BadRequest
 from plane.gateway.config import GatewayConfig
 from plane.gateway.metrics import GatewayMetrics
+from plane.gateway.openapi import build_openapi
+from plane.gateway.ready import RouterProbe
 from plane.headers import CallerHeaders, read_caller
-from plane.messages import Reason, Status, error_body
+from plane.messages import ErrorBody, Reason, Status
+from plane.models import MODELS
 from plane.replies import now_ms
-from plane.subjects import MSGPACK, TOKEN_RE, Header, InvalidToken, check_token
+from plane.subjects import MSGPACK, Header, InvalidToken, check_token
 
 SERVER_TIME_HTTP = "X-Server-Time"
 JSON = "application/json"
@@ -38,10 +49,20 @@ PASSED = (Header.REQUEST_ID, Header.STATUS, Header.REASON, Header.NODE, Header.S
           Header.SERVICE_US, Header.TICKET, Header.RETRY_AFTER_MS, Header.SERVER_TIME,
           Header.FRESHNESS)
 
+NOT_FOUND = 404
+# The gateway's own reasons, HTTP only (the plane's are `plane.messages.Reason`).
+HTTP_REASONS = {401: "unauthorized", NOT_FOUND: "not-found", 405: "method-not-allowed",
+                REQUEST_TIMEOUT: "request-timeout", 413: Reason.TOO_LARGE.value}
+
+log = structlog.get_logger("plane.gateway")
+_json = msgspec.json.Encoder()
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CLIENT_KEY = web.AppKey("client", Client)
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
 METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
+PROBE_KEY = web.AppKey("router_probe", RouterProbe)
+OPENAPI_KEY = web.AppKey("openapi", bytes)
 
 
 def http_headers(reply: Mapping[str, str], *, content_type: str | None = None) -> dict[str, str]:
@@ -57,18 +78,22 @@ def http_headers(reply: Mapping[str, str], *, content_type: str | None = None) -
     return out
 
 
-def _error(status: int, reason: Reason, message: str, request_id: str | None) -> web.Response:
+def error_json(message: str, reason: str) -> bytes:
+    return _json.encode(ErrorBody(error=message, reason=reason))
+
+
+def _error(status: int, reason: str, message: str, request_id: str | None) -> web.Response:
     """An error answered by the gateway itself. It carries the caller's request id when that
     one passed the check, else a fresh one (a bad id is never echoed)."""
-    headers = http_headers({Header.STATUS: str(status), Header.REASON: reason.value,
+    headers = http_headers({Header.STATUS: str(status), Header.REASON: reason,
                             Header.REQUEST_ID: request_id or uuid.uuid4().hex})
-    return web.Response(status=status, body=error_body(message, reason), headers=headers)
+    return web.Response(status=status, body=error_json(message, reason), headers=headers)
 
 
 def _unauthorized() -> web.Response:
-    return web.Response(status=401, body=b'{"error": "missing or wrong bearer token", '
-                        b'"reason": "unauthorized"}', content_type=JSON,
-                        headers={"WWW-Authenticate": 'Bearer realm="plane"'})
+    return web.Response(status=401, body=error_json("missing or wrong bearer token",
+                                                    HTTP_REASONS[401]),
+                        content_type=JSON, headers={"WWW-Authenticate": 'Bearer realm="plane"'})
 
 
 def _call_args(caller: CallerHeaders) -> dict[str, object]:
@@ -88,7 +113,8 @@ async def infer(request: web.Request) -> web.Response:
     started = time.monotonic()
     model = request.match_info["model"]
     response = await _infer(request, model)
-    label = model if TOKEN_RE.fullmatch(model) else "_invalid"
+    # Metric labels stay bounded: a caller inventing model names adds no series.
+    label = model if model in MODELS else "_unknown"
     metrics.observe(label, response.status, time.monotonic() - started)
     return response
 
@@ -104,6 +130,9 @@ async def _infer(request: web.Request, model: str) -> web.Response:
         check_token("model", model)
     except InvalidToken as exc:
         return _error(Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc), rid)
+    if model not in MODELS:
+        return _error(NOT_FOUND, HTTP_REASONS[NOT_FOUND], f"unknown model {model!r}; this "
+                      f"plane serves: {', '.join(sorted(MODELS))}", rid)
     too_large = f"body larger than {config.max_body_bytes} bytes"
     if request.content_length is not None and request.content_length > config.max_body_bytes:
         return _error(Status.TOO_LARGE, Reason.TOO_LARGE, too_large, rid)
@@ -114,7 +143,7 @@ async def _infer(request: web.Request, model: str) -> web.Response:
     except web.HTTPRequestEntityTooLarge:
         return _error(Status.TOO_LARGE, Reason.TOO_LARGE, too_large, rid)
     except TimeoutError:
-        response = _error(REQUEST_TIMEOUT, Reason.BAD_REQUEST,
+        response = _error(REQUEST_TIMEOUT, HTTP_REASONS[REQUEST_TIMEOUT],
                           f"the body did not arrive within {config.body_timeout_s} s", rid)
         response.force_close()
         return response
@@ -130,9 +159,42 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready while the NATS connection is up (the gateway can reach the plane)."""
+    """Ready while the NATS connection is up and a router answers (`RouterProbe`): with no
+    router every request would be a 503."""
     connected = request.app[CLIENT_KEY].nc.is_connected
-    return web.json_response({"ready": connected}, status=200 if connected else 503)
+    router = connected and await request.app[PROBE_KEY].router_answers()
+    return web.json_response({"ready": router, "nats": connected, "router": router},
+                             status=200 if router else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI_KEY], content_type=JSON)
+
+
+def _reason_of(status: int, phrase: str) -> str:
+    return HTTP_REASONS.get(status) or phrase.lower().replace(" ", "-") or "error"
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp answers a path or method it has no route for (404, 405) by raising an
+    HTTPException with a plain-text body; a bug in a handler would be a text 500. Both become
+    our JSON error body, keeping the exception's own headers (405's Allow)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items()
+                   if k.lower() not in ("content-type", "content-length")}
+        message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else (
+            f"{exc.reason}: {request.method} {request.path}")
+        return web.Response(status=exc.status, headers=headers, content_type=JSON,
+                            body=error_json(message, _reason_of(exc.status, exc.reason)))
+    except Exception:
+        log.exception("gateway handler failed", method=request.method, path=request.path)
+        return web.Response(status=500, content_type=JSON,
+                            body=error_json("internal error in the gateway", "internal"))
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -150,12 +212,20 @@ async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamRespo
     return await handler(request)
 
 
-def build_app(client: Client, config: GatewayConfig, metrics: GatewayMetrics) -> web.Application:
+def build_app(client: Client, config: GatewayConfig, metrics: GatewayMetrics,
+              probe: RouterProbe | None = None) -> web.Application:
     # aiohttp's own limit backs up our 413 for bodies sent without a Content-Length.
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[bearer_auth])
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[json_errors, bearer_auth])
     app[CLIENT_KEY], app[CONFIG_KEY], app[METRICS_KEY] = client, config, metrics
+    app[PROBE_KEY] = probe or RouterProbe(client.nc, config.names.router_service,
+                                          timeout_s=config.ready_timeout_s,
+                                          cache_s=config.ready_cache_s)
+    doc: dict[str, Any] = build_openapi(bearer=config.bearer_token is not None)
+    app[OPENAPI_KEY] = _json.encode(doc)
     app.router.add_post("/v1/infer/{model}", infer)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/openapi.json", openapi)
     return app

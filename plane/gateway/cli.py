@@ -33,7 +33,8 @@ async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
 def gateway(nats_url: str | None, user: str | None, password: str | None, token: str | None,
             creds: str | None, tls_ca: str | None, prefix: str, host: str, port: int,
             max_body_bytes: int, bearer_token: str | None, log_level: str) -> None:
-    """HTTP in front of the plane: POST /v1/infer/{model}; GET /healthz /readyz /metrics.
+    """HTTP in front of the plane: POST /v1/infer/{model}; GET /healthz /readyz /metrics
+    /openapi.json.
 
     \b
     Examples:

@@ -23,11 +23,17 @@ class GatewayConfig:
     # `body_timeout_s` of its head (else 408, and the connection is closed).
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
+    # /readyz asks whether a router answers `$SRV.PING` (`plane.gateway.ready`): it waits at
+    # most `ready_timeout_s` for one, and keeps the answer for `ready_cache_s`.
+    ready_timeout_s: float = 0.5
+    ready_cache_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):
             if not 0.1 <= getattr(self, name) <= 3600:
                 raise ConfigError(f"{name} must be between 0.1 and 3600 s")
+        if not 0.01 <= self.ready_timeout_s <= 60 or not 0 <= self.ready_cache_s <= 60:
+            raise ConfigError("ready_timeout_s must be 0.01..60 s and ready_cache_s 0..60 s")
         if not 0 <= self.port <= 65535:
             raise ConfigError("--port must be in 0..65535")
         if not 1 <= self.max_body_bytes <= 16 * 1024 * 1024:

@@ -10,7 +10,8 @@ from plane.pulse.bodies import default_body
 from plane.pulse.outcome import Attempts, Outcome
 from plane.pulse.plateau import Plateau, detect_plateau
 from plane.pulse.runner import LoadConfig, arrival_offsets_s, run_load
-from plane.pulse.summary import Summary, summarize, verdict
+from plane.pulse.series import Second, per_second, percentile_curve
+from plane.pulse.summary import Signals, Summary, summarize, verdict
 from plane.pulse.targets import HttpTarget, NatsTarget, Target
 
 __all__ = [
@@ -21,11 +22,15 @@ __all__ = [
     "Outcome",
     "Plateau",
     "Report",
+    "Second",
+    "Signals",
     "Summary",
     "Target",
     "arrival_offsets_s",
     "default_body",
     "detect_plateau",
+    "per_second",
+    "percentile_curve",
     "pulse",
     "run_load",
     "summarize",

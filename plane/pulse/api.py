@@ -16,7 +16,8 @@ class Report:
     summary: Summary
 
 
-async def pulse(target: Target, body: bytes, load: LoadConfig, *, deadline_ms: int) -> Report:
+async def pulse(target: Target, body: bytes, load: LoadConfig, *,
+                deadline_ms: int | None) -> Report:
     """Open the target, drive it open loop, close it, summarise."""
     async with target:
         run = await run_load(target, body, load)

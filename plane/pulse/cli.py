@@ -9,7 +9,7 @@ import click
 
 from plane.backoff import NO_RETRY, RetryPolicy
 from plane.cli import EXIT_UNHEALTHY, connect_options, make_connect
-from plane.config import DEFAULT_DEADLINE_MS, FALLBACK_DEADLINE_MS
+from plane.config import MAX_DEADLINE_MS
 from plane.errors import ConfigError
 from plane.lifecycle import run as run_on_uvloop
 from plane.pulse.api import pulse as run_pulse
@@ -17,6 +17,8 @@ from plane.pulse.bodies import DEFAULT_DURATION_US, body_from_option
 from plane.pulse.report import print_table, to_json, write_out
 from plane.pulse.runner import LoadConfig
 from plane.pulse.targets import HttpTarget, NatsTarget, Target
+
+NO_DEADLINE_WAIT_MS = 30_000  # the SDK's own wait for a call without a deadline
 
 
 def _headers(raw: tuple[str, ...]) -> dict[str, str]:
@@ -41,17 +43,20 @@ def _headers(raw: tuple[str, ...]) -> dict[str, str]:
               help="Seconds of arrivals.")
 @click.option("--concurrency", type=int, default=512, show_default=True,
               help="Most requests in flight; arrivals beyond are dropped (counted).")
-@click.option("--deadline-ms", type=int, default=None,
-              help="Deadline per request (default: the model's).")
-@click.option("--timeout-ms", type=int, default=None,
-              help="HTTP only: how long to wait for an answer (default: deadline + 1000).")
+@click.option("--deadline-ms", type=click.IntRange(1, MAX_DEADLINE_MS), default=None,
+              help="Send Plane-Deadline-Ms with this budget (default: send none, so the "
+                   "router's live deadline_ms.<model> applies).")
+@click.option("--timeout-ms", type=click.IntRange(1, 2 * MAX_DEADLINE_MS), default=None,
+              help="How long to wait for an answer, retries included (default: deadline + "
+                   f"1000, or {NO_DEADLINE_WAIT_MS} without --deadline-ms).")
 @click.option("--retry/--no-retry", default=False, show_default=True,
               help="Retry 429s as the SDK does (Retry-After, ticket, backoff).")
 @click.option("--max-attempts", type=int, default=4, show_default=True)
 @click.option("-H", "--header", "headers", multiple=True, help="HTTP only: 'Name: value'.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write latencies.csv, histogram.png and summary.json here.")
+              help="Write latencies.csv, pulse.png (latency over time, by percentile, "
+                   "refusal rate, histogram) and summary.json here.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr (default: when stderr is a terminal).")
 def pulse(nats_url: str | None, user: str | None, password: str | None, token: str | None,
@@ -69,19 +74,21 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
       plane pulse --url http://127.0.0.1:8080/v1/infer/calibrated --rate 50 --out out/
     """
     try:
-        deadline = deadline_ms or DEFAULT_DEADLINE_MS.get(model, FALLBACK_DEADLINE_MS)
+        deadline = deadline_ms  # None: send none; the plane's own applies
+        wait_ms = timeout_ms or (deadline + 1000 if deadline is not None
+                                 else NO_DEADLINE_WAIT_MS)
         payload = body_from_option(body, model, duration_us)
         policy = RetryPolicy(max_attempts=max_attempts) if retry else NO_RETRY
         load = LoadConfig(rate=rate, duration_s=duration_s, concurrency=concurrency,
                           progress=sys.stderr.isatty() if progress is None else progress)
         target: Target
         if url is not None:
-            target = HttpTarget(url, deadline_ms=deadline,
-                                timeout_ms=timeout_ms or deadline + 1000, policy=policy,
+            target = HttpTarget(url, deadline_ms=deadline, timeout_ms=wait_ms, policy=policy,
                                 concurrency=concurrency, headers=_headers(headers))
         elif nats_url is not None:
             opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="pulse")
-            target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy)
+            target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy,
+                                wait_ms=wait_ms)
         else:
             raise ConfigError("give --nats URL (the plane) or --url URL (an HTTP endpoint)")
     except ConfigError as exc:

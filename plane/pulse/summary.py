@@ -1,6 +1,13 @@
 """From a run's outcomes to its summary: HDR percentiles, counts, retry figures, the plateau
 and the verdict. Pure functions of the outcomes (no clock, no I/O).
 
+The verdict needs evidence of saturation first: a load that never pushed the target past its
+capacity (no refusals, no latency growth over the run, no drops, no timeouts) cannot show
+whether a queue is there, whatever its p99/p50 (a busy machine's jitter alone gives 1.9).
+Saturated, the marks of a queue (growth, a plateau, p99/p50 over 1.8, refusals without a
+Retry-After) say "present"; refusals with a Retry-After and none of those say "absent".
+`decided_by` names the signal that decided it.
+
 Latency figures (`p50_ms` ...) are of *accepted* requests: those answered 200, or that ran out
 of time (a timeout or 504 counts at the time it took: a queue must not hide behind a
 timeout). Refusals (429, 503) and bad requests are fast answers of another kind and are
@@ -20,8 +27,36 @@ from plane.pulse.plateau import detect_plateau
 
 MAX_RATIO = 1.8  # p99/p50 above this: answers wait for each other somewhere
 MIN_HINTED = 0.99  # share of 429s that must carry a Retry-After
+GROWTH_FACTOR = 2.0  # accepted p50 of the last third over the first third: a backlog grows
+GROWTH_MIN_MS = 1.0  # ... and by at least this much (sub-millisecond noise is not growth)
+MIN_TIMEOUT_SHARE = 0.01  # answers that ran out of time: saturation from this share on
 _HIGHEST_US = 3_600_000_000  # an hour: nothing we measure takes longer
 ABSENT, PRESENT, INCONCLUSIVE = "queueing layer absent", "queueing layer present", "inconclusive"
+NOT_SATURATED = "not saturated"
+# What decided a verdict (Summary.decided_by).
+BY_GROWTH, BY_PLATEAU, BY_RATIO, BY_HINTS = "growth", "plateau", "p99/p50", "retry-after"
+BY_REFUSALS, BY_NO_SATURATION, BY_NO_ANSWERS, BY_NO_REFUSALS = (
+    "refusals", "no saturation", "no answers", "no refusals")
+
+
+class Signals(msgspec.Struct, frozen=True, kw_only=True):
+    """What the verdict is decided on (all from the outcomes)."""
+
+    p99_over_p50: float | None
+    plateau: bool
+    refusals: int  # 429s, every attempt
+    retry_after_share: float | None  # of those, with a Retry-After
+    first_third_p50_ms: float | None = None  # accepted, by scheduled time
+    last_third_p50_ms: float | None = None
+    dropped: int = 0  # arrivals over the concurrency cap
+    timeouts: int = 0  # final answers that ran out of time (timeout, 504)
+    requests: int = 0
+
+    @property
+    def growth(self) -> bool:
+        a, b = self.first_third_p50_ms, self.last_third_p50_ms
+        return (a is not None and b is not None and b > GROWTH_FACTOR * a
+                and b - a >= GROWTH_MIN_MS)
 
 
 class Summary(msgspec.Struct, kw_only=True):
@@ -29,7 +64,7 @@ class Summary(msgspec.Struct, kw_only=True):
     rate: float
     duration_s: float
     concurrency: int
-    deadline_ms: int
+    deadline_ms: int | None  # None: pulse sent no Plane-Deadline-Ms (the server's applied)
     p50_ms: float | None
     p90_ms: float | None
     p99_ms: float | None
@@ -53,6 +88,9 @@ class Summary(msgspec.Struct, kw_only=True):
     plateau_ms: float | None
     verdict: str
     verdict_reasons: list[str]
+    decided_by: str = ""  # the signal that decided the verdict (BY_*)
+    p50_first_third_ms: float | None = None  # accepted p50, first and last third of the run
+    p50_last_third_ms: float | None = None
 
 
 def _hist(values_us: Sequence[int]) -> HdrHistogram:
@@ -74,30 +112,50 @@ def _share(num: int, den: int) -> float | None:
     return num / den if den else None
 
 
-def verdict(
-    p99_over_p50: float | None, plateau: bool, refusals: int, retry_after_share: float | None
-) -> tuple[str, list[str]]:
-    """"queueing layer absent" only when p99/p50 <= 1.8, no plateau, and the refusals carry
-    a Retry-After; "inconclusive" when nothing was measured or nothing was refused (a
-    system never pushed past its capacity cannot show how it sheds load)."""
-    present: list[str] = []
-    if p99_over_p50 is not None and p99_over_p50 > MAX_RATIO:
-        present.append(f"p99/p50 = {p99_over_p50:.2f} > {MAX_RATIO}")
-    if plateau:
-        present.append("plateau in the right tail")
-    if refusals and (retry_after_share or 0.0) < MIN_HINTED:
-        present.append(f"only {100 * (retry_after_share or 0):.1f}% of 429s carry Retry-After")
-    if present:
-        return PRESENT, present
-    if p99_over_p50 is None:
-        return INCONCLUSIVE, ["no accepted answers to measure"]
-    if not refusals:
-        return INCONCLUSIVE, ["no refusals seen: offer more than the capacity to tell"]
+def verdict(sig: Signals) -> tuple[str, list[str], str]:
+    """(verdict, reasons, decided_by): see the module doc."""
+    saturation: list[str] = []
+    if sig.refusals:
+        saturation.append(f"{sig.refusals} refusals (429)")
+    if sig.growth:
+        saturation.append(f"accepted p50 grew {sig.first_third_p50_ms:.2f} -> "
+                          f"{sig.last_third_p50_ms:.2f} ms over the run")
+    if sig.dropped:
+        saturation.append(f"{sig.dropped} arrivals dropped at the concurrency cap")
+    if sig.requests and sig.timeouts / sig.requests >= MIN_TIMEOUT_SHARE:
+        saturation.append(f"{sig.timeouts} answers ran out of time")
+    if sig.p99_over_p50 is None:
+        return INCONCLUSIVE, ["no accepted answers to measure"], BY_NO_ANSWERS
+    ratio = f"p99/p50 = {sig.p99_over_p50:.2f}"
+    if not saturation:
+        why = [f"no refusals, no latency growth ({sig.first_third_p50_ms or 0:.2f} -> "
+               f"{sig.last_third_p50_ms or 0:.2f} ms), no drops, no timeouts: the load stayed "
+               "under capacity; offer more than the capacity to tell"]
+        if sig.p99_over_p50 > MAX_RATIO or sig.plateau:
+            why.append(f"{ratio}{' and a plateau' if sig.plateau else ''} without saturation "
+                       "is jitter, not evidence of a queue")
+        return NOT_SATURATED, why, BY_NO_SATURATION
+    marks: list[tuple[str, str]] = []
+    if sig.growth:
+        marks.append((BY_GROWTH, "latency grows with the backlog: requests wait in a queue"))
+    if sig.plateau:
+        marks.append((BY_PLATEAU, "plateau in the right tail"))
+    if sig.p99_over_p50 > MAX_RATIO:
+        marks.append((BY_RATIO, f"{ratio} > {MAX_RATIO}"))
+    if sig.refusals and (sig.retry_after_share or 0.0) < MIN_HINTED:
+        marks.append((BY_HINTS, f"only {100 * (sig.retry_after_share or 0):.1f}% of 429s "
+                                "carry Retry-After"))
+    saturated = "saturated: " + ", ".join(saturation)
+    if marks:
+        return PRESENT, [m for _, m in marks] + [saturated], marks[0][0]
+    if not sig.refusals:
+        return INCONCLUSIVE, [saturated, "but nothing was refused: how it sheds load is "
+                                         "unseen"], BY_NO_REFUSALS
     return ABSENT, [
-        f"p99/p50 = {p99_over_p50:.2f} <= {MAX_RATIO}",
-        "no plateau",
-        f"{100 * (retry_after_share or 0):.1f}% of 429s carry Retry-After",
-    ]
+        saturated,
+        f"{ratio} <= {MAX_RATIO}, no plateau, no growth",
+        f"{100 * (sig.retry_after_share or 0):.1f}% of 429s carry Retry-After",
+    ], BY_REFUSALS
 
 
 def summarize(
@@ -107,10 +165,12 @@ def summarize(
     rate: float,
     duration_s: float,
     concurrency: int,
-    deadline_ms: int,
+    deadline_ms: int | None,
     dropped: int,
     windows: int = 6,
 ) -> Summary:
+    """`deadline_ms` None: pulse sent none (the router's live deadline applied, unknown
+    here), so `within_deadline_share` is None too."""
     accepted = [o for o in outcomes if _is_accepted(o)]
     acc = _hist([o.accepted_us for o in accepted])
     e2e = _hist([o.latency_us for o in accepted])
@@ -129,9 +189,14 @@ def summarize(
     ratio = p99 / p50 if p50 and p99 is not None else None
     sent = len(outcomes) + dropped
     ok = status_counts.get("200", 0)
-    within = sum(1 for o in outcomes
-                 if o.attempts.final == "200" and o.latency_us <= deadline_ms * 1000)
-    v, reasons = verdict(ratio, plateau.found, refusals, retry_after_share)
+    within = None if deadline_ms is None else sum(
+        1 for o in outcomes if o.attempts.final == "200" and o.latency_us <= deadline_ms * 1000)
+    first, last = _thirds_p50_ms(accepted, duration_s)
+    v, reasons, decided_by = verdict(Signals(
+        p99_over_p50=ratio, plateau=plateau.found, refusals=refusals,
+        retry_after_share=retry_after_share, first_third_p50_ms=first, last_third_p50_ms=last,
+        dropped=dropped, requests=len(outcomes),
+        timeouts=sum(1 for o in outcomes if o.attempts.final in (TIMEOUT, "504"))))
     return Summary(
         target=target, rate=rate, duration_s=duration_s, concurrency=concurrency,
         deadline_ms=deadline_ms,
@@ -145,7 +210,7 @@ def summarize(
         dropped=dropped,
         ok_per_s=ok / duration_s if duration_s > 0 else 0.0,
         status_counts=status_counts,
-        within_deadline_share=_share(within, sent),
+        within_deadline_share=None if within is None else _share(within, sent),
         refusal_rate=_share(sum(1 for o in refused), len(outcomes)),
         retry_after_share=retry_after_share,
         first_retry_success=_share(
@@ -157,4 +222,16 @@ def summarize(
         plateau_ms=plateau.level_ms,
         verdict=v,
         verdict_reasons=reasons,
+        decided_by=decided_by,
+        p50_first_third_ms=first,
+        p50_last_third_ms=last,
     )
+
+
+def _thirds_p50_ms(accepted: Sequence[Outcome], duration_s: float
+                   ) -> tuple[float | None, float | None]:
+    """Accepted p50 of the first and the last third of the run (by scheduled time)."""
+    third = duration_s / 3
+    first = [o.accepted_us for o in accepted if o.scheduled_s < third]
+    last = [o.accepted_us for o in accepted if o.scheduled_s >= duration_s - third]
+    return _pct_ms(_hist(first), 50), _pct_ms(_hist(last), 50)

@@ -41,12 +41,16 @@ class Target(Protocol):
 
 
 class NatsTarget:
-    """The plane, over core NATS, through `plane.client.Client.call`."""
+    """The plane, over core NATS, through `plane.client.Client.call`. `deadline_ms` None:
+    no `Plane-Deadline-Ms` is sent (the router's live deadline applies) and an answer is
+    waited for up to `wait_ms`."""
 
-    def __init__(self, opts: ConnectOptions, *, model: str, deadline_ms: int,
-                 policy: RetryPolicy) -> None:
+    def __init__(self, opts: ConnectOptions, *, model: str, deadline_ms: int | None,
+                 policy: RetryPolicy, wait_ms: int | None = None) -> None:
         self.name = f"nats {opts.url} model={model}"
-        self._opts, self._model, self._deadline_ms, self._policy = opts, model, deadline_ms, policy
+        self._opts, self._model, self._deadline_ms = opts, model, deadline_ms
+        self._config = ClientConfig(policy=policy) if wait_ms is None else ClientConfig(
+            policy=policy, wait_ms=wait_ms)
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Client | None = None
 
@@ -54,7 +58,7 @@ class NatsTarget:
         """Connect (again, after an exit: a target can be used for several runs)."""
         self._stack = contextlib.AsyncExitStack()
         self._client = await self._stack.enter_async_context(
-            Client.connect(self._opts, ClientConfig(policy=self._policy)))
+            Client.connect(self._opts, self._config))
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
@@ -77,9 +81,11 @@ class NatsTarget:
 
 class HttpTarget:
     """Any HTTP endpoint: POST `body` to `url`. With a retry policy, a 429 is retried as the
-    SDK would (Retry-After-Ms / Retry-After, X-Server-Time, Plane-Ticket echoed)."""
+    SDK would (Retry-After-Ms / Retry-After, X-Server-Time, Plane-Ticket echoed).
+    `deadline_ms` None: no `Plane-Deadline-Ms` is sent; retries stop at `timeout_ms`."""
 
-    def __init__(self, url: str, *, deadline_ms: int, timeout_ms: int, policy: RetryPolicy,
+    def __init__(self, url: str, *, deadline_ms: int | None, timeout_ms: int,
+                 policy: RetryPolicy,
                  concurrency: int, headers: dict[str, str] | None = None,
                  seed: int | None = None) -> None:
         self.name = f"http {url}"
@@ -102,13 +108,16 @@ class HttpTarget:
 
     async def send(self, body: bytes) -> Attempts:
         assert self._session is not None
-        deadline_at = time.monotonic() + self._deadline_ms / 1000
+        budget_s = (self._deadline_ms / 1000 if self._deadline_ms is not None
+                    else self._timeout.total or 0.0)
+        deadline_at = time.monotonic() + budget_s
         statuses: list[int] = []
         hinted, ticket = 0, None
         while True:
-            headers = {**self._headers, Header.ATTEMPT: str(len(statuses) + 1),
-                       Header.DEADLINE_MS: str(max(1, int((deadline_at - time.monotonic())
-                                                          * 1000)))}
+            headers = {**self._headers, Header.ATTEMPT: str(len(statuses) + 1)}
+            if self._deadline_ms is not None:
+                headers[Header.DEADLINE_MS] = str(max(1, int((deadline_at - time.monotonic())
+                                                             * 1000)))
             if ticket:
                 headers[Header.TICKET] = ticket
             sent = time.monotonic()

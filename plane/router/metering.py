@@ -50,8 +50,8 @@ class Meter:
         sm_ms = service_us / 1000 * max(1, sms)
         u.slot_us += service_us
         u.sm_ms += sm_ms
-        self._metrics.tenant_slot_us.labels(tenant, model).inc(service_us)
-        self._metrics.tenant_sm_ms.labels(tenant, model).inc(sm_ms)
+        self._metrics.tenant_slot_seconds.labels(tenant, model).inc(service_us / 1e6)
+        self._metrics.tenant_sm_seconds.labels(tenant, model).inc(sm_ms / 1000)
 
     def readings(self) -> list[MeterReading]:
         return [MeterReading(tenant=t, model=m,

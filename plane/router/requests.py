@@ -157,6 +157,8 @@ class RequestPath:
                               max_rate=lambda t: settings.get("max_rate", t),
                               max_slots=lambda t: settings.get("max_slots", t))
         self.meter = Meter(parts.metrics)
+        # Told of each error the router answers (status, text): the micro endpoint's count.
+        self.errored: Callable[[int, str], None] = lambda status, text: None
 
     def fit_body_limit(self, max_payload: int, headroom: int) -> None:
         """Every message the router sends (a slot publish, a forward) is a caller's body plus
@@ -507,6 +509,8 @@ class RequestPath:
             rid, r.status, r.reason, r.message, retry_after_ms=r.retry_after_ms, ticket=r.ticket)
         self.metrics.router_requests.labels(model, str(int(r.status))).inc()
         self.meter.answered(self.tenants.of(msg.headers or {}), model, int(r.status))
+        if r.status is not Status.BUSY:  # a 429 is admission at work, not an error
+            self.errored(int(r.status), r.message)
         if r.status is Status.BUSY:
             self.metrics.refusals.labels(model, r.reason.value).inc()
             if r.ticket is not None:

@@ -43,6 +43,7 @@ from plane.provision import ProvisionPlan, ensure_all, ensure_all_again
 from plane.router.admission import Admission
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.memory import FloodMemory
+from plane.router.micro import InferEndpoint
 from plane.router.occupancy import ModelSlots, slot_key
 from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
@@ -104,6 +105,7 @@ class Router(Lifecycle, TaskOwner):
         self._service: Service | None = None
         self._health_sub: Subscription | None = None
         self._done_sub: Subscription | None = None
+        self._infer: InferEndpoint | None = None
         self._heard = asyncio.Event()  # set by each heartbeat (start-up waits on it)
         # Slot publishes whose PubAck comes to a callback (no task, future or timer each).
         self.publisher = SlotPublisher(nc, cfg.publish_timeout_s)
@@ -139,14 +141,6 @@ class Router(Lifecycle, TaskOwner):
         await self.publisher.start()
         self._spawn(self._watchdog())
         await self._learn_slots(nodes_kv)
-        self._request_subs = [
-            await self.nc.subscribe(n.infer_all(), queue=ROUTER_QUEUE_GROUP,
-                                    cb=self.requests.on_request),
-            # Our own subject: ticket holders whose retry reached another router come here.
-            await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
-                                    cb=self.requests.on_request),
-        ]
-        self._subs.extend(self._request_subs)
         self._service = await add_service(
             self.nc, name=n.router_service, version="0.1.0",
             description="the plane's router: admission onto depth-one slots",
@@ -157,6 +151,18 @@ class Router(Lifecycle, TaskOwner):
         )
         await self._service.add_endpoint(
             name="meter", subject=n.router_meter(self.cfg.router_id), handler=self._on_meter)
+        # Inference itself is a micro endpoint (listed and counted by $SRV.INFO / STATS).
+        self._infer = InferEndpoint(self._service, subject=n.infer_all(),
+                                    queue=ROUTER_QUEUE_GROUP, handler=self.requests.on_request,
+                                    metadata={"models": ",".join(sorted(MODELS))})
+        self.requests.errored = self._infer.count_error
+        self._request_subs = [
+            await self._infer.start(),
+            # Our own subject: ticket holders whose retry reached another router come here.
+            await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
+                                    cb=self.requests.on_request),
+        ]
+        self._subs.extend(self._request_subs)
         await self.nc.flush()
         log.info("router started", router=self.cfg.router_id, subject=n.infer_all())
 
@@ -188,6 +194,8 @@ class Router(Lifecycle, TaskOwner):
         # round trip that ends its deliveries, and hands us every request it brought.
         taking = [s for s in self._subs if s in self._request_subs]
         await asyncio.gather(*(self._drain(s) for s in taking))
+        if self._infer is not None:
+            self._infer.detach()
         # Placements whose PubAck is on its way: the broker answers within its timeout.
         await self.publisher.drained(timeout_s)
         pending = [t for t in self._tasks if not t.done()]
@@ -350,6 +358,7 @@ class Router(Lifecycle, TaskOwner):
                     self._forget_node(node, f"no heartbeat for {now - seen:.1f} s")
             for ms in self.models.values():
                 ms.window.expire(now)
+                self.metrics.promises_open.labels(ms.model).set(len(ms.promises))
             for then in self.publisher.expire(now):
                 self._spawn(then(TimedOut()))
             self.inflight.tick(now)

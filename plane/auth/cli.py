@@ -1,0 +1,86 @@
+"""`plane auth init DIR` and `plane auth add-tenant DIR NAME`: a secured server's config and
+each role's and tenant's credentials (`plane.auth.store`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import click
+
+from plane.auth.roles import ROLES
+from plane.auth.store import AuthDir, AuthState
+
+
+def options_json(d: AuthDir, state: AuthState, *who: str) -> str:
+    """`{"router": {"user": ..., "password": ...}, ...}`: what `--user/--password` take."""
+    out = {}
+    for w in who:
+        opts = d.options(w, state=state)
+        out[w] = {"user": opts.user, "password": opts.password}
+    return json.dumps(out)
+
+
+@click.group()
+def auth() -> None:
+    """Secure the plane's NATS server: roles, and tenants as accounts.
+
+    \b
+    Examples:
+      plane auth init ./auth --json      # DIR/nats.conf, and each role's options as JSON
+      plane auth add-tenant ./auth acme --share 2 --max-rate 500 --json
+      plane up --auth ./auth             # the embedded server with it, each part its role
+      nats-server -c ./auth/nats.conf -P ./auth/nats.pid -sd /var/lib/nats   # yourself
+    """
+
+
+@auth.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--prefix", default="plane", show_default=True, help="Subject prefix.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print each role's connection options as one JSON object.")
+def init(directory: str, prefix: str, as_json: bool) -> None:
+    """Write DIR/nats.conf (the plane's account PLANE, users router, node, bridge, gateway,
+    admin, each allowed only what it needs) and DIR/auth.json (their passwords, mode 0600).
+    Run again on the same DIR: the passwords stay, nats.conf is written afresh."""
+    d = AuthDir(directory)
+    state = d.init(prefix)
+    if as_json:
+        click.echo(options_json(d, state, *ROLES))
+        return
+    click.echo(f"wrote {d.conf} and {d.path / 'auth.json'} (the passwords: keep it private)")
+    click.echo(f"run it: plane up --auth {d.path}   or   nats-server -c {d.conf} -sd STORE "
+               f"-P {d.pid_file}")
+
+
+@auth.command("add-tenant")
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@click.argument("name")
+@click.option("--share", type=int, default=None,
+              help="Weight in the fair share of slot time (1..1000; default 1).")
+@click.option("--max-rate", type=int, default=None,
+              help="Requests per second the tenant may send, per router (default: no limit).")
+@click.option("--nats", "nats_url", default=None,
+              help="A running plane's URL: also put the settings into its PLANE_CONFIG now "
+                   "(as the admin role).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the tenant's connection options as one JSON object.")
+def add_tenant(directory: str, name: str, share: int | None, max_rate: int | None,
+               nats_url: str | None, as_json: bool) -> None:
+    """Add tenant NAME: an account that can only call the plane (`<prefix>.infer.>`, the
+    imported service) and read its own replies. A server running DIR/nats.conf reloads it
+    at once, with no restart. Again for an existing tenant: changes its settings, keeps its
+    password. --share and --max-rate go into PLANE_CONFIG (`share.NAME`, `max_rate.NAME`)
+    with --nats URL, and whenever `plane up --auth DIR` starts."""
+    d = AuthDir(directory)
+    d.add_tenant(name, share=share, max_rate=max_rate)
+    reloaded = d.reload()
+    if nats_url is not None:
+        from plane.auth.live import put_tenant_settings
+
+        asyncio.run(put_tenant_settings(d, nats_url))
+    if as_json:
+        click.echo(options_json(d, d.load(), name))
+        return
+    click.echo(f"tenant {name} written to {d.conf}; "
+               + ("the running server reloaded it" if reloaded else "no running server to reload"))

@@ -1,0 +1,70 @@
+"""The SDK's NATS connection: a few quick attempts, then one clear error.
+
+nats-py, left to itself, reports every failed attempt through its default `error_cb`, which
+logs the exception with its traceback (a wrong port printed 41 tracebacks in 11 s before a
+raw `NoServersError`). Here the callback only keeps the latest error; after
+`connect_attempts` tries the caller gets `plane.errors.ConnectFailed` naming the URL it
+tried and why. Once connected, nats-py reconnects forever (a broker restart must not break a
+long-lived service's client), and an outage is logged once, then at most once per
+`ERROR_LOG_EVERY_S`.
+"""
+
+from __future__ import annotations
+
+import nats
+import structlog
+from nats.aio.client import Client as NATS
+
+from plane.config import ConnectOptions
+from plane.errors import ConnectFailed
+from plane.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs
+
+log = structlog.get_logger("plane.client")
+
+# Tries after the first (nats-py's max_reconnect_attempts), RECONNECT_WAIT_S apart: a refused
+# port fails in well under a second.
+CONNECT_ATTEMPTS = 3
+CONNECT_TIMEOUT_S = 2.0  # per attempt: a blackholed address fails in a few seconds
+RECONNECT_WAIT_S = 0.2
+
+
+async def open_connection(opts: ConnectOptions,
+                          connect_attempts: int = CONNECT_ATTEMPTS) -> NATS:
+    """Connect to the plane's NATS server, or raise `ConnectFailed` (an `Unavailable`, also
+    a `ConnectionError`) saying which URL failed and why."""
+    last: list[BaseException] = []
+    failed = 0  # attempts that failed before we gave up
+    connected = False
+    throttle = Throttle(ERROR_LOG_EVERY_S)
+
+    async def on_error(exc: Exception) -> None:
+        nonlocal failed
+        failed += 1
+        last[:] = [exc]  # only the latest: this callback lives as long as the connection
+        if connected and (held := throttle.allow(type(exc).__name__)) is not None:
+            log.warning("plane connection error", url=opts.url, error=repr(exc),
+                        repeats_not_logged=held)
+
+    async def on_reconnect() -> None:
+        throttle.reset()
+        log.info("plane connection restored", url=opts.url)
+
+    kw = connect_kwargs(opts) | {
+        "max_reconnect_attempts": connect_attempts,
+        "connect_timeout": CONNECT_TIMEOUT_S,
+        "reconnect_time_wait": RECONNECT_WAIT_S,
+        "error_cb": on_error,
+        "reconnected_cb": on_reconnect,
+    }
+    try:
+        nc = await nats.connect(**kw)
+    except Exception as exc:  # nats-py raises OSError, its own errors or a TimeoutError
+        why = last[-1] if last else exc
+        raise ConnectFailed(
+            f"cannot reach the plane at {opts.url}: {why!r} (tried {max(failed, 1)} times). "
+            "Is a plane running there (`plane up --port 4222`)? Check the URL and "
+            "the credentials", url=opts.url or "",
+        ) from None
+    connected = True
+    nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
+    return nc

@@ -1,0 +1,268 @@
+"""What `plane status` and `plane top` show: every router and node, found through NATS service
+discovery (`$SRV.INFO`) and asked on their `status` endpoints, plus what Prometheus endpoints
+given with `--metrics` add (refusals, tickets, accepted latency, GPU utilisation).
+
+The facts and where each comes from:
+
+| fact | from |
+| --- | --- |
+| slots, healthy, busy (router's view) | router status |
+| promises open, requests in flight, ticket redemption | router status |
+| router cycle p50/p99 (placement to done, beyond requested work) | router status |
+| slots, healthy, busy, backend (node's own) | node status |
+| GPU utilisation | node status (its last NVML reading), else `plane_gpu_utilization_ratio` |
+| refusals, first-retry success (tickets honoured / issued), accepted p50/p99 | `--metrics` |
+
+Everything here is bounded in time: a dead server or a silent process costs at most
+`timeout_s`, never a hang (a compose health check allows 5 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from prometheus_client.parser import text_string_to_metric_families
+
+from plane.config import ConnectOptions
+from plane.errors import Unavailable
+from plane.natsconn import connect_kwargs
+from plane.subjects import Names
+
+QUIET_S = 0.15  # discovery ends this long after the last service answered
+
+
+class ModelFacts(msgspec.Struct, kw_only=True):
+    slots: int = 0
+    healthy: int = 0
+    busy: int = 0
+    cycle_p50_us: int | None = None
+    cycle_p99_us: int | None = None
+
+
+class RouterFacts(msgspec.Struct, kw_only=True):
+    router: str
+    models: dict[str, ModelFacts]
+    promises_open: int | None = None
+    in_flight: int | None = None
+    redemption: dict[str, float] = {}
+
+
+class NodeFacts(msgspec.Struct, kw_only=True):
+    node: str
+    model: str
+    backend: str
+    slots: int
+    healthy: int
+    busy: int | None = None  # None: a node too old to say
+    gpu_util_pct: float | None = None
+
+
+class MetricsFacts(msgspec.Struct, kw_only=True):
+    """One /metrics endpoint, totals since its process started (rates: `plane top`)."""
+
+    url: str
+    error: str | None = None
+    refusals: float = 0.0
+    placements: float = 0.0
+    tickets_issued: float = 0.0
+    tickets_honoured: float = 0.0
+    first_retry_success: float | None = None  # honoured / issued
+    accepted_p50_ms: float | None = None  # plane_slot_service_seconds, interpolated
+    accepted_p99_ms: float | None = None
+    gpu_util_pct: dict[str, float] = {}  # "node/device" -> %
+    refusals_per_s: float | None = None  # `plane top` only: from two scrapes
+    buckets: dict[float, float] = {}  # accepted latency histogram (cumulative, summed)
+
+
+class PlaneView(msgspec.Struct, kw_only=True):
+    routers: list[RouterFacts]
+    nodes: list[NodeFacts]
+    metrics: list[MetricsFacts] = []
+    problems: list[str] = []
+    took_ms: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        """A router and a node answer, and some slot is healthy to a router."""
+        return bool(self.routers) and bool(self.nodes) and any(
+            m.healthy > 0 for r in self.routers for m in r.models.values())
+
+
+async def connect_fast(opts: ConnectOptions, timeout_s: float) -> Client:
+    """One try per server, bounded by `timeout_s` (the commands that serve retry for ten
+    seconds; a health check must not)."""
+    async def quiet(exc: Exception) -> None:
+        return None
+
+    kw = {**connect_kwargs(opts), "max_reconnect_attempts": 1, "allow_reconnect": False,
+          "connect_timeout": timeout_s, "reconnect_time_wait": 0.05}
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await nats.connect(**kw, error_cb=quiet)
+    except Exception as exc:
+        raise Unavailable(f"cannot connect to NATS at {opts.url}: {exc!r}") from exc
+
+
+async def _gather_replies(nc: Client, subject: str, timeout_s: float) -> list[dict[str, Any]]:
+    """Every answer to one request on `subject` until QUIET_S passes without one."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    out: list[dict[str, Any]] = []
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        end = time.monotonic() + timeout_s
+        while (left := end - time.monotonic()) > 0:
+            try:
+                m = await sub.next_msg(timeout=min(left, QUIET_S if out else left))
+            except (TimeoutError, nats.errors.TimeoutError):
+                break
+            if not m.data:  # the server's "no responders"
+                break
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(m.data))
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return out
+
+
+def _status_subject(info: dict[str, Any]) -> str | None:
+    for ep in info.get("endpoints") or []:
+        if ep.get("name") == "status":
+            return str(ep.get("subject"))
+    return None
+
+
+def router_facts(body: dict[str, Any]) -> RouterFacts:
+    return RouterFacts(
+        router=str(body.get("router", "?")),
+        models={m: ModelFacts(slots=v.get("slots", 0), healthy=v.get("healthy", 0),
+                              busy=v.get("busy", 0), cycle_p50_us=v.get("p50_overhead_us"),
+                              cycle_p99_us=v.get("p99_overhead_us"))
+                for m, v in (body.get("models") or {}).items()},
+        promises_open=body.get("tickets"), in_flight=body.get("inflight"),
+        redemption=body.get("redemption") or {})
+
+
+def node_facts(body: dict[str, Any]) -> NodeFacts:
+    slots = body.get("slots") or []
+    busy = body.get("busy")
+    gpu = body.get("gpu") or {}
+    return NodeFacts(
+        node=str(body.get("node", "?")), model=str(body.get("model", "?")),
+        backend=str(body.get("backend", "?")), slots=len(slots),
+        healthy=sum(1 for s in slots if s.get("healthy")),
+        busy=None if busy is None else sum(1 for b in busy if b),
+        gpu_util_pct=gpu.get("utilization_pct"))
+
+
+async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0) -> PlaneView:
+    """Find the plane's services and ask each for its status, within about `timeout_s`."""
+    t0 = time.monotonic()
+    infos = await _gather_replies(nc, "$SRV.INFO", timeout_s / 2)
+    wanted = [(i.get("name"), _status_subject(i)) for i in infos
+              if i.get("name") in (names.router_service, names.node_service)]
+    problems: list[str] = []
+
+    async def ask(kind: str, subject: str) -> tuple[str, dict[str, Any] | None]:
+        try:
+            m = await nc.request(subject, b"", timeout=timeout_s / 2)
+            return kind, json.loads(m.data)
+        except Exception as exc:
+            problems.append(f"{subject}: no answer ({type(exc).__name__})")
+            return kind, None
+
+    answers = await asyncio.gather(*(ask(str(k), s) for k, s in wanted if s is not None))
+    routers = sorted((router_facts(b) for k, b in answers
+                      if b is not None and k == names.router_service), key=lambda r: r.router)
+    nodes = sorted((node_facts(b) for k, b in answers
+                    if b is not None and k == names.node_service), key=lambda n: n.node)
+    if not routers:
+        problems.append("no router answers (plane router, or plane up)")
+    if not nodes:
+        problems.append("no node answers (plane node, or plane up)")
+    return PlaneView(routers=routers, nodes=nodes, problems=problems,
+                     took_ms=(time.monotonic() - t0) * 1000)
+
+
+# -- Prometheus endpoints ----------------------------------------------------------------------
+def _quantile(buckets: dict[float, float], q: float) -> float | None:
+    """Prometheus's histogram_quantile on cumulative buckets (upper bound -> count)."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    total = buckets[bounds[-1]]
+    rank = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for b in bounds:
+        c = buckets[b]
+        if c >= rank:
+            if b == float("inf"):
+                return prev_bound
+            if c == prev_count:
+                return b
+            return prev_bound + (b - prev_bound) * (rank - prev_count) / (c - prev_count)
+        prev_bound, prev_count = b, c
+    return None
+
+
+def metrics_facts(url: str, text: str) -> MetricsFacts:
+    f = MetricsFacts(url=url)
+    buckets: dict[float, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            match s.name:
+                case "plane_refusals_total":
+                    f.refusals += s.value
+                case "plane_router_decision_seconds_count" if s.labels.get("outcome") == "placed":
+                    f.placements += s.value
+                case "plane_tickets_issued_total":
+                    f.tickets_issued += s.value
+                case "plane_tickets_honoured_total":
+                    f.tickets_honoured += s.value
+                case "plane_slot_service_seconds_bucket":
+                    le = float(s.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + s.value
+                case "plane_gpu_utilization_ratio":
+                    key = f"{s.labels.get('node', '')}/{s.labels.get('device', '')}"
+                    f.gpu_util_pct[key] = 100 * s.value
+    f.buckets = buckets
+    return with_latency(f, buckets)
+
+
+def with_latency(f: MetricsFacts, buckets: dict[float, float]) -> MetricsFacts:
+    p50, p99 = _quantile(buckets, 0.5), _quantile(buckets, 0.99)
+    f.accepted_p50_ms = None if p50 is None else 1000 * p50
+    f.accepted_p99_ms = None if p99 is None else 1000 * p99
+    f.first_retry_success = (f.tickets_honoured / f.tickets_issued if f.tickets_issued
+                             else None)
+    return f
+
+
+def scrape(url: str, timeout_s: float) -> MetricsFacts:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return metrics_facts(url, resp.read().decode())
+    except (OSError, ValueError) as exc:
+        return MetricsFacts(url=url, error=f"{type(exc).__name__}: {exc}")
+
+
+def over_interval(new: MetricsFacts, old: MetricsFacts | None, dt_s: float) -> MetricsFacts:
+    """What happened between two scrapes: refusals per second, and first-retry success and
+    accepted p50/p99 of that interval alone (`plane top`)."""
+    if old is None or old.error or new.error or dt_s <= 0:
+        return new
+    f = msgspec.structs.replace(
+        new, tickets_issued=new.tickets_issued - old.tickets_issued,
+        tickets_honoured=new.tickets_honoured - old.tickets_honoured,
+        refusals_per_s=max(0.0, new.refusals - old.refusals) / dt_s)
+    delta = {b: c - old.buckets.get(b, 0.0) for b, c in new.buckets.items()}
+    return with_latency(f, delta)

@@ -1,0 +1,59 @@
+"""Inference as a NATS micro endpoint: `plane.infer.>` listed in `$SRV.INFO` and counted in
+`$SRV.STATS` (requests, errors, processing time), as the NATS services standard has it, so
+`nats micro stats` and any service-aware tool see the plane's own traffic.
+
+nats-py's micro `Endpoint` subscribes, counts and times each request around our handler (the
+time is the router's decision on the subscription's task: a placed request's answer comes
+from the node later). Two things it does not do, done here with its attributes (nats-py is
+pinned, `pyproject.toml`; `tests/test_micro.py` checks both against it):
+- an error is counted only when the handler raises, and the router answers its errors
+  itself (a raise would make micro send a second answer): `count_error` counts a request the
+  router answered with an error status;
+- `Service.stop` unsubscribes, which drops requests delivered but not yet read: `drain`
+  drains the subscription first (every request it brought is answered), then takes the
+  endpoint out of the service so that its stop does not touch the closed subscription.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.micro.request import Request
+from nats.micro.service import Endpoint, Service
+
+
+class InferEndpoint:
+    def __init__(self, service: Service, *, subject: str, queue: str,
+                 handler: Callable[[Msg], Awaitable[None]], metadata: dict[str, str]) -> None:
+        self._service = service
+        self._subject = subject
+        self._queue = queue
+        self._handler = handler
+        self._metadata = metadata
+        self._endpoint: Endpoint | None = None
+
+    async def start(self) -> Subscription:
+        """Listen; the subscription (drained at stop)."""
+        await self._service.add_endpoint(name="infer", subject=self._subject,
+                                         queue_group=self._queue, handler=self._on_request,
+                                         metadata=self._metadata)
+        self._endpoint = self._service._endpoints[-1]
+        sub = self._endpoint._subscription
+        assert sub is not None
+        return sub
+
+    async def _on_request(self, req: Request) -> None:
+        await self._handler(req._msg)
+
+    def count_error(self, status: int, text: str) -> None:
+        if self._endpoint is not None:
+            self._endpoint._num_errors += 1
+            self._endpoint._last_error = f"{status} {text}"[:200]  # type: ignore[assignment]  # nats-py types it None
+
+    def detach(self) -> None:
+        """After its subscription was drained: out of the service, whose stop would
+        unsubscribe it again."""
+        if self._endpoint is not None and self._endpoint in self._service._endpoints:
+            self._service._endpoints.remove(self._endpoint)

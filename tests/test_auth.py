@@ -1,0 +1,468 @@
+"""Roles and tenants on a real nats-server running `plane auth`'s config.
+
+Each attempt to step outside a role or a tenant must fail with a permission error while the
+plane keeps serving. NATS reports a permission violation to the offender only: the server
+logs it and sends `-ERR 'Permissions Violation for Publish to ...'`, nats-py hands that to
+the connection's `error_cb`, and the server closes nothing (the offender stays connected).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import pytest
+from kafka_fixtures import SESSION_TIMEOUT_MS, kafka_topic, produce, tansu, txn_line
+from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
+
+from freshness.bridge import KafkaBridge
+from freshness.config import BridgeConfig, GuardConfig, UpdaterConfig
+from freshness.features import FeatureUpdater
+from freshness.guard import CardFeatureGuard
+from freshness.tansu import EmbeddedTansu
+from plane.auth.roles import Permissions, role_permissions, tenant
+from plane.auth.store import AuthDir
+from plane.client import Client
+from plane.config import ConnectOptions
+from plane.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
+from plane.messages import FaultCommand, json_encoder
+from plane.natsconn import connect
+from plane.stack import PlaneStack, StackConfig
+from plane.subjects import Header, Names
+
+__all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
+
+NAMES = Names()
+NODE = "node0-calibrated"  # the stack's node
+SLOT = NAMES.slot("calibrated", NODE, 0)
+JS_DIR = Path(__file__).parent / "js"
+ROOT = Path(__file__).parent.parent
+PLANE = str(Path(sys.executable).parent / "plane")
+
+
+@pytest.fixture
+def auth(tmp_path: Path) -> AuthDir:
+    d = AuthDir(tmp_path / "auth", rounds=4)  # the cheapest bcrypt cost: tests connect a lot
+    d.init()
+    d.add_tenant("acme", share=2, max_rate=500)
+    d.add_tenant("beta")
+    return d
+
+
+@dataclass
+class Secured:
+    server: EmbeddedNats
+    stack: PlaneStack
+    auth: AuthDir
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def violations(self) -> list[str]:
+        return [line.decode(errors="replace") for line in self.server.log_tail
+                if b"Violation" in line]
+
+
+@asynccontextmanager
+async def secured(auth: AuthDir, **kw: object) -> AsyncIterator[Secured]:
+    async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        kw = {"models": ("calibrated",), "slots": 2, **kw}
+        cfg = StackConfig(connect=auth.options("admin", server.url), roles=auth.roles(),
+                          settings=auth.tenant_settings(), **kw)  # type: ignore[arg-type]
+        async with PlaneStack(cfg) as stack:
+            yield Secured(server, stack, auth)
+
+
+@dataclass
+class Offender:
+    """A connection that records what the server refused it."""
+
+    nc: Nats
+    errors: list[str] = field(default_factory=list)
+
+    async def refused(self, what: str, timeout_s: float = 5.0) -> str:
+        """The permission error naming `what` (waits for the server's -ERR)."""
+        await self.nc.flush()
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for e in self.errors:  # nats-py lowercases the server's -ERR text
+                    if "permissions violation" in e and f'"{what.lower()}"' in e.lower():
+                        return e
+                await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def offender(opts: ConnectOptions) -> AsyncIterator[Offender]:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    assert opts.url is not None
+    nc = await nats.connect(opts.url, user=opts.user, password=opts.password,
+                            name=opts.name, error_cb=on_error, allow_reconnect=False)
+    try:
+        yield Offender(nc, errors)
+    finally:
+        await nc.close()
+
+
+async def can_connect(opts: ConnectOptions) -> bool:
+    """One attempt, no retries (the plane's own connect retries a refusal for ~10 s)."""
+    assert opts.url is not None
+
+    async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per refusal
+        pass
+
+    try:
+        nc = await nats.connect(opts.url, user=opts.user, password=opts.password,
+                                allow_reconnect=False, max_reconnect_attempts=0,
+                                connect_timeout=2, error_cb=quiet)
+    except Exception:
+        return False
+    await nc.close()
+    return True
+
+
+async def still_serving(plane: Secured, tenant: str = "acme") -> None:
+    """A tenant's SDK call is answered 200 by the plane."""
+    async with Client.connect(plane.auth.options(tenant, plane.url)) as c:
+        result = await c.invoke("calibrated", {"duration_us": 1000}, deadline_ms=2000)
+    assert result.node == NODE
+
+
+async def config_value(plane: Secured, key: str) -> bytes | None:
+    nc = await connect(plane.auth.options("admin", plane.url))
+    try:
+        kv = await nc.jetstream().key_value(NAMES.config_bucket)
+        try:
+            return (await kv.get(key)).value
+        except nats.js.errors.KeyNotFoundError:
+            return None
+    finally:
+        await nc.close()
+
+
+# -- the config itself ------------------------------------------------------------------------
+def test_init_writes_a_valid_private_config_and_keeps_its_secrets(tmp_path: Path) -> None:
+    d = tmp_path / "auth"
+    run = [PLANE, "auth"]
+    out = subprocess.run([*run, "init", str(d), "--json"], check=True, capture_output=True,
+                         text=True, cwd=ROOT).stdout
+    roles = json.loads(out)
+    assert set(roles) == {"router", "node", "bridge", "gateway", "admin"}
+    assert all(set(v) == {"user", "password"} and len(v["password"]) >= 32
+               for v in roles.values())
+    for name in ("nats.conf", "auth.json"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o600
+    conf = (d / "nats.conf").read_text()
+    assert all(v["password"] not in conf for v in roles.values())  # hashes only
+    subprocess.run([nats_server_binary(), "-c", str(d / "nats.conf"), "-t"], check=True,
+                   capture_output=True)
+    again = json.loads(subprocess.run([*run, "init", str(d), "--json"], check=True,
+                                      capture_output=True, text=True, cwd=ROOT).stdout)
+    assert again == roles  # a running plane's credentials never change behind its back
+    tenant = json.loads(subprocess.run(
+        [*run, "add-tenant", str(d), "acme", "--share", "3", "--max-rate", "100", "--json"],
+        check=True, capture_output=True, text=True, cwd=ROOT).stdout)
+    assert list(tenant) == ["acme"] and tenant["acme"]["user"] == "acme"
+    assert AuthDir(d).tenant_settings() == {"share.acme": 3, "max_rate.acme": 100}
+    bad = subprocess.run([*run, "add-tenant", str(d), "PLANE"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "invalid tenant name" in bad.stderr
+
+
+def test_the_allow_lists_follow_the_prefix() -> None:
+    perms = {**role_permissions(Names("acme.p")), "tenant": tenant(Names("acme.p"))}
+    for role, p in perms.items():
+        assert not [s for s in (*p.publish, *p.subscribe) if "plane" in s.lower()], role
+    assert perms["tenant"] == Permissions(publish=("acme.p.infer.>",),
+                                          subscribe=("_INBOX.>",))
+
+
+# -- what a tenant cannot do ------------------------------------------------------------------
+async def publish(o: Offender, subject: str, data: bytes = b"x") -> str:
+    await o.nc.publish(subject, data)
+    return subject
+
+
+async def subscribe(o: Offender, subject: str) -> str:
+    await o.nc.subscribe(subject)
+    return subject
+
+
+TENANT_ATTEMPTS: dict[str, Callable[[Offender], Awaitable[str]]] = {
+    "publish-to-a-slot": lambda o: publish(o, SLOT, b'{"duration_us": 1}'),
+    "publish-a-done-event": lambda o: publish(o, NAMES.done("calibrated", NODE, 0)),
+    "write-config": lambda o: publish(o, f"$KV.{NAMES.config_bucket}.deadline_ms.calibrated",
+                                      b"1"),
+    "write-a-phantom-node": lambda o: publish(o, f"$KV.{NAMES.nodes_bucket}.ghost.calibrated"),
+    "open-the-config-bucket": lambda o: publish(
+        o, f"$JS.API.STREAM.INFO.KV_{NAMES.config_bucket}"),
+    "subscribe-to-the-plane": lambda o: subscribe(o, "plane.>"),
+    "subscribe-to-everything": lambda o: subscribe(o, ">"),
+    "subscribe-to-import-replies": lambda o: subscribe(o, "_R_.>"),
+    "send-a-fault": lambda o: publish(o, NAMES.fault(NODE), b'{"kind": "hang"}'),
+}
+
+
+@pytest.mark.parametrize("attempt", sorted(TENANT_ATTEMPTS))
+async def test_a_tenant_is_refused_everything_but_calling(auth: AuthDir, attempt: str) -> None:
+    async with secured(auth, allow_faults=True) as plane:
+        before = await config_value(plane, "deadline_ms.calibrated")
+        async with offender(auth.options("acme", plane.url)) as o:
+            subject = await TENANT_ATTEMPTS[attempt](o)
+            assert "permissions violation" in await o.refused(subject)
+            await still_serving(plane)  # the plane serves on ...
+            assert o.nc.is_connected  # ... and the server closed nothing
+        assert any("acme" in v and subject in v for v in plane.violations())
+        assert await config_value(plane, "deadline_ms.calibrated") == before
+        assert all(n.slots[0].claimed for n in plane.stack.nodes)  # no fault took hold
+
+
+async def test_a_tenant_never_sees_another_tenants_replies(auth: AuthDir) -> None:
+    async with secured(auth) as plane:
+        beta = await connect(auth.options("beta", plane.url))
+        seen: list[str] = []
+
+        async def spy(msg: Msg) -> None:
+            seen.append(msg.subject)
+
+        try:
+            await beta.subscribe("_INBOX.>", cb=spy)  # allowed: its own account's inboxes
+            await beta.flush()
+            for _ in range(5):
+                await still_serving(plane, "acme")
+            await asyncio.sleep(0.2)
+            assert seen == []
+        finally:
+            await beta.close()
+
+
+# -- what a plane role cannot do --------------------------------------------------------------
+async def test_a_node_cannot_write_config(auth: AuthDir) -> None:
+    async with secured(auth) as plane:
+        before = await config_value(plane, "deadline_ms.calibrated")
+        async with offender(auth.options("node", plane.url)) as o:
+            subject = await publish(o, f"$KV.{NAMES.config_bucket}.deadline_ms.calibrated",
+                                    b"1")
+            await o.refused(subject)
+            await still_serving(plane)
+        assert await config_value(plane, "deadline_ms.calibrated") == before
+
+
+@pytest.mark.parametrize("subject", [NAMES.health(NODE), NAMES.done("calibrated", NODE, 0),
+                                     f"$KV.{NAMES.nodes_bucket}.{NODE}.calibrated"])
+async def test_a_router_cannot_speak_as_a_node(auth: AuthDir, subject: str) -> None:
+    """Heartbeats, done-events and adverts are the node role's: a router credential is
+    refused each. (Nodes share one role: scoping a node to its own id is not done; see
+    docs/design.md, "Roles and permissions".)"""
+    async with secured(auth) as plane, offender(auth.options("router", plane.url)) as o:
+        await o.refused(await publish(o, subject, b"{}"))
+        await still_serving(plane)
+
+
+async def test_no_credentials_no_entry(auth: AuthDir) -> None:
+    async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        assert not await can_connect(ConnectOptions(url=server.url))
+        assert not await can_connect(ConnectOptions(url=server.url, user="admin",
+                                                    password="guess"))
+        assert await can_connect(auth.options("admin", server.url))
+
+
+# -- the positive path ------------------------------------------------------------------------
+async def test_tenants_are_served_from_python_and_nodejs(auth: AuthDir) -> None:
+    if shutil.which("node") is None or not (JS_DIR / "node_modules" / "@nats-io").exists():
+        pytest.fail("Node.js client missing: run `make test` (it runs npm ci in tests/js)")
+    async with secured(auth, models=("risk", "calibrated"), freshness=True) as plane:
+        await still_serving(plane, "acme")
+        # More at once than there are slots: refusals with tickets, retried by the SDK.
+        async with Client.connect(auth.options("acme", plane.url)) as c:
+            burst = await asyncio.gather(*(
+                c.invoke("calibrated", {"duration_us": 50_000}, deadline_ms=5000)
+                for _ in range(6)))
+            assert max(r.attempts for r in burst) > 1
+            assert (await c.invoke("risk", {"features": [0.0] * 32})).node == "node0-risk"
+        # Live settings reach every router and node through their watches.
+        admin = await connect(auth.options("admin", plane.url))
+        kv = await admin.jetstream().key_value(NAMES.config_bucket)
+        await kv.put("deadline_ms.calibrated", b"777")
+        await admin.close()
+        async with asyncio.timeout(5):
+            while not all(r.settings.deadline_ms("calibrated") == 777
+                          for r in plane.stack.routers) or not all(
+                              n.settings.deadline_ms("calibrated") == 777
+                              for n in plane.stack.nodes):
+                await asyncio.sleep(0.02)
+        assert all(r.settings.get("share", "acme") == 2 for r in plane.stack.routers)
+        beta = auth.options("beta", plane.url)
+        proc = await asyncio.create_subprocess_exec(
+            "node", "--input-type=module", "-e", NODE_TENANT, cwd=JS_DIR,
+            env={**os.environ, "URL": plane.url, "USER_NAME": beta.user or "",
+                 "PASSWORD": beta.password or ""},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        answer = json.loads(out)
+        assert answer["status"] == "200" and answer["node"] == NODE
+        assert answer["body"] == {"duration_us": 1000}
+        # The plane's own roles ran with exactly their allow lists: nothing was refused.
+        assert plane.violations() == []
+
+
+NODE_TENANT = """
+import { connect, headers } from "@nats-io/transport-node";
+const nc = await connect({ servers: process.env.URL, user: process.env.USER_NAME,
+                           pass: process.env.PASSWORD });
+const h = headers();
+h.set("Plane-Deadline-Ms", "2000");
+const msg = await nc.request("plane.infer.calibrated",
+  new TextEncoder().encode(JSON.stringify({ duration_us: 1000 })), { timeout: 5000, headers: h });
+console.log(JSON.stringify({ status: msg.headers?.get("Plane-Status"),
+  node: msg.headers?.get("Plane-Node"), body: JSON.parse(new TextDecoder().decode(msg.data)) }));
+await nc.close();
+"""
+
+
+async def test_failures_are_answered_under_the_roles(auth: AuthDir) -> None:
+    """A hung slot (admin's fault drill): the node takes the message and answers the tenant
+    503 through the import's reply subject; the slot is withdrawn, reclaimed (its consumer
+    deleted and made again, its subject swept) and serves again. Nothing refused."""
+    async with secured(auth, slots=1, allow_faults=True) as plane:
+        admin = await connect(auth.options("admin", plane.url))
+        acme = await connect(auth.options("acme", plane.url))
+        try:
+            for mode in ("hang", "none"):
+                ok = await admin.request(NAMES.fault(NODE), json_encoder.encode(
+                    FaultCommand(k=0, mode=mode)), timeout=2)
+                assert ok.data == b"ok"
+                if mode == "hang":
+                    m = await acme.request(NAMES.infer("calibrated"), b'{"duration_us": 1000}',
+                                           headers={Header.DEADLINE_MS: "5000"}, timeout=6)
+                    assert (m.headers or {}).get(Header.STATUS) == "503"
+            async with asyncio.timeout(10):
+                while True:
+                    m = await acme.request(NAMES.infer("calibrated"), b'{"duration_us": 1000}',
+                                           headers={Header.DEADLINE_MS: "2000"}, timeout=5)
+                    if (m.headers or {}).get(Header.STATUS) == "200":
+                        break
+                    await asyncio.sleep(0.1)
+        finally:
+            await admin.close()
+            await acme.close()
+        assert plane.violations() == []
+
+
+async def test_the_gateway_role_calls_and_checks_readiness(auth: AuthDir) -> None:
+    async with secured(auth) as plane:
+        gw = await connect(auth.options("gateway", plane.url))
+        try:
+            await gw.request(f"$SRV.PING.{NAMES.router_service}", b"", timeout=5)
+            answer = await gw.request(NAMES.infer("calibrated"), b'{"duration_us": 1000}',
+                                      headers={Header.TENANT: "acme"}, timeout=5)
+        finally:
+            await gw.close()
+        assert (answer.headers or {}).get(Header.STATUS) == "200"
+        assert plane.violations() == []
+
+
+async def test_the_router_learns_the_tenant_from_the_server(auth: AuthDir) -> None:
+    """What the responder sees of a request that came through the service import: the
+    server's `Nats-Request-Info` naming the requesting account, whatever the caller sent."""
+    async with secured(auth) as plane:
+        admin = await connect(auth.options("admin", plane.url))
+        seen: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+
+        async def look(msg: Msg) -> None:
+            await seen.put(dict(msg.headers or {}) | {"reply": msg.reply or ""})
+
+        try:
+            await admin.subscribe(NAMES.infer("calibrated"), cb=look)
+            await admin.flush()
+            acme = await connect(auth.options("acme", plane.url))
+            forged = {Header.NATS_REQUEST_INFO: '{"acc":"beta"}', Header.TENANT: "beta",
+                      Header.DEADLINE_MS: "2000"}
+            await acme.request(NAMES.infer("calibrated"), b'{"duration_us": 1000}',
+                               headers=forged, timeout=5)
+            await acme.close()
+            got = await asyncio.wait_for(seen.get(), 5)
+        finally:
+            await admin.close()
+        info = json.loads(got[Header.NATS_REQUEST_INFO])
+        assert info["acc"] == "acme" and info["user"] == "acme"  # the server's, not forged
+        assert got["reply"].startswith("_R_.")  # the import's reply subject
+
+
+async def test_a_tenant_added_while_running_is_served_without_a_restart(auth: AuthDir) -> None:
+    async with secured(auth) as plane:
+        pid = plane.server.pid
+        assert not await can_connect(ConnectOptions(url=plane.url, user="gamma",
+                                                    password="x"))
+        auth.add_tenant("gamma", share=5)
+        assert await asyncio.to_thread(auth.reload)
+        for _ in range(100):  # the server reloads in its own time: a moment
+            if await can_connect(auth.options("gamma", plane.url)):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("gamma was never let in")
+        await still_serving(plane, "gamma")
+        assert plane.server.pid == pid and plane.server.running
+        await still_serving(plane, "acme")
+        # The plane's own connections lived through both reloads.
+        assert plane.stack.clients and all(nc.stats["reconnects"] == 0
+                                           for nc in plane.stack.clients)
+
+
+async def test_plane_up_auth_serves_with_the_roles(auth: AuthDir) -> None:
+    """`plane up --auth DIR --demo`: the embedded server runs DIR/nats.conf, each part its
+    role, and the demo's calls (as admin) are answered."""
+    proc = await asyncio.create_subprocess_exec(
+        PLANE, "up", "--auth", str(auth.path), "--demo",
+        "--models", "calibrated", "--slots", "2", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert "calibrated: 200" in text and "429" in text
+
+
+async def test_the_bridge_role_feeds_features_the_node_role_reads(
+    auth: AuthDir, tansu: EmbeddedTansu, kafka_topic: Callable[..., Awaitable[str]]
+) -> None:
+    """Kafka -> bridge -> PLANE_EVENTS -> feature updater -> PLANE_FEATURES -> a node's
+    guard, each with its role: every step allowed, nothing refused."""
+    topic = await kafka_topic("transactions", partitions=1)
+    async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        bridge_nc = await connect(auth.options("bridge", server.url))
+        node_nc = await connect(auth.options("node", server.url))
+        cfg = BridgeConfig(kafka_bootstrap=tansu.bootstrap, topics=(topic,),
+                           session_timeout_ms=SESSION_TIMEOUT_MS,
+                           heartbeat_interval_ms=SESSION_TIMEOUT_MS // 6)
+        try:
+            async with (
+                KafkaBridge(bridge_nc, cfg) as bridge,
+                FeatureUpdater(bridge_nc, UpdaterConfig(topic=topic)) as updater,
+                CardFeatureGuard(node_nc, NAMES, GuardConfig()) as guard,
+            ):
+                await bridge.wait_assigned()
+                await produce(tansu.bootstrap, topic, [txn_line(i, "c1") for i in range(5)])
+                async with asyncio.timeout(30):
+                    while updater.applied < 5 or "c1" not in guard._latest:
+                        await asyncio.sleep(0.02)
+        finally:
+            await bridge_nc.close()
+            await node_nc.close()
+        assert [line.decode() for line in server.log_tail if b"Violation" in line] == []

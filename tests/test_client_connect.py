@@ -1,0 +1,112 @@
+"""The SDK as a newcomer meets it: a wrong URL fails fast with the SDK's own error naming the
+URL (no traceback per reconnect attempt), and a call sends `Plane-Deadline-Ms` only when a
+deadline was asked for (else the plane's live deadline for the model applies)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
+from plane.embedded import EmbeddedNats
+from plane.replies import ok_headers
+from plane.subjects import Header, Names
+
+
+def _dead_url() -> str:
+    """A loopback port nobody listens on (bound, then closed: refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"nats://127.0.0.1:{s.getsockname()[1]}"
+
+
+PROBE = """
+import asyncio, json, sys, time
+from plane.client import Client, ConnectFailed, SyncClient
+url = sys.argv[1]
+out = {}
+t0 = time.monotonic()
+async def main():
+    async with Client.connect(url) as plane:
+        await plane.invoke("risk", {"features": [0.0] * 32})
+try:
+    asyncio.run(main())
+except ConnectFailed as exc:
+    out["async"] = {"message": str(exc), "url": exc.url, "s": time.monotonic() - t0}
+t0 = time.monotonic()
+try:
+    with SyncClient(url) as plane:
+        pass
+except ConnectFailed as exc:
+    out["sync"] = {"message": str(exc), "url": exc.url, "s": time.monotonic() - t0}
+print(json.dumps(out))
+"""
+
+
+def test_a_wrong_url_fails_fast_with_one_clear_error() -> None:
+    url = _dead_url()
+    done = subprocess.run([sys.executable, "-c", PROBE, url], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for kind in ("async", "sync"):
+        assert out[kind]["url"] == url, out
+        assert url in out[kind]["message"] and "plane up" in out[kind]["message"]
+        assert out[kind]["s"] < 5, out
+    # nats-py's default error callback logged a traceback for every attempt.
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) < 5, done.stderr
+
+
+async def test_connect_failed_is_an_unavailable_and_a_connection_error() -> None:
+    url = _dead_url()
+    t0 = time.monotonic()
+    with pytest.raises(ConnectFailed) as info:
+        async with Client.connect(url, ClientConfig(connect_attempts=1)):
+            pass
+    assert time.monotonic() - t0 < 3
+    assert isinstance(info.value, Unavailable) and isinstance(info.value, ConnectionError)
+    assert info.value.url == url
+
+
+@pytest.fixture
+async def seen(nc: NATS) -> AsyncIterator[list[dict[str, str]]]:
+    """A stand-in router that answers 200 and records each request's headers."""
+    headers: list[dict[str, str]] = []
+
+    async def answer(msg: Msg) -> None:
+        h = dict(msg.headers or {})
+        headers.append(h)
+        await nc.publish(msg.reply, b'{"duration_us": 1}',
+                         headers=ok_headers(h[Header.REQUEST_ID], "n1", 0, 1))
+
+    sub = await nc.subscribe(Names().infer_all(), cb=answer)
+    await nc.flush()  # the server has the subscription before anyone calls
+    yield headers
+    await sub.unsubscribe()
+
+
+async def test_deadline_is_sent_only_when_asked(nats_server: EmbeddedNats,
+                                                seen: list[dict[str, str]]) -> None:
+    body = {"duration_us": 1}
+    async with Client.connect(nats_server.url) as plane:
+        await plane.invoke("calibrated", body)
+        await plane.invoke("calibrated", body, deadline_ms=80)
+    config = ClientConfig(default_deadline_ms={"calibrated": 90})
+    async with Client.connect(nats_server.url, config) as plane:
+        await plane.invoke("calibrated", body)
+        await plane.invoke("risk", {"features": [0.0] * 32})
+    with SyncClient(nats_server.url) as sync:  # its loop thread; the stand-in runs on ours
+        await asyncio.to_thread(sync.invoke, "calibrated", body)
+    deadlines = [h.get(Header.DEADLINE_MS) for h in seen]
+    assert deadlines[0] is None and deadlines[3] is None and deadlines[4] is None, deadlines
+    assert deadlines[1] is not None and 1 <= int(deadlines[1]) <= 80
+    assert deadlines[2] is not None and 1 <= int(deadlines[2]) <= 90

@@ -1,0 +1,43 @@
+"""Inference is a NATS micro endpoint: `$SRV.INFO` lists it, `$SRV.STATS` counts every
+request and the errors the router answered; error replies carry the services standard's
+headers beside the plane's own."""
+
+from __future__ import annotations
+
+import json
+
+import nats
+import pytest
+
+from plane.subjects import Header
+from tests.plane_fixtures import NAMES, calibrated, header, plane, status
+
+pytestmark = pytest.mark.slow
+
+
+async def test_srv_stats_counts_inference_requests_and_errors() -> None:
+    async with plane(models=("calibrated",), slots=2, backend="torch") as stack:
+        nc = await nats.connect(stack.url)
+        try:
+            for _ in range(7):
+                assert status(await nc.request(NAMES.infer("calibrated"), calibrated(0),
+                                               timeout=5)) == 200
+            bad = await nc.request(NAMES.infer("calibrated"), b"{not json", timeout=5)
+            assert status(bad) == 400
+            assert header(bad, Header.NATS_SERVICE_ERROR_CODE) == "400"
+            assert "JSON" in (header(bad, Header.NATS_SERVICE_ERROR) or "")
+
+            service = NAMES.router_service
+            info = json.loads((await nc.request(f"$SRV.INFO.{service}", b"", timeout=2)).data)
+            [infer] = [e for e in info["endpoints"] if e["name"] == "infer"]
+            assert infer["subject"] == NAMES.infer_all()
+            assert infer["queue_group"] == "plane-routers"
+            stats = json.loads((await nc.request(f"$SRV.STATS.{service}", b"",
+                                                 timeout=2)).data)
+            [infer_stats] = [e for e in stats["endpoints"] if e["name"] == "infer"]
+            assert infer_stats["num_requests"] == 8
+            assert infer_stats["num_errors"] == 1
+            assert infer_stats["last_error"].startswith("400 ")
+            assert infer_stats["processing_time"] > 0
+        finally:
+            await nc.close()

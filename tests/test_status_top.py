@@ -1,0 +1,174 @@
+"""`plane status` and `plane top` against real planes: the facts of every router and node (and
+of /metrics when given), an exit code a health check can use, fast against a live plane and
+a dead server alike; the pure parts (histogram quantiles, rates between two scrapes)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from plane.planeview import (
+    MetricsFacts,
+    _quantile,
+    collect,
+    connect_fast,
+    metrics_facts,
+    over_interval,
+)
+from plane.stack import PlaneStack, StackConfig
+from plane.subjects import Names
+from plane.top import run_top
+from tests.plane_fixtures import calibrated, client
+
+PLANE = str(Path(sys.executable).parent / "plane")
+HEALTH_CHECK_S = 5.0  # what a compose health check allows
+
+
+async def _status(*args: str) -> tuple[int, str, str, float]:
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        PLANE, "status", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode(), time.monotonic() - t0
+
+
+async def _load(url: str) -> None:
+    """Answers, refusals and tickets: one slot, four at once."""
+    async with client(url) as nc:
+        await asyncio.gather(*(nc.request("plane.infer.calibrated", calibrated(30_000),
+                                          timeout=5) for _ in range(4)))
+
+
+async def test_status_prints_every_router_and_node_and_exits_0() -> None:
+    async with PlaneStack(StackConfig(models=("calibrated", "risk"), slots=1,
+                                      metrics_port=0)) as stack:
+        await _load(stack.url)
+        metrics = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+        code, out, err, took_s = await _status("--nats", stack.url, "--json",
+                                               "--metrics", metrics)
+        text_code, text, _, _ = await _status("--nats", stack.url)
+    assert code == 0, err
+    assert took_s < HEALTH_CHECK_S
+    s = json.loads(out)
+    assert s["healthy"] is True and not s["problems"]
+    (r,) = s["routers"]
+    assert r["router"] == "router0" and r["promises_open"] is not None
+    assert r["models"]["calibrated"]["slots"] == 1 and r["models"]["calibrated"]["healthy"] == 1
+    assert {n["node"] for n in s["nodes"]} == {"node0-calibrated", "node0-risk"}
+    for n in s["nodes"]:
+        assert n["slots"] == 1 and n["healthy"] == 1 and n["busy"] == 0
+        assert n["gpu_util_pct"] is None  # no GPU here: nothing made up
+    (m,) = s["metrics"]
+    assert m["error"] is None and m["refusals"] >= 1 and m["tickets_issued"] >= 1
+    assert m["accepted_p50_ms"] is not None and 20 <= m["accepted_p50_ms"] <= 100
+    assert text_code == 0
+    for word in ("routers", "nodes", "router0", "node0-risk", "healthy", "--metrics"):
+        assert word in text, word
+
+
+async def test_status_of_a_dead_server_is_unhealthy_and_fast() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens once closed
+    code, out, err, took_s = await _status("--nats", f"nats://127.0.0.1:{port}", "--json")
+    assert code == 1, err
+    assert took_s < 3.0
+    s = json.loads(out)
+    assert s["healthy"] is False and "cannot connect" in s["problems"][0]
+
+
+async def test_status_without_nodes_is_unhealthy(nats_server: object) -> None:
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=1)) as stack:
+        for node in stack.nodes:
+            await node.stop()
+        code, out, _, took_s = await _status("--nats", stack.url, "--json")
+    assert code == 1 and took_s < HEALTH_CHECK_S
+    assert "no node answers" in " ".join(json.loads(out)["problems"])
+
+
+async def test_status_without_nats_says_what_it_cannot_do() -> None:
+    code, _, err, _ = await _status()
+    assert code == 2 and "Without --nats there is nothing to ask" in err
+
+
+async def test_top_refreshes_with_rates_over_each_interval() -> None:
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=1,
+                                      metrics_port=0)) as stack:
+        metrics = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+        async with client(stack.url) as nc:
+            out = io.StringIO()
+            top = asyncio.create_task(run_top(
+                nc, Names(), [metrics], interval_s=0.5, iterations=3,
+                console=Console(file=out, width=160, force_terminal=False)))
+            await asyncio.sleep(0.3)
+            await _load(stack.url)
+            view = await top
+    text = out.getvalue()
+    assert "router0" in text and "node0-calibrated" in text and "refusals/s" in text
+    (m,) = view.metrics
+    assert m.refusals_per_s is not None  # a rate: two scrapes apart
+
+
+async def test_collect_is_bounded_without_any_service(nats_server: object) -> None:
+    from plane.config import ConnectOptions
+
+    nc = await connect_fast(ConnectOptions(url=nats_server.url), 1.0)  # type: ignore[attr-defined]
+    try:
+        t0 = time.monotonic()
+        view = await collect(nc, Names(), timeout_s=1.0)
+    finally:
+        await nc.close()
+    assert time.monotonic() - t0 < 1.5
+    assert not view.healthy and view.routers == [] and view.nodes == []
+
+
+# -- pure --------------------------------------------------------------------------------------
+def test_histogram_quantile_like_prometheus() -> None:
+    # 90 answers under 1 ms, 10 between 5 and 10 ms (cumulative buckets).
+    b = {0.0005: 0.0, 0.001: 90.0, 0.005: 90.0, 0.01: 100.0, float("inf"): 100.0}
+    assert _quantile(b, 0.5) == pytest.approx(0.0005 + 0.0005 * 50 / 90)
+    assert _quantile(b, 0.99) == pytest.approx(0.0095)
+    assert _quantile({float("inf"): 0.0}, 0.5) is None
+
+
+METRICS_TEXT = """\
+# TYPE plane_refusals counter
+plane_refusals_total{model="risk",reason="busy"} 30.0
+plane_refusals_total{model="risk",reason="deadline"} 10.0
+# TYPE plane_tickets_issued counter
+plane_tickets_issued_total{model="risk"} 30.0
+# TYPE plane_tickets_honoured counter
+plane_tickets_honoured_total{model="risk"} 27.0
+# TYPE plane_slot_service_seconds histogram
+plane_slot_service_seconds_bucket{model="risk",le="0.001"} 90.0
+plane_slot_service_seconds_bucket{model="risk",le="0.01"} 100.0
+plane_slot_service_seconds_bucket{model="risk",le="+Inf"} 100.0
+plane_slot_service_seconds_count{model="risk"} 100.0
+plane_slot_service_seconds_sum{model="risk"} 0.2
+# TYPE plane_gpu_utilization_ratio gauge
+plane_gpu_utilization_ratio{device="0",node="gpu-1"} 0.42
+"""
+
+
+def test_metrics_facts_and_rates_between_two_scrapes() -> None:
+    old = metrics_facts("u", METRICS_TEXT)
+    assert old.refusals == 40 and old.first_retry_success == pytest.approx(0.9)
+    assert old.gpu_util_pct == {"gpu-1/0": pytest.approx(42.0)}
+    assert old.accepted_p50_ms == pytest.approx(1000 * 0.001 * 50 / 90)
+    new = metrics_facts("u", METRICS_TEXT.replace(" 30.0\n", " 50.0\n")
+                        .replace("} 27.0", "} 47.0"))
+    rate = over_interval(new, old, 2.0)
+    assert rate.refusals_per_s == pytest.approx(10.0)  # 20 more busy refusals in 2 s
+    assert rate.first_retry_success == pytest.approx(1.0)  # 20 of 20 in the interval
+    assert rate.accepted_p50_ms is None  # no answers in the interval
+    assert over_interval(new, None, 0.0).refusals_per_s is None
+    assert over_interval(MetricsFacts(url="u", error="down"), old, 1.0).error == "down"

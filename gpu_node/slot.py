@@ -32,6 +32,7 @@ from gpu_node.faults import WatchedRunner
 from gpu_node.recent import RecentIds
 from plane import replies
 from plane.budget import ServiceWindow
+from plane.canonical import CanonicalLog
 from plane.errors import BadRequest
 from plane.lifecycle import cancel_and_wait
 from plane.messages import (
@@ -73,6 +74,7 @@ class Current:
     work_us: int
     fetched_s: float  # monotonic
     answered: bool = False
+    compute_us: int = 0  # the device call alone (the rest of service_us: decode, encode)
 
 
 Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
@@ -117,6 +119,7 @@ class Slot:
         self._busy_s = metrics.slot_busy_seconds.labels(*self._label)
         self._sm_s = metrics.slot_sm_seconds.labels(*self._label) if sms > 0 else None
         self.sms = sms
+        self.canonical = CanonicalLog("plane.node.requests")
 
     # -- claim / withdraw -------------------------------------------------------------------
     @property
@@ -318,6 +321,8 @@ class Slot:
         finally:
             self._busy.set(0)
             busy_s = time.perf_counter() - started_s
+            if self.current is not None:
+                self.current.compute_us = int(busy_s * 1e6)
             self._busy_s.inc(busy_s)
             if self._sm_s is not None:
                 self._sm_s.inc(busy_s * self.sms)
@@ -332,8 +337,8 @@ class Slot:
         if not await self._claim_answer(cur):
             return
         service_us = (time.perf_counter_ns() - t0) // 1000
-        await self._finish(cur, status, service_us, error_body(text, reason),
-                           replies.error_headers(cur.request_id, status, reason, node=self.node))
+        body, headers = replies.error_reply(cur.request_id, status, reason, text, node=self.node)
+        await self._finish(cur, status, service_us, body, headers)
 
     async def _claim_answer(self, cur: Current) -> bool:
         """Become the one who answers `cur` (see plane.ownership). Before the deadline,
@@ -362,6 +367,11 @@ class Slot:
         counter = self._ok if status == Status.OK else self.metrics.node_requests.labels(
             self.model, str(int(status)))
         counter.inc()
+        self.canonical.line("request answered", error=status is not Status.OK,
+                            request_id=cur.request_id, model=self.model, node=self.node,
+                            slot=self.k, status=int(status), service_us=service_us,
+                            compute_us=cur.compute_us, work_us=cur.work_us,
+                            deadline_left_ms=cur.deadline_at_ms - replies.now_ms())
 
     async def _done(self, cur: Current, status: int, service_us: int) -> None:
         await self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,

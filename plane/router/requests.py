@@ -28,6 +28,7 @@ from nats.js.errors import APIError
 
 from plane import replies
 from plane.budget import predict
+from plane.canonical import CanonicalLog
 from plane.config import FALLBACK_DEADLINE_MS, RouterConfig
 from plane.errors import BadRequest
 from plane.headers import read_caller
@@ -157,6 +158,7 @@ class RequestPath:
                               max_rate=lambda t: settings.get("max_rate", t),
                               max_slots=lambda t: settings.get("max_slots", t))
         self.meter = Meter(parts.metrics)
+        self.canonical = CanonicalLog("plane.router.requests")
         # Told of each error the router answers (status, text): the micro endpoint's count.
         self.errored: Callable[[int, str], None] = lambda status, text: None
 
@@ -199,8 +201,8 @@ class RequestPath:
         label = model if ms is not None else "unknown"  # metric labels stay bounded
         wait_ms = max(1, math.ceil(ms.window.mean_us / 1000)) if ms is not None else 1000
         self.metrics.shed.labels(label).inc()
-        await self._refuse(msg, self.nc.new_inbox()[7:], label,
-                           refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms))
+        await self._refuse_early(msg, self.nc.new_inbox()[7:], label,
+                                 refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms))
 
     async def _route_one(self, msg: Msg) -> None:
         """Decide, on the subscription's own task: the common cases (a placement, a refusal)
@@ -214,21 +216,21 @@ class RequestPath:
             caller = read_caller(hdrs)  # before anything of the caller's is echoed
         except BadRequest as exc:
             # A request id that failed the check is never echoed: the 400 gets a fresh one.
-            await self._refuse(msg, exc.request_id or self.nc.new_inbox()[7:], label,
-                               refusals.bad_request(str(exc)))
+            await self._refuse_early(msg, exc.request_id or self.nc.new_inbox()[7:], label,
+                                     refusals.bad_request(str(exc)))
             return
         rid = caller.request_id or self.nc.new_inbox()[7:]
         try:
             check_token("model", model)
             if len(msg.data) > self.max_body_bytes:
-                await self._refuse(msg, rid, label,
-                                   refusals.too_large(len(msg.data), self.max_body_bytes))
+                await self._refuse_early(msg, rid, label,
+                                         refusals.too_large(len(msg.data), self.max_body_bytes))
                 return
             spec = model_spec(model)
             deadline_ms = self._deadline_ms(model, caller.deadline_ms)
             req = spec.decode(msg.data, caller.content_type)
         except (InvalidToken, BadRequest) as exc:
-            await self._refuse(msg, rid, label, refusals.bad_request(str(exc)))
+            await self._refuse_early(msg, rid, label, refusals.bad_request(str(exc)))
             return
         forwarded = Header.FORWARDED_BY in hdrs  # never forwarded twice
         owner = ticket_owner(caller.ticket) if caller.ticket else None
@@ -326,12 +328,23 @@ class RequestPath:
                 await self._try_candidate(Placing(routing=r, place=decision,
                                                   headers=self._slot_headers(r)))
 
-    async def _decided(self, r: Routing, outcome: str) -> None:
-        """The one record of a request's decision; then tell the other routers what changed
-        (nothing, and nothing sent, when this router is alone)."""
-        self.metrics.router_decision_seconds.labels(r.model, outcome).observe(
-            time.perf_counter() - r.t0)
+    async def _decided(self, r: Routing, outcome: str, slot: SlotView | None = None) -> None:
+        """The one record of a request's decision (its metric and its canonical line); then
+        tell the other routers what changed (nothing, and nothing sent, when alone)."""
+        took_s = time.perf_counter() - r.t0
+        self.metrics.router_decision_seconds.labels(r.model, outcome).observe(took_s)
+        self.canonical.line("request decided", request_id=r.rid, model=r.model,
+                            tenant=r.tenant, outcome=outcome, decision_us=int(took_s * 1e6),
+                            slot=slot.key if slot is not None else None,
+                            attempt=(r.msg.headers or {}).get(Header.ATTEMPT, "1"))
         await self.peers.tell()
+
+    async def _refuse_early(self, msg: Msg, rid: str, model: str, r: Refuse) -> None:
+        """A refusal before admission (a flood, a bad request): answered, and its line."""
+        await self._refuse(msg, rid, model, r)
+        self.canonical.line("request refused", error=r.status is not Status.BUSY,
+                            request_id=rid, model=model, status=int(r.status),
+                            reason=r.reason.value)
 
     async def _forward(self, r: Routing, owner: str, why: str) -> bool:
         """Hand a request to router `owner` and relay its answer: a ticket holder's to the
@@ -442,7 +455,7 @@ class RequestPath:
                     self.admission.redeemed(r.ms, p.place.redeemed)
                     self.metrics.tickets_honoured.labels(r.model).inc()
                 await self.peers.tell_taken(r.model, view, p.place, r.ask)
-                await self._decided(r, "placed")
+                await self._decided(r, "placed", view)
             case TimedOut():
                 self.fair.placed(r.model, r.tenant, r.ask.prediction.expected_us,
                                  time.monotonic())

@@ -2,12 +2,18 @@
 
     .venv/bin/python benchmarks/bridge_bench.py [--records 50000] [--rate 1000] [--seconds 10]
 
-Starts its own nats-server and tansu on loopback ports and stops them after.
+Starts its own nats-server and tansu on loopback ports and stops them after. Records are
+produced with confluent-kafka.
+
+Start to first record: from `KafkaBridge.start()` (stream ensured, consumer subscribed) to the
+first record acknowledged by JetStream, with the records already in Kafka, at the default
+session timeout (10 s) and at the tests' (2.4 s): a new member's group join on tansu takes
+about half the session timeout, and that is most of it.
 
 Throughput: `--records` transactions are produced to a 3-partition topic first, then the bridge
 starts and the clock runs until JetStream holds all of them (exactly once; the count is
 checked), so the figure is the bridge's drain rate with every record acknowledged by JetStream
-and every round's offsets committed.
+(offsets are committed behind that, every 0.2 s).
 
 Latency: records at a steady `--rate` for `--seconds`, each timestamped by the producer; a
 NATS subscriber on the events subject notes when each arrives. Reported per record:
@@ -28,7 +34,7 @@ from pathlib import Path
 
 import msgspec
 import nats
-from aiokafka import AIOKafkaProducer
+from confluent_kafka import Producer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,9 +51,25 @@ NAMES = Names()
 ENC = msgspec.json.Encoder()
 
 
-def _config(bootstrap: str, topic: str) -> BridgeConfig:
-    return BridgeConfig(kafka_bootstrap=bootstrap, topics=(topic,), session_timeout_ms=2400,
-                        heartbeat_interval_ms=400)
+def _config(bootstrap: str, topic: str, session_timeout_ms: int = 2400) -> BridgeConfig:
+    return BridgeConfig(kafka_bootstrap=bootstrap, topics=(topic,), group_id=f"bench-{topic}",
+                        session_timeout_ms=session_timeout_ms,
+                        heartbeat_interval_ms=session_timeout_ms // 6)
+
+
+def _produce(bootstrap: str, topic: str, n: int) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    for i in range(n):
+        body = ENC.encode(Transaction(card=f"card{i % 1000}", amount=i * 0.01,
+                                      features=[0.5] * 8))
+        while True:
+            try:
+                producer.produce(topic, body, key=f"card{i % 1000}".encode())
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    assert producer.flush(60) == 0
 
 
 async def _count(nc: nats.NATS, subject: str) -> int:
@@ -58,17 +80,7 @@ async def _count(nc: nats.NATS, subject: str) -> int:
 async def throughput(nc: nats.NATS, bootstrap: str, n: int) -> tuple[float, float]:
     topic = "bench_tp"
     await ensure_topics(bootstrap, [topic], partitions=3)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5,
-                                max_batch_size=256 * 1024)
-    await producer.start()
-    try:
-        for i in range(n):
-            body = ENC.encode(Transaction(card=f"card{i % 1000}", amount=i * 0.01,
-                                          features=[0.5] * 8))
-            await producer.send(topic, body, key=f"card{i % 1000}".encode())
-        await producer.flush()
-    finally:
-        await producer.stop()
+    await asyncio.to_thread(_produce, bootstrap, topic, n)
     subject = NAMES.events(topic)
     async with KafkaBridge(nc, _config(bootstrap, topic)) as bridge:
         await bridge.wait_assigned()
@@ -96,8 +108,7 @@ async def latency(nc: nats.NATS, bootstrap: str, rate: float, seconds: float) ->
         e2e_ms.append(now - s.event_time_ms)
 
     sub = await nc.subscribe(NAMES.events(topic), cb=on_msg)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
-    await producer.start()
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
     try:
         async with KafkaBridge(nc, _config(bootstrap, topic)) as bridge:
             await bridge.wait_assigned()
@@ -109,19 +120,30 @@ async def latency(nc: nats.NATS, bootstrap: str, rate: float, seconds: float) ->
                 if due > time.monotonic():
                     await asyncio.sleep(due - time.monotonic())
                 body = ENC.encode(Transaction(card=f"card{i % 100}", amount=1.0))
-                await producer.send(topic, body, key=f"card{i % 100}".encode(),
-                                    timestamp_ms=time.time_ns() // 1_000_000)
+                producer.produce(topic, body, key=f"card{i % 100}".encode(),
+                                 timestamp=time.time_ns() // 1_000_000)
+                producer.poll(0)
                 i += 1
-            await producer.flush()
+            await asyncio.to_thread(producer.flush, 10)
             await asyncio.sleep(1.0)
     finally:
-        await producer.stop()
         await sub.unsubscribe()
     return {
         "records": float(len(bridge_ms)),
         "bridge_p50": quantile(bridge_ms, 0.5), "bridge_p99": quantile(bridge_ms, 0.99),
         "e2e_p50": quantile(e2e_ms, 0.5), "e2e_p99": quantile(e2e_ms, 0.99),
     }
+
+
+async def first_record(nc: nats.NATS, bootstrap: str, session_timeout_ms: int) -> float:
+    topic = f"bench_first_{session_timeout_ms}"
+    await ensure_topics(bootstrap, [topic], partitions=3)
+    await asyncio.to_thread(_produce, bootstrap, topic, 10)
+    async with KafkaBridge(nc, _config(bootstrap, topic, session_timeout_ms)) as bridge:
+        async with asyncio.timeout(60):
+            while bridge.stats.first_record_s is None:
+                await asyncio.sleep(0.005)
+        return bridge.stats.first_record_s
 
 
 async def main() -> None:
@@ -133,14 +155,17 @@ async def main() -> None:
     async with EmbeddedNats() as server, EmbeddedTansu() as kafka:
         nc = await nats.connect(server.url)
         try:
+            first = {ms: await first_record(nc, kafka.bootstrap, ms) for ms in (10_000, 2400)}
             rps, elapsed = await throughput(nc, kafka.bootstrap, args.records)
             lat = await latency(nc, kafka.bootstrap, args.rate, args.seconds)
         finally:
             await nc.close()
     print(f"machine: {platform.machine()}, {platform.python_implementation()} "
           f"{platform.python_version()}, nats-server + tansu on loopback")
+    print("start to first record in JetStream: "
+          + ", ".join(f"{s:.2f} s (session timeout {ms / 1000:g} s)" for ms, s in first.items()))
     print(f"throughput: {args.records} records in {elapsed:.2f} s = {rps:,.0f} records/s "
-          "(each acknowledged by JetStream, offsets committed, exactly once)")
+          "(each acknowledged by JetStream before its offset is committed; exactly once)")
     print(f"latency at {args.rate:g} records/s over {args.seconds:g} s "
           f"({lat['records']:.0f} records after warm-up):")
     print(f"  bridge (ingest -> NATS delivery):      p50 {lat['bridge_p50']:.1f} ms, "

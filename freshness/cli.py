@@ -11,6 +11,7 @@ import click
 
 from freshness.config import BridgeConfig, OnStale
 from freshness.demo import DemoPlan, run_risk_demo
+from freshness.kafka_config import KafkaSecurity, SaslMechanism, SecurityProtocol, StartFrom
 from freshness.run import run_bridge
 from plane.cli import (
     EXIT_OK,
@@ -35,6 +36,29 @@ EXIT_FAILED = 1
               help="Kafka topic to bridge (repeat for several).")
 @click.option("--group", "group_id", default="plane-bridge", show_default=True,
               help="Kafka consumer group (offsets are committed there).")
+@click.option("--start", type=click.Choice([s.value for s in StartFrom]), default="committed",
+              show_default=True,
+              help="Where to start each partition: the group's committed offset (the "
+                   "beginning where none), or the beginning / the end whatever was committed.")
+@click.option("--dead-letter-topic", default=None, metavar="TOPIC",
+              help="Also send bad records to this Kafka topic (NATS always gets them).")
+@click.option("--kafka-security", type=click.Choice([p.value for p in SecurityProtocol],
+                                                    case_sensitive=False), default=None,
+              help="Kafka security protocol (default: SASL_SSL with a SASL mechanism, SSL "
+                   "with TLS files, else PLAINTEXT).")
+@click.option("--kafka-sasl-mechanism", type=click.Choice([m.value for m in SaslMechanism],
+                                                          case_sensitive=False), default=None)
+@click.option("--kafka-sasl-username", envvar="PLANE_KAFKA_SASL_USERNAME", default=None)
+@click.option("--kafka-sasl-password", envvar="PLANE_KAFKA_SASL_PASSWORD", default=None,
+              help="Better from PLANE_KAFKA_SASL_PASSWORD than on the command line.")
+@click.option("--kafka-tls-ca", envvar="PLANE_KAFKA_TLS_CA", default=None,
+              type=click.Path(dir_okay=False), help="CA file for the brokers' certificates.")
+@click.option("--kafka-tls-cert", default=None, type=click.Path(dir_okay=False),
+              help="Client certificate (mutual TLS).")
+@click.option("--kafka-tls-key", default=None, type=click.Path(dir_okay=False),
+              help="The client certificate's private key.")
+@click.option("--kafka-tls-no-verify-hostname", is_flag=True, default=False,
+              help="Do not check the broker's host name against its certificate.")
 @click.option("--max-in-flight", default=1024, show_default=True,
               help="JetStream acknowledgements outstanding at once.")
 @click.option("--max-batch", default=1000, show_default=True,
@@ -47,7 +71,12 @@ EXIT_FAILED = 1
 @replicas_option
 @click.option("--log-level", default="info", show_default=True)
 @connect_options
-def bridge(kafka: str, topics: tuple[str, ...], group_id: str, max_in_flight: int,
+def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
+           dead_letter_topic: str | None, kafka_security: str | None,
+           kafka_sasl_mechanism: str | None, kafka_sasl_username: str | None,
+           kafka_sasl_password: str | None, kafka_tls_ca: str | None,
+           kafka_tls_cert: str | None, kafka_tls_key: str | None,
+           kafka_tls_no_verify_hostname: bool, max_in_flight: int,
            max_batch: int, session_timeout_ms: int, prefix: str, metrics_port: int | None,
            metrics_host: str, replicas: int, log_level: str,
            nats_url: str | None, user: str | None, password: str | None, token: str | None,
@@ -58,14 +87,27 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, max_in_flight: in
     Examples:
       plane bridge --kafka 127.0.0.1:9092 --topic transactions --nats nats://127.0.0.1:4222
       plane bridge --kafka k1:9092,k2:9092 --topic a --topic b --nats nats://n1:4222
-    Bad records go to `<prefix>.dead.<topic>` with a Plane-Dead-Reason header.
+      PLANE_KAFKA_SASL_PASSWORD=... plane bridge --kafka b-1.msk:9096 --topic tx \\
+        --kafka-sasl-mechanism SCRAM-SHA-512 --kafka-sasl-username bridge --nats ...
+    Bad records go to `<prefix>.dead.<topic>` with a Plane-Dead-Reason header (and to
+    --dead-letter-topic in Kafka when given). Kafka record headers travel as
+    `Plane-Kafka-Header-<name>`.
     """
     configure(log_level)
     try:
         if nats_url is None:
             raise ConfigError("plane bridge needs --nats URL (or PLANE_NATS)")
+        security = KafkaSecurity(
+            protocol=SecurityProtocol(kafka_security.upper()) if kafka_security else None,
+            sasl_mechanism=(SaslMechanism(kafka_sasl_mechanism.upper())
+                            if kafka_sasl_mechanism else None),
+            sasl_username=kafka_sasl_username, sasl_password=kafka_sasl_password,
+            ssl_ca_file=kafka_tls_ca, ssl_cert_file=kafka_tls_cert, ssl_key_file=kafka_tls_key,
+            ssl_check_hostname=not kafka_tls_no_verify_hostname)
         config = BridgeConfig(kafka_bootstrap=kafka, topics=topics, names=Names(prefix),
-                              group_id=group_id, max_in_flight=max_in_flight,
+                              group_id=group_id, security=security, start=StartFrom(start),
+                              dead_letter_topic=dead_letter_topic,
+                              max_in_flight=max_in_flight,
                               max_batch=max_batch, session_timeout_ms=session_timeout_ms,
                               heartbeat_interval_ms=max(100, session_timeout_ms // 6),
                               replicas=replicas)
@@ -112,7 +154,10 @@ def risk_demo(duration_s: float, rate_per_s: float, cards: int, lag_ms: float,
     loopback ports, produces card transactions, bridges them into JetStream, keeps per-card
     features fresh in KV, scores each transaction through the plane with a deadline, and
     publishes the scores to NATS (`plane.scored.<topic>`) and to Kafka (`<topic>.scored`).
-    It prints what happened, then stops everything it started.
+    Then a burst of requests: one refused (429 with a ticket) comes back after its
+    Retry-After-Ms and gets its answer. It prints what happened (answers by status, deadline
+    misses), then stops everything it started; exit 0 and "OK" only when every record was
+    scored once, every answer was a 200 within its deadline, and the ticket was redeemed.
     \b
     Examples:
       plane risk-demo

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from freshness.kafka_config import KafkaSecurity, StartFrom
 from plane.errors import ConfigError
 from plane.subjects import InvalidToken, Names, check_token
 
@@ -36,6 +37,12 @@ class BridgeConfig:
     topics: tuple[str, ...]
     names: Names = field(default_factory=Names)
     group_id: str = "plane-bridge"
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    start: StartFrom = StartFrom.COMMITTED
+    # Dead letters also go to this Kafka topic (value, key and headers as they came, plus
+    # `plane-dead-reason` and the source's topic, partition and offset), acknowledged by
+    # Kafka before the round's offsets are committed. None: NATS only.
+    dead_letter_topic: str | None = None
     # Kafka group membership. A member that dies (SIGKILL) holds its partitions until its
     # session times out; a joining member also waits up to about half of it (tansu).
     session_timeout_ms: int = 10_000
@@ -45,7 +52,12 @@ class BridgeConfig:
     # Records taken from Kafka per round; offsets are committed once per round, after every
     # record of the round has been acknowledged by JetStream.
     max_batch: int = 1000
+    # Settled offsets are committed at most this often (and when nothing more comes within
+    # it): a crash re-fetches at most this much more, which JetStream drops as duplicates.
+    commit_interval_ms: int = 200
     poll_timeout_ms: int = 100
+    # How long a Kafka fetch waits on the broker for data (latency of a quiet topic).
+    fetch_wait_max_ms: int = 10
     publish_timeout_s: float = 2.0
     retry_backoff_s: float = 0.1
     retry_backoff_max_s: float = 2.0
@@ -68,8 +80,14 @@ class BridgeConfig:
             raise ConfigError("max in-flight publishes must be 1..100000")
         if not 1 <= self.max_batch <= 100_000:
             raise ConfigError("max batch must be 1..100000")
+        if not 0 <= self.commit_interval_ms <= 60_000:
+            raise ConfigError("the commit interval must be 0..60000 ms")
         if not 3 * self.heartbeat_interval_ms <= self.session_timeout_ms:
             raise ConfigError("the Kafka session timeout must be at least 3 heartbeats")
+        if self.dead_letter_topic is not None:
+            if self.dead_letter_topic in self.topics:
+                raise ConfigError("the dead-letter topic cannot be one of the bridged topics")
+            stream_token(self.dead_letter_topic)
         if self.duplicate_window_s > self.max_age_s:
             raise ConfigError("the duplicate window cannot be longer than the stream's max age")
 

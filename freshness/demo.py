@@ -6,9 +6,11 @@
                                                         |
                              plane.scored.<topic> (NATS) + <topic>.scored (Kafka)
 
-Everything it starts (nats-server, tansu, router, node, bridge, updater, scorer) it stops,
+Everything it starts (nats-server, tansu, router, nodes, bridge, updater, scorer) it stops,
 in reverse order, by PID for the processes. Traffic runs for `duration_s`, then the scorer
-gets a bounded time to catch up, and the report says what happened.
+gets a bounded time to catch up; then a burst of `calibrated` requests, one of whose refusals
+is redeemed with its ticket (`redeem_one_ticket`). The report (`demo_report`) says what
+happened, and "OK" only when every answer met its contract.
 """
 
 from __future__ import annotations
@@ -17,33 +19,42 @@ import asyncio
 import contextlib
 import random
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import msgspec
 import nats.errors
 import structlog
-from aiokafka import AIOKafkaProducer
+from confluent_kafka import KafkaError, Producer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from freshness.bridge import KafkaBridge
 from freshness.config import BridgeConfig, GuardConfig, OnStale, UpdaterConfig, stream_token
+from freshness.demo_report import (
+    TICKET_BURST,
+    TICKET_DEADLINE_MS,
+    TICKET_WORK_US,
+    DemoReport,
+    DemoSetting,
+    TicketStory,
+)
 from freshness.features import FeatureUpdater
 from freshness.guard import FRESHNESS_KEY, CardFeatureGuard, pad, risk_enricher
 from freshness.kafka_admin import ensure_topics
+from freshness.kafka_client import client_config, new_client
+from freshness.kafka_config import KafkaSecurity
 from freshness.provision import ensure_config_bucket
 from freshness.records import Stamps, Transaction, transaction_decoder
 from freshness.tansu import EmbeddedTansu
+from plane.backoff import NO_RETRY
 from plane.client import Client as PlaneClient
-from plane.client import ClientConfig
+from plane.client import ClientConfig, Result
 from plane.config import ConnectOptions
 from plane.embedded import EmbeddedNats
 from plane.errors import ConfigError
-from plane.messages import FEATURES, RiskRequest
+from plane.messages import FEATURES, Reason, RiskRequest, Status
 from plane.natsconn import connect
-from plane.quantiles import quantile
 from plane.subjects import Header, Names
 
 log = structlog.get_logger("freshness.demo")
@@ -84,6 +95,12 @@ class DemoPlan:
     def scored_topic(self) -> str:
         return f"{self.topic}.scored"
 
+    def setting(self) -> DemoSetting:
+        return DemoSetting(duration_s=self.duration_s, rate_per_s=self.rate_per_s,
+                           cards=self.cards, lag_ms=self.lag_ms, lag_fraction=self.lag_fraction,
+                           freshness_ms=self.freshness_ms, on_stale=self.on_stale.value,
+                           deadline_ms=self.deadline_ms, topic=self.topic, names=self.names)
+
 
 class Scored(msgspec.Struct, frozen=True, kw_only=True):
     """A scored transaction, as published to NATS and Kafka."""
@@ -107,58 +124,39 @@ _reply_decoder = msgspec.json.Decoder(_Reply)
 _encoder = msgspec.json.Encoder()
 
 
-@dataclass
-class DemoReport:
-    plan: DemoPlan
-    produced: int = 0
-    bridged: int = 0
-    dead: int = 0
-    features_applied: int = 0
-    scored: int = 0
-    to_kafka: int = 0
-    statuses: Counter[int] = field(default_factory=Counter)
-    freshness: Counter[str] = field(default_factory=Counter)
-    request_ms: list[float] = field(default_factory=list)
-    end_to_end_ms: list[float] = field(default_factory=list)
-    kafka: str = ""
-    nats: str = ""
+class _KafkaOut:
+    """A confluent-kafka producer for the demo: `send` queues (never blocks the loop),
+    `flush` waits in a worker thread until Kafka has everything."""
 
-    @property
-    def ok(self) -> bool:
-        return self.produced > 0 and self.scored == self.produced == self.bridged
+    def __init__(self, bootstrap: str) -> None:
+        self._producer = new_client(Producer, client_config(
+            bootstrap, KafkaSecurity(), **{"linger.ms": 2, "client.id": "plane-risk-demo"}))
+        self.failed = 0
 
-    def render(self) -> str:
-        p = self.plan
-        lines = [
-            f"risk-demo: {p.duration_s:g} s at {p.rate_per_s:g} tx/s over {p.cards} cards "
-            f"(Kafka {self.kafka}, NATS {self.nats})",
-            f"  injected lag      {p.lag_ms:g} ms on {p.lag_fraction:.0%} of records; "
-            f"threshold {p.freshness_ms} ms, on stale: {p.on_stale.value}",
-            f"  produced          {self.produced}",
-            f"  bridged           {self.bridged} (dead letters: {self.dead})",
-            f"  features applied  {self.features_applied}",
-            f"  scored            {self.scored} (statuses: "
-            + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items())) + ")",
-            "  freshness         "
-            + (", ".join(f"{k}: {v}" for k, v in sorted(self.freshness.items())) or "-"),
-            f"  published         NATS {p.names.scored(stream_token(p.topic))}: {self.scored}, "
-            f"Kafka {p.scored_topic}: {self.to_kafka}",
-            f"  scoring request   p50 {quantile(self.request_ms, 0.5):.2f} ms, "
-            f"p99 {quantile(self.request_ms, 0.99):.2f} ms (deadline {p.deadline_ms} ms)",
-            f"  event -> scored   p50 {quantile(self.end_to_end_ms, 0.5):.2f} ms, "
-            f"p99 {quantile(self.end_to_end_ms, 0.99):.2f} ms",
-            "  result            " + ("OK: every record bridged and scored once" if self.ok
-                                      else "INCOMPLETE: see the counts above"),
-        ]
-        return "\n".join(lines)
+    def _on_delivery(self, err: KafkaError | None, _msg: object) -> None:
+        if err is not None:
+            self.failed += 1
+            log.warning("Kafka produce failed", error=err.str())
+
+    def send(self, topic: str, value: bytes, key: bytes, timestamp_ms: int = 0) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value, key=key, timestamp=timestamp_ms,
+                                       on_delivery=self._on_delivery)
+                break
+            except BufferError:  # queue full: serve delivery reports to make room
+                self._producer.poll(0)
+        self._producer.poll(0)
+
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        await asyncio.to_thread(self._producer.flush, timeout_s)
 
 
 async def _produce(plan: DemoPlan, bootstrap: str, report: DemoReport) -> None:
     """Card transactions at `rate_per_s` for `duration_s`; a fraction carry an event time
     `lag_ms` in the past (upstream lag)."""
     rng = random.Random(plan.seed)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=1)
-    await producer.start()
+    producer = _KafkaOut(bootstrap)
     try:
         start = time.monotonic()
         interval_s = 1.0 / plan.rate_per_s
@@ -173,20 +171,19 @@ async def _produce(plan: DemoPlan, bootstrap: str, report: DemoReport) -> None:
                               features=[round(rng.gauss(0, 1), 4) for _ in range(8)])
             lag = plan.lag_ms if rng.random() < plan.lag_fraction else 0.0
             ts = time.time_ns() // 1_000_000 - int(lag)
-            await producer.send(plan.topic, _encoder.encode(txn), key=card.encode(),
-                                timestamp_ms=ts)
+            producer.send(plan.topic, _encoder.encode(txn), key=card.encode(), timestamp_ms=ts)
             report.produced += 1
             i += 1
         del elapsed
-        await producer.flush()
     finally:
-        await producer.stop()
+        await producer.flush()
+    report.produced -= producer.failed
 
 
 class _Scorer:
     """Scores every bridged transaction through the plane, publishes the results."""
 
-    def __init__(self, nc: Client, plan: DemoPlan, producer: AIOKafkaProducer,
+    def __init__(self, nc: Client, plan: DemoPlan, producer: _KafkaOut,
                  report: DemoReport) -> None:
         self.nc, self.plan, self.producer, self.report = nc, plan, producer, report
         self.token = stream_token(plan.topic)
@@ -225,7 +222,7 @@ class _Scorer:
             t0 = time.perf_counter()
             # The SDK: retries a 429 at its Retry-After while the deadline allows.
             result = await self.client.call("risk", body, deadline_ms=self.plan.deadline_ms)
-            self.report.request_ms.append((time.perf_counter() - t0) * 1000)
+            self.report.answer(result.status, (time.perf_counter() - t0) * 1000)
             h = result.headers
             status = result.status
             score = _reply_decoder.decode(result.body).score if status == 200 else None
@@ -236,10 +233,9 @@ class _Scorer:
                             offset=stamps.offset)
             data = _encoder.encode(scored)
             await self.nc.publish(self.plan.names.scored(self.token), data)
-            await self.producer.send(self.plan.scored_topic, data, key=txn.card.encode())
+            self.producer.send(self.plan.scored_topic, data, key=txn.card.encode())
             self.report.to_kafka += 1
             self.report.scored += 1
-            self.report.statuses[status] += 1
             if scored.freshness:
                 self.report.freshness[scored.freshness] += 1
             self.report.end_to_end_ms.append(float(now_ms - stamps.event_time_ms))
@@ -248,11 +244,46 @@ class _Scorer:
             self._sem.release()
 
 
+def _busy_ticket(r: Result) -> bool:
+    return (r.status == Status.BUSY and r.reason == Reason.BUSY
+            and bool(r.headers.get(Header.TICKET)) and r.retry_after_ms is not None)
+
+
+async def redeem_one_ticket(client: PlaneClient) -> TicketStory:
+    """The burst, and the first refusal's ticket redeemed as soon as it is due (while the
+    rest of the burst is still running: a ticket is a promise for a time, not for later)."""
+    body = msgspec.json.encode({"duration_us": TICKET_WORK_US})
+    ticket: str | None = None
+    retry_after_ms: int | None = None
+    again: Result | None = None
+    after_ms: float | None = None
+    async with asyncio.TaskGroup() as tg:
+        calls = [tg.create_task(client.call("calibrated", body, deadline_ms=TICKET_DEADLINE_MS,
+                                            policy=NO_RETRY)) for _ in range(TICKET_BURST)]
+        for done in asyncio.as_completed(calls):
+            r = await done
+            if ticket is None and _busy_ticket(r):
+                refused_at = time.monotonic()
+                ticket, retry_after_ms = r.headers[Header.TICKET], r.retry_after_ms or 0
+                await asyncio.sleep(retry_after_ms / 1000)
+                again = await client.call("calibrated", body, deadline_ms=TICKET_DEADLINE_MS,
+                                          policy=NO_RETRY, ticket=ticket, first_attempt=2)
+                after_ms = (time.monotonic() - refused_at) * 1000
+    burst = [c.result() for c in calls]
+    return TicketStory(
+        burst=TICKET_BURST, placed=sum(r.status == Status.OK for r in burst),
+        refused=sum(_busy_ticket(r) for r in burst), ticket=ticket,
+        retry_after_ms=retry_after_ms,
+        redeemed_status=again.status if again is not None else None,
+        redeemed_node=again.node if again is not None else None,
+        redeemed_after_ms=after_ms)
+
+
 async def run_risk_demo(plan: DemoPlan, opts: ConnectOptions | None) -> DemoReport:
     # Imported here: the plane's router and node are only needed when the demo runs.
     from plane.stack import PlaneStack, StackConfig
 
-    report = DemoReport(plan=plan)
+    report = DemoReport(setting=plan.setting())
     names = plan.names
     async with contextlib.AsyncExitStack() as stack:
         if opts is None:
@@ -274,17 +305,17 @@ async def run_risk_demo(plan: DemoPlan, opts: ConnectOptions | None) -> DemoRepo
 
         guard = await stack.enter_async_context(CardFeatureGuard(
             nc, names, GuardConfig(threshold_ms=plan.freshness_ms, on_stale=plan.on_stale)))
+        # `calibrated` for the ticket part: a refusal that turns into an answer.
         await stack.enter_async_context(PlaneStack(
-            StackConfig(connect=opts, names=names, models=("risk",)),
+            StackConfig(connect=opts, names=names, models=("risk", "calibrated")),
             enrich=risk_enricher(guard)))
         bridge = await stack.enter_async_context(KafkaBridge(nc, BridgeConfig(
             kafka_bootstrap=bootstrap, topics=(plan.topic,), names=names,
             session_timeout_ms=2400, heartbeat_interval_ms=400)))
         updater = await stack.enter_async_context(
             FeatureUpdater(nc, UpdaterConfig(topic=plan.topic, names=names)))
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=2)
-        await producer.start()
-        stack.push_async_callback(producer.stop)
+        producer = _KafkaOut(bootstrap)
+        stack.push_async_callback(producer.flush)
         await bridge.wait_assigned()
 
         stop_scoring = asyncio.Event()
@@ -297,8 +328,11 @@ async def run_risk_demo(plan: DemoPlan, opts: ConnectOptions | None) -> DemoRepo
                     while report.scored < report.produced:  # noqa: ASYNC110 - counters
                         await asyncio.sleep(0.05)
             stop_scoring.set()
+        report.ticket = await redeem_one_ticket(scorer.client)
         await producer.flush()
+        report.to_kafka -= producer.failed
         report.bridged = bridge.stats.events
         report.dead = bridge.stats.dead
+        report.first_record_s = bridge.stats.first_record_s
         report.features_applied = updater.applied
     return report

@@ -1,31 +1,49 @@
-"""Kafka topic administration the demo and the tests need (aiokafka's admin client)."""
+"""Kafka topic administration the demo, the tests and the benchmark need (confluent-kafka's
+admin client; its calls block, so they run in a worker thread)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic  # re-exported by .admin without __all__
+
+from freshness.kafka_client import client_config, new_client
+from freshness.kafka_config import KafkaSecurity
+
+
+def _ensure(bootstrap: str, topics: list[str], partitions: int, security: KafkaSecurity,
+            timeout_s: float) -> None:
+    admin = new_client(AdminClient, client_config(bootstrap, security))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left_s = deadline - time.monotonic()
+        try:
+            existing = set(admin.list_topics(timeout=max(left_s, 0.1)).topics)
+        except KafkaException:
+            if left_s <= 0:
+                raise TimeoutError(f"Kafka at {bootstrap} not reachable") from None
+            time.sleep(0.2)
+            continue
+        new = [NewTopic(t, num_partitions=partitions, replication_factor=1)
+               for t in topics if t not in existing]
+        if not new:
+            return
+        for future in admin.create_topics(new, operation_timeout=left_s).values():
+            try:
+                future.result()
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+        return
 
 
 async def ensure_topics(
-    bootstrap: str, topics: list[str], *, partitions: int = 3, timeout_s: float = 15.0
+    bootstrap: str, topics: list[str], *, partitions: int = 3, timeout_s: float = 15.0,
+    security: KafkaSecurity | None = None,
 ) -> None:
     """Create the topics that do not exist yet (replication factor 1)."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-            try:
-                await admin.start()
-                existing = set(await admin.list_topics())
-                new = [NewTopic(t, num_partitions=partitions, replication_factor=1)
-                       for t in topics if t not in existing]
-                if new:
-                    with contextlib.suppress(TopicAlreadyExistsError):
-                        await admin.create_topics(new)
-                return
-            except KafkaConnectionError:
-                await asyncio.sleep(0.2)
-            finally:
-                await admin.close()
+    await asyncio.to_thread(_ensure, bootstrap, topics, partitions,
+                            security or KafkaSecurity(), timeout_s)

@@ -3,7 +3,7 @@ labels, and an explicit registry (the caller's, or a private one)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Upstream lag and waits: 1 ms to 10 s.
 LAG_BUCKETS_S = (
@@ -29,6 +29,15 @@ class BridgeMetrics:
         self.commits = Counter(
             "plane_bridge_commits", "Kafka offset commits, by result (ok, failed)",
             ["result"], registry=r)
+        # One series per partition this bridge is assigned (removed when it is revoked):
+        # partitions are few and fixed, as in every Kafka lag exporter.
+        self.consumer_lag = Gauge(
+            "plane_bridge_consumer_lag_records", "Records in a Kafka partition the bridge has "
+            "not committed yet: the partition's end (as of the last fetch) minus the bridge's "
+            "committed offset", ["topic", "partition"], registry=r)
+        self.first_record_seconds = Gauge(
+            "plane_bridge_first_record_seconds", "Time from the bridge's start to its first "
+            "record acknowledged by JetStream (0 until then)", registry=r)
 
 
 class GuardMetrics:

@@ -8,7 +8,8 @@ reader accepts a new record. Decoders are built once, here.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 import msgspec
@@ -70,7 +71,7 @@ class Stamps(msgspec.Struct, frozen=True, kw_only=True):
             Header.NATS_MSG_ID: msg_id,
         }
         if self.key is not None:
-            h[Header.KAFKA_KEY] = encode_key(self.key)
+            h[Header.KAFKA_KEY] = encode_bytes(self.key)
         return h
 
     @classmethod
@@ -85,7 +86,7 @@ class Stamps(msgspec.Struct, frozen=True, kw_only=True):
                 ingest_time_ms=int(headers[Header.INGEST_TIME]),
                 partition=int(headers[Header.KAFKA_PARTITION]),
                 offset=int(headers[Header.KAFKA_OFFSET]),
-                key=decode_key(key) if key is not None else None,
+                key=decode_bytes(key) if key is not None else None,
             )
         except KeyError as exc:
             raise ValueError(f"bridge stamp {exc.args[0]} missing") from exc
@@ -98,21 +99,70 @@ class Stamps(msgspec.Struct, frozen=True, kw_only=True):
 _B64 = "b64:"
 
 
-def encode_key(key: bytes) -> str:
-    """A Kafka key as a header value: UTF-8 text as is, anything else base64 with `b64:`."""
+def encode_bytes(raw: bytes) -> str:
+    """Kafka bytes (a key, a header value) as a NATS header value: UTF-8 text as is; anything
+    a header cannot carry exactly (not UTF-8, not printable, white space at either end,
+    which NATS trims, or text that starts with `b64:`) as `b64:` + base64."""
     try:
-        text = key.decode()
+        text = raw.decode()
     except UnicodeDecodeError:
-        return _B64 + base64.b64encode(key).decode()
-    if text.startswith(_B64) or not text.isprintable():
-        return _B64 + base64.b64encode(key).decode()
+        return _B64 + base64.b64encode(raw).decode()
+    if text.startswith(_B64) or not text.isprintable() or text != text.strip():
+        return _B64 + base64.b64encode(raw).decode()
     return text
 
 
-def decode_key(value: str) -> bytes:
+def decode_bytes(value: str) -> bytes:
     if value.startswith(_B64):
         return base64.b64decode(value[len(_B64):])
     return value.encode()
+
+
+# -- Kafka record headers on the JetStream message ----------------------------------------
+# Kafka header `<name>` travels as NATS header `Plane-Kafka-Header-<name>`; its value as
+# `encode_bytes` writes it (a null value as an empty one). A name byte that a NATS header
+# name cannot hold (anything but A-Z a-z 0-9 ! # $ & ' * + - . ^ _ ` | ~) is written `%XX`,
+# as are `%` itself. Kafka allows one name several times: the last value is carried (Java's
+# `Headers.lastHeader`).
+KAFKA_HEADER_PREFIX = "Plane-Kafka-Header-"
+_NAME_SAFE = frozenset(b"!#$&'*+-.^_`|~0123456789"
+                       b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def kafka_header_name(name: str) -> str:
+    """The NATS header that carries Kafka header `name`."""
+    raw = name.encode()
+    if all(b in _NAME_SAFE for b in raw):
+        return KAFKA_HEADER_PREFIX + name
+    return KAFKA_HEADER_PREFIX + "".join(
+        chr(b) if b in _NAME_SAFE else f"%{b:02X}" for b in raw)
+
+
+def kafka_header_of(nats_name: str) -> str | None:
+    """The Kafka header name a NATS header carries, or None when it carries none."""
+    if not nats_name.startswith(KAFKA_HEADER_PREFIX):
+        return None
+    return urllib.parse.unquote(nats_name[len(KAFKA_HEADER_PREFIX):], errors="strict")
+
+
+def carry_kafka_headers(
+    into: dict[str, str], headers: Sequence[tuple[str, bytes | None]] | None
+) -> None:
+    """Add a record's Kafka headers to the NATS headers `into`."""
+    if not headers:
+        return
+    for name, value in headers:
+        into[kafka_header_name(name)] = encode_bytes(value) if value else ""
+
+
+def kafka_headers(headers: Mapping[str, str] | None) -> dict[str, bytes]:
+    """The Kafka headers a bridged message carries (what a consumer of the stream reads)."""
+    out: dict[str, bytes] = {}
+    for nats_name, value in (headers or {}).items():
+        name = kafka_header_of(nats_name)
+        if name is not None:
+            out[name] = decode_bytes(value)
+    return out
 
 
 def msg_id(topic: str, partition: int, offset: int, timestamp_ms: int) -> str:

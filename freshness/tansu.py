@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import structlog
 
-from freshness.kafka_compat import ApiVersionsShim
 from plane.errors import ConfigError
 from plane.processes import ChildProcess, free_port
 
@@ -39,26 +38,20 @@ def tansu_binary() -> str:
 @dataclass(kw_only=True)
 class TansuSpec:
     port: int = 0  # 0: a free port, kept across restarts
-    # Front the broker with `ApiVersionsShim` so librdkafka 2.0 (kcat) can use it.
-    librdkafka_compat: bool = False
     cluster_id: str = "plane"
 
 
 class EmbeddedTansu(ChildProcess):
     """`async with EmbeddedTansu() as kafka:` then `kafka.bootstrap` ("127.0.0.1:PORT").
-    `restart()` keeps its port (memory storage: everything else is lost); the shim, if any,
-    stays up through it, so clients keep their address."""
+    `restart()` keeps its port (memory storage: everything else is lost), so clients keep
+    their address."""
 
     def __init__(self, spec: TansuSpec | None = None) -> None:
         super().__init__()
         self.spec = spec or TansuSpec()
-        self._shim: ApiVersionsShim | None = None
 
     @property
     def port(self) -> int:
-        """The port clients use (the shim's when there is one)."""
-        if self._shim is not None:
-            return self._shim.port
         if not self.spec.port:
             raise RuntimeError("tansu not started")
         return self.spec.port
@@ -72,17 +65,13 @@ class EmbeddedTansu(ChildProcess):
             return
         if not self.spec.port:
             self.spec.port = free_port()
-        if self.spec.librdkafka_compat and self._shim is None:
-            self._shim = ApiVersionsShim(self.spec.port)
-            await self._shim.start()
         listen = f"tcp://127.0.0.1:{self.spec.port}"
-        advertised = f"tcp://127.0.0.1:{self.port}"
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RUST_LOG": "warn"}
         stream = await self._spawn(
             tansu_binary(), "broker",
             "--cluster-id", self.spec.cluster_id,
             "--listener-url", listen,
-            "--advertised-listener-url", advertised,
+            "--advertised-listener-url", listen,
             "--storage-engine", "memory://tansu/",
             log_on_stdout=True, env=env,
         )
@@ -106,9 +95,3 @@ class EmbeddedTansu(ChildProcess):
                     continue
                 w.close()
                 return
-
-    async def close(self) -> None:
-        await self.stop()
-        shim, self._shim = self._shim, None
-        if shim is not None:
-            await shim.stop()

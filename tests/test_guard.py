@@ -9,8 +9,7 @@ import time
 
 import msgspec
 import pytest
-from aiokafka import AIOKafkaProducer
-from kafka_fixtures import SESSION_TIMEOUT_MS, kafka_topic, tansu
+from kafka_fixtures import SESSION_TIMEOUT_MS, kafka_topic, produce, tansu
 from nats.aio.client import Client
 
 from freshness.bridge import KafkaBridge
@@ -189,11 +188,10 @@ async def test_live_threshold_from_plane_config(nc: Client) -> None:
 
 
 # -- the whole path: Kafka with an injected upstream lag --------------------------------------
-async def _produce(producer: AIOKafkaProducer, topic: str, card: str, amount: float,
-                   lag_ms: int) -> None:
+async def _produce(bootstrap: str, topic: str, card: str, amount: float, lag_ms: int) -> None:
     now_ms = time.time_ns() // 1_000_000
     body = msgspec.json.encode(Transaction(card=card, amount=amount))
-    await producer.send_and_wait(topic, body, key=card.encode(), timestamp_ms=now_ms - lag_ms)
+    await produce(bootstrap, topic, [(card.encode(), body, [])], timestamp_ms=now_ms - lag_ms)
 
 
 async def _until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -209,43 +207,39 @@ async def test_injected_upstream_lag_makes_the_guard_wait_or_degrade(
     bridge_cfg = BridgeConfig(kafka_bootstrap=tansu.bootstrap, topics=(topic,),
                               session_timeout_ms=SESSION_TIMEOUT_MS,
                               heartbeat_interval_ms=SESSION_TIMEOUT_MS // 6)
-    producer = AIOKafkaProducer(bootstrap_servers=tansu.bootstrap, linger_ms=0)
-    await producer.start()
-    try:
-        async with (
-            KafkaBridge(nc, bridge_cfg) as bridge,
-            FeatureUpdater(nc, UpdaterConfig(topic=topic)) as updater,
-            CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.DEGRADE,
-                                                    check_age=False)) as degrading,
-            CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.WAIT,
-                                                    check_age=False)) as waiting,
-        ):
-            await bridge.wait_assigned()
-            await _produce(producer, topic, "c1", 10.0, lag_ms=0)
-            await _until(lambda: "c1" in degrading._last_good and "c1" in waiting._last_good)
-            good = (await degrading.lookup("c1", _deadline(50)))
-            assert good.freshness is Freshness.FRESH and good.lag_ms < 100
+    bootstrap = tansu.bootstrap
+    async with (
+        KafkaBridge(nc, bridge_cfg) as bridge,
+        FeatureUpdater(nc, UpdaterConfig(topic=topic)) as updater,
+        CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.DEGRADE,
+                                                check_age=False)) as degrading,
+        CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.WAIT,
+                                                check_age=False)) as waiting,
+    ):
+        await bridge.wait_assigned()
+        await _produce(bootstrap, topic, "c1", 10.0, lag_ms=0)
+        await _until(lambda: "c1" in degrading._last_good and "c1" in waiting._last_good)
+        good = (await degrading.lookup("c1", _deadline(50)))
+        assert good.freshness is Freshness.FRESH and good.lag_ms < 100
 
-            # Records now arrive 300 ms after their event time.
-            for i in range(3):
-                await _produce(producer, topic, "c1", 500.0 + i, lag_ms=300)
-            await _until(lambda: updater.applied == 4 and waiting._latest["c1"].count == 4)
-            r = await degrading.lookup("c1", _deadline(50))
-            assert r.freshness is Freshness.DEGRADED and r.waited_ms == 0
-            assert r.lag_ms >= 300 and r.values == good.values  # the last good value
-            r = await waiting.lookup("c1", _deadline(50))
-            assert r.freshness is Freshness.DEGRADED and r.waited_ms >= 40
-            assert r.values == good.values
+        # Records now arrive 300 ms after their event time.
+        for i in range(3):
+            await _produce(bootstrap, topic, "c1", 500.0 + i, lag_ms=300)
+        await _until(lambda: updater.applied == 4 and waiting._latest["c1"].count == 4)
+        r = await degrading.lookup("c1", _deadline(50))
+        assert r.freshness is Freshness.DEGRADED and r.waited_ms == 0
+        assert r.lag_ms >= 300 and r.values == good.values  # the last good value
+        r = await waiting.lookup("c1", _deadline(50))
+        assert r.freshness is Freshness.DEGRADED and r.waited_ms >= 40
+        assert r.values == good.values
 
-            # The waiting guard gets a fresh record within its deadline.
-            lookup = asyncio.create_task(waiting.lookup("c1", _deadline(3000)))
-            await asyncio.sleep(0.1)
-            await _produce(producer, topic, "c1", 20.0, lag_ms=0)
-            r = await lookup
-            assert r.freshness is Freshness.WAITED and r.lag_ms < 100
-            assert r.values != good.values and 100 <= r.waited_ms < 3000
-            lag_count = waiting.metrics.registry.get_sample_value(
-                "plane_freshness_lag_seconds_count")
-            assert lag_count == 2
-    finally:
-        await producer.stop()
+        # The waiting guard gets a fresh record within its deadline.
+        lookup = asyncio.create_task(waiting.lookup("c1", _deadline(3000)))
+        await asyncio.sleep(0.1)
+        await _produce(bootstrap, topic, "c1", 20.0, lag_ms=0)
+        r = await lookup
+        assert r.freshness is Freshness.WAITED and r.lag_ms < 100
+        assert r.values != good.values and 100 <= r.waited_ms < 3000
+        lag_count = waiting.metrics.registry.get_sample_value(
+            "plane_freshness_lag_seconds_count")
+        assert lag_count == 2

@@ -1,0 +1,347 @@
+"""The bridge's Kafka side on confluent-kafka (librdkafka): `KafkaSource` consumes in a group
+and commits, `DeadLetterSink` produces dead letters to a Kafka topic.
+
+librdkafka's calls block, and its consumer must not be used from two threads at once: every
+call on the consumer runs in one thread of its own (`kafka-consumer`), which also keeps them
+in order (a commit always after the fetch of its records); the dead-letter producer has its
+own (`kafka-dead-letters`). These two executors are the only place the bridge blocks. What
+librdkafka does meanwhile (fetching ahead, heartbeats, reconnects) runs in its own threads,
+off the interpreter's lock, so the event loop is left to the NATS side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
+from freshness.config import BridgeConfig
+from freshness.kafka_config import KafkaSecurity, StartFrom
+from plane.errors import ConfigError
+
+log = structlog.get_logger("freshness.kafka")
+T = TypeVar("T")
+
+# librdkafka's own log lines (connection failures, ...) go through stdlib logging at warning
+# and above; its errors also reach `_on_error` below.
+_LIBRDKAFKA_LOG_LEVEL = 4
+# Consumer lag is computed at most this often (a Python loop over the partitions, on the
+# consumer's thread: done on every fetch it held the interpreter lock for nothing).
+LAG_EVERY_S = 0.5
+
+TopicPart = tuple[str, int]
+
+
+def client_config(bootstrap: str, security: KafkaSecurity, **extra: Any) -> dict[str, Any]:
+    """librdkafka settings common to the consumer, the producer and the admin client."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "logger": logging.getLogger("freshness.librdkafka"),
+        "log_level": _LIBRDKAFKA_LOG_LEVEL,
+        **security.librdkafka(),
+    }
+    conf.update(extra)
+    return conf
+
+
+def consumer_config(cfg: BridgeConfig) -> dict[str, Any]:
+    return client_config(
+        cfg.kafka_bootstrap, cfg.security,
+        **{
+            "group.id": cfg.group_id,
+            "client.id": "plane-bridge",
+            "enable.auto.commit": False,
+            # Offsets are committed explicitly, per round, after JetStream acked it.
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "latest" if cfg.start is StartFrom.LATEST else "earliest",
+            "session.timeout.ms": cfg.session_timeout_ms,
+            "heartbeat.interval.ms": cfg.heartbeat_interval_ms,
+            "fetch.wait.max.ms": cfg.fetch_wait_max_ms,
+            "enable.partition.eof": False,
+        },
+    )
+
+
+def new_client(kind: Callable[[dict[str, Any]], T], conf: dict[str, Any]) -> T:
+    """A librdkafka client; a setting it refuses is a `ConfigError` naming it."""
+    try:
+        return kind(conf)
+    except KafkaException as exc:
+        raise ConfigError(f"Kafka client settings refused: {exc.args[0].str()}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    records: list[Message]
+    # Consumer lag per assigned partition (every LAG_EVERY_S; empty in between): the
+    # partition's end (high watermark, as of the last fetch response) minus the bridge's
+    # committed offset (or, before its first commit there, its position).
+    lag: dict[TopicPart, int]
+    assigned: bool
+
+
+@dataclass
+class _PartitionState:
+    committed: int | None = None
+
+
+@dataclass
+class KafkaSource:
+    """`source = KafkaSource(cfg); await source.open()`, then `fetch`/`commit`; `close()`
+    leaves the group (idempotent)."""
+
+    cfg: BridgeConfig
+    # Called on the event loop: partitions revoked; a commit's outcome (error or None) once
+    # the broker has answered it.
+    on_revoked: Callable[[list[TopicPart]], None] | None = None
+    on_committed: Callable[[str | None], None] | None = None
+    _consumer: Consumer | None = None
+    _executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="kafka-consumer"))
+    _seen: set[TopicPart] = field(default_factory=set)  # assigned before, in this process
+    _parts: dict[TopicPart, _PartitionState] = field(default_factory=dict)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _lag_at: float = 0.0
+    _uncommitted: int = 0  # assigned partitions whose committed offset we do not know yet
+
+    async def open(self) -> None:
+        if self._consumer is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        conf = consumer_config(self.cfg)
+        conf["error_cb"] = self._on_error
+        conf["on_commit"] = self._on_commit
+        consumer = new_client(Consumer, conf)
+        await self._call(consumer.subscribe, list(self.cfg.topics),
+                         on_assign=self._on_assign, on_revoke=self._on_revoke,
+                         on_lost=self._on_revoke)
+        self._consumer = consumer
+
+    async def fetch(self, max_records: int, timeout_s: float) -> Fetched:
+        return await self._call(self._fetch, max_records, timeout_s)
+
+    async def commit(self, offsets: dict[TopicPart, int], *, wait: bool = False) -> None:
+        """Commit next-offsets; its outcome comes to `on_committed` (and a synchronous
+        commit that fails also raises `KafkaException`)."""
+        await self._call(self._commit, offsets, wait)
+
+    async def close(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                await self._call(consumer.close)
+        self._executor.shutdown(wait=False)
+
+    # -- on the consumer's thread ---------------------------------------------------------
+    async def _call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kw))
+
+    def _fetch(self, max_records: int, timeout_s: float) -> Fetched:
+        consumer = self._consumer
+        assert consumer is not None
+        # `consume(n, t)` waits the whole of t unless n records come: poll for the first
+        # (returns as soon as one is there), then take what else is queued without waiting.
+        first = consumer.poll(timeout_s)
+        records: list[Message] = []
+        if first is not None:
+            records.append(first)
+            if max_records > 1:
+                records += consumer.consume(max_records - 1, 0)
+        good = [m for m in records if m.error() is None]
+        if self._uncommitted:
+            self._note_start_offsets(good)
+        for m in records:
+            if (err := m.error()) is not None:
+                log.warning("Kafka consumer error", error=err.str(), topic=m.topic(),
+                            partition=m.partition())
+        lag: dict[TopicPart, int] = {}
+        now = time.monotonic()
+        if now - self._lag_at >= LAG_EVERY_S:
+            self._lag_at = now
+            lag = self._lag(consumer)
+        return Fetched(records=good, lag=lag, assigned=bool(self._parts))
+
+    def _note_start_offsets(self, records: list[Message]) -> None:
+        """A partition's first record fetched since its assignment is at the offset the
+        group had committed (or where `--start` put it): until we commit there, that is the
+        committed offset the lag counts from."""
+        for m in records:
+            state = self._parts.get((m.topic() or "", m.partition() or 0))
+            if state is not None and state.committed is None:
+                state.committed = m.offset()
+                self._uncommitted -= 1
+                if not self._uncommitted:
+                    return
+
+    def _lag(self, consumer: Consumer) -> dict[TopicPart, int]:
+        lag: dict[TopicPart, int] = {}
+        unknown = [TopicPartition(t, p) for (t, p), s in self._parts.items()
+                   if s.committed is None]
+        positions = {(tp.topic, tp.partition): tp.offset
+                     for tp in (consumer.position(unknown) if unknown else [])}
+        for (topic, p), state in self._parts.items():
+            _low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
+            at = state.committed if state.committed is not None else positions.get((topic, p))
+            if high >= 0 and at is not None and at >= 0:
+                lag[(topic, p)] = max(high - at, 0)
+        return lag
+
+    def _commit(self, offsets: dict[TopicPart, int], wait: bool) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            return
+        # Only partitions still ours: a commit for one revoked meanwhile could move back the
+        # offset its new owner committed (its records would come again, as duplicates).
+        tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items() if (t, p) in self._parts]
+        if not tps:
+            return
+        if wait:
+            consumer.commit(offsets=tps, asynchronous=False)
+        else:
+            consumer.commit(offsets=tps, asynchronous=True)
+        for tp in tps:
+            state = self._parts[(tp.topic, tp.partition)]
+            if state.committed is None:
+                self._uncommitted -= 1
+            state.committed = tp.offset
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        start = self.cfg.start
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            old = self._parts.get(key)
+            if old is None or old.committed is not None:
+                self._uncommitted += 1
+            self._parts[key] = _PartitionState()
+            if start is not StartFrom.COMMITTED and key not in self._seen:
+                tp.offset = OFFSET_BEGINNING if start is StartFrom.EARLIEST else OFFSET_END
+            self._seen.add(key)
+        consumer.assign(partitions)
+        log.info("Kafka partitions assigned", start=start.value,
+                 partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        gone = [(tp.topic, tp.partition) for tp in partitions]
+        for key in gone:
+            state = self._parts.pop(key, None)
+            if state is not None and state.committed is None:
+                self._uncommitted -= 1
+        if self.on_revoked is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_revoked, gone)
+        log.info("Kafka partitions revoked", partitions=[f"{t}[{p}]" for t, p in gone])
+
+    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        failed = [f"{tp.topic}[{tp.partition}]: {tp.error.str()}" for tp in partitions
+                  if tp.error is not None]
+        error = err.str() if err is not None else ("; ".join(failed) if failed else None)
+        if self.on_committed is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_committed, error)
+
+    def _on_error(self, err: KafkaError) -> None:
+        log.warning("Kafka client error", error=err.str(), code=err.name(),
+                    fatal=err.fatal(), kafka=self.cfg.kafka_bootstrap)
+
+
+KafkaHeaders = list[tuple[str, str | bytes | None]]
+
+
+def record_headers(m: Message) -> list[tuple[str, bytes | None]]:
+    """A consumed record's headers as (name, value) pairs, in order."""
+    raw = m.headers()
+    if not raw:
+        return []
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    return [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    key: bytes | None
+    value: bytes | None
+    headers: KafkaHeaders
+
+
+class DeadLetterSink:
+    """Dead letters to a Kafka topic, each acknowledged by Kafka (`acks=all`) before `send`
+    returns; failures are retried with backoff, so a round never commits past a dead letter
+    Kafka does not have. At least once: a crash between this and the round's commit sends
+    it again on the next run."""
+
+    def __init__(self, cfg: BridgeConfig, topic: str) -> None:
+        self.cfg = cfg
+        self.topic = topic
+        self._producer = new_client(Producer, client_config(
+            cfg.kafka_bootstrap, cfg.security,
+            **{"client.id": "plane-bridge-dead-letters", "acks": "all",
+               "enable.idempotence": True, "linger.ms": 5,
+               "message.timeout.ms": int(cfg.publish_timeout_s * 1000) + 5_000}))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kafka-dead-letters")
+
+    async def send(self, letters: Sequence[DeadLetter], stopping: Callable[[], bool]) -> bool:
+        """True once Kafka has every letter; False if `stopping()` turned true first."""
+        loop = asyncio.get_running_loop()
+        todo = list(letters)
+        backoff_s = self.cfg.retry_backoff_s
+        while todo:
+            todo = await loop.run_in_executor(self._executor, self._send_once, todo)
+            if not todo:
+                return True
+            if stopping():
+                return False
+            log.warning("Kafka dead letters not delivered: retrying", topic=self.topic,
+                        count=len(todo), retry_in_s=backoff_s)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self.cfg.retry_backoff_max_s)
+        return True
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._producer.flush, 5.0)
+        self._executor.shutdown(wait=False)
+
+    def _send_once(self, letters: list[DeadLetter]) -> list[DeadLetter]:
+        failed: list[DeadLetter] = []
+        done = 0
+
+        def report(letter: DeadLetter) -> Callable[[KafkaError | None, Message], None]:
+            def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+                nonlocal done
+                done += 1
+                if err is not None:
+                    failed.append(letter)
+                    log.warning("Kafka dead letter failed", error=err.str(), topic=self.topic)
+            return on_delivery
+
+        for letter in letters:
+            while True:
+                try:
+                    self._producer.produce(self.topic, value=letter.value, key=letter.key,
+                                           headers=letter.headers,
+                                           on_delivery=report(letter))
+                    break
+                except BufferError:  # the producer's queue is full: let it drain
+                    self._producer.poll(0.05)
+        deadline = time.monotonic() + self.cfg.publish_timeout_s + 6.0
+        while done < len(letters) and time.monotonic() < deadline:
+            self._producer.flush(0.5)
+        if done < len(letters):  # not even a failure report: treat all as undelivered
+            return letters
+        return failed

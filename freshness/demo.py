@@ -31,14 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from freshness.bridge import KafkaBridge
 from freshness.config import BridgeConfig, GuardConfig, OnStale, UpdaterConfig, stream_token
-from freshness.demo_report import (
-    TICKET_BURST,
-    TICKET_DEADLINE_MS,
-    TICKET_WORK_US,
-    DemoReport,
-    DemoSetting,
-    TicketStory,
-)
+from freshness.demo_report import DemoReport, DemoSetting
 from freshness.features import FeatureUpdater
 from freshness.guard import FRESHNESS_KEY, CardFeatureGuard, pad, risk_enricher
 from freshness.kafka_admin import ensure_topics
@@ -47,13 +40,13 @@ from freshness.kafka_config import KafkaSecurity
 from freshness.provision import ensure_config_bucket
 from freshness.records import Stamps, Transaction, transaction_decoder
 from freshness.tansu import EmbeddedTansu
-from plane.backoff import NO_RETRY
 from plane.client import Client as PlaneClient
-from plane.client import ClientConfig, Result
+from plane.client import ClientConfig
+from plane.client.ticket_demo import redeem_one_ticket
 from plane.config import ConnectOptions
 from plane.embedded import EmbeddedNats
 from plane.errors import ConfigError
-from plane.messages import FEATURES, Reason, RiskRequest, Status
+from plane.messages import FEATURES, RiskRequest
 from plane.natsconn import connect
 from plane.subjects import Header, Names
 
@@ -242,41 +235,6 @@ class _Scorer:
             await msg.ack()
         finally:
             self._sem.release()
-
-
-def _busy_ticket(r: Result) -> bool:
-    return (r.status == Status.BUSY and r.reason == Reason.BUSY
-            and bool(r.headers.get(Header.TICKET)) and r.retry_after_ms is not None)
-
-
-async def redeem_one_ticket(client: PlaneClient) -> TicketStory:
-    """The burst, and the first refusal's ticket redeemed as soon as it is due (while the
-    rest of the burst is still running: a ticket is a promise for a time, not for later)."""
-    body = msgspec.json.encode({"duration_us": TICKET_WORK_US})
-    ticket: str | None = None
-    retry_after_ms: int | None = None
-    again: Result | None = None
-    after_ms: float | None = None
-    async with asyncio.TaskGroup() as tg:
-        calls = [tg.create_task(client.call("calibrated", body, deadline_ms=TICKET_DEADLINE_MS,
-                                            policy=NO_RETRY)) for _ in range(TICKET_BURST)]
-        for done in asyncio.as_completed(calls):
-            r = await done
-            if ticket is None and _busy_ticket(r):
-                refused_at = time.monotonic()
-                ticket, retry_after_ms = r.headers[Header.TICKET], r.retry_after_ms or 0
-                await asyncio.sleep(retry_after_ms / 1000)
-                again = await client.call("calibrated", body, deadline_ms=TICKET_DEADLINE_MS,
-                                          policy=NO_RETRY, ticket=ticket, first_attempt=2)
-                after_ms = (time.monotonic() - refused_at) * 1000
-    burst = [c.result() for c in calls]
-    return TicketStory(
-        burst=TICKET_BURST, placed=sum(r.status == Status.OK for r in burst),
-        refused=sum(_busy_ticket(r) for r in burst), ticket=ticket,
-        retry_after_ms=retry_after_ms,
-        redeemed_status=again.status if again is not None else None,
-        redeemed_node=again.node if again is not None else None,
-        redeemed_after_ms=after_ms)
 
 
 async def run_risk_demo(plan: DemoPlan, opts: ConnectOptions | None) -> DemoReport:

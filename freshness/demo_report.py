@@ -16,47 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from freshness.config import stream_token
+from plane.client.ticket_demo import TicketStory
 from plane.messages import Status
 from plane.quantiles import quantile
 from plane.subjects import Names
-
-# The ticket part: more `calibrated` requests at once than the node has slots.
-TICKET_BURST = 6
-TICKET_WORK_US = 100_000
-TICKET_DEADLINE_MS = 1000
-
-
-@dataclass(frozen=True, kw_only=True)
-class TicketStory:
-    burst: int
-    placed: int  # of the burst, answered 200
-    refused: int  # of the burst, 429 busy with a ticket
-    ticket: str | None = None
-    retry_after_ms: int | None = None
-    redeemed_status: int | None = None  # the answer to the retry with the ticket
-    redeemed_node: str | None = None
-    redeemed_after_ms: float | None = None  # from the refusal to the retry's answer
-
-    @property
-    def ok(self) -> bool:
-        return self.ticket is not None and self.redeemed_status == Status.OK
-
-    def render(self) -> list[str]:
-        head = (f"  ticket            {self.burst} calibrated requests of "
-                f"{TICKET_WORK_US // 1000} ms at once: {self.placed} placed, "
-                f"{self.refused} refused 429 busy")
-        if self.ticket is None:
-            return [head, "                    no refusal carried a ticket: nothing to redeem"]
-        return [
-            head,
-            f"                    refused with Plane-Ticket {self.ticket}, "
-            f"Retry-After-Ms {self.retry_after_ms}",
-            f"                    came back after {self.retry_after_ms} ms with the ticket: "
-            f"{self.redeemed_status}"
-            + (f" on {self.redeemed_node}" if self.redeemed_node else "")
-            + f", answered {self.redeemed_after_ms:.0f} ms after the refusal "
-            f"(its own work {TICKET_WORK_US // 1000} ms)",
-        ]
 
 
 @dataclass(frozen=True, kw_only=True)

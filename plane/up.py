@@ -5,12 +5,12 @@ compute are in `plane.serve`."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 
 from nats.aio.client import Client
@@ -20,15 +20,21 @@ from freshness.guard import CardFeatureGuard, risk_enricher
 from freshness.metrics import GuardMetrics
 from gpu_node.node import Node
 from plane.auth.store import AuthDir
+from plane.backoff import NO_RETRY
+from plane.client import Client as PlaneClient
+from plane.client import ClientConfig
+from plane.client.ticket_demo import redeem_one_ticket
 from plane.config import NodeConfig
 from plane.embedded import EmbeddedNats, NatsServerSpec
 from plane.lifecycle import stop_event
-from plane.messages import FEATURES
+from plane.messages import FEATURES, Status
 from plane.metrics import PlaneMetrics, serve_metrics
 from plane.natsconn import close, connect
 from plane.serve import ServeSpec
 from plane.stack import PlaneStack, StackConfig
 from plane.subjects import Header, Names
+
+DEMO_DEADLINE_MS = 1000  # the demo's calls: each must be a 200 within it
 
 
 def example_body(model: str) -> dict[str, object]:
@@ -82,40 +88,47 @@ async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool) -> int:
     if demo:
         nc = await connect(replace(cfg.connect, url=stack.url, name="plane-demo"))
         try:
-            await demo_calls(nc, names, cfg.models)
+            return await demo_calls(nc, names, cfg.models)
         finally:
             await nc.close()
-        return 0
     print("Ctrl-C stops everything.")
     await stop_event().wait()
     print("stopping ...")
     return 0
 
 
-async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> None:
-    """Real answers, then real refusals: more long requests at once than there are slots."""
+async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
+    """Real answers, then a refusal turned into an answer (more long requests at once than
+    there are slots; the first refusal's ticket redeemed). Says what happened and "OK" only
+    when every call met its contract: 0 then, else 1 (so `make demo` fails)."""
+    client = PlaneClient(nc, ClientConfig(names=names))
+    misses: list[str] = []
+    statuses: Counter[int] = Counter()
     for model in models:
-        body = json.dumps(example_body(model)).encode()
+        body = example_body(model)
         t0 = time.perf_counter()
-        msg = await nc.request(names.infer(model), body, timeout=5)
+        r = await client.call(model, body, deadline_ms=DEMO_DEADLINE_MS, policy=NO_RETRY)
         ms = (time.perf_counter() - t0) * 1000
-        h = msg.headers or {}
-        print(f"{model:>10}: {h.get(Header.STATUS)} {msg.data.decode()} in {ms:.2f} ms "
-              f"(node {h.get(Header.NODE)}, slot {h.get(Header.SLOT)}, "
-              f"{h.get(Header.SERVICE_US)} us on the slot)")
+        statuses[r.status] += 1
+        print(f"{model:>10}: {r.status} {r.body.decode()} in {ms:.2f} ms "
+              f"(node {r.headers.get(Header.NODE)}, slot {r.headers.get(Header.SLOT)}, "
+              f"{r.headers.get(Header.SERVICE_US)} us on the slot)")
+        if r.status != Status.OK:
+            misses.append(f"{model} answered {r.status} ({r.reason})")
+        elif ms > DEMO_DEADLINE_MS:
+            misses.append(f"{model} answered after its {DEMO_DEADLINE_MS} ms deadline")
     if "calibrated" in models:
-        burst = 6
-        print(f"burst: {burst} calibrated requests of 100 ms at once (more than the slots):")
-        body = json.dumps({"duration_us": 100_000}).encode()
-        msgs = await asyncio.gather(*(
-            nc.request(names.infer("calibrated"), body, timeout=5,
-                       headers={Header.DEADLINE_MS: "1000"}) for _ in range(burst)))
-        for i, msg in enumerate(msgs):
-            h = msg.headers or {}
-            extra = (f"Retry-After-Ms {h.get(Header.RETRY_AFTER_MS)} reason "
-                     f"{h.get(Header.REASON)} ticket {h.get(Header.TICKET)}"
-                     if h.get(Header.STATUS) == "429" else f"on slot {h.get(Header.SLOT)}")
-            print(f"  #{i}: {h.get(Header.STATUS)} {extra}")
+        story = await redeem_one_ticket(client)
+        print("\n".join(line.strip() for line in story.render()))
+        if not story.ok:
+            misses.append("the refusal's ticket was not redeemed with a 200")
+    print("answers by status: " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))
+    if misses:
+        print("demo: NOT OK: " + "; ".join(misses))
+        return 1
+    print("demo: OK (every call answered 200 within its deadline"
+          + (", a refusal redeemed with its ticket)" if "calibrated" in models else ")"))
+    return 0
 
 
 async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) -> int:

@@ -8,8 +8,9 @@ from click.testing import CliRunner
 
 from freshness.config import OnStale
 from freshness.demo import DemoPlan, run_risk_demo
-from freshness.demo_report import DemoReport, TicketStory
+from freshness.demo_report import DemoReport
 from plane.app import main
+from plane.client.ticket_demo import TicketStory
 from plane.errors import ConfigError
 
 

@@ -74,7 +74,9 @@ def test_plane_up_demo_prints_answers_and_refusals() -> None:
     assert out.returncode == 0, out.stderr
     assert re.search(r"risk: 200 \{\"score\":0\.\d+", out.stdout)
     assert "calibrated: 200" in out.stdout
-    assert re.search(r"429 Retry-After-Ms \d+ reason busy", out.stdout)
+    assert re.search(r"refused with Plane-Ticket \S+, Retry-After-Ms \d+", out.stdout)
+    assert re.search(r"with the ticket: 200 on node0-calibrated", out.stdout)
+    assert "demo: OK" in out.stdout
 
 
 def test_help_shows_examples_and_bad_options_fail_clearly() -> None:

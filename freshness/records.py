@@ -8,6 +8,7 @@ reader accepts a new record. Decoders are built once, here.
 from __future__ import annotations
 
 import base64
+import contextlib
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Annotated
@@ -15,7 +16,7 @@ from typing import Annotated
 import msgspec
 
 from plane.messages import FEATURES
-from plane.subjects import Header
+from plane.subjects import TRACE_HEADER_MAX, TRACE_HEADERS, Header
 
 # A card id is a KV key and may appear in a subject: a plain token.
 CardId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -148,11 +149,18 @@ def kafka_header_of(nats_name: str) -> str | None:
 def carry_kafka_headers(
     into: dict[str, str], headers: Sequence[tuple[str, bytes | None]] | None
 ) -> None:
-    """Add a record's Kafka headers to the NATS headers `into`."""
+    """Add a record's Kafka headers to the NATS headers `into`. A W3C trace context
+    (`traceparent`, `tracestate`: what OpenTelemetry's Kafka instrumentation writes) is also
+    set under its own name, so the trace goes on to whoever reads the message."""
     if not headers:
         return
     for name, value in headers:
         into[kafka_header_name(name)] = encode_bytes(value) if value else ""
+        if name in TRACE_HEADERS and value and len(value) <= TRACE_HEADER_MAX:
+            with contextlib.suppress(UnicodeDecodeError):
+                text = value.decode("ascii")
+                if text.isprintable():
+                    into[name] = text
 
 
 def kafka_headers(headers: Mapping[str, str] | None) -> dict[str, bytes]:

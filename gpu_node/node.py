@@ -51,6 +51,7 @@ from plane.models import model_spec
 from plane.provision import ProvisionPlan, ensure_all, ensure_all_again
 from plane.settings import MAX_SLOTS, LiveSettings, refused
 from plane.subjects import advert_key, config_key
+from plane.tracing import Tracing
 
 log = structlog.get_logger("plane.node")
 
@@ -62,6 +63,7 @@ class Node(Lifecycle, TaskOwner):
     def __init__(
         self, nc: Client, cfg: NodeConfig, metrics: PlaneMetrics | None = None, *,
         backend: Backend | None = None, enrich: Enrich | None = None, replicas: int = 1,
+        tracing: Tracing | None = None,
     ) -> None:
         super().__init__()
         self.nc = nc
@@ -73,6 +75,7 @@ class Node(Lifecycle, TaskOwner):
         self.backend = backend or make_backend(cfg.backend, seed=cfg.seed,
                                                sms_per_slot=cfg.sms_per_slot)
         self.enrich = enrich
+        self.tracing = tracing or Tracing.off()
         self.settings = LiveSettings(cfg.names)
         self.slots: list[Slot] = []
         self.answered = RecentIds()
@@ -211,7 +214,7 @@ class Node(Lifecycle, TaskOwner):
                 stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
                 fetch_expiry_s=self.cfg.fetch_expiry_s, enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
-                sms=partition_sms(self.backend),
+                sms=partition_sms(self.backend), tracing=self.tracing,
             )
             self.slots.append(slot)
             await slot.claim()

@@ -50,6 +50,7 @@ from plane.metrics import PlaneMetrics
 from plane.models import ModelSpec
 from plane.ownership import NOT_ANSWERED, Take, placement_id, take
 from plane.subjects import Header, Names
+from plane.tracing import Tracing, trace_headers
 
 MustTake = Callable[[float], bool]  # fetched at (monotonic s) -> may a router have acted on it?
 
@@ -75,6 +76,8 @@ class Current:
     fetched_s: float  # monotonic
     answered: bool = False
     compute_us: int = 0  # the device call alone (the rest of service_us: decode, encode)
+    fetched_ns: int = 0  # wall clock, epoch ns (spans)
+    compute_ns: tuple[int, int] = (0, 0)  # the device call, epoch ns (spans)
 
 
 Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
@@ -85,7 +88,7 @@ class Slot:
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
         node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, fetch_expiry_s: float,
         enrich: Enrich | None = None, answered: RecentIds | None = None,
-        must_take: MustTake | None = None, sms: int = 0,
+        must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
     ) -> None:
         self.k = k
         self.runner = runner
@@ -100,6 +103,7 @@ class Slot:
         self.enrich = enrich
         self.answered = answered if answered is not None else RecentIds()
         self.must_take = must_take or (lambda fetched_s: False)
+        self.tracing = tracing or Tracing.off()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)
@@ -255,7 +259,7 @@ class Slot:
             cur = Current(
                 msg=msg, request_id=h[Header.REQUEST_ID], reply=h[Header.REPLY_TO],
                 deadline_at_ms=int(h[Header.DEADLINE_AT]), work_us=int(h.get(Header.WORK_US, 0)),
-                fetched_s=time.monotonic(),
+                fetched_s=time.monotonic(), fetched_ns=time.time_ns(),
             )
         except (KeyError, ValueError):
             log.error("slot message without routing headers terminated", slot=self.k)
@@ -323,6 +327,8 @@ class Slot:
             busy_s = time.perf_counter() - started_s
             if self.current is not None:
                 self.current.compute_us = int(busy_s * 1e6)
+                end_ns = time.time_ns()
+                self.current.compute_ns = (end_ns - int(busy_s * 1e9), end_ns)
             self._busy_s.inc(busy_s)
             if self._sm_s is not None:
                 self._sm_s.inc(busy_s * self.sms)
@@ -363,7 +369,11 @@ class Slot:
                       headers: dict[str, str]) -> None:
         self.answered.add(placement_id(self.stream, cur.msg.metadata.sequence.stream))
         await self._done(cur, int(status), service_us)
+        h = cur.msg.headers or {}
+        headers.update(trace_headers(h))  # the trace, back on the reply
         await self.nc.publish(cur.reply, body, headers=headers)
+        if self.tracing.on:
+            self._spans(cur, h, status)
         counter = self._ok if status == Status.OK else self.metrics.node_requests.labels(
             self.model, str(int(status)))
         counter.inc()
@@ -372,6 +382,19 @@ class Slot:
                             slot=self.k, status=int(status), service_us=service_us,
                             compute_us=cur.compute_us, work_us=cur.work_us,
                             deadline_left_ms=cur.deadline_at_ms - replies.now_ms())
+
+    def _spans(self, cur: Current, h: dict[str, str], status: Status) -> None:
+        """plane.slot_wait (the router's publish, from the deadline it stamped, to our
+        fetch), plane.compute, plane.write_back, under the slot message's trace context."""
+        attrs: dict[str, str | int] = {"request_id": cur.request_id, "model": self.model,
+                                       "node": self.node, "slot": self.k}
+        with contextlib.suppress(KeyError, ValueError):  # a slot message without stamps
+            published_ns = (int(h[Header.DEADLINE_AT]) - int(h[Header.DEADLINE_MS])) * 1_000_000
+            self.tracing.record("plane.slot_wait", h, published_ns, cur.fetched_ns, attrs)
+        if cur.compute_ns[0]:
+            self.tracing.record("plane.compute", h, *cur.compute_ns, attrs)
+        self.tracing.record("plane.write_back", h, cur.compute_ns[1] or cur.fetched_ns,
+                            time.time_ns(), {**attrs, "status": int(status)})
 
     async def _done(self, cur: Current, status: int, service_us: int) -> None:
         await self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,

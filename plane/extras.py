@@ -21,6 +21,7 @@ EXTRA_MODULES: dict[str, frozenset[str]] = {
     "bridge": frozenset({"confluent_kafka"}),
     "plots": frozenset({"matplotlib"}),
     "auth": frozenset({"bcrypt"}),
+    "tracing": frozenset({"opentelemetry"}),
 }
 
 

@@ -22,6 +22,7 @@ from plane.metrics import PlaneMetrics, serve_metrics
 from plane.natsconn import close, connect
 from plane.router import Router
 from plane.subjects import Names
+from plane.tracing import Tracing
 
 # A serving command whose NATS connection was closed for good exits with this, so that its
 # supervisor (systemd, Kubernetes, compose) restarts it.
@@ -42,7 +43,8 @@ async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
     try:
         with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
             stop = stop_event()
-            async with Router(nc, cfg, metrics, replicas=spec.replicas) as router:
+            async with Router(nc, cfg, metrics, replicas=spec.replicas,
+                              tracing=Tracing.from_env("plane-router")) as router:
                 await until_any(stop, router.lost)
                 if router.lost.is_set():
                     return EXIT_LOST

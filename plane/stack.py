@@ -21,6 +21,7 @@ from plane.metrics import PlaneMetrics, serve_metrics
 from plane.natsconn import connect
 from plane.router import Router
 from plane.subjects import Names
+from plane.tracing import Tracing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,9 +52,11 @@ class StackConfig:
 class PlaneStack(Lifecycle):
     """`async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as s: s.url`"""
 
-    def __init__(self, cfg: StackConfig | None = None, *, enrich: Enrich | None = None) -> None:
+    def __init__(self, cfg: StackConfig | None = None, *, enrich: Enrich | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.cfg = cfg or StackConfig()
         self.enrich = enrich
+        self.tracing = tracing or Tracing.off()
         self.metrics = PlaneMetrics()
         self.server: EmbeddedNats | None = None
         self.routers: list[Router] = []
@@ -88,7 +91,7 @@ class PlaneStack(Lifecycle):
                                                  metrics=GuardMetrics(self.metrics.registry)
                                                  if i == 0 else GuardMetrics())
                         enrich = risk_enricher(await st.enter_async_context(guard))
-                    node = Node(nc, node_cfg, self.metrics, enrich=enrich,
+                    node = Node(nc, node_cfg, self.metrics, enrich=enrich, tracing=self.tracing,
                                 replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))
             for i in range(cfg.routers):
@@ -96,7 +99,8 @@ class PlaneStack(Lifecycle):
                                           **cfg.router_overrides)  # type: ignore[arg-type]
                 nc = await self._connect(f"plane-router-{i}", "router")
                 self.routers.append(await st.enter_async_context(
-                    Router(nc, router_cfg, self.metrics, replicas=cfg.replicas)))
+                    Router(nc, router_cfg, self.metrics, replicas=cfg.replicas,
+                           tracing=self.tracing)))
             await self.wait_ready()
             if cfg.settings:
                 await self._put_settings(cfg.settings)

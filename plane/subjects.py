@@ -66,6 +66,10 @@ class Header:
     KAFKA_PARTITION = "Plane-Kafka-Partition"
     KAFKA_OFFSET = "Plane-Kafka-Offset"
     DEAD_REASON = "Plane-Dead-Reason"
+    # W3C trace context, carried from the caller (HTTP gateway, a Kafka record) through the
+    # router and the slot message to the node, and back on the reply.
+    TRACEPARENT = "traceparent"
+    TRACESTATE = "tracestate"
     # NATS server headers we set.
     NATS_TTL = "Nats-TTL"
     NATS_MSG_ID = "Nats-Msg-Id"
@@ -75,6 +79,8 @@ class Header:
 
 
 MSGPACK = "application/msgpack"
+TRACE_HEADERS = (Header.TRACEPARENT, Header.TRACESTATE)
+TRACE_HEADER_MAX = 512  # W3C: traceparent is 55 characters, tracestate at most 512
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from plane.natsconn import close, connect
 from plane.serve import ServeSpec
 from plane.stack import PlaneStack, StackConfig
 from plane.subjects import Header, Names
+from plane.tracing import Tracing
 
 DEMO_DEADLINE_MS = 1000  # the demo's calls: each must be a 200 within it
 
@@ -67,7 +68,8 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
         if auth is not None:
             cfg = replace(cfg, connect=auth.options("admin", cfg.connect.url, name="plane-up"),
                           roles=auth.roles(), settings=auth.tenant_settings())
-        code = await _serve(await started.enter_async_context(PlaneStack(cfg)), cfg, demo=demo)
+        code = await _serve(await started.enter_async_context(
+            PlaneStack(cfg, tracing=Tracing.from_env("plane"))), cfg, demo=demo)
     return code
 
 
@@ -143,7 +145,8 @@ async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) 
                                              metrics=GuardMetrics(metrics.registry))
                     enrich = risk_enricher(await stack.enter_async_context(guard))
                 await stack.enter_async_context(
-                    Node(nc, cfg, metrics, replicas=spec.replicas, enrich=enrich))
+                    Node(nc, cfg, metrics, replicas=spec.replicas, enrich=enrich,
+                         tracing=Tracing.from_env("plane-node")))
                 await stop_event().wait()
     finally:
         await close(nc)  # drains; closes when the server is gone

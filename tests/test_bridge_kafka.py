@@ -41,7 +41,7 @@ from freshness.records import (
 from freshness.tansu import EmbeddedTansu
 from plane.app import main
 from plane.errors import ConfigError
-from plane.subjects import Header, Names
+from plane.subjects import TRACE_HEADERS, Header, Names
 
 __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 
@@ -158,6 +158,10 @@ def test_kafka_header_names_and_values_round_trip() -> None:
                               ("a", b"2"), ("pad", b" x ")])
     assert out["Plane-Kafka-Header-a"] == "2"  # the last of a repeated name
     assert kafka_headers(out) == {"a": b"2", "bin": b"\x00\xff", "none": b"", "pad": b" x "}
+    assert Header.TRACEPARENT not in out
+    carry_kafka_headers(out, [("traceparent", b"00-ab-cd-01"), ("tracestate", b"\xff")])
+    assert out[Header.TRACEPARENT] == "00-ab-cd-01"
+    assert Header.TRACESTATE not in out  # not text: carried only as a Kafka header
 
 
 async def test_record_headers_travel_onto_jetstream(
@@ -179,7 +183,9 @@ async def test_record_headers_travel_onto_jetstream(
         # A Kafka header never overrides the bridge's own.
         assert msg.headers[Header.NATS_MSG_ID].startswith(f"{topic}:0:")
         assert all(k.startswith(KAFKA_HEADER_PREFIX) or k.startswith(("Plane-", "Nats-"))
-                   for k in msg.headers)
+                   or k in TRACE_HEADERS for k in msg.headers)
+        # The W3C trace context also under its own name: the trace goes on from here.
+        assert msg.headers[Header.TRACEPARENT] == headers[0][1].decode()
 
 
 # -- where a partition starts -----------------------------------------------------------------

@@ -22,9 +22,9 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -41,6 +41,19 @@ from plane.subjects import Header, Names
 
 _encoder = msgspec.json.Encoder()
 
+
+
+class CallOptions(TypedDict, total=False):
+    """`Client.call`'s optional arguments, as one typed value (the gateway builds it from an
+    HTTP request's headers)."""
+
+    deadline_ms: int
+    request_id: str
+    ticket: str
+    avoid_node: str
+    first_attempt: int
+    content_type: str
+    headers: Mapping[str, str]
 
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig:
@@ -136,6 +149,7 @@ class Client:
         avoid_node: str | None = None,
         first_attempt: int = 1,
         content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Result:
         """Like `invoke`, but returns the final answer whatever its status (never raises for
         a status). The gateway and `plane pulse` use this to see every reply as it was."""
@@ -157,18 +171,22 @@ class Client:
         attempt = first_attempt
         while True:
             remaining_s = deadline_at - time.monotonic()
-            headers = {Header.REQUEST_ID: request_id, Header.ATTEMPT: str(attempt)}
+            # The caller's own headers first (trace context, a tenant the gateway names):
+            # the plane's, set below, win.
+            attempt_headers = dict(headers or {})
+            attempt_headers[Header.REQUEST_ID] = request_id
+            attempt_headers[Header.ATTEMPT] = str(attempt)
             if send_deadline:
-                headers[Header.DEADLINE_MS] = str(max(1, int(remaining_s * 1000)))
+                attempt_headers[Header.DEADLINE_MS] = str(max(1, int(remaining_s * 1000)))
             if ticket:
-                headers[Header.TICKET] = ticket
+                attempt_headers[Header.TICKET] = ticket
             if avoid_node:
-                headers[Header.AVOID_NODE] = avoid_node
+                attempt_headers[Header.AVOID_NODE] = avoid_node
             if content_type:
-                headers[Header.CONTENT_TYPE] = content_type
+                attempt_headers[Header.CONTENT_TYPE] = content_type
             sent = time.monotonic()
             reply_body, reply_headers, local = await self._attempt(
-                subject, body, headers, remaining_s,
+                subject, body, attempt_headers, remaining_s,
                 "no answer within the deadline" if send_deadline else
                 f"no answer within {budget_ms} ms (ClientConfig.wait_ms: the call set no "
                 "deadline)",

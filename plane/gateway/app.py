@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from plane.backoff import NO_RETRY
 from plane.client import Client
+from plane.client.aio import CallOptions
 from plane.client.result import Result
 from plane.errors import BadRequest
 from plane.gateway.config import GatewayConfig
@@ -39,7 +40,14 @@ from plane.headers import CallerHeaders, read_caller
 from plane.messages import ErrorBody, Reason, Status
 from plane.models import MODELS
 from plane.replies import now_ms
-from plane.subjects import MSGPACK, Header, InvalidToken, check_token
+from plane.subjects import (
+    MSGPACK,
+    TRACE_HEADER_MAX,
+    TRACE_HEADERS,
+    Header,
+    InvalidToken,
+    check_token,
+)
 
 SERVER_TIME_HTTP = "X-Server-Time"
 JSON = "application/json"
@@ -47,7 +55,7 @@ REQUEST_TIMEOUT = 408  # HTTP only: the gateway's own answer to a body sent too 
 # Reply headers passed through to the HTTP caller, as they came.
 PASSED = (Header.REQUEST_ID, Header.STATUS, Header.REASON, Header.NODE, Header.SLOT,
           Header.SERVICE_US, Header.TICKET, Header.RETRY_AFTER_MS, Header.SERVER_TIME,
-          Header.FRESHNESS)
+          Header.FRESHNESS, Header.TRACEPARENT, Header.TRACESTATE)
 
 NOT_FOUND = 404
 # The gateway's own reasons, HTTP only (the plane's are `plane.messages.Reason`).
@@ -96,16 +104,26 @@ def _unauthorized() -> web.Response:
                         content_type=JSON, headers={"WWW-Authenticate": 'Bearer realm="plane"'})
 
 
-def _call_args(caller: CallerHeaders) -> dict[str, object]:
+def _call_args(caller: CallerHeaders, http: Mapping[str, str]) -> CallOptions:
     """What the caller said in its headers (checked by `plane.headers`), as `Client.call`
-    arguments."""
-    args: dict[str, object] = {
-        "deadline_ms": caller.deadline_ms, "first_attempt": caller.attempt,
-        "request_id": caller.request_id, "ticket": caller.ticket,
-        "avoid_node": caller.avoid_node,
-        "content_type": MSGPACK if (caller.content_type or "").startswith(MSGPACK) else None,
-    }
-    return {k: v for k, v in args.items() if v is not None}
+    arguments; its W3C trace context (`traceparent`, `tracestate`) goes on as it came."""
+    args = CallOptions()
+    if caller.attempt is not None:
+        args["first_attempt"] = caller.attempt
+    if caller.deadline_ms is not None:
+        args["deadline_ms"] = caller.deadline_ms
+    if caller.request_id is not None:
+        args["request_id"] = caller.request_id
+    if caller.ticket is not None:
+        args["ticket"] = caller.ticket
+    if caller.avoid_node is not None:
+        args["avoid_node"] = caller.avoid_node
+    if (caller.content_type or "").startswith(MSGPACK):
+        args["content_type"] = MSGPACK
+    trace = {h: v for h in TRACE_HEADERS if (v := http.get(h)) and len(v) <= TRACE_HEADER_MAX}
+    if trace:
+        args["headers"] = trace
+    return args
 
 
 async def infer(request: web.Request) -> web.Response:
@@ -147,8 +165,8 @@ async def _infer(request: web.Request, model: str) -> web.Response:
                           f"the body did not arrive within {config.body_timeout_s} s", rid)
         response.force_close()
         return response
-    args = _call_args(caller)
-    result: Result = await client.call(model, body, policy=NO_RETRY, **args)  # type: ignore[arg-type]
+    args = _call_args(caller, request.headers)
+    result: Result = await client.call(model, body, policy=NO_RETRY, **args)
     ctype = MSGPACK if args.get("content_type") == MSGPACK and result.ok else None
     return web.Response(status=result.status, body=result.body,
                         headers=http_headers(result.headers, content_type=ctype))

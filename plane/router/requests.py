@@ -15,7 +15,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -62,6 +62,7 @@ from plane.router.slot_publish import (
 from plane.router.tenancy import Tenants
 from plane.settings import LiveSettings
 from plane.subjects import Header, InvalidToken, check_token
+from plane.tracing import Span, Tracing, epoch_ns_of, trace_headers
 
 log = structlog.get_logger("plane.router.requests")
 
@@ -96,6 +97,7 @@ class Routing:
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
     tenant: str  # who sent it (plane.router.tenancy)
+    span: Span | None  # plane.admission, when spans are on (plane.tracing)
     forwarded: bool  # came from another router (never forwarded twice)
     promiser: str  # the router that makes promises now
     may_promise: bool  # this router is it
@@ -132,6 +134,7 @@ class RouterParts:
     spawn: Callable[[Coroutine[Any, Any, None]], object]
     reprovision: Callable[[], Coroutine[Any, Any, None]]
     done_pending: Callable[[], int]  # done-events read and not yet handled
+    tracing: Tracing = field(default_factory=Tracing.off)
 
 
 class RequestPath:
@@ -150,6 +153,7 @@ class RequestPath:
         self._spawn = parts.spawn
         self._reprovision = parts.reprovision
         self._done_pending = parts.done_pending
+        self.tracing = parts.tracing
         self.max_body_bytes = parts.cfg.max_body_bytes  # at most what the server carries
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
         settings = parts.settings
@@ -243,6 +247,9 @@ class RequestPath:
         r = Routing(
             msg=msg, rid=rid, model=model, ms=ms, deadline_ms=deadline_ms, work_us=work_us,
             t0=t0, tenant=self.tenants.of(hdrs), forwarded=forwarded, promiser=promiser,
+            span=self.tracing.start("plane.admission", hdrs, epoch_ns_of(int(t0 * 1e9)),
+                                    {"model": model, "request_id": rid})
+            if self.tracing.on else None,
             may_promise=promiser == self.cfg.router_id,
             ask=Ask(now_s=now, deadline_s=now + deadline_ms / 1000,
                     prediction=predict(ms.window, work_us), ticket=caller.ticket,
@@ -333,6 +340,8 @@ class RequestPath:
         tell the other routers what changed (nothing, and nothing sent, when alone)."""
         took_s = time.perf_counter() - r.t0
         self.metrics.router_decision_seconds.labels(r.model, outcome).observe(took_s)
+        if r.span is not None:
+            r.span.end(time.time_ns(), outcome=outcome, tenant=r.tenant)
         self.canonical.line("request decided", request_id=r.rid, model=r.model,
                             tenant=r.tenant, outcome=outcome, decision_us=int(took_s * 1e6),
                             slot=slot.key if slot is not None else None,
@@ -416,6 +425,8 @@ class RequestPath:
         }
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct
+        # The trace goes on: under our admission span when spans are on, else as it came.
+        out.update(r.span.context_headers() if r.span is not None else trace_headers(hdrs))
         return out
 
     async def _try_candidate(self, p: Placing) -> None:
@@ -520,6 +531,7 @@ class RequestPath:
     async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse) -> None:
         body, headers = replies.error_reply(
             rid, r.status, r.reason, r.message, retry_after_ms=r.retry_after_ms, ticket=r.ticket)
+        headers.update(trace_headers(msg.headers or {}))
         self.metrics.router_requests.labels(model, str(int(r.status))).inc()
         self.meter.answered(self.tenants.of(msg.headers or {}), model, int(r.status))
         if r.status is not Status.BUSY:  # a 429 is admission at work, not an error

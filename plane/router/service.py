@@ -51,6 +51,7 @@ from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
 from plane.settings import LiveSettings
 from plane.subjects import ROUTER_QUEUE_GROUP
+from plane.tracing import Tracing
 
 log = structlog.get_logger("plane.router")
 
@@ -80,6 +81,7 @@ class Router(Lifecycle, TaskOwner):
         metrics: PlaneMetrics | None = None,
         *,
         replicas: int = 1,
+        tracing: Tracing | None = None,
     ) -> None:
         super().__init__()
         self.nc = nc
@@ -113,7 +115,8 @@ class Router(Lifecycle, TaskOwner):
             nc=nc, cfg=cfg, metrics=self.metrics, admission=self.admission, models=self.models,
             model=self._model, publisher=self.publisher, inflight=self.inflight,
             peers=self.peers, parking=self.parking, settings=self.settings, spawn=self._spawn,
-            reprovision=self._reprovision, done_pending=self._done_pending))
+            reprovision=self._reprovision, done_pending=self._done_pending,
+            tracing=tracing or Tracing.off()))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
         self._started = False
         self._stopping = False

@@ -56,6 +56,7 @@ from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.publisher import Ack, AckWindow, Batch, Outgoing
 from freshness.records import Stamps, carry_kafka_headers, msg_id, transaction_decoder
 from plane.lifecycle import Lifecycle, finish_or_cancel
+from plane.replies import now_ms
 from plane.subjects import Header
 
 log = structlog.get_logger("freshness.bridge")
@@ -233,7 +234,7 @@ class KafkaBridge(Lifecycle):
                 self._set_lag(fetched.lag)
                 if not fetched.records:
                     continue
-                ingest_ms = time.time_ns() // 1_000_000
+                ingest_ms = now_ms()
                 prepared = [self._prepare(m, ingest_ms) for m in fetched.records]
                 batch = await self._window.publish([p.out for p in prepared])
                 offsets: dict[TopicPart, int] = {}

@@ -48,6 +48,7 @@ from plane.embedded import EmbeddedNats
 from plane.errors import ConfigError
 from plane.messages import FEATURES, RiskRequest
 from plane.natsconn import connect
+from plane.replies import now_ms
 from plane.subjects import Header, Names
 
 log = structlog.get_logger("freshness.demo")
@@ -163,7 +164,7 @@ async def _produce(plan: DemoPlan, bootstrap: str, report: DemoReport) -> None:
                               merchant=f"m{rng.randrange(20)}",
                               features=[round(rng.gauss(0, 1), 4) for _ in range(8)])
             lag = plan.lag_ms if rng.random() < plan.lag_fraction else 0.0
-            ts = time.time_ns() // 1_000_000 - int(lag)
+            ts = now_ms() - int(lag)
             producer.send(plan.topic, _encoder.encode(txn), key=card.encode(), timestamp_ms=ts)
             report.produced += 1
             i += 1
@@ -219,10 +220,10 @@ class _Scorer:
             h = result.headers
             status = result.status
             score = _reply_decoder.decode(result.body).score if status == 200 else None
-            now_ms = time.time_ns() // 1_000_000
+            scored_ms = now_ms()
             scored = Scored(card=txn.card, amount=txn.amount, status=status, score=score,
                             freshness=h.get(Header.FRESHNESS), event_time_ms=stamps.event_time_ms,
-                            scored_time_ms=now_ms, partition=stamps.partition,
+                            scored_time_ms=scored_ms, partition=stamps.partition,
                             offset=stamps.offset)
             data = _encoder.encode(scored)
             await self.nc.publish(self.plan.names.scored(self.token), data)
@@ -231,7 +232,7 @@ class _Scorer:
             self.report.scored += 1
             if scored.freshness:
                 self.report.freshness[scored.freshness] += 1
-            self.report.end_to_end_ms.append(float(now_ms - stamps.event_time_ms))
+            self.report.end_to_end_ms.append(float(scored_ms - stamps.event_time_ms))
             await msg.ack()
         finally:
             self._sem.release()

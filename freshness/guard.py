@@ -47,6 +47,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
+from prometheus_client import CollectorRegistry
 
 from freshness.config import GuardConfig
 from freshness.decision import Action, decide, degrade_source
@@ -233,6 +234,18 @@ class CardFeatureGuard(Lifecycle):
             except Exception as exc:  # broker restart, reconnect: watch again
                 log.warning("features watch restarting", error=repr(exc))
                 await asyncio.sleep(0.5)
+
+
+async def guarded_enricher(
+    stack: contextlib.AsyncExitStack, nc: Client, names: Names,
+    registry: CollectorRegistry | None,
+) -> Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]:
+    """A risk node's freshness guard, started on `stack` (stopped with it), as the node's
+    enrich hook; its metrics in `registry` (None: a registry of its own, for a second node
+    in one process, whose gauges would clash)."""
+    metrics = GuardMetrics(registry) if registry is not None else GuardMetrics()
+    guard = CardFeatureGuard(nc, names, GuardConfig(), metrics=metrics)
+    return risk_enricher(await stack.enter_async_context(guard))
 
 
 def risk_enricher(

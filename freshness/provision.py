@@ -7,10 +7,14 @@ import contextlib
 
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
+from plane.provision import ensure_config_bucket, ensure_kv
 from plane.subjects import Names
+
+__all__ = ["ensure_config_bucket", "ensure_events_stream", "ensure_features_bucket",
+           "events_stream_config"]
 
 
 def events_stream_config(
@@ -47,24 +51,7 @@ async def ensure_events_stream(
         await js.update_stream(cfg)
 
 
-async def ensure_kv(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
-    try:
-        return await js.key_value(cfg.bucket)
-    except (BucketNotFoundError, NotFoundError):
-        try:
-            return await js.create_key_value(cfg)
-        except BadRequestError:  # created meanwhile by another process
-            return await js.key_value(cfg.bucket)
-
-
 async def ensure_features_bucket(js: JetStreamContext, names: Names) -> KeyValue:
     return await ensure_kv(
         js, KeyValueConfig(bucket=names.features_bucket, history=1, storage=StorageType.FILE)
-    )
-
-
-async def ensure_config_bucket(js: JetStreamContext, names: Names) -> KeyValue:
-    """Same settings as `plane.provision.ensure_buckets` gives it."""
-    return await ensure_kv(
-        js, KeyValueConfig(bucket=names.config_bucket, history=5, storage=StorageType.FILE)
     )

@@ -24,6 +24,7 @@ import torch
 
 from gpu_node.pinned import RowPacker, Staged
 from kernels.risk import FEATURES, HIDDEN, RiskWeights, risk_reference, risk_reference_out
+from plane.config import BACKENDS
 from plane.errors import ConfigError
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "risk_reference",
 ]
 
-BACKENDS = ("auto", "torch", "interpret", "triton")
 
 
 class SlotRunner(Protocol):

@@ -35,7 +35,7 @@ from gpu_node.slot import Enrich, Slot
 from gpu_node.standing import Other, Standing
 from gpu_node.telemetry import GpuTelemetry, make_telemetry, partition_sms
 from plane import replies
-from plane.config import FALLBACK_DEADLINE_MS, NodeConfig
+from plane.config import NodeConfig
 from plane.identity import ensure_node_id_free
 from plane.lifecycle import Lifecycle, TaskOwner
 from plane.messages import (
@@ -225,8 +225,7 @@ class Node(Lifecycle, TaskOwner):
         self.changed()
 
     def _budget_us(self) -> int:
-        ms = self.settings.deadline_ms(self.cfg.model) or self.cfg.default_deadline_ms.get(
-            self.cfg.model, FALLBACK_DEADLINE_MS)
+        ms = self.settings.deadline_or_default(self.cfg.model, self.cfg.default_deadline_ms)
         return ms * 1000
 
     def _on_setting(self, key: str, value: int | None) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from plane.auth.cli import auth
-from plane.config import ConnectOptions, NodeConfig, RouterConfig
+from plane.config import BACKENDS, ConnectOptions, NodeConfig, RouterConfig
 from plane.errors import PlaneError
 from plane.extras import DISTRIBUTION, missing_extra
 from plane.lifecycle import run
@@ -135,7 +135,7 @@ def serving_options(f: F) -> F:
               help="Comma-separated models to serve (one node each).")
 @click.option("--slots", type=int, default=None, help="Slots per node (default: backend's).")
 @click.option("--backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "torch", "interpret", "triton"]))
+              type=click.Choice(BACKENDS))
 @click.option("--demo", is_flag=True, help="Make example calls (answers and refusals), then stop.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None,
               help="Port of the embedded nats-server (default: any free port).")
@@ -179,7 +179,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 @click.option("--model", default="risk", show_default=True, type=click.Choice(sorted(MODELS)))
 @click.option("--slots", type=int, default=None, help="Slots to claim (default: backend's).")
 @click.option("--backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "torch", "interpret", "triton"]))
+              type=click.Choice(BACKENDS))
 @click.option("--sms-per-slot", type=int, default=None, help="SMs per slot partition (CUDA).")
 @click.option("--node-id", default=None, help="Node name (default: n-<hostname>).")
 @click.option("--allow-faults", is_flag=True, help="Accept fault injection (tests, drills).")

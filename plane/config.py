@@ -10,6 +10,9 @@ from plane.errors import ConfigError
 from plane.subjects import InvalidToken, Names, check_token
 
 DEFAULT_DEADLINE_MS = {"risk": 50, "calibrated": 1000}
+# Compute backends a node runs (gpu_node.compute makes them; named here, in the contract, so
+# that the CLI lists them without importing torch).
+BACKENDS = ("auto", "torch", "interpret", "triton")
 FALLBACK_DEADLINE_MS = 1000
 MAX_DEADLINE_MS = 600_000
 MAX_BODY_BYTES = 64 * 1024
@@ -98,7 +101,7 @@ class NodeConfig:
         _token("model", self.model)
         if self.slots is not None and not 1 <= self.slots <= 1024:
             raise ConfigError("--slots must be between 1 and 1024")
-        if self.backend not in ("auto", "torch", "interpret", "triton"):
+        if self.backend not in BACKENDS:
             raise ConfigError("--backend must be one of auto, torch, interpret, triton")
         if self.sms_per_slot is not None and self.sms_per_slot < 1:
             raise ConfigError("--sms-per-slot must be at least 1")

@@ -76,7 +76,7 @@ async def ensure_slot_stream(js: JetStreamContext, plan: ProvisionPlan) -> None:
 async def ensure_buckets(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValue, KeyValue]:
     """The node-advert bucket (short TTL) and the live-settings bucket."""
     n = plan.names
-    nodes = await _ensure_kv(
+    nodes = await ensure_kv(
         js,
         KeyValueConfig(
             bucket=n.nodes_bucket,
@@ -86,20 +86,27 @@ async def ensure_buckets(js: JetStreamContext, plan: ProvisionPlan) -> tuple[Key
             replicas=plan.replicas,
         ),
     )
-    config = await _ensure_kv(
-        js,
-        KeyValueConfig(
-            bucket=n.config_bucket, history=5, storage=StorageType.FILE, replicas=plan.replicas
-        ),
-    )
+    config = await ensure_config_bucket(js, n, replicas=plan.replicas)
     return nodes, config
 
 
-async def _ensure_kv(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
+async def ensure_config_bucket(js: JetStreamContext, names: Names, *,
+                               replicas: int = 1) -> KeyValue:
+    """The live-settings bucket (`plane.settings`), the same from every process."""
+    return await ensure_kv(js, KeyValueConfig(bucket=names.config_bucket, history=5,
+                                              storage=StorageType.FILE, replicas=replicas))
+
+
+async def ensure_kv(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
+    """Bind to bucket `cfg.bucket`, creating it with `cfg` when it is missing (another
+    process creating it at the same moment is fine)."""
     try:
         return await js.key_value(cfg.bucket)
     except (BucketNotFoundError, NotFoundError, BadRequestError):
-        return await js.create_key_value(cfg)
+        try:
+            return await js.create_key_value(cfg)
+        except BadRequestError:  # created meanwhile by another process
+            return await js.key_value(cfg.bucket)
 
 
 async def ensure_all(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValue, KeyValue]:

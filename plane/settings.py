@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import structlog
 from nats.js.kv import KeyValue
 
-from plane.config import MAX_DEADLINE_MS
+from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS
 from plane.headers import decimal, shown
 from plane.lifecycle import cancel_and_wait
 from plane.subjects import Names, config_key
@@ -83,6 +83,11 @@ class LiveSettings:
 
     def deadline_ms(self, model: str) -> int | None:
         return self.values.get(config_key("deadline_ms", model))
+
+    def deadline_or_default(self, model: str, defaults: Mapping[str, int]) -> int:
+        """The model's deadline when the caller gives none: the live setting, else the
+        configured default, else FALLBACK_DEADLINE_MS (routers and nodes alike)."""
+        return self.deadline_ms(model) or defaults.get(model, FALLBACK_DEADLINE_MS)
 
     def get(self, setting: str, scope: str | None = None) -> int | None:
         return self.values.get(config_key(setting, scope))

@@ -9,9 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from nats.aio.client import Client
 
-from freshness.config import GuardConfig
-from freshness.guard import CardFeatureGuard, risk_enricher
-from freshness.metrics import GuardMetrics
+from freshness.guard import guarded_enricher
 from gpu_node.node import Node
 from gpu_node.slot import Enrich
 from plane.config import ConnectOptions, NodeConfig, RouterConfig
@@ -87,10 +85,8 @@ class PlaneStack(Lifecycle):
                     nc = await self._connect(f"plane-node-{node_cfg.node_id}", "node")
                     enrich = self.enrich if model == "risk" else None
                     if enrich is None and model == "risk" and cfg.freshness:
-                        guard = CardFeatureGuard(nc, cfg.names, GuardConfig(),
-                                                 metrics=GuardMetrics(self.metrics.registry)
-                                                 if i == 0 else GuardMetrics())
-                        enrich = risk_enricher(await st.enter_async_context(guard))
+                        enrich = await guarded_enricher(
+                            st, nc, cfg.names, self.metrics.registry if i == 0 else None)
                     node = Node(nc, node_cfg, self.metrics, enrich=enrich, tracing=self.tracing,
                                 replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))

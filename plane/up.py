@@ -15,9 +15,7 @@ from dataclasses import replace
 
 from nats.aio.client import Client
 
-from freshness.config import GuardConfig
-from freshness.guard import CardFeatureGuard, risk_enricher
-from freshness.metrics import GuardMetrics
+from freshness.guard import guarded_enricher
 from gpu_node.node import Node
 from plane.auth.store import AuthDir
 from plane.backoff import NO_RETRY
@@ -141,9 +139,7 @@ async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) 
             async with contextlib.AsyncExitStack() as stack:
                 enrich = None
                 if freshness and cfg.model == "risk":
-                    guard = CardFeatureGuard(nc, cfg.names, GuardConfig(),
-                                             metrics=GuardMetrics(metrics.registry))
-                    enrich = risk_enricher(await stack.enter_async_context(guard))
+                    enrich = await guarded_enricher(stack, nc, cfg.names, metrics.registry)
                 await stack.enter_async_context(
                     Node(nc, cfg, metrics, replicas=spec.replicas, enrich=enrich,
                          tracing=Tracing.from_env("plane-node")))

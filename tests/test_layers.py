@@ -2,7 +2,7 @@
 
     entry points and composition root   plane.app, plane.cli, plane.up, plane.stack,
                                         plane.serve, every `*.cli` / `*_cli` module,
-                                        freshness.demo
+                                        freshness.demo, freshness.demo_report
     parts, side by side                 plane.router.*   gpu_node.*   freshness.*
                                         tools: plane.client.*, plane.gateway.*, plane.pulse.*,
                                         plane.breathe*, plane.top
@@ -23,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("plane", "gpu_node", "kernels", "freshness")
-TOP = {"plane.app", "plane.cli", "plane.up", "plane.stack", "plane.serve", "freshness.demo"}
+TOP = {"plane.app", "plane.cli", "plane.up", "plane.stack", "plane.serve", "freshness.demo",
+       "freshness.demo_report"}
 TOOLS = ("plane.client", "plane.gateway", "plane.pulse", "plane.breathe", "plane.top")
 ALLOWED = {
     "contract": {"contract"},

@@ -37,6 +37,7 @@ from plane.client.result import Result, header_int, reply_status
 from plane.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.errors import ConfigError
 from plane.messages import Reason, Status, error_body
+from plane.replies import now_ms
 from plane.subjects import Header, Names
 
 _encoder = msgspec.json.Encoder()
@@ -92,10 +93,6 @@ def encode_payload(payload: Any) -> bytes:
 def _local_reply(status: Status, reason: Reason, message: str) -> tuple[bytes, dict[str, str]]:
     """A status the client makes up itself (no answer in time, nobody listening)."""
     return error_body(message, reason), {Header.STATUS: str(int(status)), Header.REASON: reason}
-
-
-def _wall_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Client:
@@ -232,7 +229,7 @@ class Client:
             u=self._rng.random(),
             retry_after_ms=result.retry_after_ms if busy else None,
             server_time_ms=header_int(result.headers, Header.SERVER_TIME),
-            local_time_ms=_wall_ms(),
+            local_time_ms=now_ms(),
         )
 
     async def _attempt(

@@ -23,6 +23,7 @@ from plane.client.result import header_int
 from plane.config import ConnectOptions
 from plane.messages import Status
 from plane.pulse.outcome import ERROR, TIMEOUT, Attempts
+from plane.replies import now_ms
 from plane.subjects import Header
 
 SERVER_TIME_HTTP = "X-Server-Time"  # the gateway's name for Plane-Server-Time
@@ -144,7 +145,7 @@ class HttpTarget:
                     u=self._rng.random(), retry_after_ms=after_ms,
                     server_time_ms=header_int(rh, SERVER_TIME_HTTP)
                     or header_int(rh, Header.SERVER_TIME),
-                    local_time_ms=time.time_ns() // 1_000_000)
+                    local_time_ms=now_ms())
             if delay is None:
                 return Attempts(statuses=tuple(statuses), final=str(status), hinted=hinted,
                                 last_attempt_us=last_us)

@@ -29,7 +29,7 @@ from nats.js.errors import APIError
 from plane import replies
 from plane.budget import predict
 from plane.canonical import CanonicalLog
-from plane.config import FALLBACK_DEADLINE_MS, RouterConfig
+from plane.config import RouterConfig
 from plane.errors import BadRequest
 from plane.headers import read_caller
 from plane.messages import Status
@@ -404,8 +404,7 @@ class RequestPath:
         setting, else its configured default."""
         if asked_ms is not None:
             return asked_ms
-        return self.settings.deadline_ms(model) or self.cfg.default_deadline_ms.get(
-            model, FALLBACK_DEADLINE_MS)
+        return self.settings.deadline_or_default(model, self.cfg.default_deadline_ms)
 
     def _slot_headers(self, r: Routing) -> dict[str, str]:
         hdrs = r.msg.headers or {}

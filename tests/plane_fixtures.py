@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -53,10 +54,23 @@ def where(msgs: list[Msg], pred: Callable[[Msg], bool]) -> list[Msg]:
     return [m for m in msgs if pred(m)]
 
 
-async def wait_until(pred: Callable[[], object], timeout_s: float, what: str) -> None:
-    """Poll `pred` until it holds, or fail naming `what` (no fixed sleeps on a loaded box)."""
-    t_end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > t_end:
-            raise AssertionError(f"timed out waiting for {what}")
+def slots_running(stack: PlaneStack) -> int:
+    """How many slots, over all the stack's nodes, are running a request right now."""
+    return sum(1 for node in stack.nodes for s in node.slots if s.current is not None)
+
+
+async def wait_until(pred: Callable[[], object], timeout_s: float, what: str) -> float:
+    """Poll `pred` until it holds, or fail naming `what` (no fixed sleeps on a loaded box).
+
+    `pred` may be a coroutine function (it is awaited each time: a broker query). Returns the
+    seconds it took, for a test that also bounds how long the state took to come."""
+    t0 = time.monotonic()
+    while True:
+        held = pred()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.02)

@@ -27,7 +27,15 @@ from plane.router import Router
 from plane.stack import PlaneStack
 from plane.subjects import Header
 from tests.ledger import Ledger
-from tests.plane_fixtures import NAMES, calibrated, client, plane, status, wait_until
+from tests.plane_fixtures import (
+    NAMES,
+    calibrated,
+    client,
+    plane,
+    slots_running,
+    status,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +51,7 @@ def _healthy(stack: PlaneStack, model: str, node: str) -> int:
 def _exactly_once(ledger: Ledger) -> None:
     assert ledger.unanswered() == [], f"no answer: {ledger.unanswered()}"
     assert ledger.answered_twice() == [], {
-        i: [(m.headers or {}).get(Header.STATUS) for _, m in ledger.answers[i]]
-        for i in ledger.answered_twice()}
+        i: [a.status for a in ledger.answers[i]] for i in ledger.answered_twice()}
 
 
 def test_the_process_started_last_speaks_for_a_node_id() -> None:
@@ -97,7 +104,7 @@ async def test_a_stopping_node_finishes_its_requests_and_answers_each_once() -> 
         ledger = await Ledger(nc).start()
         for _ in range(2):
             await ledger.send(NAMES.infer("calibrated"), calibrated(600_000), 5000)
-        await asyncio.sleep(0.15)
+        await wait_until(lambda: slots_running(stack) == 2, 5, "both requests running")
         await stack.nodes[0].stop()  # drains: both finish within drain_timeout_s (5 s)
         await ledger.settle(timeout_s=3, quiet_s=0.5)
         _exactly_once(ledger)
@@ -116,13 +123,13 @@ async def test_a_drain_shorter_than_the_work_still_gives_one_answer_each() -> No
         ledger = await Ledger(nc).start()
         for _ in range(2):
             await ledger.send(NAMES.infer("calibrated"), calibrated(1_500_000), 5000)
-        await asyncio.sleep(0.15)
+        await wait_until(lambda: slots_running(stack) == 2, 5, "both requests running")
         await stack.nodes[0].stop()
         await ledger.settle(timeout_s=3, quiet_s=1.5)  # past the work: no late 200 either
         _exactly_once(ledger)
         assert ledger.statuses() == {503: 2}, ledger.statuses()
         for i in ledger.answers:
-            h = ledger.answers[i][0][1].headers or {}
+            h = ledger.first(i).headers
             assert h[Header.NODE] == NODE and h[Header.REASON] == "unhealthy"
 
 
@@ -145,7 +152,15 @@ async def test_b_a_new_process_with_the_id_answers_what_the_stalled_one_left() -
                 ledger = await Ledger(nc).start()
                 for _ in range(2):
                     await ledger.send(NAMES.infer("calibrated"), calibrated(2_000_000), 8000)
-                await asyncio.sleep(0.3)
+                js = nc.jetstream()
+
+                async def old_holds_two() -> bool:  # each of its slots has fetched one
+                    infos = [await js.consumer_info(NAMES.slot_stream_for("n1"),
+                                                    NAMES.slot_consumer("calibrated", "n1", k))
+                             for k in (0, 1)]
+                    return all(info.num_ack_pending == 1 for info in infos)
+
+                await wait_until(old_holds_two, 5, "the old n1 holding both requests")
                 os.kill(old.pid, signal.SIGSTOP)
                 t0 = time.monotonic()
                 new = Node(node_nc, NodeConfig(node_id="n1", model="calibrated", slots=1,
@@ -222,19 +237,21 @@ async def test_b_a_restart_waits_for_the_stopping_process_and_every_request_is_a
             client(stack.url) as nc, client(stack.url) as node_nc:
         ledger = await Ledger(nc).start()
         await ledger.send(NAMES.infer("calibrated"), calibrated(800_000), 5000)
-        await asyncio.sleep(0.15)
+        await wait_until(lambda: slots_running(stack) == 1, 5, "the request running")
         old = stack.nodes[0]
         new = Node(node_nc, NodeConfig(node_id=NODE, model="calibrated", slots=1,
                                        backend="torch"))
         stopping = asyncio.create_task(old.stop())
-        await asyncio.sleep(0.05)  # the old one says it is stopping first
+        # The old one says it is stopping first (the router has heard it and placed nothing).
+        await wait_until(lambda: _healthy(stack, "calibrated", NODE) == 0, 3,
+                         "the old one's stopping heartbeat")
         await new.start()
         started_s = time.monotonic()
         try:
             await stopping
             await ledger.settle(timeout_s=3, quiet_s=0.5)
             _exactly_once(ledger)
-            assert ledger.answers[0][0][0] < started_s, "it did not wait for the old one"
+            assert ledger.first(0).at_s < started_s, "it did not wait for the old one"
             assert ledger.statuses() == {200: 1}, ledger.statuses()
             await wait_until(lambda: _healthy(stack, "calibrated", NODE) == 1, 5,
                             "the new process's slot")
@@ -288,10 +305,13 @@ async def test_c_one_process_heartbeat_never_keeps_another_models_slots_alive() 
             await wait_until(lambda: "risk" in router.models and router.models["risk"].slots,
                             3, "the risk process's slot")
             tg.create_task(beat(heartbeat("b", now_ms, "calibrated"), calibrated_dead))
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: "calibrated" in router.models
+                             and router.models["calibrated"].slots, 3,
+                             "the calibrated process's slot")
             risk_dead.set()  # killed
-            await asyncio.sleep(1.2)  # more than twice the node timeout
-            assert not router.models["risk"].slots, "a dead process's slots stayed healthy"
+            # Gone within a few node timeouts (it used to stay healthy for good).
+            await wait_until(lambda: not router.models["risk"].slots, 5,
+                             "the dead risk process's slots to go")
             assert list(router.models["calibrated"].slots) == ["n1/0"]
             m = await nc.request(NAMES.infer("risk"), b'{"features": [' + b",".join(
                 [b"0"] * 32) + b"]}", timeout=5, headers={Header.DEADLINE_MS: "300"})

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -32,20 +32,12 @@ from plane.logs import LineSink
 from plane.natsconn import Throttle
 from plane.stack import PlaneStack
 from plane.subjects import Header, config_key
-from tests.plane_fixtures import NAMES, calibrated, client, header, plane, status
+from tests.plane_fixtures import NAMES, calibrated, client, header, plane, status, wait_until
 
 PLANE = str(Path(sys.executable).parent / "plane")
 NODE = "node0-calibrated"
 FRESH_ID = re.compile(r"[\x21-\x7e]{1,128}")
 SERVER_MAX_PAYLOAD = 1024 * 1024  # nats-server's default
-
-
-async def wait_for(pred: Callable[[], bool], timeout_s: float, what: str = "") -> None:
-    t_end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > t_end:
-            raise AssertionError(f"not reached within {timeout_s} s: {what}")
-        await asyncio.sleep(0.01)
 
 
 def assert_fresh_id(reply_id: str | None, sent: str) -> None:
@@ -212,8 +204,8 @@ async def test_gateway_closes_slow_heads_slow_bodies_and_idle_connections(
 async def settle(kv: object, stack: PlaneStack, n: int) -> None:
     """Every watcher has applied what came before: a valid marker value, put last, is seen."""
     await kv.put(config_key("freshness_ms"), str(n).encode())  # type: ignore[attr-defined]
-    await wait_for(lambda: all(s.settings.get("freshness_ms") == n
-                               for s in (*stack.routers, *stack.nodes)), 3, "marker")
+    await wait_until(lambda: all(s.settings.get("freshness_ms") == n
+                                 for s in (*stack.routers, *stack.nodes)), 3, "marker")
 
 
 async def test_live_settings_out_of_range_are_refused_and_the_old_value_kept(
@@ -255,13 +247,14 @@ async def test_live_settings_out_of_range_are_refused_and_the_old_value_kept(
             await kv.put(config_key("slots", NODE), b"200")
             marker += 1
             await settle(kv, stack, marker)
-            await asyncio.sleep(0.2)
+            # The node resizes in a task of its own: wait for its word on the 200.
+            await wait_until(lambda: any(e["event"] == "live setting refused"
+                                         and e.get("key") == f"slots.{NODE}" for e in logs),
+                             3, "the node to refuse 200 slots")
         assert len(node.slots) == 2 and node.target_slots == 2
-        assert any(e["event"] == "live setting refused" and e.get("key") == f"slots.{NODE}"
-                   for e in logs), logs
         # A good value still works.
         await kv.put(config_key("slots", NODE), b"3")
-        await wait_for(lambda: router.models["calibrated"].healthy_count() == 3, 3, "3 slots")
+        await wait_until(lambda: router.models["calibrated"].healthy_count() == 3, 3, "3 slots")
 
 
 # -- 4. a log write never blocks the loop; a stop with the server gone is clean ----------------

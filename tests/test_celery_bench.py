@@ -37,7 +37,13 @@ async def test_side_by_side_smoke(tmp_path: Path) -> None:
         (s, x) for s in ("plane", "celery") for x in (0.5, 0.9, 1.5)]
     for r in rows:
         assert r["ok_per_s"] > 0 and r["p50_ms"] >= 10
+    by = {(r["system"], r["load"]): r for r in rows}
+    # Overloaded, the plane refuses, and every refusal says when to come back ...
+    assert by["plane", 1.5]["refusal_rate"] > 0, by["plane", 1.5]
     for r in rows:
-        if r["system"] == "plane" and r["retry_after_share"] is not None:
-            assert r["retry_after_share"] == 1.0
+        if r["system"] == "plane":
+            want = None if r["refusal_rate"] == 0 else 1.0  # (no 429s: no share to speak of)
+            assert r["retry_after_share"] == want, r
+    # ... while Celery never refuses: it queues.
+    assert all(by["celery", x]["refusal_rate"] == 0 for x in (0.5, 0.9, 1.5)), rows
     assert "| celery | 1.5x |" in out_md.read_text() and "| plane | 0.5x |" in out.decode()

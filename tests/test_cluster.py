@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import nats
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import Error as JsError
 
@@ -37,7 +36,7 @@ from plane.embedded import EmbeddedNats, NatsServerSpec
 from plane.processes import free_port
 from plane.provision import ProvisionPlan, ensure_all
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Header
+from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated
 
 pytestmark = pytest.mark.slow
@@ -60,7 +59,6 @@ ANSWERS = {200, 429, 503, 504}
 # A request sent this close before the kill may have been inside the dead server (see below).
 LOST_WINDOW_S = 0.25
 MAX_LOST_AT_KILL = 5
-NATS_STATUS = "Status"  # the header nats-py fills from a server status line ("NATS/1.0 503")
 
 
 @asynccontextmanager
@@ -132,53 +130,6 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
-    at_s: float
-    status: int
-    reason: str
-    request_id: str | None
-
-
-@dataclass
-class Ledger:
-    """Every request sent (id -> send time) and every answer received (id -> answers)."""
-
-    sent_s: dict[int, float] = field(default_factory=dict)
-    answers: dict[int, list[Answer]] = field(default_factory=dict)
-    sending_done: bool = False
-    all_answered: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def finish_sending(self) -> None:
-        self.sending_done = True
-        self._check_complete()
-
-    def _check_complete(self) -> None:
-        if self.sending_done and len(self.answers) >= len(self.sent_s):
-            self.all_answered.set()
-
-    def record(self, msg: Msg) -> None:
-        i = int(msg.subject.rsplit(".", 1)[1])
-        h = msg.headers or {}
-        if Header.STATUS in h:
-            code, reason = int(h[Header.STATUS]), h.get(Header.REASON, "")
-        elif h.get(NATS_STATUS) == "503":
-            # The broker's own "no responders": no router was subscribed for a moment (the
-            # routers' server had just died). One answer, a 503, just not from the plane.
-            code, reason = 503, "no-responders"
-        else:
-            code, reason = -1, repr(h)
-        self.answers.setdefault(i, []).append(
-            Answer(time.monotonic(), code, reason, h.get(Header.REQUEST_ID)))
-        self._check_complete()
-
-    def unanswered(self) -> list[int]:
-        return [i for i in self.sent_s if i not in self.answers]
-
-    def status(self, i: int) -> int:
-        return self.answers[i][0].status
-
-
 @dataclass
 class SubjectChecker:
     """Reads the slot stream's per-subject counts as often as it can; keeps the maximum."""
@@ -208,7 +159,7 @@ class SubjectChecker:
             await asyncio.sleep(CHECK_PERIOD_S)
 
 
-async def send_load(nc: Client, inbox: str, ledger: Ledger, until_s: float) -> None:
+async def send_load(ledger: Ledger, until_s: float) -> None:
     """Calibrated requests at a steady rate, each with its own reply subject, until `until_s`."""
     body = calibrated(WORK_US)
     t0 = time.monotonic()
@@ -217,11 +168,9 @@ async def send_load(nc: Client, inbox: str, ledger: Ledger, until_s: float) -> N
         due = t0 + i / RATE_PER_S
         if due > now:
             await asyncio.sleep(due - now)
-        headers = {Header.REQUEST_ID: f"req-{i}", Header.DEADLINE_MS: str(DEADLINE_MS)}
-        ledger.sent_s[i] = time.monotonic()
-        await nc.publish(NAMES.infer("calibrated"), body, reply=f"{inbox}.{i}", headers=headers)
+        await ledger.send(NAMES.infer("calibrated"), body, DEADLINE_MS)
         i += 1
-    await nc.flush()
+    await ledger.nc.flush()
 
 
 async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_dies() -> None:
@@ -242,9 +191,7 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
                     _client(survivors[1].url) as watcher:
                 await move_slot_leader(watcher, victim.spec.server_name or "")
 
-                ledger = Ledger()
-                inbox = caller.new_inbox()
-                await caller.subscribe(f"{inbox}.*", cb=_collector(ledger))
+                ledger = await Ledger(caller).start()
                 await caller.flush()
                 checker = SubjectChecker()
                 stop_checking = asyncio.Event()
@@ -254,7 +201,7 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
                 t_end = t_kill + AFTER_KILL_S
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(checker.run(watcher, stop_checking))
-                    load = tg.create_task(send_load(caller, inbox, ledger, t_end))
+                    load = tg.create_task(send_load(ledger, t_end))
                     await asyncio.sleep(max(0.0, t_kill - time.monotonic()))
                     assert checker.reads > 0, "the checker never read the slot stream"
                     t_kill = time.monotonic()
@@ -262,10 +209,7 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
                     t_killed = time.monotonic()
                     checker.killed = True
                     await load
-                    ledger.finish_sending()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(ledger.all_answered.wait(), ANSWER_WAIT_S)
-                    await asyncio.sleep(DUPLICATE_WAIT_S)
+                    await ledger.settle(timeout_s=ANSWER_WAIT_S, quiet_s=DUPLICATE_WAIT_S)
                     stop_checking.set()
 
                 new_leader = await slot_stream_leader(watcher)
@@ -288,7 +232,7 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
         odd = {i: a for i, a in ledger.answers.items() if a[0].status not in ANSWERS}
         assert not odd, f"unexpected statuses: {dict(list(odd.items())[:10])}\n{report}"
         echoed = [i for i, a in ledger.answers.items()
-                  if a[0].reason != "no-responders" and a[0].request_id != f"req-{i}"]
+                  if a[0].reason != "no-responders" and a[0].request_id != Ledger.request_id(i)]
         assert not echoed, f"request id not echoed: {echoed[:10]}\n{report}"
         # Depth one held on every read, before and after the kill (issue #6245).
         assert checker.max_seen <= 1, f"a slot subject held {checker.worst}\n{report}"
@@ -304,13 +248,6 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
         assert len(reconnected) == len(stack.clients), report
         assert all(port_of(u) != port_of(victim.url) for u in reconnected), report
         assert new_leader != victim.spec.server_name, report
-
-
-def _collector(ledger: Ledger):  # type: ignore[no-untyped-def]
-    async def collect(msg: Msg) -> None:
-        ledger.record(msg)
-
-    return collect
 
 
 @asynccontextmanager

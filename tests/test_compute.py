@@ -244,11 +244,14 @@ def test_partition_granularity_follows_the_driver_guideline() -> None:
         plan_partitions(sm_count=132, cc_major=9, sms_per_slot=0, green=False, note="")
 
 
-def test_green_context_support_answers_with_a_reason() -> None:
+def test_green_context_support_answers_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     ok, why = green_context_support()
     assert isinstance(ok, bool) and why
-    if not torch.cuda.is_available():
-        assert ok is False or "available" in why
+    assert ok == (why == "green contexts available"), (ok, why)
+    # A torch built without them is refused, naming its version.
+    monkeypatch.delattr(torch._C, "_CUDAGreenContext", raising=False)
+    assert green_context_support() == (
+        False, f"torch {torch.__version__} was built without green contexts")
 
 
 # --------------------------------------------------------------------------------------------

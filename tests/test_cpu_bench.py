@@ -30,7 +30,11 @@ async def test_cpu_per_request_smoke() -> None:
         roles = {"echo", "nats-server"} if r["system"] == "floor" else {
             "router", "node", "nats-server"}
         assert set(r["cpu_us"]) == roles
-        assert all(ticks >= 0 for ticks in r["cpu_ticks"].values())
+    # Read, not just present: 300 requests cost the router CPU between the two reads (a
+    # clock tick is 10 ms; it spends some 200 us on each: 6 ticks). The floor's echo and a
+    # node at the open load may spend less than a tick.
+    for r in rows[1::2]:
+        assert r["cpu_ticks"]["router"] > 0, r
     assert data["capacity_per_s"] > 0 and 0 <= data["false_refusal_share"] <= 1
     assert {r["name"] for r in data["ratios"]} and all(
         len(r["by_load"]) == 3 for r in data["ratios"])

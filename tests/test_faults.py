@@ -17,9 +17,13 @@ from plane.client import Client as PlaneClient
 from plane.embedded import EmbeddedNats
 from plane.subjects import Header
 from tests.ledger import Ledger
-from tests.plane_fixtures import NAMES, calibrated, client, plane
+from tests.plane_fixtures import NAMES, calibrated, client, plane, wait_until
 
 PLANE = str(Path(sys.executable).parent / "plane")
+# A call made while the server is down for its restart may be lost with it (core NATS is
+# at-most-once) and end in the SDK's own 504 at its deadline; none made later may, and few.
+LOST_WINDOW_S = 0.25
+MAX_LOST_AT_RESTART = 5
 
 
 async def test_node_killed_mid_request() -> None:
@@ -31,15 +35,21 @@ async def test_node_killed_mid_request() -> None:
             async with plane(srv.url, models=("calibrated",), slots=2) as stack, \
                     client(srv.url) as nc:
                 router = stack.routers[0]
-                t_end = time.monotonic() + 30
-                while router.models["calibrated"].healthy_count() < 4:
-                    assert time.monotonic() < t_end, "victim never joined"
-                    await asyncio.sleep(0.05)
+                await wait_until(lambda: router.models["calibrated"].healthy_count() == 4, 30,
+                                 "the victim's slots")
                 ledger = await Ledger(nc).start()
                 # 4 slots, 8 long requests: 4 run (2 on the victim), 4 are refused with tickets.
                 for _ in range(8):
                     await ledger.send(NAMES.infer("calibrated"), calibrated(800_000), 3000)
-                await asyncio.sleep(0.3)
+                js = nc.jetstream()
+
+                async def victim_runs_two() -> bool:  # each victim slot has fetched one
+                    infos = [await js.consumer_info(NAMES.slot_stream_for("victim"),
+                                                    NAMES.slot_consumer("calibrated", "victim", k))
+                             for k in (0, 1)]
+                    return all(info.num_ack_pending == 1 for info in infos)
+
+                await wait_until(victim_runs_two, 5, "two requests running on the victim")
                 os.kill(victim.pid, signal.SIGKILL)
                 killed_at = time.monotonic()
                 await ledger.settle(timeout_s=6)
@@ -50,11 +60,11 @@ async def test_node_killed_mid_request() -> None:
                 dead = [i for i in ledger.answers if ledger.status(i) == 503]
                 assert counts == {200: 2, 429: 4, 503: 2}, counts
                 for i in dead:
-                    h = ledger.answers[i][0][1].headers or {}
+                    h = ledger.first(i).headers
                     assert h[Header.NODE] == "victim" and h[Header.REASON] == "unhealthy"
                     # within the request's deadline
                     assert ledger.latency_ms(i) < ledger.deadline_ms[i]
-                    assert ledger.answers[i][0][0] - killed_at < 2.0
+                    assert ledger.first(i).at_s - killed_at < 2.0
                 # The SDK retries those callers on another node, which answers.
                 sdk = PlaneClient(nc)
                 for _ in dead:
@@ -63,15 +73,13 @@ async def test_node_killed_mid_request() -> None:
                 # The dead node's slots are gone from the router; orphans expired by TTL.
                 assert all(v.node != "victim"
                            for v in router.models["calibrated"].slots.values())
-                js = nc.jetstream()
-                t_end = time.monotonic() + 6
-                while True:
+
+                async def no_orphans() -> bool:
                     info = await js.stream_info(NAMES.slots_stream,
                                                 subjects_filter=NAMES.node_slots("victim"))
-                    if not info.state.subjects:
-                        break
-                    assert time.monotonic() < t_end, f"orphans left: {info.state.subjects}"
-                    await asyncio.sleep(0.2)
+                    return not info.state.subjects
+
+                await wait_until(no_orphans, 6, "the victim's orphans to expire")
         finally:
             if victim.poll() is None:
                 victim.kill()
@@ -84,24 +92,37 @@ async def test_nats_server_restarted_under_load() -> None:
         sdk_nc_ctx = client(srv.url)
         async with sdk_nc_ctx as nc:
             sdk = PlaneClient(nc)
-            outcomes: list[tuple[int, float]] = []
+            # call -> (when its last attempt was sent, status, took_s, lost: the SDK's own 504,
+            # no answer came)
+            outcomes: dict[int, tuple[float, int, float, bool]] = {}
 
             async def one(i: int) -> None:
                 await asyncio.sleep(i * 0.02)
                 t0 = time.monotonic()
                 res = await sdk.call("calibrated", {"duration_us": 20_000}, deadline_ms=3000)
-                outcomes.append((res.status, time.monotonic() - t0))
+                t1 = time.monotonic()
+                lost = res.local and res.status == 504
+                outcomes[i] = (t1 - res.last_attempt_ms / 1000, res.status, t1 - t0, lost)
 
             load = asyncio.gather(*(one(i) for i in range(100)))
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(0.6)  # pacing: restart with calls in flight
+            down_s = time.monotonic()
             await srv.restart()
+            up_s = time.monotonic()
             await load
-            assert len(outcomes) == 100  # every call ended, each with one outcome
-            for status, took in outcomes:
+            counts = sorted(Counter(s for _, s, _, _ in outcomes.values()).items())
+            for _, status, took, _ in outcomes.values():
                 assert status in (200, 429, 503, 504)
                 assert took < 3.0 + 0.5  # never past the deadline (plus scheduling slack)
-            ok = sum(1 for s, _ in outcomes if s == 200)
-            assert ok >= 50, sorted(Counter(s for s, _ in outcomes).items())
+            # Nothing lost but what the restart itself swallowed: an attempt with no answer at
+            # all was sent while the server was down, and there are few.
+            lost = {i: round(t0 - down_s, 3) for i, (t0, _, _, gone) in outcomes.items() if gone}
+            at_restart = {i: t for i, t in lost.items()
+                          if -LOST_WINDOW_S <= t <= up_s - down_s + LOST_WINDOW_S}
+            assert lost == at_restart, f"lost (s after the restart began): {lost}, {counts}"
+            assert len(lost) <= MAX_LOST_AT_RESTART, (lost, counts)
+            ok = sum(1 for _, s, _, _ in outcomes.values() if s == 200)
+            assert ok >= 50, counts
             # The plane recovered by itself: new calls succeed.
             t_end = time.monotonic() + 10
             while True:

@@ -13,7 +13,16 @@ from nats.aio.client import Client
 from plane.messages import FaultCommand, json_encoder
 from plane.stack import PlaneStack
 from plane.subjects import Header, config_key
-from tests.plane_fixtures import NAMES, RISK_BODY, calibrated, client, header, plane, status
+from tests.plane_fixtures import (
+    NAMES,
+    RISK_BODY,
+    calibrated,
+    client,
+    header,
+    plane,
+    status,
+    wait_until,
+)
 
 NODE = "node0-calibrated"
 
@@ -29,24 +38,16 @@ def router_view_healthy(stack: PlaneStack, model: str, key: str) -> bool:
     return view is not None and view.healthy
 
 
-async def wait_for(pred, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - t0
-
-
 async def test_hung_slot_is_withdrawn_and_its_caller_answered_then_reclaimed() -> None:
     async with plane(models=("calibrated",), slots=2, allow_faults=True) as stack, \
             client(stack.url) as nc:
         await fault(nc, NODE, 0, "hang")
         slot0 = stack.nodes[0].slots[0]
-        await wait_for(lambda: slot0.runner.call_started_s is not None, 2)
+        await wait_until(lambda: slot0.runner.call_started_s is not None, 2, "the hang")
         hang_started = slot0.runner.call_started_s
         assert hang_started is not None
-        await wait_for(lambda: not router_view_healthy(stack, "calibrated", f"{NODE}/0"), 3)
+        await wait_until(lambda: not router_view_healthy(stack, "calibrated", f"{NODE}/0"), 3,
+                         "slot 0 withdrawn")
         withdrawn_after_s = time.monotonic() - hang_started
         # Three missed 100 ms periods; generous bound for a loaded CI host (the benchmark
         # measures it precisely).
@@ -56,13 +57,14 @@ async def test_hung_slot_is_withdrawn_and_its_caller_answered_then_reclaimed() -
             m = await nc.request(NAMES.infer("calibrated"), calibrated(500), timeout=5)
             assert status(m) == 200 and header(m, Header.SLOT) == "1"
         await fault(nc, NODE, 0, "none")
-        await wait_for(lambda: router_view_healthy(stack, "calibrated", f"{NODE}/0"), 3)
-        slots_used = set()
-        for _ in range(10):
-            m = await nc.request(NAMES.infer("calibrated"), calibrated(2000), timeout=5)
-            slots_used.add(header(m, Header.SLOT))
-            await asyncio.sleep(0.001)
-        assert status(m) == 200
+        await wait_until(lambda: router_view_healthy(stack, "calibrated", f"{NODE}/0"), 3,
+                         "slot 0 reclaimed")
+        # Reclaimed means routed to again: two requests at once need both slots.
+        both = await asyncio.gather(*(
+            nc.request(NAMES.infer("calibrated"), calibrated(200_000), timeout=5)
+            for _ in range(2)))
+        assert [status(m) for m in both] == [200, 200], [m.headers for m in both]
+        assert {header(m, Header.SLOT) for m in both} == {"0", "1"}
 
 
 async def test_request_on_a_slot_that_hangs_gets_503_not_silence() -> None:
@@ -75,10 +77,9 @@ async def test_request_on_a_slot_that_hangs_gets_503_not_silence() -> None:
         m = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=6,
                              headers={Header.DEADLINE_MS: "5000"})
         took = time.monotonic() - t0
-        assert status(m) in (503, 429), m.headers
+        assert status(m) == 503, m.headers
+        assert header(m, Header.REASON) == "unhealthy" and header(m, Header.NODE) == NODE
         assert took < 2.0
-        if status(m) == 503:
-            assert header(m, Header.REASON) == "unhealthy" and header(m, Header.NODE) == NODE
         await fault(nc, NODE, 0, "none")
 
 
@@ -87,12 +88,15 @@ async def test_raising_slot_answers_503_and_is_withdrawn() -> None:
             client(stack.url) as nc:
         await fault(nc, "node0-risk", 0, "raise")
         m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
-        assert status(m) in (503, 429)
-        await wait_for(lambda: not router_view_healthy(stack, "risk", "node0-risk/0"), 3)
+        assert status(m) == 503, m.headers
+        assert header(m, Header.REASON) == "unhealthy" and header(m, Header.NODE) == "node0-risk"
+        await wait_until(lambda: not router_view_healthy(stack, "risk", "node0-risk/0"), 3,
+                         "slot 0 withdrawn")
         m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
         assert status(m) == 503 and header(m, Header.REASON) == "no-capacity"
         await fault(nc, "node0-risk", 0, "none")
-        await wait_for(lambda: router_view_healthy(stack, "risk", "node0-risk/0"), 3)
+        await wait_until(lambda: router_view_healthy(stack, "risk", "node0-risk/0"), 3,
+                         "slot 0 reclaimed")
         m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
         assert status(m) == 200
 
@@ -103,11 +107,13 @@ async def test_slot_slower_than_its_budget_leaves_and_comes_back() -> None:
         kv = await nc.jetstream().key_value(NAMES.config_bucket)
         await kv.put(config_key("deadline_ms", "risk"), b"30")
         await fault(nc, "node0-risk", 1, "slow", extra_us=60_000)
-        await wait_for(lambda: not router_view_healthy(stack, "risk", "node0-risk/1"), 5)
+        await wait_until(lambda: not router_view_healthy(stack, "risk", "node0-risk/1"), 5,
+                         "slot 1 withdrawn")
         assert stack.nodes[0].slots[1].withdrawn_for == "budget"
         assert router_view_healthy(stack, "risk", "node0-risk/0")
         await fault(nc, "node0-risk", 1, "none")
-        await wait_for(lambda: router_view_healthy(stack, "risk", "node0-risk/1"), 5)
+        await wait_until(lambda: router_view_healthy(stack, "risk", "node0-risk/1"), 5,
+                         "slot 1 back")
 
 
 async def test_live_settings_take_effect_without_restart() -> None:
@@ -125,10 +131,10 @@ async def test_live_settings_take_effect_without_restart() -> None:
             assert time.monotonic() - t0 < 1.0, "deadline change not seen within 1 s"
         assert header(m, Header.REASON) == "deadline"
         # Slots per node, live: 2 -> 3 claimed and routed to within a second.
-        t0 = time.monotonic()
         await kv.put(config_key("slots", NODE), b"3")
-        took = await wait_for(
-            lambda: stack.routers[0].models["calibrated"].healthy_count() == 3, 1.0)
-        assert took < 1.0
+        # Polled longer than the bound, so a slow change fails on the bound with its time.
+        took = await wait_until(
+            lambda: stack.routers[0].models["calibrated"].healthy_count() == 3, 5, "3 slots")
+        assert took < 1.0, f"3 slots routed to after {took:.2f} s"
         assert json.loads((await nc.request(NAMES.node_status(NODE), b"", timeout=2)).data)[
             "slots"][2]["healthy"] is True

@@ -1,39 +1,174 @@
+"""Every builder in `plane/subjects.py` against the contract: each documented name is checked
+against the text of `docs/design.md` (so code and design page cannot drift apart unseen), each
+wildcard against the subjects it must and must not cover, and a completeness check fails when a
+builder is added without a test here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
 import pytest
 
-from plane.subjects import InvalidToken, Names, advert_key, check_token, config_key
+from plane.subjects import (
+    ROUTER_QUEUE_GROUP,
+    Header,
+    InvalidToken,
+    Names,
+    advert_key,
+    check_token,
+    config_key,
+)
+
+DESIGN = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+
+# The placeholders of the design page's subject table, and the values the builders get.
+ARGS = {"model": "risk", "node": "n1", "k": "3", "id": "r1", "stream": "tx"}
+
+# (builder, its arguments (None: a property), the name as docs/design.md writes it)
+Case = tuple[str, tuple[object, ...] | None, str]
+DOCUMENTED: list[Case] = [
+    ("infer", ("risk",), "plane.infer.<model>"),
+    ("slot", ("risk", "n1", 3), "plane.slot.<model>.<node>.<k>"),
+    ("slots_all", (), "plane.slot.>"),
+    ("done", ("risk", "n1", 3), "plane.done.<model>.<node>.<k>"),
+    ("admission", ("risk",), "plane.admission.<model>"),
+    ("admission", ("_routers",), "plane.admission._routers"),  # presence notes
+    ("router_infer", ("r1", "risk"), "plane.router.<id>.infer.<model>"),
+    ("health", ("n1",), "plane.health.<node>"),
+    ("events", ("tx",), "plane.events.<stream>"),
+    ("dead_letter", ("tx",), "plane.dead.<stream>"),
+    ("scored", ("tx",), "plane.scored.<stream>"),
+    ("router_status", ("r1",), "plane.router.<id>.status"),
+    ("router_meter", ("r1",), "plane.router.<id>.meter"),
+    ("node_status", ("n1",), "plane.node.<node>.status"),
+    ("node_answered", ("n1",), "plane.node.<node>.answered"),
+    ("fault", ("n1",), "plane.fault.<node>"),
+    ("slots_stream", None, "PLANE_SLOTS"),
+    ("slot_stream_for", ("n1",), "PLANE_SLOTS"),  # one shared stream today (design.md)
+    ("nodes_bucket", None, "PLANE_NODES"),
+    ("config_bucket", None, "PLANE_CONFIG"),
+    ("features_bucket", None, "PLANE_FEATURES"),
+]
+
+# Names the design page does not write out, pinned here: a durable consumer renamed is a new
+# consumer (the old one is orphaned with its position), a service renamed drops out of
+# operators' `$SRV` queries, a stream renamed loses its data.
+PINNED: list[Case] = [
+    ("events_stream", None, "PLANE_EVENTS"),
+    ("slot_consumer", ("risk", "n1", 3), "slot_risk_n1_3"),
+    ("features_consumer", ("tx",), "features_tx"),
+    ("scorer_consumer", ("tx",), "scorer_tx"),
+    ("router_service", None, "plane-router"),
+    ("node_service", None, "plane-node"),
+]
+
+# (wildcard builder, its arguments, subjects it must cover, subjects it must not)
+N = Names()
+WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
+    ("infer_all", (), [N.infer("risk"), N.infer("calibrated")],
+     [N.router_infer("r1", "risk"), N.slot("risk", "n1", 0)]),
+    ("router_infer_all", ("r1",), [N.router_infer("r1", "risk")],
+     [N.router_infer("r2", "risk"), N.router_status("r1"), N.infer("risk")]),
+    ("slots_all", (), [N.slot("risk", "n1", 0), N.slot("calibrated", "n2", 7)],
+     [N.done("risk", "n1", 0)]),
+    ("node_slots", ("n1",), [N.slot("risk", "n1", 0), N.slot("calibrated", "n1", 12)],
+     [N.slot("risk", "n2", 0), N.done("risk", "n1", 0)]),
+    ("done_all", (), [N.done("risk", "n1", 0)], [N.slot("risk", "n1", 0)]),
+    ("admission_all", (), [N.admission("risk"), N.admission("_routers")],
+     [N.infer("risk"), N.router_infer("r1", "risk"), N.router_status("r1")]),
+    ("health_all", (), [N.health("n1"), N.health("n2")], [N.node_status("n1")]),
+    ("events_all", (), [N.events("tx")], [N.dead_letter("tx"), N.scored("tx")]),
+    ("dead_letter_all", (), [N.dead_letter("tx")], [N.events("tx"), N.scored("tx")]),
+    ("scored_all", (), [N.scored("tx")], [N.events("tx"), N.dead_letter("tx")]),
+]
+
+OTHER_TESTS = {"infer_model_of"}  # tested below on its own
 
 
-def test_every_builder_uses_the_prefix() -> None:
-    n = Names("acme")
-    assert n.infer("risk") == "acme.infer.risk"
-    assert n.infer_all() == "acme.infer.>"
-    assert n.infer_model_of("acme.infer.risk") == "risk"
-    assert n.slot("risk", "n1", 3) == "acme.slot.risk.n1.3"
-    assert n.slots_all() == "acme.slot.>"
-    assert n.node_slots("n1") == "acme.slot.*.n1.*"
-    assert n.done("risk", "n1", 3) == "acme.done.risk.n1.3"
-    assert n.done_all() == "acme.done.>"
-    assert n.health("n1") == "acme.health.n1"
-    assert n.health_all() == "acme.health.*"
-    assert n.events("tx") == "acme.events.tx"
-    assert n.dead_letter("tx") == "acme.dead.tx"
-    assert n.router_status("r1") == "acme.router.r1.status"
-    assert n.node_status("n1") == "acme.node.n1.status"
-    assert n.fault("n1") == "acme.fault.n1"
-    assert n.slots_stream == "ACME_SLOTS"
-    assert n.slot_stream_for("n1") == "ACME_SLOTS"
-    assert n.nodes_bucket == "ACME_NODES"
-    assert n.config_bucket == "ACME_CONFIG"
-    assert n.slot_consumer("risk", "n1", 3) == "slot_risk_n1_3"
+def fill(template: str, prefix: str = "plane") -> str:
+    """The documented name with its placeholders filled in (and another prefix, if asked)."""
+    name = re.sub(r"<(\w+)>", lambda m: ARGS[m.group(1)], template)
+    if prefix != "plane":
+        name = re.sub(r"^plane(?=[._-])", prefix, name)
+        name = re.sub(r"^PLANE(?=_)", prefix.replace(".", "_").upper(), name)
+    return name
 
 
-def test_default_prefix_matches_the_design() -> None:
-    n = Names()
-    assert n.infer("calibrated") == "plane.infer.calibrated"
-    assert n.slots_stream == "PLANE_SLOTS"
+def build(names: Names, builder: str, args: tuple[object, ...] | None) -> str:
+    attr = getattr(names, builder)
+    return str(attr if args is None else attr(*args))
 
 
-@pytest.mark.parametrize("bad", ["a.b", "*", ">", "", "a b", "x" * 65, "ü"])
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a final `>` one or more."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or token not in ("*", s[i]):
+            return False
+    return len(p) == len(s)
+
+
+@pytest.mark.parametrize(("builder", "args", "documented"), DOCUMENTED,
+                         ids=[d for _, _, d in DOCUMENTED])
+def test_builder_gives_the_name_design_md_documents(
+    builder: str, args: tuple[object, ...] | None, documented: str,
+) -> None:
+    assert f"`{documented}`" in DESIGN, f"docs/design.md no longer documents `{documented}`"
+    assert build(Names(), builder, args) == fill(documented)
+
+
+@pytest.mark.parametrize(("builder", "args", "name"), PINNED, ids=[n for _, _, n in PINNED])
+def test_builder_gives_its_pinned_name(
+    builder: str, args: tuple[object, ...] | None, name: str,
+) -> None:
+    assert build(Names(), builder, args) == name
+
+
+@pytest.mark.parametrize(("builder", "args", "documented"), DOCUMENTED + PINNED,
+                         ids=[d for _, _, d in DOCUMENTED + PINNED])
+def test_builder_uses_the_prefix(
+    builder: str, args: tuple[object, ...] | None, documented: str,
+) -> None:
+    assert build(Names("acme"), builder, args) == fill(documented, prefix="acme")
+
+
+@pytest.mark.parametrize(("builder", "args", "covers", "misses"), WILDCARDS,
+                         ids=[w for w, *_ in WILDCARDS])
+def test_wildcard_covers_its_family_and_nothing_else(
+    builder: str, args: tuple[str, ...], covers: list[str], misses: list[str],
+) -> None:
+    pattern = getattr(N, builder)(*args)
+    assert [s for s in covers if not matches(pattern, s)] == [], pattern
+    assert [s for s in misses if matches(pattern, s)] == [], pattern
+
+
+def test_every_builder_is_tested_here() -> None:
+    public = {n for n in dir(Names) if not n.startswith("_") and n != "prefix"}
+    tested = {b for b, *_ in DOCUMENTED + PINNED + WILDCARDS} | OTHER_TESTS
+    assert public - tested == set(), "a builder without a test in tests/test_subjects.py"
+
+
+def test_infer_model_of_inverts_both_request_subjects() -> None:
+    for n in (Names(), Names("acme.eu")):
+        assert n.infer_model_of(n.infer("risk")) == "risk"
+        assert n.infer_model_of(n.router_infer("r1", "risk")) == "risk"
+        # A raw, invalid model part comes back as sent, for the caller to refuse with a 400.
+        assert n.infer_model_of(f"{n.prefix}.infer.a.b") == "a.b"
+
+
+def test_prefix_with_dots_gives_upper_snake_streams_and_dashed_services() -> None:
+    n = Names("acme.eu-1")
+    assert n.infer("risk") == "acme.eu-1.infer.risk"
+    assert n.slots_stream == "ACME_EU_1_SLOTS"
+    assert n.router_service == "acme-eu-1-router"
+    with pytest.raises(InvalidToken, match="invalid prefix name"):
+        Names("acme.*")
+
+
+@pytest.mark.parametrize("bad", ["a.b", "*", ">", "", "a b", "x" * 65, "ü", "risk\n"])
 def test_tokens_reject_injection(bad: str) -> None:
     with pytest.raises(InvalidToken, match="invalid model name"):
         check_token("model", bad)
@@ -41,13 +176,30 @@ def test_tokens_reject_injection(bad: str) -> None:
         Names().infer(bad)
 
 
-def test_keys() -> None:
+@pytest.mark.parametrize(("args", "documented"), [
+    (("deadline_ms", "risk"), "deadline_ms.<model>"), (("slots", "n1"), "slots.<node>"),
+    (("probe_ms",), "probe_ms"), (("freshness_ms",), "freshness_ms")])
+def test_config_key_gives_the_live_setting_design_md_documents(
+    args: tuple[str, ...], documented: str,
+) -> None:
+    assert f"`{documented}`" in DESIGN, f"docs/design.md no longer documents `{documented}`"
+    assert config_key(*args) == fill(documented)
+
+
+def test_advert_key() -> None:
     assert advert_key("n1", "risk") == "n1.risk"
-    assert config_key("deadline_ms", "risk") == "deadline_ms.risk"
-    assert config_key("probe_ms") == "probe_ms"
 
 
 def test_router_queue_group_is_the_designs() -> None:
-    from plane.subjects import ROUTER_QUEUE_GROUP
+    assert f"queue group `{ROUTER_QUEUE_GROUP}`" in DESIGN
 
-    assert ROUTER_QUEUE_GROUP == "plane-routers"
+
+# Headers the design page need not list: NATS micro's own error headers, which the plane sets
+# as the NATS micro protocol defines them. Any other header must be documented there.
+NOT_OURS = {"Nats-Service-Error", "Nats-Service-Error-Code"}
+
+
+def test_every_header_is_documented_in_design_md() -> None:
+    headers = {v for k, v in vars(Header).items() if k.isupper()}
+    missing = {h for h in headers - NOT_OURS if f"`{h}`" not in DESIGN}
+    assert missing == set(), f"headers docs/design.md does not document: {sorted(missing)}"

@@ -28,6 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from plane.backoff import NO_RETRY
+from plane.canonical import CanonicalLog
 from plane.client import Client
 from plane.client.aio import CallOptions
 from plane.client.result import Result
@@ -71,6 +72,7 @@ CONFIG_KEY = web.AppKey("config", GatewayConfig)
 METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 PROBE_KEY = web.AppKey("router_probe", RouterProbe)
 OPENAPI_KEY = web.AppKey("openapi", bytes)
+CANONICAL_KEY = web.AppKey("canonical", CanonicalLog)
 
 
 def http_headers(reply: Mapping[str, str], *, content_type: str | None = None) -> dict[str, str]:
@@ -133,7 +135,12 @@ async def infer(request: web.Request) -> web.Response:
     response = await _infer(request, model)
     # Metric labels stay bounded: a caller inventing model names adds no series.
     label = model if model in MODELS else "_unknown"
-    metrics.observe(label, response.status, time.monotonic() - started)
+    took_s = time.monotonic() - started
+    metrics.observe(label, response.status, took_s)
+    request.app[CANONICAL_KEY].line(
+        "http request", error=response.status >= 500, method=request.method,
+        path=request.path, model=label, status=response.status,
+        request_id=response.headers.get(Header.REQUEST_ID), us=int(took_s * 1e6))
     return response
 
 
@@ -236,6 +243,7 @@ def build_app(client: Client, config: GatewayConfig, metrics: GatewayMetrics,
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[json_errors, bearer_auth])
     app[CLIENT_KEY], app[CONFIG_KEY], app[METRICS_KEY] = client, config, metrics
+    app[CANONICAL_KEY] = CanonicalLog("plane.gateway.requests")
     app[PROBE_KEY] = probe or RouterProbe(client.nc, config.names.router_service,
                                           timeout_s=config.ready_timeout_s,
                                           cache_s=config.ready_cache_s)

@@ -12,13 +12,17 @@ Takes well under 4 minutes (mostly Triton compiling). Prints, in order:
   4. slot isolation: slot 0's latency alone, then while every other slot is busy;
   5. the pinned round trip of a 128-token payload (and a pageable one, for scale), and the
      allocations made by 1,000 requests on a slot;
-  6. one NVML sample.
+  6. one NVML sample;
+  7. tinylm: the decode-attention kernel against its reference (awkward shapes), the kernel
+     path's bytes against the torch path's on CUDA and on the CPU (greedy and seeded), and
+     per-token decode time p50/p99 over 256-token streams, kernel path and torch path.
 
 Exit status: 0 all checks passed, 1 a check failed (listed at the end), 2 no usable GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -39,9 +43,16 @@ from gpu_node.kernel_backend import KernelBackend, KernelSlot
 from gpu_node.partitions import CudaLane, observe_sms
 from gpu_node.pinned import Staged
 from kernels.calibrated import calibrated
+from kernels.decode_attention import (
+    TorchAttention,
+    decode_attention,
+    decode_attention_bytes,
+    decode_attention_reference,
+)
 from kernels.launch import interpreting
 from kernels.probe import probe, probe_reference
 from kernels.risk import FEATURES, RiskWeights, risk, risk_bytes, risk_reference
+from kernels.tinylm import END, TinyLM, TinyLMWeights
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 2
 LAUNCHES = 1000
@@ -342,6 +353,129 @@ def nvml_sample(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# 7. tinylm
+# --------------------------------------------------------------------------------------------
+
+# (heads, context, head_dim, pos): the model's shape at the first, second, a middle and the last
+# position, then head dims that are not powers of two and caches that are not a multiple of
+# the kernel's block of rows (as tests/test_tinylm.py, there in the interpreter).
+TINYLM_ATTENTION_SHAPES = [
+    (4, 256, 32, 0), (4, 256, 32, 1), (4, 256, 32, 37), (4, 256, 32, 255),
+    (3, 50, 24, 49), (1, 7, 5, 6), (2, 70, 64, 33),
+]  # fmt: skip
+TINYLM_PROMPTS = [b"", b"a", b"The plane streams tokens.", bytes(range(0, 256, 7)), b"x" * 200]
+TINYLM_STREAM_TOKENS = 256  # timed tokens per path: one stream of 16 + 240, then more
+
+
+def _generate(lm: TinyLM, prompt: bytes, max_tokens: int, temperature: float, seed: int) -> bytes:
+    s = lm.start(prompt, max_tokens, temperature, seed)
+    return bytes(iter(lambda: lm.step(s), None))
+
+
+def _per_token_us(lm: TinyLM, tokens: int, sync: Callable[[], None]) -> np.ndarray:
+    """Wall µs of `tokens` steps that decode (a stream's last step does not), after one
+    dropped warm-up stream; `step` itself returns only once its logits are on the host."""
+    state, stream = lm.new_state(), 0
+    samples: list[float] = []
+    while len(samples) < tokens:
+        lm.start(b"abcdefghijklmnop", 240, 0.8, seed=stream, state=state)
+        sync()
+        while True:
+            t0 = time.perf_counter_ns()
+            lm.step(state)
+            sync()
+            if state.finish is not None:
+                break
+            if stream:
+                samples.append((time.perf_counter_ns() - t0) / 1e3)
+        stream += 1
+    return np.array(samples[:tokens])
+
+
+def tinylm_section(device: torch.device) -> None:
+    section("7. tinylm: decode attention, bytes across paths and devices, per-token time")
+    for n_heads, context, head_dim, pos in TINYLM_ATTENTION_SHAPES:
+        g = torch.Generator().manual_seed(pos)
+        qkv = torch.randn(3 * n_heads * head_dim, generator=g).to(device)
+        k_cache = torch.randn(n_heads, context, head_dim, generator=g).to(device)
+        v_cache = torch.randn(n_heads, context, head_dim, generator=g).to(device)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        want = decode_attention_reference(qkv, k_ref, v_ref, pos)
+        got = decode_attention(qkv, k_cache, v_cache, pos, out=torch.empty_like(want))
+        err = float((got - want).abs().max())
+        same_cache = torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        check(
+            err <= 1e-5 and same_cache,
+            f"decode attention H={n_heads} T={context} HD={head_dim} pos={pos}: "
+            f"max |err| {err:.2e}, cache {'as the reference' if same_cache else 'DIFFERS'}",
+        )
+
+    # END masked so that every stream runs its full length (and the timed ones too).
+    w = TinyLMWeights.from_seed(0)
+    no_end = dataclasses.replace(w, head_bias=w.head_bias.index_fill(0, torch.tensor(END), -1e9))
+    kernel = TinyLM(no_end, device, use_kernel=True)
+    torch_path = TinyLM(no_end, device, use_kernel=False)
+    cpu = TinyLM(no_end, torch.device("cpu"), use_kernel=False)
+    for prompt in TINYLM_PROMPTS:
+        ref_s, ker_s = torch_path.start(prompt, 48), kernel.start(prompt, 48)
+        err, same = 0.0, True
+        while (token := torch_path.step(ref_s)) is not None:
+            same &= kernel.step(ker_s) == token
+            if ref_s.finish is None:
+                err = max(err, float((ker_s.logits - ref_s.logits).abs().max()))
+        as_cpu = _generate(kernel, prompt, 48, 0.0, 0) == _generate(cpu, prompt, 48, 0.0, 0)
+        check(
+            same and as_cpu and err <= 1e-4,
+            f"tinylm greedy, {len(prompt):3d}-byte prompt: kernel path's 48 bytes "
+            f"{'==' if same else '!='} torch path's, {'==' if as_cpu else '!='} the CPU's; "
+            f"max |logits err| {err:.2e}",
+        )
+    for temperature, seed in ((0.7, 1), (1.0, 2), (1.5, 3)):
+        streams = {
+            _generate(lm, b"Once upon a time", 64, temperature, seed)
+            for lm in (kernel, torch_path, cpu)
+        }
+        check(
+            len(streams) == 1,
+            f"tinylm T={temperature} seed={seed}: the same 64 bytes on kernel, torch and CPU",
+        )
+
+    on_cuda = device.type == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if on_cuda else (lambda: None)
+    print(f"  per-token decode, {TINYLM_STREAM_TOKENS} tokens (wall: step to logits on host):")
+    for name, lm in (("kernel path", kernel), ("torch path ", torch_path)):
+        print(f"  tinylm {name}  {pct(_per_token_us(lm, TINYLM_STREAM_TOKENS, sync))}")
+    if not on_cuda:
+        return
+    for name, lm in (("kernel path", kernel), ("torch path", torch_path)):
+        state = lm.start(b"alloc", 240, 0.8, seed=1)
+        lm.step(state)
+        before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+        for _ in range(200):
+            lm.step(state)
+        allocated = torch.cuda.memory_stats().get("allocation.all.allocated", 0) - before
+        what = f"tinylm {name}: 200 steps, {allocated} device allocations"
+        if lm is kernel:  # the serving path on CUDA; the torch path's count is for scale
+            check(allocated == 0, what)
+        else:
+            print(f"  {what}")
+    c, state, pos = kernel.config, kernel.new_state(), 200
+    qkv = torch.randn(3 * c.d_model, device=device)
+    k_cache, v_cache, att = state.k_cache[0], state.v_cache[0], state.att
+    twin = TorchAttention(c.n_heads, c.context, device)
+    nbytes = decode_attention_bytes(pos, c.n_heads, c.head_dim)
+    for name, fn in (
+        ("triton", lambda: decode_attention(qkv, k_cache, v_cache, pos, out=att)),
+        ("torch ", lambda: twin(qkv, k_cache, v_cache, pos, out=att)),
+    ):
+        wall, dev = time_launches(fn)
+        gbps = nbytes / (np.percentile(dev, 50) * 1e3)
+        print(
+            f"  attention {name} pos {pos}  wall {pct(wall)}  | device {pct(dev)}  {gbps:6.2f} GB/s"
+        )
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -372,6 +506,7 @@ def main() -> int:
     isolation(slots)
     pinned(slots[0])
     nvml_sample(device)
+    tinylm_section(device)
     print(f"\ngpu_check: {time.perf_counter() - t_start:.0f} s, ", end="")
     if failures:
         print(f"{len(failures)} FAILED:\n  " + "\n  ".join(failures))

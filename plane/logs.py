@@ -139,7 +139,11 @@ def configure(level: str = "info", json: bool | None = None) -> None:
             logging.getLevelNamesMapping()[level.upper()]
         ),
         logger_factory=structlog.WriteLoggerFactory(file=sink),  # type: ignore[arg-type]  # a file in all but name
-        cache_logger_on_first_use=True,
+        # Not cached: a logger cached on first use keeps the configuration it first saw, so a
+        # second `configure` in one process (tests run commands in-process) would not reach
+        # it. The cost is a bind per log call, and the hot path's calls are sampled before
+        # they reach a logger (`plane.canonical`).
+        cache_logger_on_first_use=False,
     )
     # Libraries' stdlib logging (asyncio's "exception never retrieved", nats-py) goes through
     # the same queue: its last-resort handler writes to stderr from the loop too.

@@ -12,10 +12,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
+import structlog
 from nats.aio.client import Client
 
 from plane.embedded import EmbeddedNats
@@ -27,6 +28,15 @@ def pytest_report_header() -> str:
 
 def _seed() -> int:
     return int(os.environ.get("PLANE_TEST_SEED", "20261129"))
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config() -> Iterator[None]:
+    """A command run in-process (click's CliRunner) configures structlog for the whole
+    process: put back what was there, so that no test logs through another's set-up."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture

@@ -232,3 +232,28 @@ async def test_a_stopping_router_answers_every_request_it_was_handed() -> None:
             assert ledger.answered_twice() == []
         finally:
             await nc.close()
+
+
+async def test_requests_past_the_pending_limit_are_refused_not_lost() -> None:
+    """A burst read faster than the router handles it: past `max_pending` requests waiting
+    in the subscription, nats-py drops a message (its default limit is half a million, which
+    a burst turned into RSS that stayed); the router answers each dropped one 429 at once
+    from its subject and reply. Every request gets exactly one answer."""
+    async with plane(models=("calibrated",), slots=2, backend="torch",
+                     router_overrides={"max_pending": 16}) as stack:
+        nc = await nats.connect(stack.url)
+        try:
+            ledger = await Ledger(nc).start()
+            for _ in range(2000):
+                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 2000)
+            await nc.flush()
+            time.sleep(0.3)  # noqa: ASYNC251 - the point: the router reads nothing meanwhile
+            await ledger.settle(20)
+            assert ledger.unanswered() == [] and ledger.answered_twice() == []
+            shed = [i for i in ledger.answers if ledger.status(i) == 429
+                    and not (ledger.first(i).msg.headers or {}).get(Header.REQUEST_ID, "")
+                    .startswith("ledger-")]
+            assert shed, ledger.statuses()  # answered from the drop: a fresh request id
+            assert ledger.statuses()[200] > 0
+        finally:
+            await nc.close()

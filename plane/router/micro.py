@@ -9,15 +9,20 @@ pinned, `pyproject.toml`; `tests/test_micro.py` checks both against it):
 - an error is counted only when the handler raises, and the router answers its errors
   itself (a raise would make micro send a second answer): `count_error` counts a request the
   router answered with an error status;
-- `Service.stop` unsubscribes, which drops requests delivered but not yet read: `drain`
-  drains the subscription first (every request it brought is answered), then takes the
-  endpoint out of the service so that its stop does not touch the closed subscription.
+- `Service.stop` unsubscribes, which drops requests delivered but not yet read: the router
+  drains the subscription first (every request it brought is answered), then `detach` takes
+  the endpoint out of the service so that its stop does not touch the closed subscription;
+- its subscription takes nats-py's default pending limit (half a million messages): `start`
+  puts in its place one with the router's own limit, handing each message to the endpoint's
+  own counting handler, so that a burst costs bounded memory (what overflows is answered,
+  `plane.natsconn.on_overflow`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.request import Request
@@ -34,15 +39,21 @@ class InferEndpoint:
         self._metadata = metadata
         self._endpoint: Endpoint | None = None
 
-    async def start(self) -> Subscription:
-        """Listen; the subscription (drained at stop)."""
+    async def start(self, nc: Client, pending_limit: int) -> Subscription:
+        """Listen, at most `pending_limit` requests read and not yet handled; the
+        subscription (drained at stop)."""
         await self._service.add_endpoint(name="infer", subject=self._subject,
                                          queue_group=self._queue, handler=self._on_request,
                                          metadata=self._metadata)
-        self._endpoint = self._service._endpoints[-1]
-        sub = self._endpoint._subscription
-        assert sub is not None
-        return sub
+        endpoint = self._endpoint = self._service._endpoints[-1]
+        theirs = endpoint._subscription
+        ours = await nc.subscribe(self._subject, queue=self._queue,
+                                  cb=endpoint._handle_request,
+                                  pending_msgs_limit=pending_limit)
+        if theirs is not None:
+            await theirs.unsubscribe()
+        endpoint._subscription = ours
+        return ours
 
     async def _on_request(self, req: Request) -> None:
         await self._handler(req._msg)

@@ -73,6 +73,8 @@ log = structlog.get_logger("plane.router.requests")
 # Without this, callers = slots in a closed loop saw 28-46% false 429s.
 BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)
 SETTLE_WITHIN_S = 0.010
+# Requests handled back to back on the subscription's task before it lets the loop turn.
+YIELD_EVERY = 32
 # A tenant's ticket counts against its share of the promises until its due time and this
 # long after (the holder's way back; a promise kept earlier is let go at once).
 PROMISE_OPEN_S = 0.05
@@ -156,6 +158,7 @@ class RequestPath:
         self.tracing = parts.tracing
         self.max_body_bytes = parts.cfg.max_body_bytes  # at most what the server carries
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
+        self._run = 0  # requests handled since the loop last turned (YIELD_EVERY)
         settings = parts.settings
         self.tenants = Tenants()
         self.fair = FairShare(weight=lambda t: settings.get("share", t) or 1,
@@ -180,6 +183,14 @@ class RequestPath:
         if not msg.reply:
             log.warning("request without reply subject dropped", subject=msg.subject)
             return
+        self._run += 1
+        if self._run >= YIELD_EVERY:
+            # A backlog is handled here without a pause (a publish does not wait), so the
+            # replies it sends pile up in nats-py's write buffer and nothing else runs (the
+            # writer, heartbeats, done-events). Let the loop turn now and then: a burst of
+            # 20,000 left RSS 11% up for good (its peak kept by the allocator).
+            self._run = 0
+            await asyncio.sleep(0)
         if self.in_hand() >= self.cfg.max_routing:
             # A flood: refuse at once, in the callback, without a task or any state per
             # request, so the loop keeps up with heartbeats and done-events (and memory stays
@@ -198,6 +209,25 @@ class RequestPath:
         """Requests decided or placed now: those whose PubAck is awaited, and those waiting
         in a task (parked holders, forwards). Counted, never kept: it cannot drift."""
         return len(self.publisher) + self._waiting
+
+    async def overflowed(self, subject: str, reply: str) -> None:
+        """A request nats-py dropped: more were read than this router has room to hold
+        (`RouterConfig.max_pending`). Answered 429 at once, with what the drop left us (its
+        subject and reply: no headers, so a fresh request id), like a shed request."""
+        if not reply:
+            return
+        model = self.cfg.names.infer_model_of(subject)
+        ms = self._models.get(model)
+        label = model if ms is not None else "unknown"
+        wait_ms = max(1, math.ceil(ms.window.mean_us / 1000)) if ms is not None else 1000
+        self.metrics.shed.labels(label).inc()
+        refusal = refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms)
+        body, headers = replies.error_reply(self.nc.new_inbox()[7:], refusal.status,
+                                            refusal.reason, refusal.message,
+                                            retry_after_ms=refusal.retry_after_ms)
+        self.metrics.router_requests.labels(label, str(int(refusal.status))).inc()
+        self.metrics.refusals.labels(label, refusal.reason.value).inc()
+        await self.nc.publish(reply, body, headers=headers)
 
     async def _shed(self, msg: Msg) -> None:
         model = self.cfg.names.infer_model_of(msg.subject)

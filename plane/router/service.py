@@ -38,6 +38,7 @@ from plane.messages import (
 )
 from plane.metrics import PlaneMetrics
 from plane.models import MODELS
+from plane.natsconn import on_overflow
 from plane.ownership import NOT_ANSWERED
 from plane.provision import ProvisionPlan, ensure_all, ensure_all_again
 from plane.router.admission import Admission
@@ -160,11 +161,14 @@ class Router(Lifecycle, TaskOwner):
                                     metadata={"models": ",".join(sorted(MODELS))})
         self.requests.errored = self._infer.count_error
         self._request_subs = [
-            await self._infer.start(),
+            await self._infer.start(self.nc, self.cfg.max_pending),
             # Our own subject: ticket holders whose retry reached another router come here.
             await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
-                                    cb=self.requests.on_request),
+                                    cb=self.requests.on_request,
+                                    pending_msgs_limit=self.cfg.max_pending),
         ]
+        for sub in self._request_subs:
+            on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)
         await self.nc.flush()
         log.info("router started", router=self.cfg.router_id, subject=n.infer_all())

@@ -377,11 +377,13 @@ class Slot:
         counter = self._ok if status == Status.OK else self.metrics.node_requests.labels(
             self.model, str(int(status)))
         counter.inc()
-        self.canonical.line("request answered", error=status is not Status.OK,
-                            request_id=cur.request_id, model=self.model, node=self.node,
-                            slot=self.k, status=int(status), service_us=service_us,
-                            compute_us=cur.compute_us, work_us=cur.work_us,
-                            deadline_left_ms=cur.deadline_at_ms - replies.now_ms())
+        error = status is not Status.OK
+        if self.canonical.due(error=error):
+            self.canonical.write("request answered", error=error, request_id=cur.request_id,
+                                 model=self.model, node=self.node, slot=self.k,
+                                 status=int(status), service_us=service_us,
+                                 compute_us=cur.compute_us, work_us=cur.work_us,
+                                 deadline_left_ms=cur.deadline_at_ms - replies.now_ms())
 
     def _spans(self, cur: Current, h: dict[str, str], status: Status) -> None:
         """plane.slot_wait (the router's publish, from the deadline it stamped, to our

@@ -43,10 +43,18 @@ class CanonicalLog:
         self._ok = _Bucket(per_s, tokens=per_s)
         self._errors = _Bucket(errors_per_s, tokens=errors_per_s)
 
+    def due(self, *, error: bool = False) -> bool:
+        """Whether the next line gets written: callers on the hot path ask first, so that
+        the fields of a line that would be skipped are never built."""
+        return (self._errors if error else self._ok).take(time.monotonic())
+
     def line(self, event: str, *, error: bool = False, **fields: Any) -> None:
+        if self.due(error=error):
+            self.write(event, error=error, **fields)
+
+    def write(self, event: str, *, error: bool = False, **fields: Any) -> None:
+        """A line that `due` let through."""
         bucket = self._errors if error else self._ok
-        if not bucket.take(time.monotonic()):
-            return
         skipped, bucket.skipped = bucket.skipped, 0
         if error:
             self._log.warning(event, skipped=skipped, **fields)

@@ -372,10 +372,12 @@ class RequestPath:
         self.metrics.router_decision_seconds.labels(r.model, outcome).observe(took_s)
         if r.span is not None:
             r.span.end(time.time_ns(), outcome=outcome, tenant=r.tenant)
-        self.canonical.line("request decided", request_id=r.rid, model=r.model,
-                            tenant=r.tenant, outcome=outcome, decision_us=int(took_s * 1e6),
-                            slot=slot.key if slot is not None else None,
-                            attempt=(r.msg.headers or {}).get(Header.ATTEMPT, "1"))
+        if self.canonical.due():
+            self.canonical.write("request decided", request_id=r.rid, model=r.model,
+                                 tenant=r.tenant, outcome=outcome,
+                                 decision_us=int(took_s * 1e6),
+                                 slot=slot.key if slot is not None else None,
+                                 attempt=(r.msg.headers or {}).get(Header.ATTEMPT, "1"))
         await self.peers.tell()
 
     async def _refuse_early(self, msg: Msg, rid: str, model: str, r: Refuse) -> None:

@@ -69,11 +69,16 @@ def apply_event(prev: CardFeatures | None, txn: Transaction, stamps: Stamps,
         last = txn.amount if newest_event else prev.last_amount
         own = txn.features if newest_event else prev.values[4:]
         stamped = stamps if stamps.ingest_time_ms >= prev.ingest_time_ms else None
+    # The times of the newest ingest: this record's, or (an older one came late) the
+    # previous value's.
+    event_ms, ingest_ms = ((stamped.event_time_ms, stamped.ingest_time_ms) if stamped
+                           else (prev.event_time_ms, prev.ingest_time_ms) if prev is not None
+                           else (stamps.event_time_ms, stamps.ingest_time_ms))
     return CardFeatures(
         card=txn.card,
         values=feature_vector(count, amount_sum, amount_max, last, own),
-        event_time_ms=stamped.event_time_ms if stamped else prev.event_time_ms,  # type: ignore[union-attr]
-        ingest_time_ms=stamped.ingest_time_ms if stamped else prev.ingest_time_ms,  # type: ignore[union-attr]
+        event_time_ms=event_ms,
+        ingest_time_ms=ingest_ms,
         last_event_time_ms=max(stamps.event_time_ms, prev.last_event_time_ms if prev else 0),
         count=count, amount_sum=amount_sum, amount_max=amount_max, last_amount=last, seq=seq,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import click
@@ -203,10 +204,11 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     from plane.up import run_node  # the node: torch and triton
 
     configure_logs(log_level)
-    extra = {"node_id": node_id} if node_id else {}
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults,
-                     gpu_sample_period_s=gpu_sample_ms / 1000, **extra)  # type: ignore[arg-type]
+                     gpu_sample_period_s=gpu_sample_ms / 1000)
+    if node_id:
+        cfg = replace(cfg, node_id=node_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,
                         f"plane-node-{cfg.node_id}")
     _run(run_node(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg,
@@ -226,8 +228,9 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
       plane router --nats nats://127.0.0.1:4222 --metrics-port 9466
     """
     configure_logs(log_level)
-    extra = {"router_id": router_id} if router_id else {}
-    cfg = RouterConfig(names=names_for(prefix), **extra)  # type: ignore[arg-type]
+    cfg = RouterConfig(names=names_for(prefix))
+    if router_id:
+        cfg = replace(cfg, router_id=router_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-router")
     _run(run_router(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from nats.aio.client import Client
 
@@ -37,8 +38,10 @@ class StackConfig:
     replicas: int = 1  # JetStream replicas of the slot stream and KV buckets (3 in a cluster)
     # The freshness guard on `risk` nodes (requests with a `card` use streamed features).
     freshness: bool = False
-    node_overrides: dict[str, object] = field(default_factory=dict)
-    router_overrides: dict[str, object] = field(default_factory=dict)
+    # Any other NodeConfig / RouterConfig field by name (tests: `max_pending`, ...); the
+    # config's own checks run on them as on any value.
+    node_overrides: dict[str, Any] = field(default_factory=dict)
+    router_overrides: dict[str, Any] = field(default_factory=dict)
     # Per role ("router", "node"): the credentials of a secured server (`plane auth`); their
     # URL is the stack's. A role not named here connects with `connect`.
     roles: dict[str, ConnectOptions] = field(default_factory=dict)
@@ -80,7 +83,7 @@ class PlaneStack(Lifecycle):
                     node_cfg = NodeConfig(
                         names=cfg.names, node_id=f"node{i}-{model}", model=model,
                         slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
-                        **cfg.node_overrides,  # type: ignore[arg-type]
+                        **cfg.node_overrides,
                     )
                     nc = await self._connect(f"plane-node-{node_cfg.node_id}", "node")
                     enrich = self.enrich if model == "risk" else None
@@ -92,7 +95,7 @@ class PlaneStack(Lifecycle):
                     self.nodes.append(await st.enter_async_context(node))
             for i in range(cfg.routers):
                 router_cfg = RouterConfig(names=cfg.names, router_id=f"router{i}",
-                                          **cfg.router_overrides)  # type: ignore[arg-type]
+                                          **cfg.router_overrides)
                 nc = await self._connect(f"plane-router-{i}", "router")
                 self.routers.append(await st.enter_async_context(
                     Router(nc, router_cfg, self.metrics, replicas=cfg.replicas,

@@ -16,6 +16,7 @@ from plane.config import ConnectOptions
 from plane.gateway import Gateway, GatewayConfig, http_headers
 from plane.stack import PlaneStack, StackConfig
 from plane.subjects import Names
+from tests.plane_fixtures import wait_until
 
 TOKEN = "s3cret-token"
 
@@ -116,6 +117,29 @@ async def test_bearer_token(stack: PlaneStack, http: aiohttp.ClientSession) -> N
             assert r.status == 200
         async with http.get(f"{gw.url}/healthz") as r:
             assert r.status == 200
+
+
+async def test_bearer_tokens_name_tenants_and_a_caller_cannot_name_its_own(
+        stack: PlaneStack, http: aiohttp.ClientSession) -> None:
+    """Each tenant's token sends its requests on as that tenant (the router meters them so);
+    a `Plane-Tenant` the HTTP caller sets is not passed on; an unknown token is a 401."""
+    cfg = GatewayConfig(port=0, tenant_tokens={"acme-token-1": "acme", "beta-token-22": "beta"})
+    async with Gateway(cfg, ConnectOptions(url=stack.url)) as gw:
+        url = f"{gw.url}/v1/infer/calibrated"
+        for token, n in (("acme-token-1", 3), ("beta-token-22", 2)):
+            for _ in range(n):
+                async with http.post(url, json={"duration_us": 1},
+                                     headers={"Authorization": f"Bearer {token}",
+                                              "Plane-Tenant": "someone-else"}) as r:
+                    assert r.status == 200
+        async with http.post(url, json={"duration_us": 1},
+                             headers={"Authorization": "Bearer beta-token-2"}) as r:
+            assert r.status == 401
+    router = stack.routers[0]
+    await wait_until(lambda: sum(r.statuses[200] for r in router.requests.meter._usage.values())
+                     >= 5, 5.0, "five answers metered")
+    by_tenant = {row.tenant: row.requests for row in router.requests.meter.readings()}
+    assert by_tenant == {"acme": {"200": 3}, "beta": {"200": 2}}
 
 
 def _hey() -> str:

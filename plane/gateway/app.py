@@ -73,6 +73,7 @@ METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 PROBE_KEY = web.AppKey("router_probe", RouterProbe)
 OPENAPI_KEY = web.AppKey("openapi", bytes)
 CANONICAL_KEY = web.AppKey("canonical", CanonicalLog)
+TENANT_KEY = web.RequestKey("tenant", str)
 
 
 def http_headers(reply: Mapping[str, str], *, content_type: str | None = None) -> dict[str, str]:
@@ -173,6 +174,8 @@ async def _infer(request: web.Request, model: str) -> web.Response:
         response.force_close()
         return response
     args = _call_args(caller, request.headers)
+    if tenant := request.get(TENANT_KEY):
+        args["headers"] = {**args.get("headers", {}), Header.TENANT: tenant}
     result: Result = await client.call(model, body, policy=NO_RETRY, **args)
     ctype = MSGPACK if args.get("content_type") == MSGPACK and result.ok else None
     return web.Response(status=result.status, body=result.body,
@@ -229,12 +232,28 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
 
 @web.middleware
 async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    token = request.app[CONFIG_KEY].bearer_token
-    if token is not None and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+    config = request.app[CONFIG_KEY]
+    if config.needs_token and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "").encode()
+        tenant = _tenant_of(given, config)
+        if tenant is None:
             return _unauthorized()
+        if tenant:
+            request[TENANT_KEY] = tenant
     return await handler(request)
+
+
+def _tenant_of(given: bytes, config: GatewayConfig) -> str | None:
+    """The tenant a request's `Authorization` names: "" for the plain bearer token, None
+    for no token we know. Every token is compared in constant time."""
+    found: str | None = None
+    if config.bearer_token is not None and hmac.compare_digest(
+            given, f"Bearer {config.bearer_token}".encode()):
+        found = ""
+    for token, tenant in config.tenant_tokens.items():
+        if hmac.compare_digest(given, f"Bearer {token}".encode()):
+            found = tenant
+    return found
 
 
 def build_app(client: Client, config: GatewayConfig, metrics: GatewayMetrics,
@@ -247,7 +266,7 @@ def build_app(client: Client, config: GatewayConfig, metrics: GatewayMetrics,
     app[PROBE_KEY] = probe or RouterProbe(client.nc, config.names.router_service,
                                           timeout_s=config.ready_timeout_s,
                                           cache_s=config.ready_cache_s)
-    doc: dict[str, Any] = build_openapi(bearer=config.bearer_token is not None)
+    doc: dict[str, Any] = build_openapi(bearer=config.needs_token)
     app[OPENAPI_KEY] = _json.encode(doc)
     app.router.add_post("/v1/infer/{model}", infer)
     app.router.add_get("/healthz", healthz)

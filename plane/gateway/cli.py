@@ -29,10 +29,15 @@ async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
 @click.option("--max-body-bytes", type=int, default=MAX_BODY_BYTES, show_default=True)
 @click.option("--bearer-token", envvar="PLANE_GATEWAY_TOKEN", default=None,
               help="Require 'Authorization: Bearer <token>' on /v1/* (env PLANE_GATEWAY_TOKEN).")
+@click.option("--tenant-token", "tenant_tokens", multiple=True, metavar="TENANT=TOKEN",
+              envvar="PLANE_GATEWAY_TENANT_TOKENS",
+              help="A tenant's bearer token (repeat; env PLANE_GATEWAY_TENANT_TOKENS, space "
+                   "separated): its requests go on as that tenant.")
 @click.option("--log-level", default="info", show_default=True)
 def gateway(nats_url: str | None, user: str | None, password: str | None, token: str | None,
             creds: str | None, tls_ca: str | None, prefix: str, host: str, port: int,
-            max_body_bytes: int, bearer_token: str | None, log_level: str) -> None:
+            max_body_bytes: int, bearer_token: str | None, tenant_tokens: tuple[str, ...],
+            log_level: str) -> None:
     """HTTP in front of the plane: POST /v1/infer/{model}; GET /healthz /readyz /metrics
     /openapi.json.
 
@@ -44,8 +49,15 @@ def gateway(nats_url: str | None, user: str | None, password: str | None, token:
           http://127.0.0.1:8080/v1/infer/calibrated
     """
     try:
+        tokens: dict[str, str] = {}
+        for pair in tenant_tokens:
+            tenant, sep, secret = pair.partition("=")
+            if not sep or not tenant or not secret:
+                raise ConfigError(f"--tenant-token wants TENANT=TOKEN, got {pair[:40]!r}")
+            tokens[secret] = tenant
         config = GatewayConfig(host=host, port=port, max_body_bytes=max_body_bytes,
-                               bearer_token=bearer_token, names=names_for(prefix))
+                               bearer_token=bearer_token, tenant_tokens=tokens,
+                               names=names_for(prefix))
         opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="plane-gateway")
         if opts.url is None:
             raise ConfigError("give --nats URL of the plane's NATS server")

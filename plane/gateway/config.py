@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from plane.config import MAX_BODY_BYTES
 from plane.errors import ConfigError
-from plane.subjects import Names
+from plane.subjects import InvalidToken, Names, check_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +16,10 @@ class GatewayConfig:
     names: Names = field(default_factory=Names)
     max_body_bytes: int = MAX_BODY_BYTES  # larger bodies get a 413 before reaching NATS
     bearer_token: str | None = None  # when set, /v1/* needs `Authorization: Bearer <token>`
+    # Tenants by bearer token: with any, /v1/* needs one of these tokens (or `bearer_token`,
+    # which names no tenant) and the request goes on as its tenant (`Plane-Tenant`, which
+    # the router trusts from the plane's own account: docs/design.md, "Tenants").
+    tenant_tokens: dict[str, str] = field(default_factory=dict)  # token -> tenant
     shutdown_timeout_s: float = 5.0
     # Slow clients (slowloris): a connection must deliver a whole request head within
     # `header_timeout_s` of opening, or of its previous answer, else it is closed; an idle
@@ -40,3 +44,15 @@ class GatewayConfig:
             raise ConfigError("--max-body-bytes must be between 1 B and 16 MiB")
         if self.bearer_token is not None and len(self.bearer_token) < 8:
             raise ConfigError("the bearer token must be at least 8 characters")
+        for token, tenant in self.tenant_tokens.items():
+            if len(token) < 8:
+                raise ConfigError(f"tenant {tenant!r}: a bearer token must be at least 8 "
+                                  "characters")
+            try:
+                check_token("tenant", tenant)
+            except InvalidToken as exc:
+                raise ConfigError(str(exc)) from exc
+
+    @property
+    def needs_token(self) -> bool:
+        return self.bearer_token is not None or bool(self.tenant_tokens)

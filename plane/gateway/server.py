@@ -62,7 +62,7 @@ class Gateway:
             raise
         self.port = int(self._runner.addresses[0][1])
         log.info("gateway started", url=self.url, nats=self.connect_opts.url,
-                 auth=self.config.bearer_token is not None)
+                 auth=self.config.needs_token)
 
     async def stop(self) -> None:
         """Stop listening, finish in-flight requests, drain NATS; idempotent."""

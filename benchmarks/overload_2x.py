@@ -40,7 +40,8 @@ BIN = Path(sys.executable).parent
 DEADLINE_MS = 1000
 
 
-async def capacity(url: str, body: bytes, callers: int, seconds: float) -> float:
+async def capacity(url: ConnectOptions | str, body: bytes, callers: int,
+                   seconds: float) -> float:
     async with Client.connect(url) as c:
         done = 0
         end = time.monotonic() + seconds

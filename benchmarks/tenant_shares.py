@@ -46,6 +46,11 @@ from plane.quantiles import quantile
 from plane.subjects import Names
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.overload_2x import capacity  # noqa: E402
+
 DEADLINE_MS = 1000
 TENANTS = ("HEAVY", "LIGHT", "T1", "T2", "T3")
 
@@ -62,22 +67,6 @@ def accounts_conf() -> str:
 
 def opts(url: str, user: str) -> ConnectOptions:
     return ConnectOptions(url=url, user=user, password=f"{user}-pw", name=f"bench-{user}")
-
-
-async def capacity(o: ConnectOptions, body: bytes, callers: int, seconds: float) -> float:
-    async with Client.connect(o) as c:
-        done = 0
-        end = time.monotonic() + seconds
-
-        async def caller() -> None:
-            nonlocal done
-            while time.monotonic() < end:
-                r = await c.call("calibrated", body, deadline_ms=DEADLINE_MS)
-                done += r.status == 200
-
-        t0 = time.monotonic()
-        await asyncio.gather(*(caller() for _ in range(callers)))
-        return done / (time.monotonic() - t0)
 
 
 async def load(o: ConnectOptions, body: bytes, rate: float, seconds: float) -> list[Outcome]:

@@ -13,6 +13,7 @@ import asyncio
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, Producer
@@ -21,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from freshness.config import BridgeConfig
 from freshness.kafka_admin import ensure_topics
 from freshness.tansu import EmbeddedTansu
 from plane.subjects import Names
@@ -29,6 +31,13 @@ REPO = Path(__file__).resolve().parent.parent
 PLANE = str(Path(sys.executable).parent / "plane")
 # Short Kafka sessions: a group join on tansu takes about half of it.
 SESSION_TIMEOUT_MS = 2400
+
+
+def bridge_config(kafka: EmbeddedTansu, topic: str, **kw: Any) -> BridgeConfig:
+    """A bridge on `topic` of `kafka`, with the tests' short group session."""
+    kw.setdefault("session_timeout_ms", SESSION_TIMEOUT_MS)
+    kw.setdefault("heartbeat_interval_ms", SESSION_TIMEOUT_MS // 6)
+    return BridgeConfig(kafka_bootstrap=kafka.bootstrap, topics=(topic,), **kw)
 
 
 @pytest.fixture

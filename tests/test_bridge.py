@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 from kafka_fixtures import (
-    SESSION_TIMEOUT_MS,
+    bridge_config,
     kafka_topic,
     produce,
     start_bridge_process,
@@ -37,10 +37,6 @@ __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 NAMES = Names()
 
 
-def _config(kafka: EmbeddedTansu, topic: str, **kw: object) -> BridgeConfig:
-    kw.setdefault("session_timeout_ms", SESSION_TIMEOUT_MS)
-    kw.setdefault("heartbeat_interval_ms", SESSION_TIMEOUT_MS // 6)
-    return BridgeConfig(kafka_bootstrap=kafka.bootstrap, topics=(topic,), **kw)  # type: ignore[arg-type]
 
 
 def _total_lag(bridge: KafkaBridge, topic: str) -> float:
@@ -107,7 +103,7 @@ async def test_records_arrive_exactly_once(
 ) -> None:
     topic = await kafka_topic("transactions", partitions=3)
     n = 600
-    async with KafkaBridge(nc, _config(tansu, topic, max_batch=100)) as bridge:
+    async with KafkaBridge(nc, bridge_config(tansu, topic, max_batch=100)) as bridge:
         await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(n)])
         assert await wait_count(nc, NAMES, NAMES.events(topic), n) == n
     msgs = await subject_messages(nc, NAMES, NAMES.events(topic))
@@ -146,7 +142,7 @@ async def test_bad_records_go_to_dead_letter_while_good_ones_flow(
         lines.append(txn_line(i))
         if i % 10 == 0:
             lines.append(bad[(i // 10) % len(bad)])
-    async with KafkaBridge(nc, _config(tansu, topic)) as bridge:
+    async with KafkaBridge(nc, bridge_config(tansu, topic)) as bridge:
         await produce(tansu.bootstrap, topic, lines)
         assert await wait_count(nc, NAMES, NAMES.events(topic), 200) == 200
         assert await wait_count(nc, NAMES, NAMES.dead_letter(topic), 20, settle_s=0.1) == 20
@@ -191,7 +187,7 @@ async def test_bridge_survives_nats_restart(
     topic = await kafka_topic("transactions", partitions=3)
     nc = await connect(ConnectOptions(url=nats_server.url))
     try:
-        cfg = _config(tansu, topic, publish_timeout_s=0.5, retry_backoff_s=0.05)
+        cfg = bridge_config(tansu, topic, publish_timeout_s=0.5, retry_backoff_s=0.05)
         async with KafkaBridge(nc, cfg) as bridge:
             await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(300)])
             await wait_count(nc, NAMES, NAMES.events(topic), 300, settle_s=0)
@@ -214,7 +210,7 @@ async def test_bridge_survives_kafka_restart(
     nc: Client, tansu: EmbeddedTansu, kafka_topic
 ) -> None:
     topic = await kafka_topic("transactions", partitions=3)
-    async with KafkaBridge(nc, _config(tansu, topic)) as bridge:
+    async with KafkaBridge(nc, bridge_config(tansu, topic)) as bridge:
         await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(200)])
         await wait_count(nc, NAMES, NAMES.events(topic), 200, settle_s=0)
         # tansu keeps everything in memory: a restart forgets the topic, its records and

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from confluent_kafka import Consumer
 from kafka_fixtures import (
-    SESSION_TIMEOUT_MS,
+    bridge_config,
     kafka_topic,
     produce,
     subject_messages,
@@ -48,10 +48,6 @@ __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 NAMES = Names()
 
 
-def _config(kafka: EmbeddedTansu, topic: str, **kw: object) -> BridgeConfig:
-    kw.setdefault("session_timeout_ms", SESSION_TIMEOUT_MS)
-    kw.setdefault("heartbeat_interval_ms", SESSION_TIMEOUT_MS // 6)
-    return BridgeConfig(kafka_bootstrap=kafka.bootstrap, topics=(topic,), **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -171,7 +167,7 @@ async def test_record_headers_travel_onto_jetstream(
     headers = [("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
                ("tenant id", b"acme"), ("blob", b"\x00\x01\xfe"), ("Nats-Msg-Id", b"spoof")]
     body = b'{"card":"c1","amount":1.5}'
-    async with KafkaBridge(nc, _config(tansu, topic)):
+    async with KafkaBridge(nc, bridge_config(tansu, topic)):
         await produce(tansu.bootstrap, topic, [(b"c1", body, headers),
                                                 (b"c2", b"not json", headers)])
         await wait_count(nc, NAMES, NAMES.events(topic), 1, settle_s=0)
@@ -195,16 +191,16 @@ async def test_start_committed_earliest_latest(
     topic = await kafka_topic("starts", partitions=2)
     subject = NAMES.events(topic)
     await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(50)])
-    async with KafkaBridge(nc, _config(tansu, topic, group_id="g1")) as bridge:
+    async with KafkaBridge(nc, bridge_config(tansu, topic, group_id="g1")) as bridge:
         await wait_count(nc, NAMES, subject, 50, settle_s=0.3)
     assert bridge.stats.events == 50
 
     await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(50, 70)])
-    async with KafkaBridge(nc, _config(tansu, topic, group_id="g1")) as bridge:
+    async with KafkaBridge(nc, bridge_config(tansu, topic, group_id="g1")) as bridge:
         assert await wait_count(nc, NAMES, subject, 70, settle_s=0.3) == 70
     assert (bridge.stats.events, bridge.stats.duplicates) == (20, 0)  # from the commit
 
-    async with KafkaBridge(nc, _config(tansu, topic, group_id="g1",
+    async with KafkaBridge(nc, bridge_config(tansu, topic, group_id="g1",
                                        start=StartFrom.EARLIEST)) as bridge:
         async with asyncio.timeout(20):
             while bridge.stats.duplicates < 70:
@@ -216,7 +212,7 @@ async def test_start_committed_earliest_latest(
     # one record each (never bridged: `latest` starts after it) keeps the check exact.
     for p in range(2):
         await produce(tansu.bootstrap, topic, [(None, b"{}", [])], partition=p)
-    async with KafkaBridge(nc, _config(tansu, topic, group_id="fresh",
+    async with KafkaBridge(nc, bridge_config(tansu, topic, group_id="fresh",
                                        start=StartFrom.LATEST)) as bridge:
         await bridge.wait_assigned()
         await asyncio.sleep(0.5)  # let it take its positions at the end
@@ -253,7 +249,7 @@ async def test_dead_letters_also_go_to_a_kafka_topic(
     records = [(b"k1", b'{"card":"c1","amount":1}', []),
                (b"k2", b"not json", [("trace", b"t-2")]),
                (b"k3", b'{"amount":3}', [])]
-    async with KafkaBridge(nc, _config(tansu, topic, dead_letter_topic=dlq)) as bridge:
+    async with KafkaBridge(nc, bridge_config(tansu, topic, dead_letter_topic=dlq)) as bridge:
         await produce(tansu.bootstrap, topic, records)
         await wait_count(nc, NAMES, NAMES.dead_letter(topic), 2, settle_s=0.2)
     assert (bridge.stats.dead, bridge.stats.dead_to_kafka, bridge.stats.events) == (2, 2, 1)
@@ -270,7 +266,7 @@ async def test_consumer_lag_per_partition(
 ) -> None:
     topic = await kafka_topic("lagged", partitions=3)
     await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(300)])
-    async with KafkaBridge(nc, _config(tansu, topic)) as bridge:
+    async with KafkaBridge(nc, bridge_config(tansu, topic)) as bridge:
         await wait_count(nc, NAMES, NAMES.events(topic), 300, settle_s=1.2)
         registry = bridge.metrics.registry
 
@@ -292,9 +288,9 @@ async def test_two_bridges_share_a_group_exactly_once(
     topic = await kafka_topic("shared", partitions=4)
     subject = NAMES.events(topic)
     await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(1000)])
-    async with KafkaBridge(nc, _config(tansu, topic)) as first:
+    async with KafkaBridge(nc, bridge_config(tansu, topic)) as first:
         await wait_count(nc, NAMES, subject, 1, settle_s=0)
-        async with KafkaBridge(nc, _config(tansu, topic)) as second:
+        async with KafkaBridge(nc, bridge_config(tansu, topic)) as second:
             await second.wait_assigned()
             await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(1000, 2000)])
             assert await wait_count(nc, NAMES, subject, 2000, settle_s=1.0) == 2000

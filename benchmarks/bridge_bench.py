@@ -43,9 +43,9 @@ from freshness.config import BridgeConfig
 from freshness.kafka_admin import ensure_topics
 from freshness.records import Stamps, Transaction
 from freshness.tansu import EmbeddedTansu
-from plane.embedded import EmbeddedNats
-from plane.quantiles import quantile
-from plane.subjects import Names
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.quantiles import quantile
+from plane.contract.subjects import Names
 
 NAMES = Names()
 ENC = msgspec.json.Encoder()

@@ -37,11 +37,11 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.celery_app import TASK_NAME, configure  # noqa: E402
 from benchmarks.children import child, until  # noqa: E402
-from plane.backoff import RetryPolicy  # noqa: E402
 from plane.client import Client  # noqa: E402
-from plane.config import ConnectOptions  # noqa: E402
-from plane.embedded import EmbeddedNats  # noqa: E402
-from plane.processes import free_port  # noqa: E402
+from plane.contract.backoff import RetryPolicy  # noqa: E402
+from plane.contract.config import ConnectOptions  # noqa: E402
+from plane.contract.embedded import EmbeddedNats  # noqa: E402
+from plane.contract.processes import free_port  # noqa: E402
 from plane.pulse import Attempts, LoadConfig, NatsTarget, Target, default_body, pulse  # noqa: E402
 from plane.pulse.outcome import ERROR, TIMEOUT  # noqa: E402
 from plane.pulse.summary import Summary  # noqa: E402

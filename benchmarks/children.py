@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
-from plane.processes import die_with_parent, stop_by_pid
+from plane.contract.processes import die_with_parent, stop_by_pid
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,8 +14,8 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from plane.contract.subjects import Header
 from plane.pulse.outcome import ERROR, TIMEOUT, Attempts, Outcome
-from plane.subjects import Header
 
 REQUEST_TIMEOUT_S = 5.0
 

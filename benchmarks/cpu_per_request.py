@@ -53,12 +53,12 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.children import child, until  # noqa: E402
 from benchmarks.core_caller import CoreRequest, Size, closed_loop  # noqa: E402
-from plane.embedded import EmbeddedNats  # noqa: E402
-from plane.lifecycle import run  # noqa: E402
+from plane.contract.embedded import EmbeddedNats  # noqa: E402
+from plane.contract.lifecycle import run  # noqa: E402
+from plane.contract.quantiles import quantile  # noqa: E402
+from plane.contract.subjects import Header, Names  # noqa: E402
 from plane.pulse.outcome import ERROR, TIMEOUT  # noqa: E402
 from plane.pulse.runner import LoadConfig, run_load  # noqa: E402
-from plane.quantiles import quantile  # noqa: E402
-from plane.subjects import Header, Names  # noqa: E402
 
 BIN = Path(sys.executable).parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -17,10 +17,10 @@ import time
 
 import nats
 
-from plane.logs import configure
-from plane.messages import FaultCommand, json_encoder
+from plane.contract.logs import configure
+from plane.contract.messages import FaultCommand, json_encoder
+from plane.contract.subjects import Names
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Names
 
 NODE = "node0-calibrated"
 

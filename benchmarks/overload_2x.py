@@ -26,15 +26,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-from plane.backoff import RetryPolicy
 from plane.client import Client
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats
-from plane.lifecycle import run
+from plane.contract.backoff import RetryPolicy
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.lifecycle import run
+from plane.contract.quantiles import quantile
 from plane.pulse.outcome import Outcome
 from plane.pulse.runner import LoadConfig, run_load
 from plane.pulse.targets import NatsTarget
-from plane.quantiles import quantile
 
 BIN = Path(sys.executable).parent
 DEADLINE_MS = 1000

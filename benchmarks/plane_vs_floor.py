@@ -22,8 +22,8 @@ from pathlib import Path
 import nats
 from hdrh.histogram import HdrHistogram
 
-from plane.embedded import EmbeddedNats
-from plane.subjects import Header, Names
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.subjects import Header, Names
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -13,7 +13,7 @@ a nats-server (EmbeddedNats), `plane router` r1 and r2 and `plane node --model c
 - Load, open loop: Poisson arrivals at 0.9x the capacity, then 2x, in turn every --phase-s.
   Each request goes out with its own reply subject (tests/ledger.py's idea, kept compact:
   a soak sends about a million), so a second answer, or none, is seen. A caller refused 429
-  `busy` (or 503 by the plane) comes back as `plane.backoff.retry_delay_ms` says, with its
+  `busy` (or 503 by the plane) comes back as `plane.contract.backoff.retry_delay_ms` says, with its
   ticket or Plane-Avoid-Node, within its 1000 ms deadline: each retry is a new request.
 - Chaos every --chaos-every-s, in turn: SIGTERM a node, SIGKILL a node, SIGTERM a router,
   SIGKILL a router (n1/n2 and r1/r2 take turns; n3 is never touched); the process is started
@@ -75,14 +75,14 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.children import until  # noqa: E402
 from benchmarks.overload_2x import capacity  # noqa: E402
-from plane.backoff import RetryPolicy, retry_delay_ms  # noqa: E402
 from plane.client.result import header_int  # noqa: E402
-from plane.embedded import EmbeddedNats  # noqa: E402
-from plane.lifecycle import run  # noqa: E402
-from plane.messages import Reason, Status  # noqa: E402
-from plane.processes import die_with_parent, stop_by_pid  # noqa: E402
-from plane.quantiles import quantile  # noqa: E402
-from plane.subjects import Header, Names  # noqa: E402
+from plane.contract.backoff import RetryPolicy, retry_delay_ms  # noqa: E402
+from plane.contract.embedded import EmbeddedNats  # noqa: E402
+from plane.contract.lifecycle import run  # noqa: E402
+from plane.contract.messages import Reason, Status  # noqa: E402
+from plane.contract.processes import die_with_parent, stop_by_pid  # noqa: E402
+from plane.contract.quantiles import quantile  # noqa: E402
+from plane.contract.subjects import Header, Names  # noqa: E402
 
 BIN = Path(sys.executable).parent
 MODEL = "calibrated"

@@ -34,16 +34,16 @@ from pathlib import Path
 
 import nats
 
-from plane.backoff import RetryPolicy
 from plane.client import Client
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats, NatsServerSpec
-from plane.lifecycle import run
+from plane.contract.backoff import RetryPolicy
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.lifecycle import run
+from plane.contract.quantiles import quantile
+from plane.contract.subjects import Names
 from plane.pulse.outcome import Outcome
 from plane.pulse.runner import LoadConfig, run_load
 from plane.pulse.targets import NatsTarget
-from plane.quantiles import quantile
-from plane.subjects import Names
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent

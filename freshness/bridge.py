@@ -55,9 +55,9 @@ from freshness.metrics import BridgeMetrics
 from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.publisher import Ack, AckWindow, Batch, Outgoing
 from freshness.records import Stamps, carry_kafka_headers, msg_id, transaction_decoder
-from plane.lifecycle import Lifecycle, finish_or_cancel
-from plane.replies import now_ms
-from plane.subjects import Header
+from plane.contract.lifecycle import Lifecycle, finish_or_cancel
+from plane.contract.replies import now_ms
+from plane.contract.subjects import Header
 
 log = structlog.get_logger("freshness.bridge")
 

@@ -21,10 +21,10 @@ from plane.cli import (
     metrics_host_option,
     replicas_option,
 )
-from plane.errors import ConfigError
-from plane.lifecycle import run as run_on_uvloop
-from plane.logs import configure
-from plane.subjects import Names
+from plane.contract.errors import ConfigError
+from plane.contract.lifecycle import run as run_on_uvloop
+from plane.contract.logs import configure
+from plane.contract.subjects import Names
 
 EXIT_FAILED = 1
 

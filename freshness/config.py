@@ -10,8 +10,8 @@ import enum
 from dataclasses import dataclass, field
 
 from freshness.kafka_config import KafkaSecurity, StartFrom
-from plane.errors import ConfigError
-from plane.subjects import InvalidToken, Names, check_token
+from plane.contract.errors import ConfigError
+from plane.contract.subjects import InvalidToken, Names, check_token
 
 DEFAULT_FRESHNESS_MS = 100
 

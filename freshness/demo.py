@@ -43,13 +43,13 @@ from freshness.tansu import EmbeddedTansu
 from plane.client import Client as PlaneClient
 from plane.client import ClientConfig
 from plane.client.ticket_demo import redeem_one_ticket
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats
-from plane.errors import ConfigError
-from plane.messages import FEATURES, RiskRequest
-from plane.natsconn import connect
-from plane.replies import now_ms
-from plane.subjects import Header, Names
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.errors import ConfigError
+from plane.contract.messages import FEATURES, RiskRequest
+from plane.contract.natsconn import connect
+from plane.contract.replies import now_ms
+from plane.contract.subjects import Header, Names
 
 log = structlog.get_logger("freshness.demo")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from freshness.config import stream_token
 from plane.client.ticket_demo import TicketStory
-from plane.messages import Status
-from plane.quantiles import quantile
-from plane.subjects import Names
+from plane.contract.messages import Status
+from plane.contract.quantiles import quantile
+from plane.contract.subjects import Names
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,8 +29,8 @@ from nats.js.kv import KeyValue
 from freshness.config import UpdaterConfig
 from freshness.provision import ensure_events_stream, ensure_features_bucket, events_stream_config
 from freshness.records import CardFeatures, Stamps, Transaction, json_encoder, transaction_decoder
-from plane.lifecycle import Lifecycle, finish_or_cancel
-from plane.messages import FEATURES
+from plane.contract.lifecycle import Lifecycle, finish_or_cancel
+from plane.contract.messages import FEATURES
 
 log = structlog.get_logger("freshness.features")
 

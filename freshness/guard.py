@@ -54,10 +54,10 @@ from freshness.decision import Action, decide, degrade_source
 from freshness.metrics import GuardMetrics
 from freshness.provision import ensure_config_bucket, ensure_features_bucket
 from freshness.records import CardFeatures, features_decoder
-from plane.lifecycle import Lifecycle, cancel_and_wait
-from plane.messages import FEATURES, Freshness, RiskRequest
-from plane.settings import LiveSettings
-from plane.subjects import Header, Names, config_key
+from plane.contract.lifecycle import Lifecycle, cancel_and_wait
+from plane.contract.messages import FEATURES, Freshness, RiskRequest
+from plane.contract.settings import LiveSettings
+from plane.contract.subjects import Header, Names, config_key
 
 log = structlog.get_logger("freshness.guard")
 

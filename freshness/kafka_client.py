@@ -34,7 +34,7 @@ from confluent_kafka import (
 
 from freshness.config import BridgeConfig
 from freshness.kafka_config import KafkaSecurity, StartFrom
-from plane.errors import ConfigError
+from plane.contract.errors import ConfigError
 
 log = structlog.get_logger("freshness.kafka")
 T = TypeVar("T")

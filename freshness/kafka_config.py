@@ -16,7 +16,7 @@ import enum
 import os
 from dataclasses import dataclass
 
-from plane.errors import ConfigError
+from plane.contract.errors import ConfigError
 
 
 class SecurityProtocol(enum.StrEnum):

@@ -10,8 +10,8 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
-from plane.provision import ensure_config_bucket, ensure_kv
-from plane.subjects import Names
+from plane.contract.provision import ensure_config_bucket, ensure_kv
+from plane.contract.subjects import Names
 
 __all__ = ["ensure_config_bucket", "ensure_events_stream", "ensure_features_bucket",
            "events_stream_config"]

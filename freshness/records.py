@@ -15,8 +15,8 @@ from typing import Annotated
 
 import msgspec
 
-from plane.messages import FEATURES
-from plane.subjects import TRACE_HEADER_MAX, TRACE_HEADERS, Header
+from plane.contract.messages import FEATURES
+from plane.contract.subjects import TRACE_HEADER_MAX, TRACE_HEADERS, Header
 
 # A card id is a KV key and may appear in a subject: a plain token.
 CardId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]

@@ -10,10 +10,10 @@ import structlog
 from freshness.bridge import KafkaBridge
 from freshness.config import BridgeConfig
 from freshness.metrics import BridgeMetrics
-from plane.config import ConnectOptions
-from plane.lifecycle import cancel_and_wait, stop_event
-from plane.metrics import PlaneMetrics, serve_metrics
-from plane.natsconn import connect
+from plane.contract.config import ConnectOptions
+from plane.contract.lifecycle import cancel_and_wait, stop_event
+from plane.contract.metrics import PlaneMetrics, serve_metrics
+from plane.contract.natsconn import connect
 
 log = structlog.get_logger("freshness.run")
 

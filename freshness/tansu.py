@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from plane.errors import ConfigError
-from plane.processes import ChildProcess, free_port
+from plane.contract.errors import ConfigError
+from plane.contract.processes import ChildProcess, free_port
 
 log = structlog.get_logger("freshness.tansu")
 

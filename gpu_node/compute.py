@@ -24,8 +24,8 @@ import torch
 
 from gpu_node.pinned import RowPacker, Staged
 from kernels.risk import FEATURES, HIDDEN, RiskWeights, risk_reference, risk_reference_out
-from plane.config import BACKENDS
-from plane.errors import ConfigError
+from plane.contract.config import BACKENDS
+from plane.contract.errors import ConfigError
 
 __all__ = [
     "FEATURES",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import structlog
 
 from gpu_node.slot import Slot
-from plane.metrics import PlaneMetrics
+from plane.contract.metrics import PlaneMetrics
 
 log = structlog.get_logger("plane.health")
 

@@ -5,11 +5,11 @@ Shutdown: tell routers we are stopping (heartbeats `stopping`, sent on through t
 they place nothing more here but leave what runs to us), stop fetching, let running requests
 finish within `drain_timeout_s` (answering 503 for any still running), answer what landed
 unfetched, flush, close. While draining, every answer first takes its message through the
-broker (`plane.ownership`), so it is the only one even if a router acted too.
+broker (`plane.contract.ownership`), so it is the only one even if a router acted too.
 
 Identity: one process serves a node id. A node refuses to start while another live process
 serves its id, waits for one that is stopping, and stands down when a process with its id
-started after it (see `plane.identity`).
+started after it (see `plane.contract.identity`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from gpu_node.recent import RecentIds
 from gpu_node.slot import Enrich, Slot
 from gpu_node.standing import Other, Standing
 from gpu_node.telemetry import GpuTelemetry, make_telemetry, partition_sms
-from plane import replies
-from plane.config import NodeConfig
-from plane.identity import ensure_node_id_free
-from plane.lifecycle import Lifecycle, TaskOwner
-from plane.messages import (
+from plane.contract import replies
+from plane.contract.config import NodeConfig
+from plane.contract.identity import ensure_node_id_free
+from plane.contract.lifecycle import Lifecycle, TaskOwner
+from plane.contract.messages import (
     Heartbeat,
     NodeAdvert,
     SlotAdvert,
@@ -46,12 +46,12 @@ from plane.messages import (
     heartbeat_decoder,
     json_encoder,
 )
-from plane.metrics import PlaneMetrics
-from plane.models import model_spec
-from plane.provision import ProvisionPlan, ensure_all, ensure_all_again
-from plane.settings import MAX_SLOTS, LiveSettings, refused
-from plane.subjects import advert_key, config_key
-from plane.tracing import Tracing
+from plane.contract.metrics import PlaneMetrics
+from plane.contract.models import model_spec
+from plane.contract.provision import ProvisionPlan, ensure_all, ensure_all_again
+from plane.contract.settings import MAX_SLOTS, LiveSettings, refused
+from plane.contract.subjects import advert_key, config_key
+from plane.contract.tracing import Tracing
 
 log = structlog.get_logger("plane.node")
 
@@ -182,7 +182,8 @@ class Node(Lifecycle, TaskOwner):
             with contextlib.suppress(Exception):
                 await self._nodes_kv.delete(advert_key(self.cfg.node_id, self.cfg.model))
         # Gone from the status endpoint before the heartbeats stop: a process starting with
-        # this id waits while the endpoint answers (plane.identity), and finds the id clean.
+        # this id waits while the endpoint answers (plane.contract.identity), and finds the id
+        # clean.
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()

@@ -6,7 +6,8 @@ publishes the done-event and answers the caller, in that order, so the slot is f
 caller hears back. When a router may already have acted on the request (past its deadline,
 disconnected, or whenever the node says so: draining, replaced, heartbeats lapsed), the slot
 takes the message through the API instead and answers only if the take succeeds
-(`plane.ownership`). A message left on the subject unfetched (an earlier life of the slot, a
+(`plane.contract.ownership`). A message left on the subject unfetched (an earlier life of the slot,
+a
 process it replaced) is never purged unseen: it is taken and answered 503 the same way.
 """
 
@@ -30,12 +31,12 @@ from nats.js.errors import FetchTimeoutError, NotFoundError
 
 from gpu_node.faults import WatchedRunner
 from gpu_node.recent import RecentIds
-from plane import replies
-from plane.budget import ServiceWindow
-from plane.canonical import CanonicalLog
-from plane.errors import BadRequest
-from plane.lifecycle import cancel_and_wait
-from plane.messages import (
+from plane.contract import replies
+from plane.contract.budget import ServiceWindow
+from plane.contract.canonical import CanonicalLog
+from plane.contract.errors import BadRequest
+from plane.contract.lifecycle import cancel_and_wait
+from plane.contract.messages import (
     CalibratedReply,
     CalibratedRequest,
     DoneEvent,
@@ -46,11 +47,11 @@ from plane.messages import (
     json_encoder,
     msgpack_encoder,
 )
-from plane.metrics import PlaneMetrics
-from plane.models import ModelSpec
-from plane.ownership import NOT_ANSWERED, Take, placement_id, take
-from plane.subjects import Header, Names
-from plane.tracing import Tracing, trace_headers
+from plane.contract.metrics import PlaneMetrics
+from plane.contract.models import ModelSpec
+from plane.contract.ownership import NOT_ANSWERED, Take, placement_id, take
+from plane.contract.subjects import Header, Names
+from plane.contract.tracing import Tracing, trace_headers
 
 MustTake = Callable[[float], bool]  # fetched at (monotonic s) -> may a router have acted on it?
 
@@ -176,7 +177,7 @@ class Slot:
     async def sweep(self, why: str) -> None:
         """Answer the messages waiting on our subject unfetched: an earlier life's orphan, the
         request a process we replaced was running, or one placed while we stopped. Never a
-        purge: each is taken (`plane.ownership.take`) and answered 503 only if the take
+        purge: each is taken (`plane.contract.ownership.take`) and answered 503 only if the take
         succeeds, so whoever removes it first (the router at the deadline, the process still
         running it) answers, and nobody is left without an answer."""
         for _ in range(SWEEP_MAX):
@@ -347,7 +348,7 @@ class Slot:
         await self._finish(cur, status, service_us, body, headers)
 
     async def _claim_answer(self, cur: Current) -> bool:
-        """Become the one who answers `cur` (see plane.ownership). Before the deadline,
+        """Become the one who answers `cur` (see plane.contract.ownership). Before the deadline,
         connected, and while no router can have acted on it yet (`must_take`), a plain ack
         does it (the router acts only after the deadline plus a grace, or when the node is
         gone); otherwise take the message through the API, which says who was first. False:

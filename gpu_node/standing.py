@@ -1,7 +1,7 @@
 """Where a node process stands with the routers: which process it is (a random instance token
 and its start time, sent in every heartbeat), whether a newer process with its id replaced it,
 and whether a router may already have acted on a request it fetched, in which case its answer
-must take the message through the broker (`plane.ownership`) instead of acking it.
+must take the message through the broker (`plane.contract.ownership`) instead of acking it.
 
 Pure bookkeeping: times are monotonic seconds passed in by the caller.
 """
@@ -12,9 +12,9 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from plane import replies
-from plane.identity import new_instance
-from plane.messages import Heartbeat
+from plane.contract import replies
+from plane.contract.identity import new_instance
+from plane.contract.messages import Heartbeat
 
 # For this long after its first heartbeat a node answers through the broker: a router that
 # knew an earlier process with this id acts on that one's requests when it hears of this one,

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels.launch import launch_lock
 
-FEATURES = 32  # must equal plane.messages.FEATURES (a test checks)
+FEATURES = 32  # must equal plane.contract.messages.FEATURES (a test checks)
 HIDDEN = 64
 MAX_BLOCK_ROWS = 4  # rows per program: [4, 32, 64] f32 products stay in registers
 

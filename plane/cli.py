@@ -17,14 +17,14 @@ from typing import Any, TypeVar
 import click
 
 from plane.auth.cli import auth
-from plane.config import BACKENDS, ConnectOptions, NodeConfig, RouterConfig
-from plane.errors import PlaneError
-from plane.extras import DISTRIBUTION, missing_extra
-from plane.lifecycle import run
-from plane.logs import configure as configure_logs
-from plane.models import MODELS
+from plane.contract.config import BACKENDS, ConnectOptions, NodeConfig, RouterConfig
+from plane.contract.errors import PlaneError
+from plane.contract.extras import DISTRIBUTION, missing_extra
+from plane.contract.lifecycle import run
+from plane.contract.logs import configure as configure_logs
+from plane.contract.models import MODELS
+from plane.contract.subjects import InvalidToken, Names
 from plane.serve import ServeSpec, run_router, run_status
-from plane.subjects import InvalidToken, Names
 
 EXIT_OK = 0
 EXIT_UNHEALTHY = 1
@@ -68,7 +68,8 @@ class PlaneGroup(click.Group):
         except PlaneError as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(EXIT_USAGE)
-        except ModuleNotFoundError as exc:  # an optional part not installed (`plane.extras`)
+        # an optional part not installed (`plane.contract.extras`)
+        except ModuleNotFoundError as exc:
             missing = missing_extra(exc, f"plane {ctx.invoked_subcommand or ''}".strip())
             if missing is None:
                 raise
@@ -323,7 +324,7 @@ def breathe(path: str | None, metrics_url: str | None, nvml: bool, device: str |
       plane breathe --metrics http://127.0.0.1:9465/metrics --seconds 30 --json
       plane breathe --nvml --device 0 --seconds 20
     """
-    from plane.breathe_cli import run_breathe  # numpy, and NVML only with --nvml
+    from plane.observe.breathe_cli import run_breathe  # numpy, and NVML only with --nvml
 
     if sum((path is not None, metrics_url is not None, nvml)) != 1:
         raise click.UsageError("give one of --file, --metrics, --nvml")

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import msgspec
 
-from plane.config import ConnectOptions, RouterConfig
-from plane.errors import Unavailable
-from plane.lifecycle import stop_event, until_any
-from plane.metrics import PlaneMetrics, serve_metrics
-from plane.natsconn import close, connect
+from plane.contract.config import ConnectOptions, RouterConfig
+from plane.contract.errors import Unavailable
+from plane.contract.lifecycle import stop_event, until_any
+from plane.contract.metrics import PlaneMetrics, serve_metrics
+from plane.contract.natsconn import close, connect
+from plane.contract.subjects import Names
+from plane.contract.tracing import Tracing
 from plane.router import Router
-from plane.subjects import Names
-from plane.tracing import Tracing
 
 # A serving command whose NATS connection was closed for good exits with this, so that its
 # supervisor (systemd, Kubernetes, compose) restarts it.
@@ -60,8 +60,8 @@ async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequen
     or a silent process costs at most about `timeout_s` each for connecting and asking."""
     from rich.console import Console  # the tables: only here, not for `plane router`
 
-    from plane.planeview import PlaneView, connect_fast
-    from plane.top import render, snapshot
+    from plane.observe.planeview import PlaneView, connect_fast
+    from plane.observe.top import render, snapshot
 
     try:
         nc = await connect_fast(opts, timeout_s)
@@ -85,8 +85,8 @@ async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequen
 
 async def run_top_command(opts: ConnectOptions, names: Names, *, metrics_urls: Sequence[str],
                           interval_s: float) -> int:
-    from plane.planeview import connect_fast
-    from plane.top import run_top
+    from plane.observe.planeview import connect_fast
+    from plane.observe.top import run_top
 
     nc = await connect_fast(opts, 2.0)
     try:

@@ -13,14 +13,14 @@ from nats.aio.client import Client
 from freshness.guard import guarded_enricher
 from gpu_node.node import Node
 from gpu_node.slot import Enrich
-from plane.config import ConnectOptions, NodeConfig, RouterConfig
-from plane.embedded import EmbeddedNats
-from plane.lifecycle import Lifecycle
-from plane.metrics import PlaneMetrics, serve_metrics
-from plane.natsconn import connect
+from plane.contract.config import ConnectOptions, NodeConfig, RouterConfig
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.lifecycle import Lifecycle
+from plane.contract.metrics import PlaneMetrics, serve_metrics
+from plane.contract.natsconn import connect
+from plane.contract.subjects import Names
+from plane.contract.tracing import Tracing
 from plane.router import Router
-from plane.subjects import Names
-from plane.tracing import Tracing
 
 
 @dataclass(frozen=True, kw_only=True)

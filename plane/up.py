@@ -18,20 +18,20 @@ from nats.aio.client import Client
 from freshness.guard import guarded_enricher
 from gpu_node.node import Node
 from plane.auth.store import AuthDir
-from plane.backoff import NO_RETRY
 from plane.client import Client as PlaneClient
 from plane.client import ClientConfig
 from plane.client.ticket_demo import redeem_one_ticket
-from plane.config import NodeConfig
-from plane.embedded import EmbeddedNats, NatsServerSpec
-from plane.lifecycle import stop_event
-from plane.messages import FEATURES, Status
-from plane.metrics import PlaneMetrics, serve_metrics
-from plane.natsconn import close, connect
+from plane.contract.backoff import NO_RETRY
+from plane.contract.config import NodeConfig
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.lifecycle import stop_event
+from plane.contract.messages import FEATURES, Status
+from plane.contract.metrics import PlaneMetrics, serve_metrics
+from plane.contract.natsconn import close, connect
+from plane.contract.subjects import Header, Names
+from plane.contract.tracing import Tracing
 from plane.serve import ServeSpec
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Header, Names
-from plane.tracing import Tracing
 
 DEMO_DEADLINE_MS = 1000  # the demo's calls: each must be a 200 within it
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO))
 
-from plane.processes import free_port  # noqa: E402
+from plane.contract.processes import free_port  # noqa: E402
 
 BOARD = REPO / "compose" / "grafana" / "dashboards" / "rejection-board.json"
 RULES = REPO / "compose" / "rules" / "plane.rules.yml"

@@ -19,7 +19,7 @@ import pytest
 import structlog
 from nats.aio.client import Client
 
-from plane.embedded import EmbeddedNats
+from plane.contract.embedded import EmbeddedNats
 
 
 def pytest_report_header() -> str:

@@ -25,7 +25,7 @@ from nats.js.errors import NotFoundError
 from freshness.config import BridgeConfig
 from freshness.kafka_admin import ensure_topics
 from freshness.tansu import EmbeddedTansu
-from plane.subjects import Names
+from plane.contract.subjects import Names
 
 REPO = Path(__file__).resolve().parent.parent
 PLANE = str(Path(sys.executable).parent / "plane")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from plane.subjects import Header
+from plane.contract.subjects import Header
 
 NATS_STATUS = "Status"  # the header nats-py fills from a server status line ("NATS/1.0 503")
 

@@ -14,9 +14,9 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from plane.config import ConnectOptions
+from plane.contract.config import ConnectOptions
+from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Header, Names
 
 NAMES = Names()
 RISK_BODY = json.dumps({"features": [0.01 * i for i in range(32)]}).encode()

@@ -18,14 +18,20 @@ from nats.aio.msg import Msg
 
 from gpu_node.node import Node
 from gpu_node.standing import SETTLE_S, Other, Standing
-from plane.config import NodeConfig, RouterConfig
-from plane.embedded import EmbeddedNats
-from plane.errors import IdentityInUse
-from plane.identity import Heard, Instances
-from plane.messages import Heartbeat, NodeAdvert, SlotAdvert, heartbeat_decoder, json_encoder
+from plane.contract.config import NodeConfig, RouterConfig
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.errors import IdentityInUse
+from plane.contract.identity import Heard, Instances
+from plane.contract.messages import (
+    Heartbeat,
+    NodeAdvert,
+    SlotAdvert,
+    heartbeat_decoder,
+    json_encoder,
+)
+from plane.contract.subjects import Header
 from plane.router import Router
 from plane.stack import PlaneStack
-from plane.subjects import Header
 from tests.ledger import Ledger
 from tests.plane_fixtures import (
     NAMES,

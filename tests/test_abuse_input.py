@@ -24,14 +24,14 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.headers import MAX_HEADER_BYTES
+from plane.contract.logs import LineSink
+from plane.contract.natsconn import Throttle
+from plane.contract.subjects import Header, config_key
 from plane.gateway import Gateway, GatewayConfig
-from plane.headers import MAX_HEADER_BYTES
-from plane.logs import LineSink
-from plane.natsconn import Throttle
 from plane.stack import PlaneStack
-from plane.subjects import Header, config_key
 from tests.plane_fixtures import NAMES, calibrated, client, header, plane, status, wait_until
 
 PLANE = str(Path(sys.executable).parent / "plane")

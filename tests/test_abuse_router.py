@@ -12,11 +12,11 @@ from pathlib import Path
 import nats
 import pytest
 
-from plane.budget import ServiceWindow
-from plane.embedded import EmbeddedNats, NatsServerSpec
-from plane.messages import Heartbeat, NodeAdvert, SlotAdvert, json_encoder
+from plane.contract.budget import ServiceWindow
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.messages import Heartbeat, NodeAdvert, SlotAdvert, json_encoder
+from plane.contract.subjects import Header
 from plane.router.admission import TICKET_HEX, ticket_owner
-from plane.subjects import Header
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, header, plane, status
 
@@ -192,7 +192,7 @@ async def test_adverts_cannot_point_the_router_at_other_subjects() -> None:
 async def test_a_restarted_router_knows_the_slots_before_it_takes_requests() -> None:
     """A router that joined the queue group before hearing the nodes' heartbeats answered
     its first requests 503 `no-capacity` after every restart (the soak saw hundreds)."""
-    from plane.config import RouterConfig
+    from plane.contract.config import RouterConfig
     from plane.router import Router
 
     async with plane(models=("calibrated",), slots=2, backend="torch") as stack:

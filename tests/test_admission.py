@@ -2,12 +2,12 @@
 ticket holder gets its slot ahead of newcomers, and a promise that cannot meet the deadline is
 never made."""
 
-from plane.budget import Prediction, ServiceWindow, fits, predict
-from plane.messages import NodeAdvert, Reason, SlotAdvert, Status
+from plane.contract.budget import Prediction, ServiceWindow, fits, predict
+from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
+from plane.contract.subjects import Names
 from plane.router.admission import PROMISE_MAX_LINKS, Admission, Ask, Park, Place, Refuse
 from plane.router.occupancy import ModelSlots
 from plane.router.promises import Promise, next_start, simulate
-from plane.subjects import Names
 
 NAMES = Names()
 MS10 = Prediction(p50_us=10_000, p99_us=11_000)

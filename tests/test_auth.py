@@ -34,12 +34,12 @@ from freshness.tansu import EmbeddedTansu
 from plane.auth.roles import Permissions, role_permissions, tenant
 from plane.auth.store import AuthDir
 from plane.client import Client
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
-from plane.messages import FaultCommand, json_encoder
-from plane.natsconn import connect
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
+from plane.contract.messages import FaultCommand, json_encoder
+from plane.contract.natsconn import connect
+from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Header, Names
 
 __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from plane.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
-from plane.errors import ConfigError
+from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
+from plane.contract.errors import ConfigError
 
 NOW = 1_700_000_000_000
 P = RetryPolicy(max_attempts=5, base_ms=10, cap_ms=80, jitter_ms=2, max_skew_ms=2000)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plane.breathe import (
+from plane.observe.breathe import (
     BREATHING,
     BURSTY,
     IDLE,
@@ -21,7 +21,7 @@ from plane.breathe import (
     STEADY,
     diagnose,
 )
-from plane.breathe_io import (
+from plane.observe.breathe_io import (
     SamplesError,
     parse_nvidia_smi_csv,
     sample,
@@ -203,7 +203,7 @@ def test_the_command_polls_a_nodes_metrics() -> None:
 def test_live_nvml_goes_through_the_telemetry_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """--nvml: the node's own NVML reader (gpu_node.telemetry), here a recorded one."""
     from gpu_node.telemetry import GpuSample
-    from plane.breathe_cli import read_traces
+    from plane.observe.breathe_cli import read_traces
 
     readings = iter([87.0, 12.0, None, 90.0, 11.0, 88.0])
 

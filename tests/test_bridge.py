@@ -27,10 +27,10 @@ from freshness.bridge import KafkaBridge, dead_reason
 from freshness.config import BridgeConfig
 from freshness.records import Stamps, decode_bytes, encode_bytes, msg_id
 from freshness.tansu import EmbeddedTansu
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats
-from plane.natsconn import connect
-from plane.subjects import Header, Names
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.natsconn import connect
+from plane.contract.subjects import Header, Names
 
 __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 
@@ -88,7 +88,7 @@ def test_stamps_round_trip_through_headers() -> None:
 
 
 def test_config_refuses_what_cannot_be_bridged() -> None:
-    from plane.errors import ConfigError
+    from plane.contract.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--topic"):
         BridgeConfig(kafka_bootstrap="127.0.0.1:9092", topics=())

@@ -40,8 +40,8 @@ from freshness.records import (
 )
 from freshness.tansu import EmbeddedTansu
 from plane.app import main
-from plane.errors import ConfigError
-from plane.subjects import TRACE_HEADERS, Header, Names
+from plane.contract.errors import ConfigError
+from plane.contract.subjects import TRACE_HEADERS, Header, Names
 
 __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 

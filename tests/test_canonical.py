@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import structlog
 
-from plane import canonical
-from plane.canonical import CanonicalLog
+from plane.contract import canonical
+from plane.contract.canonical import CanonicalLog
 
 
 def test_lines_are_sampled_and_say_what_they_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

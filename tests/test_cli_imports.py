@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "triton")
-# Everything an extra brings (`plane.extras`): none of it on the base install's paths.
+# Everything an extra brings (`plane.contract.extras`): none of it on the base install's paths.
 EXTRAS = (*HEAVY, "numpy", "pynvml", "matplotlib", "aiokafka", "confluent_kafka", "kafka")
 
 # Runs the command through click's CliRunner (in-process, so sys.modules can be read after),

@@ -12,13 +12,13 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from plane.backoff import RetryPolicy
 from plane.client import Client, ClientConfig, SyncClient
-from plane.embedded import EmbeddedNats
-from plane.errors import BadRequest, DeadlineExceeded, Rejected, Unavailable
-from plane.messages import Reason, Status
-from plane.replies import error_reply, now_ms, ok_headers
-from plane.subjects import Header, Names
+from plane.contract.backoff import RetryPolicy
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.errors import BadRequest, DeadlineExceeded, Rejected, Unavailable
+from plane.contract.messages import Reason, Status
+from plane.contract.replies import error_reply, now_ms, ok_headers
+from plane.contract.subjects import Header, Names
 
 Reply = tuple[bytes, dict[str, str]] | None  # None: stay silent
 Script = Callable[[int, dict[str, str]], Reply]

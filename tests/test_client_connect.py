@@ -17,9 +17,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
-from plane.embedded import EmbeddedNats
-from plane.replies import ok_headers
-from plane.subjects import Header, Names
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.replies import ok_headers
+from plane.contract.subjects import Header, Names
 
 
 def _dead_url() -> str:

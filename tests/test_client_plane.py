@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from plane.backoff import NO_RETRY, RetryPolicy
 from plane.client import Client, SyncClient
-from plane.errors import BadRequest, Rejected
+from plane.contract.backoff import NO_RETRY, RetryPolicy
+from plane.contract.errors import BadRequest, Rejected
 from plane.stack import PlaneStack, StackConfig
 
 

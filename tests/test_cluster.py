@@ -31,10 +31,10 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.js.errors import Error as JsError
 
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats, NatsServerSpec
-from plane.processes import free_port
-from plane.provision import ProvisionPlan, ensure_all
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.processes import free_port
+from plane.contract.provision import ProvisionPlan, ensure_all
 from plane.stack import PlaneStack, StackConfig
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated

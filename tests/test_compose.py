@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from plane.app import LazyCommand, main
-from plane.embedded import nats_server_binary
+from plane.contract.embedded import nats_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"

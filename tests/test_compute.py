@@ -24,8 +24,8 @@ from gpu_node.partitions import (
     plan_partitions,
 )
 from gpu_node.pinned import RowPacker, Staged, count_cpu_allocations
-from plane import messages
-from plane.errors import ConfigError
+from plane.contract import messages
+from plane.contract.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 # Scores of the seeded model before kernels/ existed: the weights must not drift.
@@ -147,7 +147,7 @@ def test_interpret_after_triton_was_imported_without_it_says_why() -> None:
         "import os, triton\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
         "from gpu_node.compute import make_backend\n"
-        "from plane.errors import ConfigError\n"
+        "from plane.contract.errors import ConfigError\n"
         "try:\n    make_backend('interpret')\n"
         "except ConfigError as e:\n    print('refused:', e)\n"
     )

@@ -1,4 +1,5 @@
-"""`plane.extras`: which extra a missing module means, the one-line message, and that it agrees
+"""`plane.contract.extras`: which extra a missing module means, the one-line message, and that it
+agrees
 with pyproject's extras (`[all]` is every one of them, `[dev]` brings `[all]`)."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from plane.errors import MissingExtra, PlaneError
-from plane.extras import EXTRA_MODULES, extra_for, install_hint, missing_extra
+from plane.contract.errors import MissingExtra, PlaneError
+from plane.contract.extras import EXTRA_MODULES, extra_for, install_hint, missing_extra
 
 PYPROJECT = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml")
                           .read_text())

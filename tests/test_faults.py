@@ -14,8 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 from plane.client import Client as PlaneClient
-from plane.embedded import EmbeddedNats
-from plane.subjects import Header
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.subjects import Header
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, client, plane, wait_until
 

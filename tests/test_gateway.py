@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from plane.config import ConnectOptions
+from plane.contract.config import ConnectOptions
+from plane.contract.subjects import Names
 from plane.gateway import Gateway, GatewayConfig, http_headers
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Names
 from tests.plane_fixtures import wait_until
 
 TOKEN = "s3cret-token"

@@ -15,12 +15,12 @@ from nats.aio.msg import Msg
 from nats.micro import add_service
 from openapi_spec_validator import validate
 
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.models import MODELS
+from plane.contract.replies import ok_headers
+from plane.contract.subjects import Header, Names
 from plane.gateway import Gateway, GatewayConfig
-from plane.models import MODELS
-from plane.replies import ok_headers
-from plane.subjects import Header, Names
 
 NAMES = Names()
 

@@ -20,8 +20,8 @@ from freshness.guard import FRESHNESS_KEY, CardFeatureGuard, pad
 from freshness.provision import ensure_config_bucket, ensure_features_bucket
 from freshness.records import CardFeatures, Stamps, Transaction
 from freshness.tansu import EmbeddedTansu
-from plane.messages import FEATURES, Freshness
-from plane.subjects import Names
+from plane.contract.messages import FEATURES, Freshness
+from plane.contract.subjects import Names
 
 __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 

@@ -10,9 +10,9 @@ import time
 
 from nats.aio.client import Client
 
-from plane.messages import FaultCommand, json_encoder
+from plane.contract.messages import FaultCommand, json_encoder
+from plane.contract.subjects import Header, config_key
 from plane.stack import PlaneStack
-from plane.subjects import Header, config_key
 from tests.plane_fixtures import (
     NAMES,
     RISK_BODY,

@@ -4,11 +4,11 @@
                                         plane.serve, every `*.cli` / `*_cli` module,
                                         freshness.demo, freshness.demo_report
     parts, side by side                 plane.router.*   gpu_node.*   freshness.*
-                                        tools: plane.client.*, plane.gateway.*, plane.pulse.*,
-                                        plane.breathe*, plane.top
+                                        tools: every other plane.* module (plane.client,
+                                        plane.gateway, plane.pulse, plane.auth, plane.observe)
     kernels                             kernels.* (torch and triton only: the GPU machine)
-    the contract                        every other plane.* module (names, messages, errors,
-                                        settings, shared rules such as ownership)
+    the contract                        plane.contract.* (names, messages, errors, settings,
+                                        shared rules such as ownership)
 
 A part imports the contract and itself (the node also imports the kernels), never another
 part, never an entry point; the contract imports only the contract. Read from the source
@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("plane", "gpu_node", "kernels", "freshness")
 TOP = {"plane.app", "plane.cli", "plane.up", "plane.stack", "plane.serve", "freshness.demo",
        "freshness.demo_report"}
-TOOLS = ("plane.client", "plane.gateway", "plane.pulse", "plane.breathe", "plane.top")
 ALLOWED = {
     "contract": {"contract"},
     "kernels": {"kernels"},
@@ -40,13 +39,14 @@ def layer(module: str) -> str:
     last = module.rsplit(".", 1)[-1]
     if module in TOP or last == "cli" or last.endswith("_cli"):
         return "top"
+    head = module.split(".", 1)[0]
+    if head != "plane":
+        return {"gpu_node": "node", "kernels": "kernels", "freshness": "freshness"}[head]
+    if module == "plane.contract" or module.startswith("plane.contract."):
+        return "contract"
     if module == "plane.router" or module.startswith("plane.router."):
         return "router"
-    if any(module == t or module.startswith((t + ".", t + "_")) for t in TOOLS):
-        return "tools"
-    head = module.split(".", 1)[0]
-    return {"gpu_node": "node", "kernels": "kernels", "freshness": "freshness"}.get(
-        head, "contract")
+    return "contract" if module == "plane" else "tools"
 
 
 def modules() -> dict[str, Path]:
@@ -88,19 +88,19 @@ def test_imports_flow_one_way() -> None:
 def test_the_check_sees_an_arrow_the_wrong_way() -> None:
     """The rule itself: each kind of wrong arrow is reported, a right one is not."""
     graph = {
-        "gpu_node.slot": {"plane.router.inflight", "plane.ownership", "kernels.risk"},
-        "plane.subjects": {"plane.stack"},
-        "plane.router.service": {"gpu_node.node", "plane.messages"},
+        "gpu_node.slot": {"plane.router.inflight", "plane.contract.ownership", "kernels.risk"},
+        "plane.contract.subjects": {"plane.stack"},
+        "plane.router.service": {"gpu_node.node", "plane.contract.messages"},
         "freshness.bridge": {"plane.client"},
-        "kernels.risk": {"plane.errors"},
+        "kernels.risk": {"plane.contract.errors"},
         "plane.gateway.app": {"plane.client", "plane.router"},
         "plane.cli": {"plane.router", "gpu_node.node"},
     }
     assert wrong_way(graph) == [
         "freshness.bridge (freshness) imports plane.client (tools)",
         "gpu_node.slot (node) imports plane.router.inflight (router)",
-        "kernels.risk (kernels) imports plane.errors (contract)",
+        "kernels.risk (kernels) imports plane.contract.errors (contract)",
+        "plane.contract.subjects (contract) imports plane.stack (top)",
         "plane.gateway.app (tools) imports plane.router (router)",
         "plane.router.service (router) imports gpu_node.node (node)",
-        "plane.subjects (contract) imports plane.stack (top)",
     ]

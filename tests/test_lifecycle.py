@@ -7,7 +7,7 @@ import asyncio
 
 import structlog
 
-from plane.lifecycle import TaskOwner
+from plane.contract.lifecycle import TaskOwner
 
 
 async def test_a_failed_task_is_logged_and_counted() -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import aiohttp
 
 from plane.client import Client
-from plane.config import ConnectOptions
+from plane.contract.config import ConnectOptions
+from plane.contract.subjects import Header, Names, config_key
 from plane.gateway import Gateway, GatewayConfig
-from plane.subjects import Header, Names, config_key
 from tests.plane_fixtures import client, plane, wait_until
 
 NAMES = Names()

@@ -6,10 +6,10 @@ import math
 import msgspec
 import pytest
 
-from plane.errors import BadRequest
-from plane.messages import DoneEvent, NodeAdvert, SlotAdvert, advert_decoder, done_decoder
-from plane.models import model_spec
-from plane.subjects import MSGPACK
+from plane.contract.errors import BadRequest
+from plane.contract.messages import DoneEvent, NodeAdvert, SlotAdvert, advert_decoder, done_decoder
+from plane.contract.models import model_spec
+from plane.contract.subjects import MSGPACK
 
 
 def test_old_reader_accepts_new_advert() -> None:

@@ -9,7 +9,7 @@ import json
 import nats
 import pytest
 
-from plane.subjects import Header
+from plane.contract.subjects import Header
 from tests.plane_fixtures import NAMES, calibrated, header, plane, status
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from plane.subjects import Header
+from plane.contract.subjects import Header
 from tests.plane_fixtures import NAMES, RISK_BODY, client, header, plane, status
 
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import structlog
 
-from plane.messages import (
+from plane.contract.messages import (
     AdmissionNote,
     Presence,
     PromiseGone,
@@ -18,10 +18,10 @@ from plane.messages import (
     admission_note_decoder,
     msgpack_encoder,
 )
+from plane.contract.subjects import Names
 from plane.router.admission import Admission
 from plane.router.occupancy import ModelSlots
 from plane.router.peers import Peers
-from plane.subjects import Names
 
 
 def peers(router_id: str = "router1") -> tuple[Peers, dict[str, ModelSlots]]:

@@ -13,12 +13,12 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats, NatsServerSpec
-from plane.errors import ConfigError, Unavailable
-from plane.natsconn import connect
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.errors import ConfigError, Unavailable
+from plane.contract.natsconn import connect
+from plane.contract.subjects import MSGPACK, Header
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import MSGPACK, Header
 from tests.plane_fixtures import (
     NAMES,
     RISK_BODY,

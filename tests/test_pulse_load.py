@@ -13,13 +13,13 @@ import pytest
 from aiohttp import web
 from nats.aio.msg import Msg
 
-from plane.backoff import RetryPolicy
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats
+from plane.contract.backoff import RetryPolicy
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.subjects import Header
 from plane.pulse import LoadConfig, NatsTarget, default_body, pulse
 from plane.pulse.summary import ABSENT, PRESENT
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Header
 from tests.plane_fixtures import NAMES, client
 
 SERVICE_S = 0.010  # the queueing server's one worker: 100 requests/s at most

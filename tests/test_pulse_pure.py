@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from plane.errors import ConfigError
+from plane.contract.errors import ConfigError
 from plane.pulse import (
     Attempts,
     LoadConfig,

@@ -2,7 +2,7 @@
 
 import math
 
-from plane.quantiles import nearest_rank, quantile
+from plane.contract.quantiles import nearest_rank, quantile
 
 
 def test_nearest_rank_on_sorted_and_unsorted_values() -> None:

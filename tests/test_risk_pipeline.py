@@ -11,7 +11,7 @@ from freshness.demo import DemoPlan, run_risk_demo
 from freshness.demo_report import DemoReport
 from plane.app import main
 from plane.client.ticket_demo import TicketStory
-from plane.errors import ConfigError
+from plane.contract.errors import ConfigError
 
 
 async def test_risk_demo_bridges_and_scores_every_record_once() -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from plane.planeview import (
+from plane.contract.subjects import Names
+from plane.observe.planeview import (
     MetricsFacts,
     _quantile,
     collect,
@@ -23,9 +24,8 @@ from plane.planeview import (
     metrics_facts,
     over_interval,
 )
+from plane.observe.top import run_top
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Names
-from plane.top import run_top
 from tests.plane_fixtures import calibrated, client
 
 PLANE = str(Path(sys.executable).parent / "plane")
@@ -119,7 +119,7 @@ async def test_top_refreshes_with_rates_over_each_interval() -> None:
 
 
 async def test_collect_is_bounded_without_any_service(nats_server: object) -> None:
-    from plane.config import ConnectOptions
+    from plane.contract.config import ConnectOptions
 
     nc = await connect_fast(ConnectOptions(url=nats_server.url), 1.0)  # type: ignore[attr-defined]
     try:

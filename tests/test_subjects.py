@@ -1,4 +1,5 @@
-"""Every builder in `plane/subjects.py` against the contract: each documented name is checked
+"""Every builder in `plane/contract/subjects.py` against the contract: each documented name is
+checked
 against the text of `docs/design.md` (so code and design page cannot drift apart unseen), each
 wildcard against the subjects it must and must not cover, and a completeness check fails when a
 builder is added without a test here."""
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from plane.subjects import (
+from plane.contract.subjects import (
     ROUTER_QUEUE_GROUP,
     Header,
     InvalidToken,

@@ -23,7 +23,7 @@ from gpu_node.telemetry import (
     make_telemetry,
     partition_sms,
 )
-from plane.metrics import PlaneMetrics
+from plane.contract.metrics import PlaneMetrics
 from tests.plane_fixtures import calibrated, client, plane, status
 
 NODE = "gpu-1"

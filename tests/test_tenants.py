@@ -15,10 +15,10 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from plane.config import ConnectOptions
-from plane.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.subjects import Header
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Header
 from tests.plane_fixtures import NAMES, calibrated, status
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ import nats
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from plane.contract.subjects import Header
+from plane.contract.tracing import Tracing
 from plane.stack import PlaneStack, StackConfig
-from plane.subjects import Header
-from plane.tracing import Tracing
 from tests.plane_fixtures import NAMES, calibrated, header, plane, status, wait_until
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nats
 
-from plane.subjects import Header, Names
+from plane.contract.subjects import Header, Names
 
 PLANE = str(Path(sys.executable).parent / "plane")
 

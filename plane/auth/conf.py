@@ -19,8 +19,8 @@ import json
 from collections.abc import Mapping
 
 from plane.auth.roles import Permissions, role_permissions, tenant
-from plane.config import MAX_DEADLINE_MS
-from plane.subjects import Names
+from plane.contract.config import MAX_DEADLINE_MS
+from plane.contract.subjects import Names
 
 # The longest deadline, plus a minute for the watchdog's answer and the trip back.
 RESPONSE_THRESHOLD_S = MAX_DEADLINE_MS // 1000 + 60

@@ -1,5 +1,5 @@
 """Tenants' settings into the live-settings bucket: `share.<tenant>` and `max_rate.<tenant>`
-in PLANE_CONFIG (`plane.settings`), which routers follow within a second. `plane auth
+in PLANE_CONFIG (`plane.contract.settings`), which routers follow within a second. `plane auth
 add-tenant --nats URL` writes them with the admin role (`plane up --auth DIR` through its
 stack's `settings`)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from nats.js.errors import NotFoundError
 
 from plane.auth.store import AuthDir
-from plane.errors import ConfigError
-from plane.natsconn import close, connect
+from plane.contract.errors import ConfigError
+from plane.contract.natsconn import close, connect
 
 
 async def put_tenant_settings(d: AuthDir, url: str) -> dict[str, int]:

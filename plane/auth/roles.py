@@ -1,5 +1,5 @@
 """Who may do what on the plane's NATS server: the publish and subscribe allow lists of each
-role, built from the plane's names (`plane.subjects.Names`), so a configured prefix changes
+role, built from the plane's names (`plane.contract.subjects.Names`), so a configured prefix changes
 them with everything else. Pure: no I/O; `plane.auth.conf` renders them into nats.conf.
 
 Read from the code (router, node, freshness, gateway) and checked on a real server: the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plane.subjects import Names
+from plane.contract.subjects import Names
 
 ROLES = ("router", "node", "bridge", "gateway", "admin")
 INBOX = "_INBOX.>"
@@ -50,7 +50,8 @@ def _api(verb: str, *streams: str) -> list[str]:
 
 
 def _provision(n: Names) -> list[str]:
-    """What `plane.provision.ensure_all` asks: every router and node provisions at start."""
+    """What `plane.contract.provision.ensure_all` asks: every router and node provisions at
+    start."""
     kv_nodes, kv_config = _kv_stream(n.nodes_bucket), _kv_stream(n.config_bucket)
     return [f"$JS.API.STREAM.{verb}.{n.slots_stream}" for verb in ("CREATE", "INFO", "UPDATE")] + [
         f"$JS.API.STREAM.{verb}.{stream}"
@@ -69,7 +70,7 @@ def _kv_stream(bucket: str) -> str:
 
 
 def _take(n: Names) -> list[str]:
-    """Read and take (delete) a slot message: `plane.ownership.take`, sweeps, watchdog."""
+    """Read and take (delete) a slot message: `plane.contract.ownership.take`, sweeps, watchdog."""
     return [f"$JS.API.STREAM.MSG.GET.{n.slots_stream}",
             f"$JS.API.STREAM.MSG.DELETE.{n.slots_stream}"]
 

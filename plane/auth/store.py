@@ -24,10 +24,10 @@ import msgspec
 
 from plane.auth.conf import render
 from plane.auth.roles import ROLES
-from plane.config import ConnectOptions
-from plane.errors import ConfigError
-from plane.settings import RANGES
-from plane.subjects import TOKEN_RE, Names, config_key
+from plane.contract.config import ConnectOptions
+from plane.contract.errors import ConfigError
+from plane.contract.settings import RANGES
+from plane.contract.subjects import TOKEN_RE, Names, config_key
 
 STATE_FILE = "auth.json"
 CONF_FILE = "nats.conf"
@@ -65,7 +65,7 @@ class AuthState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _hash(password: str, rounds: int) -> str:
-    import bcrypt  # the 'auth' extra: plane.cli names it when it is missing (plane.extras)
+    import bcrypt  # the 'auth' extra: plane.cli names it when it is missing (plane.contract.extras)
 
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds, prefix=b"2a")).decode()
 

@@ -6,17 +6,20 @@
 With no `deadline_ms` the call sends none and the plane's live deadline for the model
 applies (`deadline_ms.<model>` in the PLANE_CONFIG bucket).
 
-Errors are those of `plane.errors`: `Rejected` (429, with `retry_after_ms` and `reason`),
+`ConnectOptions` carries a secured server's credentials (`Client.connect(ConnectOptions(url=...,
+user=..., password=...))`). Errors are those of `plane.contract.errors`: `Rejected` (429, with
+`retry_after_ms` and `reason`),
 `BadRequest` (400/413), `DeadlineExceeded` (504 or no answer in time; also a `TimeoutError`),
 `Unavailable` (503, or nobody listening), `ConnectFailed` (an `Unavailable`: no NATS server
 at the URL, with `url`). Each carries `attempts` and `request_id`.
 """
 
-from plane.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
 from plane.client.aio import Client, ClientConfig, encode_payload
 from plane.client.result import Result
 from plane.client.sync import SyncClient
-from plane.errors import (
+from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
+from plane.contract.config import ConnectOptions
+from plane.contract.errors import (
     BadRequest,
     ConnectFailed,
     DeadlineExceeded,
@@ -31,6 +34,7 @@ __all__ = [
     "Client",
     "ClientConfig",
     "ConnectFailed",
+    "ConnectOptions",
     "DeadlineExceeded",
     "PlaneError",
     "Rejected",

@@ -9,7 +9,8 @@ for the model (`deadline_ms.<model>` in the PLANE_CONFIG bucket) applies to it, 
 attempt; the client bounds the whole call by `ClientConfig.wait_ms` only in case the plane
 stays silent.
 
-On a 429 it waits as `plane.backoff.retry_delay_ms` says (the server's Retry-After-Ms when its
+On a 429 it waits as `plane.contract.backoff.retry_delay_ms` says (the server's Retry-After-Ms when
+its
 clock agrees with ours, else capped exponential backoff with full jitter), and sends back the
 ticket it was given. After a 503 that named a node it asks for another (Plane-Avoid-Node). It
 never sleeps, nor waits for an answer, past the caller's deadline.
@@ -31,14 +32,14 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from plane.backoff import RetryPolicy, retry_delay_ms
 from plane.client.connection import CONNECT_ATTEMPTS, open_connection
 from plane.client.result import Result, header_int, reply_status
-from plane.config import MAX_DEADLINE_MS, ConnectOptions
-from plane.errors import ConfigError
-from plane.messages import Reason, Status, error_body
-from plane.replies import now_ms
-from plane.subjects import Header, Names
+from plane.contract.backoff import RetryPolicy, retry_delay_ms
+from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
+from plane.contract.errors import ConfigError
+from plane.contract.messages import Reason, Status, error_body
+from plane.contract.replies import now_ms
+from plane.contract.subjects import Header, Names
 
 _encoder = msgspec.json.Encoder()
 

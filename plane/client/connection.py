@@ -3,7 +3,7 @@
 nats-py, left to itself, reports every failed attempt through its default `error_cb`, which
 logs the exception with its traceback (a wrong port printed 41 tracebacks in 11 s before a
 raw `NoServersError`). Here the callback only keeps the latest error; after
-`connect_attempts` tries the caller gets `plane.errors.ConnectFailed` naming the URL it
+`connect_attempts` tries the caller gets `plane.contract.errors.ConnectFailed` naming the URL it
 tried and why. Once connected, nats-py reconnects forever (a broker restart must not break a
 long-lived service's client), and an outage is logged once, then at most once per
 `ERROR_LOG_EVERY_S`.
@@ -15,9 +15,9 @@ import nats
 import structlog
 from nats.aio.client import Client as NATS
 
-from plane.config import ConnectOptions
-from plane.errors import ConnectFailed
-from plane.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs
+from plane.contract.config import ConnectOptions
+from plane.contract.errors import ConnectFailed
+from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs
 
 log = structlog.get_logger("plane.client")
 

@@ -1,5 +1,5 @@
 """What one call to the plane came to: the `Result` struct and the mapping of a final reply to
-the typed errors of `plane.errors`.
+the typed errors of `plane.contract.errors`.
 
 A `Result` is returned for every answer, 200 or not (`Client.call`); `Client.invoke` returns
 only 200s and raises the matching error for the rest (`Result.raise_for_status`).
@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 
-from plane.errors import BadRequest, DeadlineExceeded, PlaneError, Rejected, Unavailable
-from plane.messages import Reason, Status, error_decoder
-from plane.subjects import Header
+from plane.contract.errors import BadRequest, DeadlineExceeded, PlaneError, Rejected, Unavailable
+from plane.contract.messages import Reason, Status, error_decoder
+from plane.contract.subjects import Header
 
 
 def header_int(headers: Mapping[str, str], name: str) -> int | None:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from plane.client.aio import Client, ClientConfig
 from plane.client.connection import open_connection
 from plane.client.result import Result
-from plane.config import ConnectOptions
+from plane.contract.config import ConnectOptions
 
 T = TypeVar("T")
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from plane.backoff import NO_RETRY
 from plane.client.aio import Client
 from plane.client.result import Result
-from plane.messages import Reason, Status
-from plane.subjects import Header
+from plane.contract.backoff import NO_RETRY
+from plane.contract.messages import Reason, Status
+from plane.contract.subjects import Header
 
 # The ticket part: more `calibrated` requests at once than the node has slots.
 TICKET_BURST = 6

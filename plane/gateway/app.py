@@ -27,21 +27,17 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from plane.backoff import NO_RETRY
-from plane.canonical import CanonicalLog
 from plane.client import Client
 from plane.client.aio import CallOptions
 from plane.client.result import Result
-from plane.errors import BadRequest
-from plane.gateway.config import GatewayConfig
-from plane.gateway.metrics import GatewayMetrics
-from plane.gateway.openapi import build_openapi
-from plane.gateway.ready import RouterProbe
-from plane.headers import CallerHeaders, read_caller
-from plane.messages import ErrorBody, Reason, Status
-from plane.models import MODELS
-from plane.replies import now_ms
-from plane.subjects import (
+from plane.contract.backoff import NO_RETRY
+from plane.contract.canonical import CanonicalLog
+from plane.contract.errors import BadRequest
+from plane.contract.headers import CallerHeaders, read_caller
+from plane.contract.messages import ErrorBody, Reason, Status
+from plane.contract.models import MODELS
+from plane.contract.replies import now_ms
+from plane.contract.subjects import (
     MSGPACK,
     TRACE_HEADER_MAX,
     TRACE_HEADERS,
@@ -49,6 +45,10 @@ from plane.subjects import (
     InvalidToken,
     check_token,
 )
+from plane.gateway.config import GatewayConfig
+from plane.gateway.metrics import GatewayMetrics
+from plane.gateway.openapi import build_openapi
+from plane.gateway.ready import RouterProbe
 
 SERVER_TIME_HTTP = "X-Server-Time"
 JSON = "application/json"
@@ -59,7 +59,7 @@ PASSED = (Header.REQUEST_ID, Header.STATUS, Header.REASON, Header.NODE, Header.S
           Header.FRESHNESS, Header.TRACEPARENT, Header.TRACESTATE)
 
 NOT_FOUND = 404
-# The gateway's own reasons, HTTP only (the plane's are `plane.messages.Reason`).
+# The gateway's own reasons, HTTP only (the plane's are `plane.contract.messages.Reason`).
 HTTP_REASONS = {401: "unauthorized", NOT_FOUND: "not-found", 405: "method-not-allowed",
                 REQUEST_TIMEOUT: "request-timeout", 413: Reason.TOO_LARGE.value}
 
@@ -108,7 +108,7 @@ def _unauthorized() -> web.Response:
 
 
 def _call_args(caller: CallerHeaders, http: Mapping[str, str]) -> CallOptions:
-    """What the caller said in its headers (checked by `plane.headers`), as `Client.call`
+    """What the caller said in its headers (checked by `plane.contract.headers`), as `Client.call`
     arguments; its W3C trace context (`traceparent`, `tracestate`) goes on as it came."""
     args = CallOptions()
     if caller.attempt is not None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import click
 
 from plane.cli import connect_options, make_connect, names_for, prefix_option
-from plane.config import MAX_BODY_BYTES, ConnectOptions
-from plane.errors import ConfigError
+from plane.contract.config import MAX_BODY_BYTES, ConnectOptions
+from plane.contract.errors import ConfigError
+from plane.contract.lifecycle import run as run_on_uvloop
+from plane.contract.lifecycle import stop_event
+from plane.contract.logs import configure
 from plane.gateway.config import GatewayConfig
 from plane.gateway.server import Gateway
-from plane.lifecycle import run as run_on_uvloop
-from plane.lifecycle import stop_event
-from plane.logs import configure
 
 
 async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plane.config import MAX_BODY_BYTES
-from plane.errors import ConfigError
-from plane.subjects import InvalidToken, Names, check_token
+from plane.contract.config import MAX_BODY_BYTES
+from plane.contract.errors import ConfigError
+from plane.contract.subjects import InvalidToken, Names, check_token
 
 
 @dataclass(frozen=True, kw_only=True)

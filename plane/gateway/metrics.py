@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from plane.metrics import LATENCY_BUCKETS_S
+from plane.contract.metrics import LATENCY_BUCKETS_S
 
 
 class GatewayMetrics:

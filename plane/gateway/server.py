@@ -14,11 +14,11 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from plane.client import Client, ClientConfig
-from plane.config import ConnectOptions
+from plane.contract.config import ConnectOptions
+from plane.contract.natsconn import close, connect
 from plane.gateway.app import build_app
 from plane.gateway.config import GatewayConfig
 from plane.gateway.metrics import GatewayMetrics
-from plane.natsconn import close, connect
 
 log = structlog.get_logger("plane.gateway")
 

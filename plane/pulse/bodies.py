@@ -6,8 +6,8 @@ import json
 
 import msgspec
 
-from plane.errors import ConfigError
-from plane.messages import FEATURES, CalibratedRequest, RiskRequest
+from plane.contract.errors import ConfigError
+from plane.contract.messages import FEATURES, CalibratedRequest, RiskRequest
 
 DEFAULT_DURATION_US = 1000
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
-from plane.backoff import NO_RETRY, RetryPolicy
 from plane.cli import EXIT_UNHEALTHY, connect_options, make_connect
-from plane.config import MAX_DEADLINE_MS
-from plane.errors import ConfigError
-from plane.lifecycle import run as run_on_uvloop
+from plane.contract.backoff import NO_RETRY, RetryPolicy
+from plane.contract.config import MAX_DEADLINE_MS
+from plane.contract.errors import ConfigError
+from plane.contract.lifecycle import run as run_on_uvloop
 from plane.pulse.api import pulse as run_pulse
 from plane.pulse.bodies import DEFAULT_DURATION_US, body_from_option
 from plane.pulse.report import print_table, to_json, write_out

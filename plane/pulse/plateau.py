@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from plane.quantiles import nearest_rank
+from plane.contract.quantiles import nearest_rank
 
 
 class Plateau(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from plane.errors import ConfigError
+from plane.contract.errors import ConfigError
 from plane.pulse.outcome import Outcome
 from plane.pulse.progress import ProgressBar
 from plane.pulse.targets import Target

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from plane.contract.quantiles import nearest_rank
 from plane.pulse.outcome import TIMEOUT, Outcome
-from plane.quantiles import nearest_rank
 
 CURVE_PERCENTILES = (0.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99, 99.999)
 

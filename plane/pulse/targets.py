@@ -17,14 +17,14 @@ from typing import Protocol
 
 import aiohttp
 
-from plane.backoff import RetryPolicy, retry_delay_ms
 from plane.client import Client, ClientConfig
 from plane.client.result import header_int
-from plane.config import ConnectOptions
-from plane.messages import Status
+from plane.contract.backoff import RetryPolicy, retry_delay_ms
+from plane.contract.config import ConnectOptions
+from plane.contract.messages import Status
+from plane.contract.replies import now_ms
+from plane.contract.subjects import Header
 from plane.pulse.outcome import ERROR, TIMEOUT, Attempts
-from plane.replies import now_ms
-from plane.subjects import Header
 
 SERVER_TIME_HTTP = "X-Server-Time"  # the gateway's name for Plane-Server-Time
 

@@ -18,12 +18,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from plane.budget import Prediction, fits
-from plane.messages import Reason, Status
+from plane.contract.budget import Prediction, fits
+from plane.contract.messages import Reason, Status
+from plane.contract.subjects import InvalidToken, check_token
 from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise, next_start, simulate, would_delay
-from plane.subjects import InvalidToken, check_token
 
 # A promise is kept this long past its due time for a late holder (then released). It covers
 # the reply's trip, the caller's timer, the SDK's jitter (up to 2 ms) and a caller's process

@@ -1,6 +1,6 @@
 """The router's book of requests it placed and has not seen finish: the router owns their
 deadline. When a node goes silent past the deadline (or dies), the router takes the slot
-message (see `plane.ownership`) and, only if the take succeeds, answers 504 (or 503)."""
+message (see `plane.contract.ownership`) and, only if the take succeeds, answers 504 (or 503)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from plane.messages import Reason, Status
-from plane.ownership import NOT_ANSWERED, Take, placement_id, take
-from plane.subjects import Header
+from plane.contract.messages import Reason, Status
+from plane.contract.ownership import NOT_ANSWERED, Take, placement_id, take
+from plane.contract.subjects import Header
 
 log = structlog.get_logger("plane.router.inflight")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from plane.metrics import PlaneMetrics
+from plane.contract.metrics import PlaneMetrics
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ pinned, `pyproject.toml`; `tests/test_micro.py` checks both against it):
 - its subscription takes nats-py's default pending limit (half a million messages): `start`
   puts in its place one with the router's own limit, handing each message to the endpoint's
   own counting handler, so that a burst costs bounded memory (what overflows is answered,
-  `plane.natsconn.on_overflow`).
+  `plane.contract.natsconn.on_overflow`).
 """
 
 from __future__ import annotations

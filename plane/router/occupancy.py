@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from plane.budget import ServiceWindow
-from plane.messages import NodeAdvert
+from plane.contract.budget import ServiceWindow
+from plane.contract.messages import NodeAdvert
 from plane.router.promises import PromiseBook
 
 # The router's cycle samples age out after this long (see `ServiceWindow.max_age_s`): an

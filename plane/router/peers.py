@@ -26,9 +26,9 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from plane.errors import IdentityInUse
-from plane.identity import answers, new_instance
-from plane.messages import (
+from plane.contract.errors import IdentityInUse
+from plane.contract.identity import answers, new_instance
+from plane.contract.messages import (
     AdmissionNote,
     Presence,
     PromiseGone,
@@ -37,11 +37,11 @@ from plane.messages import (
     admission_note_decoder,
     msgpack_encoder,
 )
-from plane.models import MODELS
+from plane.contract.models import MODELS
+from plane.contract.subjects import Names
 from plane.router.admission import Admission, Ask, Place
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise
-from plane.subjects import Names
 
 log = structlog.get_logger("plane.router.peers")
 

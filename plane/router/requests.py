@@ -26,15 +26,18 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
 
-from plane import replies
-from plane.budget import predict
-from plane.canonical import CanonicalLog
-from plane.config import RouterConfig
-from plane.errors import BadRequest
-from plane.headers import read_caller
-from plane.messages import Status
-from plane.metrics import PlaneMetrics
-from plane.models import MODELS, model_spec
+from plane.contract import replies
+from plane.contract.budget import predict
+from plane.contract.canonical import CanonicalLog
+from plane.contract.config import RouterConfig
+from plane.contract.errors import BadRequest
+from plane.contract.headers import read_caller
+from plane.contract.messages import Status
+from plane.contract.metrics import PlaneMetrics
+from plane.contract.models import MODELS, model_spec
+from plane.contract.settings import LiveSettings
+from plane.contract.subjects import Header, InvalidToken, check_token
+from plane.contract.tracing import Span, Tracing, epoch_ns_of, trace_headers
 from plane.router import admission as refusals
 from plane.router.admission import (
     PROMISE_MAX_LINKS,
@@ -60,9 +63,6 @@ from plane.router.slot_publish import (
     TimedOut,
 )
 from plane.router.tenancy import Tenants
-from plane.settings import LiveSettings
-from plane.subjects import Header, InvalidToken, check_token
-from plane.tracing import Span, Tracing, epoch_ns_of, trace_headers
 
 log = structlog.get_logger("plane.router.requests")
 
@@ -99,7 +99,7 @@ class Routing:
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
     tenant: str  # who sent it (plane.router.tenancy)
-    span: Span | None  # plane.admission, when spans are on (plane.tracing)
+    span: Span | None  # plane.admission, when spans are on (plane.contract.tracing)
     forwarded: bool  # came from another router (never forwarded twice)
     promiser: str  # the router that makes promises now
     may_promise: bool  # this router is it
@@ -432,7 +432,7 @@ class RequestPath:
         return decision, parked
 
     def _deadline_ms(self, model: str, asked_ms: int | None) -> int:
-        """The caller's deadline (already checked, `plane.headers`), else the model's live
+        """The caller's deadline (already checked, `plane.contract.headers`), else the model's live
         setting, else its configured default."""
         if asked_ms is not None:
             return asked_ms

@@ -24,11 +24,11 @@ from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.service import Service
 
-from plane import replies
-from plane.config import RouterConfig
-from plane.identity import Heard, Instances
-from plane.lifecycle import Lifecycle, TaskOwner
-from plane.messages import (
+from plane.contract import replies
+from plane.contract.config import RouterConfig
+from plane.contract.identity import Heard, Instances
+from plane.contract.lifecycle import Lifecycle, TaskOwner
+from plane.contract.messages import (
     DoneEvent,
     Reason,
     Status,
@@ -36,11 +36,14 @@ from plane.messages import (
     heartbeat_decoder,
     json_encoder,
 )
-from plane.metrics import PlaneMetrics
-from plane.models import MODELS
-from plane.natsconn import on_overflow
-from plane.ownership import NOT_ANSWERED
-from plane.provision import ProvisionPlan, ensure_all, ensure_all_again
+from plane.contract.metrics import PlaneMetrics
+from plane.contract.models import MODELS
+from plane.contract.natsconn import on_overflow
+from plane.contract.ownership import NOT_ANSWERED
+from plane.contract.provision import ProvisionPlan, ensure_all, ensure_all_again
+from plane.contract.settings import LiveSettings
+from plane.contract.subjects import ROUTER_QUEUE_GROUP
+from plane.contract.tracing import Tracing
 from plane.router.admission import Admission
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.memory import FloodMemory
@@ -50,9 +53,6 @@ from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
 from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
-from plane.settings import LiveSettings
-from plane.subjects import ROUTER_QUEUE_GROUP
-from plane.tracing import Tracing
 
 log = structlog.get_logger("plane.router")
 
@@ -69,7 +69,8 @@ BEHIND_PATIENCE = 5
 # How long a starting router waits to hear the advertised nodes before it takes requests.
 LEARN_SLOTS_S = 1.0
 # Room for headers in every message the router sends on a caller's behalf: the caller's own
-# (bounded, see plane.headers), ours, and the reply subject (the server's max_control_line).
+# (bounded, see plane.contract.headers), ours, and the reply subject (the server's
+# max_control_line).
 WIRE_HEADROOM_BYTES = 16 * 1024
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from plane.subjects import TOKEN_RE, Header
+from plane.contract.subjects import TOKEN_RE, Header
 
 DEFAULT_TENANT = "default"
 OTHER_TENANT = "other"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from plane.errors import ConfigError
-from plane.subjects import InvalidToken, Names, check_token
+from plane.contract.errors import ConfigError
+from plane.contract.subjects import InvalidToken, Names, check_token
 
 DEFAULT_DEADLINE_MS = {"risk": 50, "calibrated": 1000}
 # Compute backends a node runs (gpu_node.compute makes them; named here, in the contract, so

@@ -23,11 +23,11 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from plane.errors import IdentityInUse
-from plane.messages import Heartbeat, heartbeat_decoder
-from plane.subjects import Names
+from plane.contract.errors import IdentityInUse
+from plane.contract.messages import Heartbeat, heartbeat_decoder
+from plane.contract.subjects import Names
 
-log = structlog.get_logger("plane.identity")
+log = structlog.get_logger("plane.contract.identity")
 
 
 def new_instance() -> str:

@@ -29,12 +29,12 @@ from collections.abc import Callable, Mapping
 import structlog
 from nats.js.kv import KeyValue
 
-from plane.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS
-from plane.headers import decimal, shown
-from plane.lifecycle import cancel_and_wait
-from plane.subjects import Names, config_key
+from plane.contract.config import FALLBACK_DEADLINE_MS, MAX_DEADLINE_MS
+from plane.contract.headers import decimal, shown
+from plane.contract.lifecycle import cancel_and_wait
+from plane.contract.subjects import Names, config_key
 
-log = structlog.get_logger("plane.settings")
+log = structlog.get_logger("plane.contract.settings")
 
 Listener = Callable[[str, int | None], None]
 

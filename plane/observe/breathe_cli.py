@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from plane.breathe import diagnose
-from plane.breathe_io import (
+from plane.observe.breathe import diagnose
+from plane.observe.breathe_io import (
     SamplesError,
     Trace,
     metrics_reader,

@@ -1,5 +1,5 @@
 """Where `plane breathe` gets its samples (an nvidia-smi CSV file, a node's /metrics, NVML
-itself), how it reports (text, JSON) and its picture. The diagnosis is `plane.breathe`.
+itself), how it reports (text, JSON) and its picture. The diagnosis is `plane.observe.breathe`.
 
 The file format is what `nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv
 -lms 100` prints, header and units included:
@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from plane.breathe import Breath
+from plane.observe.breathe import Breath
 
 SMI_TIME_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
 UTIL_METRIC = "plane_gpu_utilization_ratio"

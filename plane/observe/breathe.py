@@ -16,7 +16,7 @@ utilization.gpu --format=csv -lms 100` prints it (or NVML, or a node's /metrics,
 - `steady`: small swings around the mean.
 
 Pure: numpy on the samples given, no clock or I/O (the readers and the plot are elsewhere:
-`plane.breathe_io`). Thresholds are module constants, named by unit.
+`plane.observe.breathe_io`). Thresholds are module constants, named by unit.
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ import nats
 from nats.aio.client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
-from plane.config import ConnectOptions
-from plane.errors import Unavailable
-from plane.natsconn import connect_kwargs
-from plane.subjects import Names
+from plane.contract.config import ConnectOptions
+from plane.contract.errors import Unavailable
+from plane.contract.natsconn import connect_kwargs
+from plane.contract.subjects import Names
 
 QUIET_S = 0.15  # discovery ends this long after the last service answered
 

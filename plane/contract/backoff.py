@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plane.errors import ConfigError
+from plane.contract.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,8 +6,8 @@ import math
 import time
 from typing import TypedDict, Unpack
 
-from plane.messages import Reason, Status, error_body
-from plane.subjects import Header
+from plane.contract.messages import Reason, Status, error_body
+from plane.contract.subjects import Header
 
 
 def now_ms() -> int:

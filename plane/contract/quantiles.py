@@ -1,5 +1,5 @@
 """The nearest-rank quantile, for reports and benchmarks over a run's samples (the hot path
-keeps its own windows: `plane.budget`; pulse's summaries use HDR histograms)."""
+keeps its own windows: `plane.contract.budget`; pulse's summaries use HDR histograms)."""
 
 from __future__ import annotations
 

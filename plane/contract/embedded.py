@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plane.errors import ConfigError
-from plane.processes import ChildProcess
+from plane.contract.errors import ConfigError
+from plane.contract.processes import ChildProcess
 
 _LISTEN_RE = re.compile(rb"Listening for client connections on [\d.]+:(\d+)")
 _CLUSTER_RE = re.compile(rb"Listening for route connections on [\d.]+:(\d+)")

@@ -17,8 +17,8 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.errors import SlowConsumerError
 
-from plane.config import ConnectOptions
-from plane.errors import ConfigError, Unavailable
+from plane.contract.config import ConnectOptions
+from plane.contract.errors import ConfigError, Unavailable
 
 
 def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """`plane top`: a live terminal view of every router and node (rich), refreshed every
 `interval_s`; and the tables `plane status` prints once. What each column means and where it
-comes from: `plane.planeview`."""
+comes from: `plane.observe.planeview`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from plane.planeview import (
+from plane.contract.subjects import Names
+from plane.observe.planeview import (
     MetricsFacts,
     ModelFacts,
     PlaneView,
@@ -22,7 +23,6 @@ from plane.planeview import (
     over_interval,
     scrape,
 )
-from plane.subjects import Names
 
 
 def _n(v: float | int | None, fmt: str = "{:g}") -> str:

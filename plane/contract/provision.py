@@ -18,9 +18,9 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from plane.subjects import Names
+from plane.contract.subjects import Names
 
-log = structlog.get_logger("plane.provision")
+log = structlog.get_logger("plane.contract.provision")
 
 # A slot message never lives longer than this (the per-message TTL is the deadline; this is
 # the backstop for a message published without one).
@@ -92,7 +92,7 @@ async def ensure_buckets(js: JetStreamContext, plan: ProvisionPlan) -> tuple[Key
 
 async def ensure_config_bucket(js: JetStreamContext, names: Names, *,
                                replicas: int = 1) -> KeyValue:
-    """The live-settings bucket (`plane.settings`), the same from every process."""
+    """The live-settings bucket (`plane.contract.settings`), the same from every process."""
     return await ensure_kv(js, KeyValueConfig(bucket=names.config_bucket, history=5,
                                               storage=StorageType.FILE, replicas=replicas))
 

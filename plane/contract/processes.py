@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Self
 
-from plane.lifecycle import cancel_and_wait
+from plane.contract.lifecycle import cancel_and_wait
 
 __all__ = ["ChildProcess", "cancel_and_wait", "die_with_parent", "free_port", "stop_by_pid"]
 

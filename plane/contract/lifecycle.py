@@ -15,7 +15,7 @@ from typing import Any, Self, TypeVar
 import structlog
 import uvloop
 
-_log = structlog.get_logger("plane.lifecycle")
+_log = structlog.get_logger("plane.contract.lifecycle")
 
 T = TypeVar("T")
 

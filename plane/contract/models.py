@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from plane.errors import BadRequest
-from plane.messages import CalibratedRequest, RiskRequest
-from plane.subjects import MSGPACK
+from plane.contract.errors import BadRequest
+from plane.contract.messages import CalibratedRequest, RiskRequest
+from plane.contract.subjects import MSGPACK
 
 # The device computes in float32: a larger magnitude would become inf there.
 FLOAT32_MAX = 3.4028234663852886e38

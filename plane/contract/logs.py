@@ -142,7 +142,7 @@ def configure(level: str = "info", json: bool | None = None) -> None:
         # Not cached: a logger cached on first use keeps the configuration it first saw, so a
         # second `configure` in one process (tests run commands in-process) would not reach
         # it. The cost is a bind per log call, and the hot path's calls are sampled before
-        # they reach a logger (`plane.canonical`).
+        # they reach a logger (`plane.contract.canonical`).
         cache_logger_on_first_use=False,
     )
     # Libraries' stdlib logging (asyncio's "exception never retrieved", nats-py) goes through

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from plane.subjects import TRACE_HEADER_MAX, TRACE_HEADERS
+from plane.contract.subjects import TRACE_HEADER_MAX, TRACE_HEADERS
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 

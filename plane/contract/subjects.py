@@ -186,7 +186,7 @@ class Names:
 
         The one place that decides the slot-stream layout: one shared stream today. To move
         to one stream per node (`<PREFIX>_SLOTS_<node>`), change this function and
-        `plane.provision.ensure_slot_stream`; router and node only call these.
+        `plane.contract.provision.ensure_slot_stream`; router and node only call these.
         """
         return self.slots_stream
 

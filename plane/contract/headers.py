@@ -31,9 +31,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from plane.config import MAX_DEADLINE_MS
-from plane.errors import BadRequest
-from plane.subjects import Header, InvalidToken, check_token
+from plane.contract.config import MAX_DEADLINE_MS
+from plane.contract.errors import BadRequest
+from plane.contract.subjects import Header, InvalidToken, check_token
 
 MAX_ID_CHARS = 128
 MAX_ATTEMPT = 10_000

@@ -11,7 +11,7 @@ surfaces as a `ModuleNotFoundError` when the command runs, and `plane.cli` turns
 
 from __future__ import annotations
 
-from plane.errors import MissingExtra
+from plane.contract.errors import MissingExtra
 
 DISTRIBUTION = "the-plane"
 

@@ -12,7 +12,7 @@ import asyncio
 import sys
 
 from plane.client import Client
-from plane.errors import DeadlineExceeded, Rejected, Unavailable
+from plane.client import DeadlineExceeded, Rejected, Unavailable
 
 
 async def main(url: str) -> int:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from plane.client import Client
-from plane.client import DeadlineExceeded, Rejected, Unavailable
+from plane.client import Client, DeadlineExceeded, Rejected, Unavailable
 
 
 async def main(url: str) -> int:

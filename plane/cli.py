@@ -9,6 +9,7 @@ without them (`tests/test_cli_imports.py`).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -18,7 +19,7 @@ import click
 
 from plane.auth.cli import auth
 from plane.contract.config import BACKENDS, ConnectOptions, NodeConfig, RouterConfig
-from plane.contract.errors import PlaneError
+from plane.contract.errors import ConfigError, PlaneError
 from plane.contract.extras import DISTRIBUTION, missing_extra
 from plane.contract.lifecycle import run
 from plane.contract.logs import configure as configure_logs
@@ -52,9 +53,24 @@ def connect_options(f: F) -> F:
     return f
 
 
+# `DIR:ROLE`: connect as role ROLE of the `plane auth` directory DIR (compose/ sets it on
+# each service, so that no password is written in a command line or a compose file).
+AUTH_ENV = "PLANE_AUTH"
+
+
 def make_connect(nats_url: str | None, user: str | None, password: str | None,
                  token: str | None, creds: str | None, tls_ca: str | None,
                  name: str = "plane") -> ConnectOptions:
+    given = user is not None or token is not None or creds is not None
+    if not given and (auth := os.environ.get(AUTH_ENV)):
+        from plane.auth.store import AuthDir  # reads DIR/auth.json (no bcrypt needed)
+
+        directory, sep, role = auth.rpartition(":")
+        if not sep or not directory or not role:
+            raise ConfigError(f"{AUTH_ENV} wants DIR:ROLE (a `plane auth` directory and a "
+                              f"role or tenant in it), got {auth!r}")
+        opts = AuthDir(directory).options(role, nats_url, name=name)
+        return replace(opts, tls_ca=tls_ca)
     return ConnectOptions(url=nats_url, user=user, password=password, token=token,
                           creds=creds, tls_ca=tls_ca, name=name)
 

@@ -466,3 +466,23 @@ async def test_the_bridge_role_feeds_features_the_node_role_reads(
             await bridge_nc.close()
             await node_nc.close()
         assert [line.decode() for line in server.log_tail if b"Violation" in line] == []
+
+
+def test_plane_auth_env_connects_as_a_role(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """PLANE_AUTH=DIR:ROLE (what compose/ sets on each service) gives that role's user and
+    password from DIR; explicit credentials win; a malformed value is a clear error."""
+    from plane.cli import make_connect
+    from plane.contract.errors import ConfigError
+
+    d = AuthDir(tmp_path / "auth", rounds=4)
+    state = d.init("plane")
+    monkeypatch.setenv("PLANE_AUTH", f"{d.path}:router")
+    opts = make_connect("nats://127.0.0.1:1", None, None, None, None, None, "plane-router")
+    assert (opts.user, opts.password) == ("router", state.roles["router"].password)
+    assert opts.url == "nats://127.0.0.1:1" and opts.name == "plane-router"
+    mine = make_connect("nats://127.0.0.1:1", "me", "pw", None, None, None)
+    assert (mine.user, mine.password) == ("me", "pw")
+    monkeypatch.setenv("PLANE_AUTH", "no-role-here")
+    with pytest.raises(ConfigError, match="DIR:ROLE"):
+        make_connect(None, None, None, None, None, None)

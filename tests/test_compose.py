@@ -5,6 +5,7 @@ and the NATS, tansu and Prometheus configs are accepted by their own tools. No d
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -28,6 +29,7 @@ NATS_CONF = COMPOSE / "nats.conf"
 DOCKERFILE = COMPOSE / "Dockerfile"
 # Commands that create streams and buckets: they must ask for one replica per server.
 PROVISIONING = ("router", "node", "bridge")
+OFFLINE = ("auth",)  # commands that write files and connect to nothing
 
 
 @dataclass(frozen=True)
@@ -109,14 +111,21 @@ def test_every_plane_command_line_parses_with_the_real_cli(plane_lines: list[Com
             continue
         if isinstance(cmd, LazyCommand):  # imported when run: check the real one
             cmd = cmd.load()
+        args = list(line.argv[2:])
+        if isinstance(cmd, click.Group):  # `plane auth init ...`: the subcommand's options
+            sub = cmd.commands.get(args[0]) if args else None
+            if sub is None:
+                problems.append(f"{line}\n    no command {args[:1]!r} in `plane {line.sub}`")
+                continue
+            cmd, args = sub, args[1:]
         known = _option_names(cmd)
-        unknown = [tok.split("=", 1)[0] for tok in line.argv[2:]
+        unknown = [tok.split("=", 1)[0] for tok in args
                    if tok.startswith("-") and tok.split("=", 1)[0] not in known]
         if unknown:
             problems.append(f"{line}\n    `plane {line.sub}` has no option {', '.join(unknown)}")
             continue
         try:
-            cmd.make_context(f"plane {line.sub}", list(line.argv[2:]))
+            cmd.make_context(f"plane {line.sub}", args)
         except click.ClickException as exc:
             problems.append(f"{line}\n    {exc.format_message()}")
     assert not problems, "\n".join(problems)
@@ -149,6 +158,8 @@ def test_every_plane_process_is_given_every_nats_server(
     port = _nats_conf_value("port")
     want = {f"{name}:{port}" for name in _nats_services(services)}
     for line in plane_lines:
+        if line.sub in OFFLINE:
+            continue
         url = line.option("--nats")
         assert url is not None, f"{line}: no --nats"
         got = {u.removeprefix("nats://") for u in url.split(",")}
@@ -285,3 +296,34 @@ def test_dockerfile_builds_the_image_every_plane_service_uses(
         build = services[line.service].get("build") or {}
         assert build.get("dockerfile") == "compose/Dockerfile", line.service
         assert (COMPOSE / build.get("context", ".") / build["dockerfile"]).resolve() == DOCKERFILE
+
+
+def test_compose_runs_with_plane_auth(services: dict[str, dict[str, Any]],
+                                      plane_lines: list[CommandLine],
+                                      tmp_path: Path) -> None:
+    """The servers run the config `plane auth init --include-conf` writes on top of
+    nats.conf (a real nats-server accepts it), and every plane process connects as a role
+    that config has (PLANE_AUTH=/auth:ROLE), never with a password in the file."""
+    from plane.auth.roles import ROLES
+    from plane.auth.store import AuthDir
+
+    (auth,) = [line for line in plane_lines if line.sub == "auth"]
+    # nats-server resolves an include from the including file's folder: /auth -> /etc/nats.
+    assert auth.argv[2:4] == ["init", "/auth"] and auth.option("--include-conf") == \
+        "../etc/nats/nats.conf"
+    for name, svc in _nats_services(services).items():
+        assert _argv(svc.get("command")) == ["-c", "/auth/nats.conf"], name
+        assert any(v.startswith("auth:/auth") for v in svc.get("volumes", [])), name
+    for line in plane_lines:
+        if line.where != "command" or line.sub in OFFLINE:
+            continue
+        env = services[line.service].get("environment") or {}
+        directory, _, role = str(env.get("PLANE_AUTH", "")).rpartition(":")
+        assert directory == "/auth" and role in ROLES, f"{line.service}: PLANE_AUTH {env}"
+        assert line.option("--password") is None and line.option("--user") is None
+    d = AuthDir(tmp_path / "auth", rounds=4)
+    d.init("plane", include=os.path.relpath(NATS_CONF, d.path))
+    out = subprocess.run([nats_server_binary(), "-c", str(d.conf), "-t"],
+                         capture_output=True, text=True, timeout=30,
+                         env={"SERVER_NAME": "nats-1"})
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -39,12 +39,16 @@ def auth() -> None:
 @click.option("--prefix", default="plane", show_default=True, help="Subject prefix.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print each role's connection options as one JSON object.")
-def init(directory: str, prefix: str, as_json: bool) -> None:
+@click.option("--include-conf", default=None, metavar="PATH",
+              help="Build on this nats-server config: a cluster's routes and JetStream "
+                   "store, as compose/ does. Its path relative to DIR as the server sees it "
+                   "(nats-server resolves an include from the including file's folder).")
+def init(directory: str, prefix: str, as_json: bool, include_conf: str | None) -> None:
     """Write DIR/nats.conf (the plane's account PLANE, users router, node, bridge, gateway,
     admin, each allowed only what it needs) and DIR/auth.json (their passwords, mode 0600).
     Run again on the same DIR: the passwords stay, nats.conf is written afresh."""
     d = AuthDir(directory)
-    state = d.init(prefix)
+    state = d.init(prefix, include=include_conf)
     if as_json:
         click.echo(options_json(d, state, *ROLES))
         return

@@ -84,6 +84,9 @@ def router(n: Names) -> Permissions:
             f"{p}.router.>",  # forwards to the promise maker; the id check on start
             f"{p}.node.*.answered",  # "did you answer it?" before the watchdog answers
             INBOX, SERVICE_REPLIES,  # answers: refusals, and 503/504 for a silent node
+            # Its container's health check, `plane status`: find the routers and nodes and
+            # ask each for its status (reads only).
+            "$SRV.PING.>", "$SRV.INFO.>", f"{p}.node.*.status",
             *_provision(n), *_take(n), *_watch(n.config_bucket, n.nodes_bucket),
         ),
         subscribe=(

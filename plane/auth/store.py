@@ -58,6 +58,9 @@ class AuthState(msgspec.Struct, frozen=True, kw_only=True):
     roles: dict[str, Secret] = msgspec.field(default_factory=dict)
     tenants: dict[str, Tenant] = msgspec.field(default_factory=dict)
     version: int = 1
+    # A base config the generated one includes (a cluster's: routes, JetStream's store), as
+    # the server will see its path; None: a config of its own (`plane up --auth`).
+    include: str | None = None
 
     @property
     def names(self) -> Names:
@@ -101,8 +104,9 @@ class AuthDir:
         except msgspec.DecodeError as exc:
             raise ConfigError(f"{self.path / STATE_FILE} is not an auth state: {exc}") from exc
 
-    def init(self, prefix: str = "plane") -> AuthState:
-        """Create the directory's secrets (or keep those it has) and write nats.conf."""
+    def init(self, prefix: str = "plane", include: str | None = None) -> AuthState:
+        """Create the directory's secrets (or keep those it has) and write nats.conf
+        (including the config at `include` when given: what compose/ runs)."""
         Names(prefix)  # validates it
         if (self.path / STATE_FILE).exists():
             state = self.load()
@@ -112,7 +116,7 @@ class AuthDir:
         else:
             state = AuthState(prefix=prefix)
         roles = {r: state.roles.get(r) or new_secret(r, self.rounds) for r in ROLES}
-        state = msgspec.structs.replace(state, roles=roles)
+        state = msgspec.structs.replace(state, roles=roles, include=include)
         self._write(state)
         return state
 
@@ -189,7 +193,8 @@ class AuthDir:
         _write_private(self.path / STATE_FILE, msgspec.json.format(msgspec.json.encode(state)))
         text = render(state.names, PLANE_ACCOUNT,
                       roles={r: s.hash for r, s in state.roles.items()},
-                      tenants={t: v.login.hash for t, v in state.tenants.items()})
+                      tenants={t: v.login.hash for t, v in state.tenants.items()},
+                      include=state.include)
         _write_private(self.conf, text.encode())
 
 

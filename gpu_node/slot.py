@@ -6,9 +6,8 @@ publishes the done-event and answers the caller, in that order, so the slot is f
 caller hears back. When a router may already have acted on the request (past its deadline,
 disconnected, or whenever the node says so: draining, replaced, heartbeats lapsed), the slot
 takes the message through the API instead and answers only if the take succeeds
-(`plane.contract.ownership`). A message left on the subject unfetched (an earlier life of the slot,
-a
-process it replaced) is never purged unseen: it is taken and answered 503 the same way.
+(`plane.contract.ownership`). A message left on the subject unfetched (an earlier life of the
+slot, a process it replaced) is never purged unseen: it is taken and answered 503 the same way.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ A node that runs on a CUDA device (`triton`) reads NVML every `period_s` (utilis
 clock, memory used, power, temperature, throttle reasons, uncorrected ECC errors, XID errors)
 off the event loop (`asyncio.to_thread`: NVML calls block). Without NVML (no `nvidia-ml-py`,
 no driver, a CPU node) the node says so once and exports nothing: the metric names are
-declared (`plane.contract.metrics`) but carry no sample, never a made-up zero. A reading a device
-does
-not support is left out alone; a read that fails removes the device's series until one works.
+declared (`plane.contract.metrics`) but carry no sample, never a made-up zero. A reading a
+device does not support is left out alone; a read that fails removes the device's series
+until one works.
 
 The seam: `GpuReader` (one blocking `read()`), so tests replay recorded readings, and
 `NvmlReader` takes the `pynvml` module as an argument, so tests drive the real mapping with a

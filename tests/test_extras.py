@@ -1,6 +1,5 @@
-"""`plane.contract.extras`: which extra a missing module means, the one-line message, and that it
-agrees
-with pyproject's extras (`[all]` is every one of them, `[dev]` brings `[all]`)."""
+"""`plane.contract.extras`: which extra a missing module means, the one-line message, and that
+it agrees with pyproject's extras (`[all]` is every one of them, `[dev]` brings `[all]`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Every builder in `plane/contract/subjects.py` against the contract: each documented name is
-checked
-against the text of `docs/design.md` (so code and design page cannot drift apart unseen), each
-wildcard against the subjects it must and must not cover, and a completeness check fails when a
-builder is added without a test here."""
+"""Every builder in `plane/contract/subjects.py` against the contract: each documented name
+is checked against the text of `docs/design.md` (so code and design page cannot drift apart
+unseen), each wildcard against the subjects it must and must not cover, and a completeness
+check fails when a builder is added without a test here."""
 
 from __future__ import annotations
 

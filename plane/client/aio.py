@@ -9,11 +9,10 @@ for the model (`deadline_ms.<model>` in the PLANE_CONFIG bucket) applies to it, 
 attempt; the client bounds the whole call by `ClientConfig.wait_ms` only in case the plane
 stays silent.
 
-On a 429 it waits as `plane.contract.backoff.retry_delay_ms` says (the server's Retry-After-Ms when
-its
-clock agrees with ours, else capped exponential backoff with full jitter), and sends back the
-ticket it was given. After a 503 that named a node it asks for another (Plane-Avoid-Node). It
-never sleeps, nor waits for an answer, past the caller's deadline.
+On a 429 it waits as `plane.contract.backoff.retry_delay_ms` says (the server's
+Retry-After-Ms when its clock agrees with ours, else capped exponential backoff with full
+jitter), and sends back the ticket it was given. After a 503 that named a node it asks for
+another (Plane-Avoid-Node). It never sleeps, nor waits for an answer, past the caller's deadline.
 """
 
 from __future__ import annotations

@@ -259,7 +259,8 @@ class Slot:
             cur = Current(
                 msg=msg, request_id=h[Header.REQUEST_ID], reply=h[Header.REPLY_TO],
                 deadline_at_ms=int(h[Header.DEADLINE_AT]), work_us=int(h.get(Header.WORK_US, 0)),
-                fetched_s=time.monotonic(), fetched_ns=time.time_ns(),
+                fetched_s=time.monotonic(),
+                fetched_ns=time.time_ns() if self.tracing.on else 0,
             )
         except (KeyError, ValueError):
             log.error("slot message without routing headers terminated", slot=self.k)
@@ -327,8 +328,9 @@ class Slot:
             busy_s = time.perf_counter() - started_s
             if self.current is not None:
                 self.current.compute_us = int(busy_s * 1e6)
-                end_ns = time.time_ns()
-                self.current.compute_ns = (end_ns - int(busy_s * 1e9), end_ns)
+                if self.tracing.on:  # wall-clock stamps only for spans
+                    end_ns = time.time_ns()
+                    self.current.compute_ns = (end_ns - int(busy_s * 1e9), end_ns)
             self._busy_s.inc(busy_s)
             if self._sm_s is not None:
                 self._sm_s.inc(busy_s * self.sms)

@@ -131,3 +131,28 @@ async def test_a_heavy_tenant_is_refused_first_and_a_light_one_keeps_its_share(
             finally:
                 await heavy.close()
                 await light.close()
+
+
+async def test_a_tenant_limit_set_live_applies_and_lifts() -> None:
+    """`max_rate.<tenant>` put in PLANE_CONFIG while the plane runs: the router refuses past
+    it (429 `tenant-limit`); deleted, nothing is refused for it any more."""
+    from tests.plane_fixtures import plane, wait_until
+
+    async with plane(models=("calibrated",), slots=2, backend="torch") as stack:
+        nc = await nats.connect(stack.url)
+        try:
+            kv = await nc.jetstream().key_value(NAMES.config_bucket)
+            router = stack.routers[0]
+            await kv.put("max_rate.default", b"1")
+            await wait_until(lambda: router.requests._limits_set, 5.0, "the limit seen")
+            answers = [await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
+                       for _ in range(4)]
+            reasons = [(status(m), (m.headers or {}).get(Header.REASON)) for m in answers]
+            assert reasons[0][0] == 200 and (429, "tenant-limit") in reasons, reasons
+            await kv.delete("max_rate.default")
+            await wait_until(lambda: not router.requests._limits_set, 5.0, "the limit gone")
+            for _ in range(4):
+                m = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
+                assert status(m) == 200
+        finally:
+            await nc.close()

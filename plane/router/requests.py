@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -62,7 +62,7 @@ from plane.router.slot_publish import (
     SlotPublisher,
     TimedOut,
 )
-from plane.router.tenancy import Tenants
+from plane.router.tenancy import DEFAULT_TENANT, Tenants
 
 log = structlog.get_logger("plane.router.requests")
 
@@ -73,6 +73,7 @@ log = structlog.get_logger("plane.router.requests")
 # Without this, callers = slots in a closed loop saw 28-46% false 429s.
 BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)
 SETTLE_WITHIN_S = 0.010
+TENANT_LIMITS = ("max_rate.", "max_slots.")  # the live settings of a tenant's own limits
 # Requests handled back to back on the subscription's task before it lets the loop turn.
 YIELD_EVERY = 32
 # A tenant's ticket counts against its share of the promises until its due time and this
@@ -166,8 +167,16 @@ class RequestPath:
                               max_slots=lambda t: settings.get("max_slots", t))
         self.meter = Meter(parts.metrics)
         self.canonical = CanonicalLog("plane.router.requests")
+        # Whether any tenant has a max_rate or max_slots (else no request asks): kept by the
+        # settings' listener, not looked up per request.
+        self._limits_set = False
+        settings.on_change(self._setting_changed)
         # Told of each error the router answers (status, text): the micro endpoint's count.
         self.errored: Callable[[int, str], None] = lambda status, text: None
+
+    def _setting_changed(self, key: str, value: int | None) -> None:
+        if key.startswith(TENANT_LIMITS):
+            self._limits_set = any(k.startswith(TENANT_LIMITS) for k in self.settings.values)
 
     def fit_body_limit(self, max_payload: int, headroom: int) -> None:
         """Every message the router sends (a slot publish, a forward) is a caller's body plus
@@ -212,31 +221,25 @@ class RequestPath:
 
     async def overflowed(self, subject: str, reply: str) -> None:
         """A request nats-py dropped: more were read than this router has room to hold
-        (`RouterConfig.max_pending`). Answered 429 at once, with what the drop left us (its
-        subject and reply: no headers, so a fresh request id), like a shed request."""
-        if not reply:
-            return
+        (`RouterConfig.max_pending`). Shed like any flood, with what the drop left us (its
+        subject and reply: no headers, so a fresh request id and the default tenant)."""
+        if reply:
+            label, refusal = self._shed_refusal(subject)
+            await self._answer(reply, {}, self.nc.new_inbox()[7:], label, refusal, DEFAULT_TENANT)
+
+    async def _shed(self, msg: Msg) -> None:
+        label, refusal = self._shed_refusal(msg.subject)
+        await self._refuse_early(msg, self.nc.new_inbox()[7:], label, refusal)
+
+    def _shed_refusal(self, subject: str) -> tuple[str, Refuse]:
+        """A flood's refusal for a request on `subject`: come back after about one slot
+        cycle. The model's metric label (bounded: an unknown model is `unknown`)."""
         model = self.cfg.names.infer_model_of(subject)
         ms = self._models.get(model)
         label = model if ms is not None else "unknown"
         wait_ms = max(1, math.ceil(ms.window.mean_us / 1000)) if ms is not None else 1000
         self.metrics.shed.labels(label).inc()
-        refusal = refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms)
-        body, headers = replies.error_reply(self.nc.new_inbox()[7:], refusal.status,
-                                            refusal.reason, refusal.message,
-                                            retry_after_ms=refusal.retry_after_ms)
-        self.metrics.router_requests.labels(label, str(int(refusal.status))).inc()
-        self.metrics.refusals.labels(label, refusal.reason.value).inc()
-        await self.nc.publish(reply, body, headers=headers)
-
-    async def _shed(self, msg: Msg) -> None:
-        model = self.cfg.names.infer_model_of(msg.subject)
-        ms = self._models.get(model)
-        label = model if ms is not None else "unknown"  # metric labels stay bounded
-        wait_ms = max(1, math.ceil(ms.window.mean_us / 1000)) if ms is not None else 1000
-        self.metrics.shed.labels(label).inc()
-        await self._refuse_early(msg, self.nc.new_inbox()[7:], label,
-                                 refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms))
+        return label, refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms)
 
     async def _route_one(self, msg: Msg) -> None:
         """Decide, on the subscription's own task: the common cases (a placement, a refusal)
@@ -287,7 +290,7 @@ class RequestPath:
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if not caller.ticket and not forwarded and (refusal := self._tenant_refusal(r, now)):
-            await self._refuse(msg, rid, model, refusal)
+            await self._refuse(msg, rid, model, refusal, r.tenant)
             await self._decided(r, "refused")
             return
         if owner is not None and owner != self.cfg.router_id and not forwarded:
@@ -304,14 +307,16 @@ class RequestPath:
         holders promised) its fair share: a tenant over it is refused first, so that the
         others keep being admitted. A ticket holder was promised its turn: never refused
         here; nor a request another router forwarded (it judged it)."""
-        expected_us = r.ask.prediction.expected_us
-        if (over_limit := self.fair.limit(r.model, r.tenant, now_s, expected_us)) is not None:
-            return refusals.tenant_limit(r.tenant, over_limit)
+        if self._limits_set:
+            over_limit = self.fair.limit(r.model, r.tenant, now_s, r.ask.prediction.expected_us)
+            if over_limit is not None:
+                return refusals.tenant_limit(r.tenant, over_limit)
+        if not self.fair.shared(r.model):
+            return None  # one tenant: nothing to share (the usual case, and the cheapest test)
         ms = r.ms
         healthy = ms.healthy_count()
-        contended = len(ms.promises) > 0 or ms.busy_count(now_s) >= healthy
-        if not contended or not self.fair.shared(r.model):
-            return None
+        if not ms.promises and ms.busy_count(now_s) < healthy:
+            return None  # not contended: a free slot, nobody promised
         over = self.fair.over_share(r.model, r.tenant, now_s, healthy * 1e6,
                                     PROMISE_MAX_LINKS * healthy)
         return refusals.tenant_share(r.tenant, over) if over is not None else None
@@ -359,7 +364,7 @@ class RequestPath:
                     self.fair.promised(r.model, r.tenant, decision.ticket,
                                        time.monotonic() + decision.retry_after_ms / 1000
                                        + PROMISE_OPEN_S)
-                await self._refuse(r.msg, r.rid, r.model, decision)
+                await self._refuse(r.msg, r.rid, r.model, decision, r.tenant)
                 await self._decided(r, "refused-after-park" if parked else "refused")
             case Place():
                 await self._try_candidate(Placing(routing=r, place=decision,
@@ -406,7 +411,7 @@ class RequestPath:
             return False
         except (NatsTimeoutError, TimeoutError):
             self.metrics.forwarded.labels(model, why, "no-answer").inc()
-            await self._refuse(msg, r.rid, model, refusals.owner_silent(owner))
+            await self._refuse(msg, r.rid, model, refusals.owner_silent(owner), r.tenant)
             return True
         self.metrics.forwarded.labels(model, why, "relayed").inc()
         if msg.reply:
@@ -466,7 +471,7 @@ class RequestPath:
         if p.i >= len(p.place.candidates):
             # Every candidate was taken under us (another router): refuse with a ticket now.
             refusal = self.admission.after_lost_race(r.ms, r.ask, time.monotonic())
-            await self._refuse(r.msg, r.rid, r.model, refusal)
+            await self._refuse(r.msg, r.rid, r.model, refusal, r.tenant)
             await self._decided(r, "refused")
             return
         view = p.place.candidates[p.i]
@@ -540,7 +545,7 @@ class RequestPath:
         r, view = p.routing, p.place.candidates[p.i]
         if p.fl is not None:
             self._untrack(view, p.fl)
-        await self._refuse(r.msg, r.rid, r.model, refusals.unplaceable(why))
+        await self._refuse(r.msg, r.rid, r.model, refusals.unplaceable(why), r.tenant)
         await self._decided(r, "refused")
 
     def _untrack(self, view: SlotView, fl: InFlight) -> None:
@@ -559,17 +564,27 @@ class RequestPath:
             answer_by_s=ask.deadline_s + self.cfg.deadline_grace_ms / 1000,
         ))
 
-    async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse) -> None:
+    async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse,
+                      tenant: str | None = None) -> None:
+        """Answer `msg` with refusal `r` (`tenant`: who sent it, when already known)."""
+        hdrs = msg.headers or {}
+        await self._answer(msg.reply, hdrs, rid, model, r,
+                           tenant if tenant is not None else self.tenants.of(hdrs))
+
+    async def _answer(self, reply: str, hdrs: Mapping[str, str], rid: str, model: str,
+                      r: Refuse, tenant: str) -> None:
+        """Every refusal the router sends goes out here, counted once: by status and
+        reason, for the tenant, as an error of the micro endpoint when it is one."""
         body, headers = replies.error_reply(
             rid, r.status, r.reason, r.message, retry_after_ms=r.retry_after_ms, ticket=r.ticket)
-        headers.update(trace_headers(msg.headers or {}))
+        headers.update(trace_headers(hdrs))
         self.metrics.router_requests.labels(model, str(int(r.status))).inc()
-        self.meter.answered(self.tenants.of(msg.headers or {}), model, int(r.status))
-        if r.status is not Status.BUSY:  # a 429 is admission at work, not an error
-            self.errored(int(r.status), r.message)
-        if r.status is Status.BUSY:
+        self.meter.answered(tenant, model, int(r.status))
+        if r.status is Status.BUSY:  # a 429 is admission at work, not an error
             self.metrics.refusals.labels(model, r.reason.value).inc()
             if r.ticket is not None:
                 self.metrics.tickets_issued.labels(model).inc()
-        if msg.reply:
-            await self.nc.publish(msg.reply, body, headers=headers)
+        else:
+            self.errored(int(r.status), r.message)
+        if reply:
+            await self.nc.publish(reply, body, headers=headers)

@@ -268,24 +268,26 @@ class Router(Lifecycle, TaskOwner):
         ms = self.models.get(ev.model)
         key = slot_key(ev.node, ev.k)
         if ms is not None:
+            now = time.monotonic()
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
-                view.release(time.monotonic())
+                view.release(now)
                 self.parking.wake_one(ev.model)
             fl = self.inflight.entries.get(key)
-            now = time.monotonic()
-            ours = fl is not None and fl.request_id == ev.request_id and not fl.resolving
-            if ours and ev.status != NOT_ANSWERED:
-                assert fl is not None
-                self.requests.ended(fl, ev.status, ev.service_us, ev.sms)
-            if (ev.status == int(Status.OK) and fl is not None and fl.request_id == ev.request_id
-                    and now - self._lagged_s > LAG_QUIET_S):
-                # The slot's whole cycle as this router sees it (publish -> done-event), not
-                # only the node's service time: that is when the slot is free again, and what
-                # promises must be spaced by.
-                cycle_us = int((now - fl.placed_s) * 1e6)
-                ms.window.add(cycle_us - ev.work_us, now)
+            if fl is not None and fl.request_id == ev.request_id:
+                self._placed_done(ms, fl, ev, now)
         self.inflight.done(key, ev.request_id, ev.status)
+
+    def _placed_done(self, ms: ModelSlots, fl: InFlight, ev: DoneEvent, now: float) -> None:
+        """A done-event for a request this router placed: meter it, and learn its cycle."""
+        if ev.status != NOT_ANSWERED and not fl.resolving:
+            self.requests.ended(fl, ev.status, ev.service_us, ev.sms)
+        if ev.status == int(Status.OK) and now - self._lagged_s > LAG_QUIET_S:
+            # The slot's whole cycle as this router sees it (publish -> done-event), not only
+            # the node's service time: that is when the slot is free again, and what promises
+            # must be spaced by.
+            cycle_us = int((now - fl.placed_s) * 1e6)
+            ms.window.add(cycle_us - ev.work_us, now)
 
     def _freed(self, fl: InFlight) -> None:
         self.requests.ended(fl, 0, 0, 0)  # the watchdog's answer is metered where it is given

@@ -18,8 +18,11 @@ import nats
 import pytest
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from plane.contract.embedded import EmbeddedNats
+from plane.contract.replies import ok_headers
+from plane.contract.subjects import Header, Names
 
 
 def pytest_report_header() -> str:
@@ -56,3 +59,21 @@ async def nc(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
     client = await nats.connect(nats_server.url)
     yield client
     await client.close()
+
+
+@pytest.fixture
+async def seen(nc: Client) -> AsyncIterator[list[dict[str, str]]]:
+    """A stand-in router on `plane.infer.>` that answers 200 and records each request's
+    headers (what a caller of the plane actually sent)."""
+    headers: list[dict[str, str]] = []
+
+    async def answer(msg: Msg) -> None:
+        h = dict(msg.headers or {})
+        headers.append(h)
+        await nc.publish(msg.reply, b'{"duration_us": 1}',
+                         headers=ok_headers(h.get(Header.REQUEST_ID, "x"), "n1", 0, 1))
+
+    sub = await nc.subscribe(Names().infer_all(), cb=answer)
+    await nc.flush()  # the server has the subscription before anyone calls
+    yield headers
+    await sub.unsubscribe()

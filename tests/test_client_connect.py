@@ -10,16 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 
 import pytest
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
 from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
 from plane.contract.embedded import EmbeddedNats
-from plane.contract.replies import ok_headers
-from plane.contract.subjects import Header, Names
+from plane.contract.subjects import Header
 
 
 def _dead_url() -> str:
@@ -75,23 +71,6 @@ async def test_connect_failed_is_an_unavailable_and_a_connection_error() -> None
     assert time.monotonic() - t0 < 3
     assert isinstance(info.value, Unavailable) and isinstance(info.value, ConnectionError)
     assert info.value.url == url
-
-
-@pytest.fixture
-async def seen(nc: NATS) -> AsyncIterator[list[dict[str, str]]]:
-    """A stand-in router that answers 200 and records each request's headers."""
-    headers: list[dict[str, str]] = []
-
-    async def answer(msg: Msg) -> None:
-        h = dict(msg.headers or {})
-        headers.append(h)
-        await nc.publish(msg.reply, b'{"duration_us": 1}',
-                         headers=ok_headers(h[Header.REQUEST_ID], "n1", 0, 1))
-
-    sub = await nc.subscribe(Names().infer_all(), cb=answer)
-    await nc.flush()  # the server has the subscription before anyone calls
-    yield headers
-    await sub.unsubscribe()
 
 
 async def test_deadline_is_sent_only_when_asked(nats_server: EmbeddedNats,

@@ -11,14 +11,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.micro import add_service
 from openapi_spec_validator import validate
 
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.models import MODELS
-from plane.contract.replies import ok_headers
 from plane.contract.subjects import Header, Names
 from plane.gateway import Gateway, GatewayConfig
 
@@ -36,23 +34,6 @@ async def gateway(nats_server: EmbeddedNats) -> AsyncIterator[Gateway]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-@pytest.fixture
-async def seen(nc: NATS) -> AsyncIterator[list[dict[str, str]]]:
-    """A stand-in router on `plane.infer.*` that answers 200 and records the headers."""
-    headers: list[dict[str, str]] = []
-
-    async def answer(msg: Msg) -> None:
-        h = dict(msg.headers or {})
-        headers.append(h)
-        await nc.publish(msg.reply, b'{"duration_us": 1}', headers=ok_headers(
-            h.get(Header.REQUEST_ID, "x"), "n1", 0, 1))
-
-    sub = await nc.subscribe(NAMES.infer_all(), cb=answer)
-    await nc.flush()  # the server has the subscription before anyone calls
-    yield headers
-    await sub.unsubscribe()
 
 
 async def test_unknown_model_is_a_json_404(gateway: Gateway, http: aiohttp.ClientSession,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.client import Client as NATS
 
 from plane.contract.budget import ServiceWindow
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
@@ -21,6 +22,19 @@ from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, header, plane, status
 
 pytestmark = pytest.mark.slow
+
+
+async def flood(nc: NATS, n: int, *, work_us: int = 0, unread_s: float = 0.0) -> Ledger:
+    """`n` calibrated requests published at once (deadline 2 s) on a ledger; with `unread_s`
+    the loop is then blocked that long, so they wait unread in the router's socket (the
+    router runs in this process)."""
+    ledger = await Ledger(nc).start()
+    for _ in range(n):
+        await ledger.send(NAMES.infer("calibrated"), calibrated(work_us), 2000)
+    await nc.flush()
+    if unread_s:
+        time.sleep(unread_s)  # noqa: ASYNC251 - the point: the router reads nothing meanwhile
+    return ledger
 
 
 async def test_body_that_would_overflow_the_servers_max_payload_is_413(tmp_path: Path) -> None:
@@ -65,10 +79,7 @@ async def test_a_flood_is_shed_at_once_and_each_request_answered_once() -> None:
                      router_overrides={"max_routing": 1}) as stack:
         nc = await nats.connect(stack.url)
         try:
-            ledger = await Ledger(nc).start()
-            for _ in range(600):
-                await ledger.send(NAMES.infer("calibrated"), calibrated(20_000), 2000)
-            await nc.flush()
+            ledger = await flood(nc, 600, work_us=20_000)
             await ledger.settle(20)
             assert ledger.unanswered() == [] and ledger.answered_twice() == []
             shed = stack.metrics.shed.labels("calibrated")._value.get()
@@ -221,11 +232,7 @@ async def test_a_stopping_router_answers_every_request_it_was_handed() -> None:
         router = stack.routers[0]
         nc = await nats.connect(stack.url)
         try:
-            ledger = await Ledger(nc).start()
-            for _ in range(300):
-                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 2000)
-            await nc.flush()
-            time.sleep(0.2)  # noqa: ASYNC251 - the point: the router reads nothing meanwhile
+            ledger = await flood(nc, 300, unread_s=0.2)
             await router.stop()
             await ledger.settle(10)
             assert ledger.unanswered() == [], (len(ledger.unanswered()), ledger.statuses())
@@ -243,11 +250,7 @@ async def test_requests_past_the_pending_limit_are_refused_not_lost() -> None:
                      router_overrides={"max_pending": 16}) as stack:
         nc = await nats.connect(stack.url)
         try:
-            ledger = await Ledger(nc).start()
-            for _ in range(2000):
-                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 2000)
-            await nc.flush()
-            time.sleep(0.3)  # noqa: ASYNC251 - the point: the router reads nothing meanwhile
+            ledger = await flood(nc, 2000, unread_s=0.3)
             await ledger.settle(20)
             assert ledger.unanswered() == [] and ledger.answered_twice() == []
             shed = [i for i in ledger.answers if ledger.status(i) == 429

@@ -44,6 +44,7 @@ DOCUMENTED: list[Case] = [
     ("node_status", ("n1",), "plane.node.<node>.status"),
     ("node_answered", ("n1",), "plane.node.<node>.answered"),
     ("fault", ("n1",), "plane.fault.<node>"),
+    ("cancel", ("n1", 3), "plane.cancel.<node>.<k>"),
     ("slots_stream", None, "PLANE_SLOTS"),
     ("slot_stream_for", ("n1",), "PLANE_SLOTS"),  # one shared stream today (design.md)
     ("nodes_bucket", None, "PLANE_NODES"),
@@ -78,6 +79,10 @@ WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
     ("admission_all", (), [N.admission("risk"), N.admission("_routers")],
      [N.infer("risk"), N.router_infer("r1", "risk"), N.router_status("r1")]),
     ("health_all", (), [N.health("n1"), N.health("n2")], [N.node_status("n1")]),
+    ("node_cancels", ("n1",), [N.cancel("n1", 0), N.cancel("n1", 12)],
+     [N.cancel("n2", 0), N.infer("risk")]),
+    ("cancel_all", (), [N.cancel("n1", 0), N.cancel("n2", 5)],
+     [N.infer("risk"), N.slot("risk", "n1", 0)]),
     ("events_all", (), [N.events("tx")], [N.dead_letter("tx"), N.scored("tx")]),
     ("dead_letter_all", (), [N.dead_letter("tx")], [N.events("tx"), N.scored("tx")]),
     ("scored_all", (), [N.scored("tx")], [N.events("tx"), N.dead_letter("tx")]),

@@ -64,6 +64,64 @@ class CalibratedReply(msgspec.Struct, frozen=True, kw_only=True):
     duration_us: int
 
 
+# tinylm's context: prompt bytes + max_tokens must fit (kernels.tinylm.TinyLMConfig.context;
+# the node checks that its model has this context, so the router can refuse without torch).
+TINYLM_CONTEXT = 256
+TINYLM_MAX_PROMPT = TINYLM_CONTEXT - 1
+TINYLM_DEFAULT_MAX_TOKENS = 16
+TINYLM_MAX_TEMPERATURE = 2.0
+
+
+class TinyLMRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A generation: `prompt` (UTF-8; its bytes are the model's tokens), up to `max_tokens`
+    bytes out. Temperature 0 is greedy; a seed makes sampling repeatable."""
+
+    prompt: Annotated[str, msgspec.Meta(max_length=TINYLM_MAX_PROMPT)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=TINYLM_CONTEXT - 1)] = (
+        TINYLM_DEFAULT_MAX_TOKENS)
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=TINYLM_MAX_TEMPERATURE)] = 0.0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+
+    @property
+    def prompt_bytes(self) -> bytes:
+        return self.prompt.encode()
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """What a generation used: tokens in and out, its time on the slot (µs, from fetch to
+    its last token) and that time x the partition's SMs, in SM·ms (0 off a GPU)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    slot_us: int = 0
+    sm_ms: float = 0.0
+
+
+class TinyLMReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A `tinylm` request's one reply when it did not ask to stream."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+
+
+class StreamFinish(enum.StrEnum):
+    STOP = "stop"  # the model sampled its end token
+    LENGTH = "length"  # max_tokens produced
+    CANCELLED = "cancelled"  # the caller cancelled, or stopped reading
+    DEADLINE = "deadline"  # the stream deadline passed (status 504)
+    ERROR = "error"  # the slot failed mid-stream (status 503)
+
+
+class StreamEnd(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The body of a stream's `end` message (JSON)."""
+
+    finish_reason: str
+    usage: Usage
+    error: str | None = None
+    reason: str | None = None
+
+
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
     error: str
     reason: str
@@ -98,8 +156,13 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     status: int
     service_us: int
     router: str = ""
-    work_us: int = 0
+    work_us: int = 0  # the requested device work; a stream's: the device time it took
     sms: int = 0  # the slot's partition in SMs (0: not a GPU partition; metered as 1)
+    # Streams only (0 otherwise): what the router learns its per-token rates from.
+    prompt_tokens: int = 0
+    tokens: int = 0  # produced
+    prefill_us: int = 0
+    decode_us: int = 0
 
 
 class PeerNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

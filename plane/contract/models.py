@@ -11,7 +11,12 @@ from typing import Any
 import msgspec
 
 from plane.contract.errors import BadRequest
-from plane.contract.messages import CalibratedRequest, RiskRequest
+from plane.contract.messages import (
+    TINYLM_CONTEXT,
+    CalibratedRequest,
+    RiskRequest,
+    TinyLMRequest,
+)
 from plane.contract.subjects import MSGPACK
 
 # The device computes in float32: a larger magnitude would become inf there.
@@ -24,6 +29,7 @@ class ModelSpec:
     request_type: type[msgspec.Struct]
     json_decoder: msgspec.json.Decoder[Any]
     msgpack_decoder: msgspec.msgpack.Decoder[Any]
+    streams: bool = False  # may be asked to answer as a stream (docs/design.md "Streams")
 
     def decode(self, body: bytes, content_type: str | None) -> Any:
         """Decode and validate a request body; raise `BadRequest` saying what is wrong."""
@@ -44,6 +50,13 @@ class ModelSpec:
                 "invalid risk request: features must be finite numbers within float32 range "
                 f"(|x| <= {FLOAT32_MAX:.3e}; no NaN/inf)"
             )
+        if isinstance(req, TinyLMRequest):
+            n = len(req.prompt_bytes)
+            if n + req.max_tokens > TINYLM_CONTEXT:
+                raise BadRequest(
+                    f"invalid tinylm request: the prompt's {n} bytes plus max_tokens "
+                    f"{req.max_tokens} exceed the context of {TINYLM_CONTEXT}; shorten the "
+                    f"prompt or ask for at most {max(0, TINYLM_CONTEXT - n)} tokens")
         return req
 
     def work_us(self, req: Any) -> int:
@@ -51,14 +64,22 @@ class ModelSpec:
         the budget model predicts service time as work plus the slot's measured overhead."""
         return int(req.duration_us) if isinstance(req, CalibratedRequest) else 0
 
+    def tokens(self, req: Any) -> tuple[int, int] | None:
+        """A generation's (prompt tokens, max tokens out), what its slot time is predicted
+        from (rates learned online); None for a model that does not generate."""
+        if isinstance(req, TinyLMRequest):
+            return len(req.prompt_bytes), req.max_tokens
+        return None
 
-def _spec(name: str, t: type[msgspec.Struct]) -> ModelSpec:
-    return ModelSpec(name, t, msgspec.json.Decoder(t), msgspec.msgpack.Decoder(t))
+
+def _spec(name: str, t: type[msgspec.Struct], *, streams: bool = False) -> ModelSpec:
+    return ModelSpec(name, t, msgspec.json.Decoder(t), msgspec.msgpack.Decoder(t), streams)
 
 
 MODELS: dict[str, ModelSpec] = {
     "risk": _spec("risk", RiskRequest),
     "calibrated": _spec("calibrated", CalibratedRequest),
+    "tinylm": _spec("tinylm", TinyLMRequest, streams=True),
 }
 
 

@@ -59,6 +59,12 @@ class Header:
     DEADLINE_AT = "Plane-Deadline-At"
     ROUTER = "Plane-Router"
     WORK_US = "Plane-Work-Us"
+    # Streams (docs/design.md "Streams"): on a request `1`; on stream messages start|token|end.
+    STREAM = "Plane-Stream"
+    STREAM_SEQ = "Plane-Stream-Seq"
+    STREAM_DEADLINE_MS = "Plane-Stream-Deadline-Ms"  # request: budget for the whole stream
+    STREAM_DEADLINE_AT = "Plane-Stream-Deadline-At"  # slot message: router wall clock, epoch ms
+    CANCEL_SUBJECT = "Plane-Cancel-Subject"  # start message: where a cancel goes
     # Kafka bridge stamps on plane.events.* messages.
     EVENT_TIME = "Plane-Event-Time"
     INGEST_TIME = "Plane-Ingest-Time"
@@ -171,6 +177,19 @@ class Names:
     def node_answered(self, node: str) -> str:
         """Router asks a node "did you answer request X?" before taking over its deadline."""
         return f"{self.prefix}.node.{node}.answered"
+
+    def cancel(self, node: str, k: int) -> str:
+        """Where a caller cancels the stream slot k of `node` runs (the message names it by
+        `Plane-Request-Id`)."""
+        return f"{self.prefix}.cancel.{node}.{int(k)}"
+
+    def node_cancels(self, node: str) -> str:
+        """A node's one subscription for the cancels of all its slots."""
+        return f"{self.prefix}.cancel.{node}.*"
+
+    def cancel_all(self) -> str:
+        """What the plane exports to tenants beside `infer_all`."""
+        return f"{self.prefix}.cancel.>"
 
     def fault(self, node: str) -> str:
         """Fault-injection control subject of a node (tests and drills only)."""

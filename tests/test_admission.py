@@ -133,7 +133,7 @@ def test_service_window_percentiles(rng) -> None:  # type: ignore[no-untyped-def
     assert 200 <= w.p99_us <= 5000
     p = predict(w, work_us=1000)
     assert p.p50_us == 1000 + w.p50_us
-    assert fits(p, p.p99_us) and not fits(p, p.p99_us - 1)
+    assert fits(p.p99_us, p.p99_us) and not fits(p.p99_us, p.p99_us - 1)
 
 
 def test_holder_whose_slot_is_about_to_free_is_parked_not_refused() -> None:

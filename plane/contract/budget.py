@@ -124,6 +124,51 @@ def predict(window: ServiceWindow, work_us: int) -> Prediction:
                       work_us + window.mean_us, work_us + window.p90_us)
 
 
-def fits(prediction: Prediction, remaining_us: int) -> bool:
+def fits(p99_us: int, remaining_us: int) -> bool:
     """Admit only when the predicted p99 fits the remaining deadline."""
-    return prediction.p99_us <= remaining_us
+    return p99_us <= remaining_us
+
+
+# What a generation costs before the router has seen one (CPU `tinylm`, measured by
+# benchmarks/tinylm_tokens.py: ~230-310 µs a decode step; the prefill is one batched pass).
+PRIOR_DECODE_NS = 300_000
+PRIOR_PREFILL_NS = 40_000
+
+
+@dataclass(slots=True)
+class TokenRates:
+    """A generating model's per-token costs, learned online from done-events: per stream, its
+    prefill time per prompt token and its decode time per token produced (nanoseconds, so
+    that a fast device keeps its precision), each in a window with p50 and p99 like the
+    overhead. A stream's device work is predicted as
+    `prompt x prefill + max_tokens x decode`; its first token as `prompt x prefill + one step`.
+    """
+
+    prefill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
+        size=128, prior_us=PRIOR_PREFILL_NS))
+    decode: ServiceWindow = field(default_factory=lambda: ServiceWindow(
+        size=128, prior_us=PRIOR_DECODE_NS))
+
+    def learn(self, prompt_tokens: int, tokens: int, prefill_us: int, decode_us: int) -> None:
+        if prompt_tokens > 0 and prefill_us > 0:
+            self.prefill.add(prefill_us * 1000 // prompt_tokens)
+        if tokens > 0 and decode_us > 0:
+            self.decode.add(decode_us * 1000 // tokens)
+
+    def predict(self, overhead: ServiceWindow, prompt_tokens: int,
+                max_tokens: int) -> tuple[Prediction, int, int]:
+        """(the whole stream's prediction, its first token's p99 µs, its expected device work
+        µs) for a prompt of `prompt_tokens` asking for up to `max_tokens`. Bounded by
+        max_tokens: a stream that ends early frees its slot early, at its done-event."""
+        pre, dec = self.prefill, self.decode
+
+        def work(pre_ns: int, dec_ns: int, steps: int) -> int:
+            return (prompt_tokens * pre_ns + steps * dec_ns) // 1000
+
+        whole = Prediction(
+            overhead.p50_us + work(pre.p50_us, dec.p50_us, max_tokens),
+            overhead.p99_us + work(pre.p99_us, dec.p99_us, max_tokens),
+            overhead.mean_us + work(pre.mean_us, dec.mean_us, max_tokens),
+            overhead.p90_us + work(pre.p90_us, dec.p90_us, max_tokens))
+        first_p99 = overhead.p99_us + work(pre.p99_us, dec.p99_us, 1)
+        return whole, first_p99, work(pre.mean_us, dec.mean_us, max_tokens)

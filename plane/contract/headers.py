@@ -78,6 +78,17 @@ class CallerHeaders:
     ticket: str | None = None
     avoid_node: str | None = None
     content_type: str | None = None
+    stream: bool = False  # `Plane-Stream: 1`: answer as a stream
+    stream_deadline_ms: int | None = None  # budget for the whole stream (streams only)
+
+
+def _stream(headers: Mapping[str, str]) -> bool:
+    raw = headers.get(Header.STREAM)
+    if raw is None:
+        return False
+    if raw != "1":
+        raise ValueError(f"{Header.STREAM} must be 1 (answer as a stream), got {shown(raw)}")
+    return True
 
 
 def _text(headers: Mapping[str, str], name: str, pattern: re.Pattern[str]) -> str | None:
@@ -114,6 +125,8 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
             ticket=_text(headers, Header.TICKET, _VISIBLE),
             avoid_node=avoid,
             content_type=_text(headers, Header.CONTENT_TYPE, _PRINTABLE),
+            stream=_stream(headers),
+            stream_deadline_ms=_number(headers, Header.STREAM_DEADLINE_MS, MAX_DEADLINE_MS),
         )
     except InvalidToken:
         raise BadRequest(f"{Header.AVOID_NODE} must be a node name (1..64 of A-Z a-z 0-9 _ -), "

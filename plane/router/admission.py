@@ -99,10 +99,27 @@ class Ask:
     ticket: str | None = None
     avoid_node: str | None = None
     park_until_s: float | None = None  # set while a parked holder is re-deciding
+    # Streams: the deadline is for the first token (its p99 from the start, `first_p99_us`),
+    # and the whole stream's p99 must fit the stream deadline (`end_deadline_s`, monotonic).
+    first_p99_us: int | None = None
+    end_deadline_s: float | None = None
 
     @property
     def remaining_us(self) -> int:
         return int((self.deadline_s - self.now_s) * 1e6)
+
+    @property
+    def due_p99_us(self) -> int:
+        """What must fit before `deadline_s` once started: the whole request, or a stream's
+        first token."""
+        return self.prediction.p99_us if self.first_p99_us is None else self.first_p99_us
+
+    def latest_start_s(self) -> float:
+        """The last moment it may start and still meet its deadline(s) at the p99."""
+        latest = self.deadline_s - self.due_p99_us / 1e6
+        if self.end_deadline_s is not None:
+            latest = min(latest, self.end_deadline_s - self.prediction.p99_us / 1e6)
+        return latest
 
     def later(self, now_s: float, *, as_newcomer: bool = False) -> Ask:
         """The same request, looked at again at `now_s` (without its ticket: as a newcomer)."""
@@ -199,10 +216,21 @@ def check_capacity(ms: ModelSlots, ask: Ask) -> Refuse | None:
 
 
 def check_budget(ms: ModelSlots, ask: Ask) -> Refuse | None:
-    if not fits(ask.prediction, ask.remaining_us):
+    if ask.end_deadline_s is not None and (
+            ask.now_s + ask.prediction.p99_us / 1e6 > ask.end_deadline_s):
+        left_us = max(0, int((ask.end_deadline_s - ask.now_s) * 1e6))
         return Refuse(
             Status.BUSY, Reason.DEADLINE,
-            f"a {ms.model} request takes about {ask.prediction.p99_us} us (p99); the deadline "
+            f"a {ms.model} stream this long takes about {ask.prediction.p99_us} us (p99); "
+            f"the stream deadline leaves {left_us} us: raise Plane-Stream-Deadline-Ms, ask "
+            f"for fewer max_tokens, or go elsewhere",
+            retry_after_ms=0,
+        )
+    if not fits(ask.due_p99_us, ask.remaining_us):
+        what = "first token" if ask.first_p99_us is not None else "request"
+        return Refuse(
+            Status.BUSY, Reason.DEADLINE,
+            f"a {ms.model} {what} takes about {ask.due_p99_us} us (p99); the deadline "
             f"leaves {max(0, ask.remaining_us)} us: raise Plane-Deadline-Ms or go elsewhere",
             retry_after_ms=0,
         )
@@ -327,7 +355,7 @@ class Admission:
         until_s = start_s + (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S
         longest_s = max(PARK_MIN_S, PARK_MAX_SHARE * p.p50_us / 1e6)
         until_s = _within(now + PARK_MIN_S, now + longest_s, until_s)
-        return min(until_s, ask.deadline_s - p.p99_us / 1e6)
+        return min(until_s, ask.latest_start_s())
 
     def redeemed(self, ms: ModelSlots, promise: Promise) -> None:
         """The holder was placed: its promise is kept (and out of the book already)."""
@@ -409,7 +437,7 @@ class Admission:
                 f"(earliest free in {wait_ms} ms): go elsewhere now, or come back later",
                 retry_after_ms=wait_ms,
             )
-        if due_s + ask.prediction.p99_us / 1e6 > ask.deadline_s:
+        if due_s > ask.latest_start_s():
             return Refuse(
                 Status.BUSY, Reason.DEADLINE,
                 f"every {ms.model} slot is busy and none frees in time for your deadline "

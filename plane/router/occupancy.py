@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from plane.contract.budget import ServiceWindow
+from plane.contract.budget import ServiceWindow, TokenRates
 from plane.contract.messages import NodeAdvert
 from plane.router.promises import PromiseBook
 
@@ -66,6 +66,7 @@ class ModelSlots:
         default_factory=lambda: ServiceWindow(max_age_s=CYCLE_MAX_AGE_S))
     rr: int = 0  # round-robin start, so load spreads over equal slots
     promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
+    rates: TokenRates = field(default_factory=TokenRates)  # a generating model's, learned
 
     def apply_advert(self, advert: NodeAdvert,
                      slot_subject: Callable[[str, str, int], str]) -> list[str]:

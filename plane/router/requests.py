@@ -29,13 +29,15 @@ from nats.js.errors import APIError
 from plane.contract import replies
 from plane.contract.budget import predict
 from plane.contract.canonical import CanonicalLog
-from plane.contract.config import RouterConfig
+from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
 from plane.contract.headers import read_caller
 from plane.contract.messages import Status
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS, model_spec
 from plane.contract.settings import LiveSettings
+from plane.contract.streams import ASKED, kind_of
+from plane.contract.streams import Kind as StreamKind
 from plane.contract.subjects import Header, InvalidToken, check_token
 from plane.contract.tracing import Span, Tracing, epoch_ns_of, trace_headers
 from plane.router import admission as refusals
@@ -81,6 +83,9 @@ YIELD_EVERY = 32
 PROMISE_OPEN_S = 0.05
 
 
+NO_RESPONDERS = "503"  # the server's Status header when nobody listens on a request's subject
+
+
 def _is_depth_refusal(exc: APIError) -> bool:
     """The depth-one refusal. err_code 10077 is shared by other stream limits: match the
     description too."""
@@ -97,6 +102,7 @@ class Routing:
     ms: ModelSlots
     deadline_ms: int
     work_us: int
+    stream_ms: int | None  # a stream's whole budget (ms from receipt); None: not a stream
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
     tenant: str  # who sent it (plane.router.tenancy)
@@ -266,27 +272,46 @@ class RequestPath:
             spec = model_spec(model)
             deadline_ms = self._deadline_ms(model, caller.deadline_ms)
             req = spec.decode(msg.data, caller.content_type)
+            if (caller.stream or caller.stream_deadline_ms) and not spec.streams:
+                raise BadRequest(f"model {model!r} does not stream: send it without "
+                                 f"{Header.STREAM} and {Header.STREAM_DEADLINE_MS}")
         except (InvalidToken, BadRequest) as exc:
             await self._refuse_early(msg, rid, label, refusals.bad_request(str(exc)))
             return
         forwarded = Header.FORWARDED_BY in hdrs  # never forwarded twice
         owner = ticket_owner(caller.ticket) if caller.ticket else None
         ms = self._model(model)
-        work_us = spec.work_us(req)
         now = time.monotonic()
+        first_p99_us = end_deadline_s = stream_ms = None
+        if (shape := spec.tokens(req)) is None:
+            work_us = spec.work_us(req)
+            prediction = predict(ms.window, work_us)
+        else:  # a generation: its slot time from its tokens, at the rates learned
+            prediction, first_p99, work_us = ms.rates.predict(ms.window, *shape)
+            if caller.stream:
+                stream_ms = self._stream_deadline_ms(caller.stream_deadline_ms, deadline_ms,
+                                                     prediction.p99_us)
+                if stream_ms is None:
+                    await self._refuse_early(msg, rid, label, refusals.bad_request(
+                        f"{Header.STREAM_DEADLINE_MS} ({caller.stream_deadline_ms}) is shorter "
+                        f"than {Header.DEADLINE_MS} ({deadline_ms}), the budget for the first "
+                        f"token: give the whole stream at least as long"))
+                    return
+                first_p99_us, end_deadline_s = first_p99, now + stream_ms / 1000
         # One router makes every promise (so no two promise the same slot time); the others
         # place what fits now and hand it what needs a promise.
         promiser = self.cfg.router_id if forwarded else self.peers.promiser()
         r = Routing(
             msg=msg, rid=rid, model=model, ms=ms, deadline_ms=deadline_ms, work_us=work_us,
+            stream_ms=stream_ms,
             t0=t0, tenant=self.tenants.of(hdrs), forwarded=forwarded, promiser=promiser,
             span=self.tracing.start("plane.admission", hdrs, epoch_ns_of(int(t0 * 1e9)),
                                     {"model": model, "request_id": rid})
             if self.tracing.on else None,
             may_promise=promiser == self.cfg.router_id,
             ask=Ask(now_s=now, deadline_s=now + deadline_ms / 1000,
-                    prediction=predict(ms.window, work_us), ticket=caller.ticket,
-                    avoid_node=caller.avoid_node),
+                    prediction=prediction, ticket=caller.ticket, avoid_node=caller.avoid_node,
+                    first_p99_us=first_p99_us, end_deadline_s=end_deadline_s),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if not caller.ticket and not forwarded and (refusal := self._tenant_refusal(r, now)):
@@ -402,7 +427,9 @@ class RequestPath:
         headers[Header.FORWARDED_BY] = self.cfg.router_id
         # Longer than the owner's own deadline handling (deadline + grace + its takeover), so
         # its answer, whatever it is, comes back before we give up on it.
-        wait_s = r.deadline_ms / 1000 + self.cfg.deadline_grace_ms / 1000 + 1.0
+        wait_s = (r.stream_ms or r.deadline_ms) / 1000 + self.cfg.deadline_grace_ms / 1000 + 1.0
+        if r.stream_ms is not None:
+            return await self._relay_stream(r, owner, why, headers, wait_s)
         try:
             answer = await self.nc.request(self.cfg.names.router_infer(owner, model), msg.data,
                                            timeout=wait_s, headers=headers)
@@ -417,6 +444,41 @@ class RequestPath:
         if msg.reply:
             await self.nc.publish(msg.reply, answer.data, headers=dict(answer.headers or {}))
         return True
+
+    async def _relay_stream(self, r: Routing, owner: str, why: str, headers: dict[str, str],
+                            wait_s: float) -> bool:
+        """`_forward` for a stream: every message the owner's placement sends comes to an inbox
+        of ours and goes on to the caller, up to and including the final one. No responders
+        (the server's status on our inbox, before anything else) means the owner is gone."""
+        msg, model = r.msg, r.model
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        give_up = time.monotonic() + wait_s
+        try:
+            await self.nc.publish(self.cfg.names.router_infer(owner, model), msg.data,
+                                  reply=inbox, headers=headers)
+            first = True
+            while True:
+                try:
+                    m = await sub.next_msg(timeout=max(0.001, give_up - time.monotonic()))
+                except (NatsTimeoutError, TimeoutError):
+                    self.metrics.forwarded.labels(model, why, "no-answer").inc()
+                    await self._refuse(msg, r.rid, model, refusals.owner_silent(owner),
+                                       r.tenant)
+                    return True
+                h = m.headers or {}
+                if first and h.get("Status") == NO_RESPONDERS and Header.STATUS not in h:
+                    self.metrics.forwarded.labels(model, why, "owner-gone").inc()
+                    return False
+                if first:
+                    self.metrics.forwarded.labels(model, why, "relayed").inc()
+                first = False
+                if msg.reply:
+                    await self.nc.publish(msg.reply, m.data, headers=dict(h))
+                if kind_of(h) in (StreamKind.END, StreamKind.FINAL):
+                    return True
+        finally:
+            await sub.unsubscribe()
 
     async def _admit(self, ms: ModelSlots, ask: Ask, decision: Place | Park | Refuse, *,
                      may_promise: bool) -> tuple[Place | Refuse, bool]:
@@ -443,13 +505,25 @@ class RequestPath:
             return asked_ms
         return self.settings.deadline_or_default(model, self.cfg.default_deadline_ms)
 
+    @staticmethod
+    def _stream_deadline_ms(asked_ms: int | None, deadline_ms: int, p99_us: int) -> int | None:
+        """A stream's whole budget: the caller's (None when shorter than its first-token
+        budget), else the first token's plus twice the stream's predicted p99."""
+        if asked_ms is not None:
+            return asked_ms if asked_ms >= deadline_ms else None
+        return min(MAX_DEADLINE_MS, deadline_ms + 2 * math.ceil(p99_us / 1000))
+
     def _slot_headers(self, r: Routing) -> dict[str, str]:
         hdrs = r.msg.headers or {}
-        deadline_ms = max(1, int((r.ask.deadline_s - time.monotonic()) * 1000))
+        now_s, now_ms = time.monotonic(), replies.now_ms()
+        deadline_ms = max(1, int((r.ask.deadline_s - now_s) * 1000))
+        # The message's own end: a request's deadline, or a stream's.
+        end_ms = deadline_ms if r.ask.end_deadline_s is None else max(
+            deadline_ms, int((r.ask.end_deadline_s - now_s) * 1000))
         out = {
             Header.REPLY_TO: r.msg.reply,
             Header.REQUEST_ID: r.rid,
-            Header.DEADLINE_AT: str(replies.now_ms() + deadline_ms),
+            Header.DEADLINE_AT: str(now_ms + deadline_ms),
             Header.DEADLINE_MS: str(deadline_ms),
             Header.WORK_US: str(r.work_us),
             Header.ROUTER: self.cfg.router_id,
@@ -457,8 +531,11 @@ class RequestPath:
             # A backstop that frees an orphaned slot, in whole seconds (the server's unit):
             # the deadline rounded up plus one, so the message outlives the router's takeover
             # at the deadline (an expired message would look "taken by the node").
-            Header.NATS_TTL: f"{math.ceil(deadline_ms / 1000) + 1}s",
+            Header.NATS_TTL: f"{math.ceil(end_ms / 1000) + 1}s",
         }
+        if r.stream_ms is not None:
+            out[Header.STREAM] = ASKED
+            out[Header.STREAM_DEADLINE_AT] = str(now_ms + end_ms)
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct
         # The trace goes on: under our admission span when spans are on, else as it came.
@@ -561,7 +638,8 @@ class RequestPath:
             placed_s=now, tenant=r.tenant,
             subject=view.subject, stream=self.cfg.names.slot_stream_for(view.node),
             deadline_s=ask.deadline_s,
-            answer_by_s=ask.deadline_s + self.cfg.deadline_grace_ms / 1000,
+            # The router owns the deadline of what it placed: a stream's whole one.
+            answer_by_s=(ask.end_deadline_s or ask.deadline_s) + self.cfg.deadline_grace_ms / 1000,
         ))
 
     async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse,

@@ -288,6 +288,8 @@ class Router(Lifecycle, TaskOwner):
             # must be spaced by.
             cycle_us = int((now - fl.placed_s) * 1e6)
             ms.window.add(cycle_us - ev.work_us, now)
+            if ev.tokens or ev.prompt_tokens:  # a generation: its per-token rates
+                ms.rates.learn(ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us)
 
     def _freed(self, fl: InFlight) -> None:
         self.requests.ended(fl, 0, 0, 0)  # the watchdog's answer is metered where it is given

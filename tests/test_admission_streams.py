@@ -1,0 +1,125 @@
+"""Admission by tokens (docs/design.md "Streams"): a stream's slot time is predicted from its
+prompt and max_tokens at per-token rates learned from done-events; its deadline is for the
+first token, its stream deadline for the whole; tickets count a busy slot free at its
+stream's predicted end."""
+
+from plane.contract.budget import PRIOR_DECODE_NS, ServiceWindow, TokenRates
+from plane.contract.messages import Reason, Status
+from plane.contract.subjects import Header
+from plane.router.admission import Admission, Ask, Place, Refuse
+from tests.plane_fixtures import NAMES, calibrated, client, plane, status
+from tests.test_admission import busy_until, slots
+
+
+def rates(prefill_ns: int, decode_ns: int) -> TokenRates:
+    r = TokenRates()
+    for _ in range(20):
+        r.learn(prompt_tokens=10, tokens=100, prefill_us=prefill_ns * 10 // 1000,
+                decode_us=decode_ns * 100 // 1000)
+    return r
+
+
+def overhead(us: int) -> ServiceWindow:
+    return ServiceWindow(prior_us=us)
+
+
+def test_rates_learn_per_token_costs_and_predict_from_the_request() -> None:
+    r = TokenRates()
+    assert r.decode.p50_us == PRIOR_DECODE_NS  # before any stream: the prior
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    whole, first_p99, work = r.predict(overhead(1000), prompt_tokens=20, max_tokens=50)
+    # 20 x 50 µs prefill + 50 x 400 µs decode = 21 ms of device work, plus 1 ms overhead.
+    assert work == 21_000
+    assert whole.p50_us == whole.p99_us == 22_000
+    # The first token: overhead, prefill and one step.
+    assert first_p99 == 1000 + 1000 + 400
+    # Twice the tokens, about twice the work: the prediction follows the request.
+    assert r.predict(overhead(1000), 20, 100)[2] == 41_000
+
+
+def test_a_slower_device_is_learned() -> None:
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    for _ in range(200):
+        r.learn(prompt_tokens=10, tokens=100, prefill_us=1000, decode_us=80_000)  # 800 µs/token
+    assert r.predict(overhead(0), 0, 10)[2] == 8_000
+
+
+def stream_ask(now: float, *, ttft_s: float, stream_s: float, r: TokenRates,
+               max_tokens: int, ticket: str | None = None) -> Ask:
+    whole, first_p99, _ = r.predict(overhead(500), 10, max_tokens)
+    return Ask(now_s=now, deadline_s=now + ttft_s, prediction=whole, ticket=ticket,
+               first_p99_us=first_p99, end_deadline_s=now + stream_s)
+
+
+def test_a_stream_longer_than_its_first_token_budget_is_admitted() -> None:
+    """100 tokens at 400 µs is 40 ms on the slot; a 20 ms TTFT budget is for the first token."""
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    ms, adm = slots(1), Admission("r")
+    d = adm.decide(ms, stream_ask(0.0, ttft_s=0.020, stream_s=1.0, r=r, max_tokens=100))
+    assert isinstance(d, Place)
+
+
+def test_the_stream_deadline_must_hold_the_whole_stream() -> None:
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    ms, adm = slots(1), Admission("r")
+    d = adm.decide(ms, stream_ask(0.0, ttft_s=0.020, stream_s=0.030, r=r, max_tokens=100))
+    assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE
+    assert "Plane-Stream-Deadline-Ms" in d.message and "max_tokens" in d.message
+
+
+def test_the_first_token_must_fit_its_deadline() -> None:
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    ms, adm = slots(1), Admission("r")
+    d = adm.decide(ms, stream_ask(0.0, ttft_s=0.001, stream_s=1.0, r=r, max_tokens=10))
+    assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE
+    assert "first token" in d.message
+
+
+def test_refused_streams_are_told_when_the_running_stream_ends() -> None:
+    """One slot, its stream predicted to end at 40 ms: the next caller's ticket is due then,
+    the one after at the end of that caller's stream (40 ms later), each minus its trip."""
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.040)
+    waits = []
+    for _ in range(2):
+        d = adm.decide(ms, stream_ask(0.0, ttft_s=1.0, stream_s=2.0, r=r, max_tokens=100))
+        assert isinstance(d, Refuse) and d.status == Status.BUSY and d.ticket
+        waits.append(d.retry_after_ms)
+    whole = r.predict(overhead(500), 10, 100)[0]
+    assert waits[0] == 39
+    assert waits[1] == 39 + round(whole.expected_us / 1000)
+
+
+def test_a_promise_that_cannot_start_in_time_for_the_first_token_is_not_made() -> None:
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.040)
+    d = adm.decide(ms, stream_ask(0.0, ttft_s=0.030, stream_s=2.0, r=r, max_tokens=100))
+    assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE and d.ticket is None
+
+
+# -- live: what the router says about a stream request before any slot is involved -----------
+async def test_stream_requests_the_router_cannot_serve_get_a_400_saying_why() -> None:
+    async with plane(models=("calibrated",), slots=1) as s, client(s.url) as nc:
+        async def ask(model: str, body: bytes, **h: str) -> tuple[int, str]:
+            m = await nc.request(NAMES.infer(model), body, timeout=5, headers=h)
+            return status(m), m.data.decode()
+
+        # A model that does not stream.
+        code, text = await ask("calibrated", calibrated(10), **{Header.STREAM: "1"})
+        assert code == 400 and "does not stream" in text
+        # A stream deadline shorter than the first token's.
+        code, text = await ask("tinylm", b'{"prompt": "hi"}', **{
+            Header.STREAM: "1", Header.DEADLINE_MS: "500", Header.STREAM_DEADLINE_MS: "100"})
+        assert code == 400 and Header.STREAM_DEADLINE_MS in text
+        # Plane-Stream takes one value.
+        code, text = await ask("tinylm", b'{"prompt": "hi"}', **{Header.STREAM: "yes"})
+        assert code == 400 and Header.STREAM in text
+        # A prompt and max_tokens past the context.
+        code, text = await ask("tinylm", b'{"prompt": "' + b"a" * 250 + b'", "max_tokens": 10}',
+                               **{Header.STREAM: "1"})
+        assert code == 400 and "context" in text
+        # A well-formed stream with no tinylm slot anywhere: refused, not lost.
+        code, text = await ask("tinylm", b'{"prompt": "hi"}', **{Header.STREAM: "1"})
+        assert code == 503 and "no healthy slot" in text

@@ -123,3 +123,18 @@ async def test_stream_requests_the_router_cannot_serve_get_a_400_saying_why() ->
         # A well-formed stream with no tinylm slot anywhere: refused, not lost.
         code, text = await ask("tinylm", b'{"prompt": "hi"}', **{Header.STREAM: "1"})
         assert code == 503 and "no healthy slot" in text
+
+
+def test_streams_that_end_early_are_spaced_by_what_they_take() -> None:
+    """Streams that produce a quarter of their max_tokens (END sampled early): promises are
+    spaced by a quarter of the work, while the p99 (deadlines) stays at the whole."""
+    r = rates(prefill_ns=0, decode_ns=400_000)
+    full = r.predict(overhead(0), 0, 100)[0]
+    for _ in range(100):
+        r.learn(prompt_tokens=0, tokens=25, prefill_us=0, decode_us=10_000, max_tokens=100)
+    early = r.predict(overhead(0), 0, 100)[0]
+    assert early.expected_us == full.expected_us // 4 == 10_000
+    assert early.p99_us == 10_000  # every stream so far took a quarter
+    for _ in range(2):  # two in a hundred ran to max_tokens: the p99 knows
+        r.learn(prompt_tokens=0, tokens=100, prefill_us=0, decode_us=40_000, max_tokens=100)
+    assert r.predict(overhead(0), 0, 100)[0].p99_us == 40_000

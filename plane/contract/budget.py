@@ -133,6 +133,7 @@ def fits(p99_us: int, remaining_us: int) -> bool:
 # benchmarks/tinylm_tokens.py: ~230-310 µs a decode step; the prefill is one batched pass).
 PRIOR_DECODE_NS = 300_000
 PRIOR_PREFILL_NS = 40_000
+FULL = 1000  # a stream that produced all its max_tokens, in per mille
 
 
 @dataclass(slots=True)
@@ -140,35 +141,45 @@ class TokenRates:
     """A generating model's per-token costs, learned online from done-events: per stream, its
     prefill time per prompt token and its decode time per token produced (nanoseconds, so
     that a fast device keeps its precision), each in a window with p50 and p99 like the
-    overhead. A stream's device work is predicted as
-    `prompt x prefill + max_tokens x decode`; its first token as `prompt x prefill + one step`.
+    overhead, and the share of max_tokens produced. A stream's device work is predicted as
+    `prompt x prefill + max_tokens x share x decode`, each at its quantile; its first token
+    as `prompt x prefill + one step`.
     """
 
     prefill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
         size=128, prior_us=PRIOR_PREFILL_NS))
     decode: ServiceWindow = field(default_factory=lambda: ServiceWindow(
         size=128, prior_us=PRIOR_DECODE_NS))
+    # How much of max_tokens streams produce (per mille): a model that often ends early
+    # (END sampled, callers that cancel) frees its slot early, and promises are spaced by
+    # what streams take, not by what they may take (the p99 still bounds deadlines).
+    fill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
+        size=128, prior_us=FULL))
 
-    def learn(self, prompt_tokens: int, tokens: int, prefill_us: int, decode_us: int) -> None:
+    def learn(self, prompt_tokens: int, tokens: int, prefill_us: int, decode_us: int,
+              max_tokens: int = 0) -> None:
         if prompt_tokens > 0 and prefill_us > 0:
             self.prefill.add(prefill_us * 1000 // prompt_tokens)
         if tokens > 0 and decode_us > 0:
             self.decode.add(decode_us * 1000 // tokens)
+        if max_tokens > 0:
+            self.fill.add(min(FULL, tokens * FULL // max_tokens))
 
     def predict(self, overhead: ServiceWindow, prompt_tokens: int,
                 max_tokens: int) -> tuple[Prediction, int, int]:
         """(the whole stream's prediction, its first token's p99 µs, its expected device work
         µs) for a prompt of `prompt_tokens` asking for up to `max_tokens`. Bounded by
         max_tokens: a stream that ends early frees its slot early, at its done-event."""
-        pre, dec = self.prefill, self.decode
+        pre, dec, fill = self.prefill, self.decode, self.fill
 
-        def work(pre_ns: int, dec_ns: int, steps: int) -> int:
+        def work(pre_ns: int, dec_ns: int, fill_pm: int) -> int:
+            steps = max(1, -(-max_tokens * fill_pm // FULL))  # at least one, rounded up
             return (prompt_tokens * pre_ns + steps * dec_ns) // 1000
 
         whole = Prediction(
-            overhead.p50_us + work(pre.p50_us, dec.p50_us, max_tokens),
-            overhead.p99_us + work(pre.p99_us, dec.p99_us, max_tokens),
-            overhead.mean_us + work(pre.mean_us, dec.mean_us, max_tokens),
-            overhead.p90_us + work(pre.p90_us, dec.p90_us, max_tokens))
-        first_p99 = overhead.p99_us + work(pre.p99_us, dec.p99_us, 1)
-        return whole, first_p99, work(pre.mean_us, dec.mean_us, max_tokens)
+            overhead.p50_us + work(pre.p50_us, dec.p50_us, fill.p50_us),
+            overhead.p99_us + work(pre.p99_us, dec.p99_us, fill.p99_us),
+            overhead.mean_us + work(pre.mean_us, dec.mean_us, fill.mean_us),
+            overhead.p90_us + work(pre.p90_us, dec.p90_us, fill.p90_us))
+        first_p99 = overhead.p99_us + work(pre.p99_us, dec.p99_us, 0)
+        return whole, first_p99, work(pre.mean_us, dec.mean_us, fill.mean_us)

@@ -37,6 +37,7 @@ class InFlight:
     seq: int | None = None
     placing: bool = True  # the publish has not returned yet: not ours to resolve
     resolving: bool = False
+    max_tokens: int = 0  # a generation's (what its done-event's tokens are a share of)
 
 
 Answer = Callable[[InFlight, Status, Reason, str], Awaitable[None]]

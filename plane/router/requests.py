@@ -103,6 +103,7 @@ class Routing:
     deadline_ms: int
     work_us: int
     stream_ms: int | None  # a stream's whole budget (ms from receipt); None: not a stream
+    max_tokens: int  # a generation's; 0 for other models
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
     tenant: str  # who sent it (plane.router.tenancy)
@@ -303,7 +304,7 @@ class RequestPath:
         promiser = self.cfg.router_id if forwarded else self.peers.promiser()
         r = Routing(
             msg=msg, rid=rid, model=model, ms=ms, deadline_ms=deadline_ms, work_us=work_us,
-            stream_ms=stream_ms,
+            stream_ms=stream_ms, max_tokens=shape[1] if shape is not None else 0,
             t0=t0, tenant=self.tenants.of(hdrs), forwarded=forwarded, promiser=promiser,
             span=self.tracing.start("plane.admission", hdrs, epoch_ns_of(int(t0 * 1e9)),
                                     {"model": model, "request_id": rid})
@@ -640,6 +641,7 @@ class RequestPath:
             deadline_s=ask.deadline_s,
             # The router owns the deadline of what it placed: a stream's whole one.
             answer_by_s=(ask.end_deadline_s or ask.deadline_s) + self.cfg.deadline_grace_ms / 1000,
+            max_tokens=r.max_tokens,
         ))
 
     async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse,

@@ -289,7 +289,8 @@ class Router(Lifecycle, TaskOwner):
             cycle_us = int((now - fl.placed_s) * 1e6)
             ms.window.add(cycle_us - ev.work_us, now)
             if ev.tokens or ev.prompt_tokens:  # a generation: its per-token rates
-                ms.rates.learn(ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us)
+                ms.rates.learn(ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us,
+                               fl.max_tokens)
 
     def _freed(self, fl: InFlight) -> None:
         self.requests.ended(fl, 0, 0, 0)  # the watchdog's answer is metered where it is given

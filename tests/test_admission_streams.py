@@ -135,6 +135,6 @@ def test_streams_that_end_early_are_spaced_by_what_they_take() -> None:
     early = r.predict(overhead(0), 0, 100)[0]
     assert early.expected_us == full.expected_us // 4 == 10_000
     assert early.p99_us == 10_000  # every stream so far took a quarter
-    for _ in range(2):  # two in a hundred ran to max_tokens: the p99 knows
+    for _ in range(8):  # a few ran to max_tokens (the window recomputes every 8): the p99 knows
         r.learn(prompt_tokens=0, tokens=100, prefill_us=0, decode_us=40_000, max_tokens=100)
     assert r.predict(overhead(0), 0, 100)[0].p99_us == 40_000

@@ -13,9 +13,11 @@ from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import run as run_on_uvloop
 from plane.pulse.api import pulse as run_pulse
-from plane.pulse.bodies import DEFAULT_DURATION_US, body_from_option
+from plane.pulse.bodies import DEFAULT_DURATION_US, DEFAULT_MAX_TOKENS, body_from_option
 from plane.pulse.report import print_table, to_json, write_out
 from plane.pulse.runner import LoadConfig
+from plane.pulse.stream_api import DEFAULT_CAPACITY_S
+from plane.pulse.stream_cli import StreamOptions, run_stream_pulse
 from plane.pulse.targets import HttpTarget, NatsTarget, Target
 
 NO_DEADLINE_WAIT_MS = 30_000  # the SDK's own wait for a call without a deadline
@@ -59,34 +61,76 @@ def _headers(raw: tuple[str, ...]) -> dict[str, str]:
                    "refusal rate, histogram) and summary.json here.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr (default: when stderr is a terminal).")
+@click.option("--stream", is_flag=True,
+              help="Ask for streams (Plane-Stream: 1; models that stream: tinylm): Poisson "
+                   "arrivals at --rate, TTFT/TPOT percentiles, tokens/s, the issue's targets. "
+                   "--deadline-ms is then the TTFT budget; --timeout-ms the wait for a "
+                   "stream's end when no --stream-deadline-ms is sent.")
+@click.option("--stream-deadline-ms", type=click.IntRange(1, MAX_DEADLINE_MS), default=None,
+              help="--stream: send Plane-Stream-Deadline-Ms, the whole stream's budget "
+                   "(default: none, the plane's own).")
+@click.option("--max-tokens", type=click.IntRange(1, 255), default=DEFAULT_MAX_TOKENS,
+              show_default=True, help="tinylm: tokens asked for in the default body.")
+@click.option("--capacity-x", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--stream: measure the capacity first (closed loop, --callers at a time) "
+                   "and offer this multiple of it instead of --rate.")
+@click.option("--callers", type=int, default=2, show_default=True,
+              help="--stream --capacity-x: closed-loop callers (one per slot).")
+@click.option("--capacity-s", type=float, default=DEFAULT_CAPACITY_S, show_default=True,
+              help="--stream --capacity-x: seconds of closed loop.")
+@click.option("--seed", type=int, default=None,
+              help="--stream: seed of the arrivals and the retry jitter (default: random).")
 def pulse(nats_url: str | None, user: str | None, password: str | None, token: str | None,
           creds: str | None, tls_ca: str | None, url: str | None, model: str,
           body: str | None, duration_us: int, rate: float, duration_s: float,
           concurrency: int, deadline_ms: int | None, timeout_ms: int | None, retry: bool,
           max_attempts: int, headers: tuple[str, ...], as_json: bool, out_dir: Path | None,
-          progress: bool | None) -> None:
+          progress: bool | None, stream: bool, stream_deadline_ms: int | None,
+          max_tokens: int, capacity_x: float | None, callers: int, capacity_s: float,
+          seed: int | None) -> None:
     """Open-loop load: a constant --rate for --duration, latency from each scheduled send.
+    With --stream: streams at Poisson arrivals (or --capacity-x times the closed-loop
+    capacity), TTFT, TPOT and tokens/s, judged against the streaming targets.
 
     \b
     Examples:
       plane pulse --nats nats://127.0.0.1:4222 --rate 200 --duration 10 --retry
       plane pulse --nats nats://127.0.0.1:4222 --model risk --deadline-ms 50 --json
       plane pulse --url http://127.0.0.1:8080/v1/infer/calibrated --rate 50 --out out/
+      plane pulse --nats nats://127.0.0.1:4222 --model tinylm --stream --rate 20 --retry
+      plane pulse --nats nats://127.0.0.1:4222 --model tinylm --stream --capacity-x 2 \\
+          --callers 2 --duration 30 --retry --out out/
     """
     try:
         deadline = deadline_ms  # None: send none; the plane's own applies
         wait_ms = timeout_ms or (deadline + 1000 if deadline is not None
                                  else NO_DEADLINE_WAIT_MS)
-        payload = body_from_option(body, model, duration_us)
+        payload = body_from_option(body, model, duration_us, max_tokens)
         policy = RetryPolicy(max_attempts=max_attempts) if retry else NO_RETRY
         load = LoadConfig(rate=rate, duration_s=duration_s, concurrency=concurrency,
                           progress=sys.stderr.isatty() if progress is None else progress)
+        if stream and (url is not None or nats_url is None):
+            raise ConfigError("--stream reads streams over NATS: give --nats URL (for HTTP "
+                              "streams, load the gateway's SSE with another tool)")
+        opts = (make_connect(nats_url, user, password, token, creds, tls_ca, name="pulse")
+                if nats_url is not None else None)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if stream:
+        assert opts is not None
+        run_stream_pulse(
+            opts, model=model, body=payload, load=load, deadline_ms=deadline, timeout_ms=timeout_ms,
+            retry=retry, max_attempts=max_attempts, as_json=as_json, out_dir=out_dir,
+            stream=StreamOptions(stream_deadline_ms=stream_deadline_ms, seed=seed,
+                                 capacity_x=capacity_x, callers=callers,
+                                 capacity_s=capacity_s))
+        return
+    try:
         target: Target
         if url is not None:
             target = HttpTarget(url, deadline_ms=deadline, timeout_ms=wait_ms, policy=policy,
                                 concurrency=concurrency, headers=_headers(headers))
-        elif nats_url is not None:
-            opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="pulse")
+        elif opts is not None:
             target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy,
                                 wait_ms=wait_ms)
         else:

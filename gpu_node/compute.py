@@ -16,9 +16,10 @@ is an error, never a silent fallback.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -47,6 +48,11 @@ class SlotRunner(Protocol):
     def run_calibrated(self, duration_us: int) -> None: ...
 
     def probe(self) -> bool: ...
+
+    def lane_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the slot's device work goes (its CUDA stream; nothing on a CPU): a
+        generation runs all its steps inside it."""
+        ...
 
 
 class Backend(Protocol):
@@ -87,6 +93,9 @@ class TorchSlot:
 
     def probe(self) -> bool:
         return 0.0 <= self.run_risk([0.0] * FEATURES) <= 1.0
+
+    def lane_context(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
 
 
 class TorchBackend:

@@ -1,6 +1,7 @@
 """Fault injection for tests and drills: wrap a slot's runner so it can hang, slow down or
 raise on command. Also records when each call started, which the health supervisor reads to
-tell a long request from a hung partition."""
+tell a long request from a hung partition. A generation announces each token step the same
+way (`begin`/`end`), so a fault takes hold mid-stream and a step that hangs is seen."""
 
 from __future__ import annotations
 
@@ -44,20 +45,30 @@ class WatchedRunner:
         else:
             self._release.set()
 
-    def _call(self, fn: Callable[[], T], expected_s: float) -> T:
+    def begin(self, expected_s: float) -> None:
+        """A call (or one step of a generation) starts now and should take at most
+        `expected_s`; an injected fault takes hold here. Pair with `end`."""
         self.call_expected_s = expected_s
         self.call_started_s = time.monotonic()
+        mode = self._mode
+        if mode == "none":
+            return
+        if mode == "hang":
+            self._release.wait()
+        elif mode == "raise":
+            raise InjectedFault("injected fault: this slot was told to fail")
+        elif mode == "slow":
+            time.sleep(self._extra_s)
+
+    def end(self) -> None:
+        self.call_started_s = None
+
+    def _call(self, fn: Callable[[], T], expected_s: float) -> T:
         try:
-            mode = self._mode
-            if mode == "hang":
-                self._release.wait()
-            elif mode == "raise":
-                raise InjectedFault("injected fault: this slot was told to fail")
-            elif mode == "slow":
-                time.sleep(self._extra_s)
+            self.begin(expected_s)
             return fn()
         finally:
-            self.call_started_s = None
+            self.end()
 
     def run_risk(self, features: Sequence[float], expected_s: float = 0.005) -> float:
         return self._call(lambda: self._inner.run_risk(features), expected_s)

@@ -11,6 +11,7 @@ Imports only torch, triton and kernels/ (no plane.*), so scripts/gpu_check.py ca
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -73,6 +74,9 @@ class KernelSlot:
 
     def buffers(self) -> tuple[Staged, ...]:
         return (self.x, self.y, self.spun, self.probe_in, self.probe_out)
+
+    def lane_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self._lane.stream_context()
 
     def run_risk(self, features: Sequence[float]) -> float:
         self._packer.pack(features)

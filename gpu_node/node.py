@@ -29,10 +29,12 @@ from nats.micro.service import Service
 
 from gpu_node.compute import Backend, make_backend
 from gpu_node.faults import WatchedRunner
+from gpu_node.generation import generation_for
 from gpu_node.health import Supervisor
 from gpu_node.recent import RecentIds
 from gpu_node.slot import Enrich, Slot
 from gpu_node.standing import Other, Standing
+from gpu_node.streaming import StreamControl
 from gpu_node.telemetry import GpuTelemetry, make_telemetry, partition_sms
 from plane.contract import replies
 from plane.contract.config import NodeConfig
@@ -74,6 +76,9 @@ class Node(Lifecycle, TaskOwner):
         self.spec = model_spec(cfg.model)
         self.backend = backend or make_backend(cfg.backend, seed=cfg.seed,
                                                sms_per_slot=cfg.sms_per_slot)
+        # tinylm: one model per process (each slot gets its own state), built once here.
+        self.generation = generation_for(self.spec, self.backend, cfg.seed)
+        self.streams = StreamControl(nc, cfg.names, cfg.node_id, self._slot_at)
         self.enrich = enrich
         self.tracing = tracing or Tracing.off()
         self.settings = LiveSettings(cfg.names)
@@ -131,6 +136,8 @@ class Node(Lifecycle, TaskOwner):
         # Routers hear of this process before any of its slots fetches (standing.SETTLE_S).
         await self._send_heartbeat()
         await self.nc.flush()
+        if self.generation is not None:
+            await self.streams.start()  # before any slot can run a stream
         await self._reconcile_slots()
         self._supervisor = Supervisor(
             slots=lambda: list(self.slots), metrics=self.metrics,
@@ -197,6 +204,7 @@ class Node(Lifecycle, TaskOwner):
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+        await self.streams.stop()
         await self.settings.stop()
         for s in self.slots:
             await s.close()
@@ -209,13 +217,19 @@ class Node(Lifecycle, TaskOwner):
         want = self.target_slots
         while len(self.slots) < want:
             k = len(self.slots)
+            runner = self.backend.make_slot(k)
+            generator = None
+            if self.generation is not None:  # its state and warm-up, off the event loop
+                generator = await asyncio.to_thread(self.generation.make_slot,
+                                                    runner.lane_context)
             slot = Slot(
-                k=k, runner=WatchedRunner(self.backend.make_slot(k)), nc=self.nc, js=self.js,
+                k=k, runner=WatchedRunner(runner), nc=self.nc, js=self.js,
                 names=self.names, node=self.cfg.node_id, spec=self.spec,
                 stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
                 fetch_expiry_s=self.cfg.fetch_expiry_s, enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
                 sms=partition_sms(self.backend), tracing=self.tracing,
+                generator=generator, stream_reply=self.streams.reply_subject(k),
             )
             self.slots.append(slot)
             await slot.claim()
@@ -224,6 +238,9 @@ class Node(Lifecycle, TaskOwner):
             await slot.withdraw("resized", wait_s=self.cfg.drain_timeout_s)
             await slot.close()
         self.changed()
+
+    def _slot_at(self, k: int) -> Slot | None:
+        return self.slots[k] if 0 <= k < len(self.slots) else None
 
     def _budget_us(self) -> int:
         ms = self.settings.deadline_or_default(self.cfg.model, self.cfg.default_deadline_ms)
@@ -254,6 +271,9 @@ class Node(Lifecycle, TaskOwner):
         request now, and the device's last NVML reading (absent without one)."""
         body = msgspec.to_builtins(self.advert())
         body["busy"] = [s.current is not None for s in self.slots]
+        if self.generation is not None:
+            body["streams"] = {"cancelled": self.streams.cancelled,
+                               "readers_gone": self.streams.readers_gone}
         if self._telemetry is not None and self._telemetry.last is not None:
             body["gpu"] = msgspec.to_builtins(self._telemetry.last)
         await req.respond(json_encoder.encode(body))

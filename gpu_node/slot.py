@@ -8,6 +8,11 @@ disconnected, or whenever the node says so: draining, replaced, heartbeats lapse
 takes the message through the API instead and answers only if the take succeeds
 (`plane.contract.ownership`). A message left on the subject unfetched (an earlier life of the
 slot, a process it replaced) is never purged unseen: it is taken and answered 503 the same way.
+
+A `tinylm` request that asks to stream (`Plane-Stream: 1`) keeps its message unacked for the
+whole stream: `start`, tokens as the generation thread makes them, then the final `end`,
+answered by the same rule with the stream deadline in place of the deadline
+(gpu_node/streaming.py, docs/design.md "Streams").
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -28,9 +32,13 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import FetchTimeoutError, NotFoundError
 
+from gpu_node.current import Current
 from gpu_node.faults import WatchedRunner
+from gpu_node.generation import GenResult, SlotGenerator
 from gpu_node.recent import RecentIds
-from plane.contract import replies
+from gpu_node.slot_generation import Generating
+from gpu_node.streaming import StreamRun
+from plane.contract import replies, streams
 from plane.contract.budget import ServiceWindow
 from plane.contract.canonical import CanonicalLog
 from plane.contract.errors import BadRequest
@@ -42,6 +50,8 @@ from plane.contract.messages import (
     Reason,
     RiskReply,
     Status,
+    StreamFinish,
+    TinyLMRequest,
     error_body,
     json_encoder,
     msgpack_encoder,
@@ -59,36 +69,24 @@ log = structlog.get_logger("plane.slot")
 # Consumers outlive a short network blip but not a dead node.
 CONSUMER_INACTIVE_S = 30.0
 # Longer than any request may run (calibrated is capped at 10 s): the node acks or terms
-# every message itself; an unacked one is only ever an orphan, freed by its TTL.
+# every message itself; an unacked one is only ever an orphan, freed by its TTL. A stream
+# may run longer (up to its stream deadline): it says "in progress" every EXTEND_ACK_S.
 ACK_WAIT_S = 30.0
 # Depth one leaves at most one message on a subject; in a cluster a few more have been seen
 # (nats-server #6245): a sweep takes at most this many.
 SWEEP_MAX = 4
 
 
-@dataclass(slots=True)
-class Current:
-    msg: Msg
-    request_id: str
-    reply: str
-    deadline_at_ms: int
-    work_us: int
-    fetched_s: float  # monotonic
-    answered: bool = False
-    compute_us: int = 0  # the device call alone (the rest of service_us: decode, encode)
-    fetched_ns: int = 0  # wall clock, epoch ns (spans)
-    compute_ns: tuple[int, int] = (0, 0)  # the device call, epoch ns (spans)
-
-
 Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
 
 
-class Slot:
+class Slot(Generating):
     def __init__(
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
         node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, fetch_expiry_s: float,
         enrich: Enrich | None = None, answered: RecentIds | None = None,
         must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
+        generator: SlotGenerator | None = None, stream_reply: str = "",
     ) -> None:
         self.k = k
         self.runner = runner
@@ -104,6 +102,8 @@ class Slot:
         self.answered = answered if answered is not None else RecentIds()
         self.must_take = must_take or (lambda fetched_s: False)
         self.tracing = tracing or Tracing.off()
+        self.generator = generator  # tinylm: this slot's generation state
+        self.stream_reply = stream_reply  # stream messages' reply subject (see streaming.py)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)
@@ -213,7 +213,13 @@ class Slot:
             self.current = None
         if cur is None or cur.answered:
             return
+        if cur.stop is not None and cur.stop.reason is None:
+            cur.stop.reason = StreamFinish.ERROR  # the generation thread stops at its next step
         if not await self._claim_answer(cur):
+            return
+        if cur.stream is not None:
+            await self._end_stream(cur, None, f"slot {self.node}/{self.k} failed: {why}; retry "
+                                   "elsewhere", int((time.monotonic() - cur.fetched_s) * 1e6))
             return
         await self._finish(cur, Status.UNAVAILABLE, 0, error_body(
             f"slot {self.node}/{self.k} failed: {why}; retry elsewhere", Reason.UNHEALTHY),
@@ -262,6 +268,8 @@ class Slot:
                 fetched_s=time.monotonic(),
                 fetched_ns=time.time_ns() if self.tracing.on else 0,
             )
+            # A stream's own deadline (absent: a router that predates streams; the TTFT one).
+            stream_at_ms = int(h.get(Header.STREAM_DEADLINE_AT, cur.deadline_at_ms))
         except (KeyError, ValueError):
             log.error("slot message without routing headers terminated", slot=self.k)
             await msg.term()
@@ -274,8 +282,17 @@ class Slot:
                 return
             try:
                 req = self.spec.decode(msg.data, h.get(Header.CONTENT_TYPE))
+                if streams.asked(h):
+                    if not self.spec.streams or self.generator is None:
+                        raise BadRequest(f"model {self.model} does not stream; call it without "
+                                         f"{Header.STREAM}")
+                    cur.stream = StreamRun(reply=cur.reply, prompt_tokens=len(req.prompt_bytes),
+                                           deadline_at_ms=stream_at_ms)
             except BadRequest as exc:
                 await self._answer_error(cur, Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc), t0)
+                return
+            if cur.stream is not None:
+                await self._stream(cur, req, t0)
                 return
             extra: dict[str, str] = {}
             if self.enrich is not None:
@@ -296,7 +313,7 @@ class Slot:
             service_us = (time.perf_counter_ns() - t0) // 1000
             self.window.add(service_us - cur.work_us)
             body = self._encode(result, h.get(Header.CONTENT_TYPE))
-            if replies.now_ms() > cur.deadline_at_ms:
+            if result is None or replies.now_ms() > cur.deadline_at_ms:
                 await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
                                          "the slot finished after the deadline", t0)
                 return
@@ -311,11 +328,13 @@ class Slot:
                 self.current = None
 
     async def _run(self, req: Any, work_us: int) -> Any:
+        """The request's result (None: a generation stopped at the deadline)."""
         loop = asyncio.get_running_loop()
-        self._busy.set(1)
         expected_s = (work_us + max(5000, 4 * self.window.p99_us)) / 1e6
-        started_s = time.perf_counter()
+        started_s = self._busy_from()
         try:
+            if isinstance(req, TinyLMRequest):
+                return await self._generate(req)
             if isinstance(req, CalibratedRequest):
                 await loop.run_in_executor(
                     self.executor, self.runner.run_calibrated, req.duration_us, expected_s)
@@ -324,16 +343,25 @@ class Slot:
                 self.executor, self.runner.run_risk, req.features, expected_s)
             return RiskReply(score=score)
         finally:
-            self._busy.set(0)
-            busy_s = time.perf_counter() - started_s
-            if self.current is not None:
-                self.current.compute_us = int(busy_s * 1e6)
-                if self.tracing.on:  # wall-clock stamps only for spans
-                    end_ns = time.time_ns()
-                    self.current.compute_ns = (end_ns - int(busy_s * 1e9), end_ns)
-            self._busy_s.inc(busy_s)
-            if self._sm_s is not None:
-                self._sm_s.inc(busy_s * self.sms)
+            self._account(started_s)
+
+    def _busy_from(self) -> float:
+        """The slot is busy from now (perf counter): pair with `_account`."""
+        self._busy.set(1)
+        return time.perf_counter()
+
+    def _account(self, started_s: float) -> None:
+        """The slot was busy since `started_s` (perf counter): gauges, counters, spans."""
+        self._busy.set(0)
+        busy_s = time.perf_counter() - started_s
+        if self.current is not None:
+            self.current.compute_us = int(busy_s * 1e6)
+            if self.tracing.on:  # wall-clock stamps only for spans
+                end_ns = time.time_ns()
+                self.current.compute_ns = (end_ns - int(busy_s * 1e9), end_ns)
+        self._busy_s.inc(busy_s)
+        if self._sm_s is not None:
+            self._sm_s.inc(busy_s * self.sms)
 
     def _encode(self, result: Any, content_type: str | None) -> bytes:
         if content_type == "application/msgpack":
@@ -355,7 +383,7 @@ class Slot:
         gone); otherwise take the message through the API, which says who was first. False:
         someone else answered; stay silent (and tell routers the slot is free)."""
         cur.answered = True
-        if (self.nc.is_connected and replies.now_ms() <= cur.deadline_at_ms
+        if (self.nc.is_connected and replies.now_ms() <= cur.answer_by_ms
                 and not self.must_take(cur.fetched_s)):
             await cur.msg.ack()
             return True
@@ -402,13 +430,19 @@ class Slot:
 
     async def _done(self, cur: Current, status: int, service_us: int) -> None:
         await self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,
-                                 cur.work_us)
+                                 cur.work_us, cur.gen)
 
     async def _publish_done(self, h: dict[str, str], request_id: str, status: int,
-                            service_us: int, work_us: int) -> None:
+                            service_us: int, work_us: int, gen: GenResult | None = None) -> None:
+        """A generation's carries its tokens and phases (the router learns its per-token
+        rates from them) and `work_us`, the device time it took."""
         ev = DoneEvent(request_id=request_id, node=self.node, model=self.model, k=self.k,
                        status=status, service_us=service_us, router=h.get(Header.ROUTER, ""),
-                       work_us=work_us, sms=self.sms)
+                       work_us=work_us, sms=self.sms,
+                       prompt_tokens=gen.prompt_tokens if gen else 0,
+                       tokens=gen.tokens if gen else 0,
+                       prefill_us=gen.prefill_us if gen else 0,
+                       decode_us=gen.decode_us if gen else 0)
         await self.nc.publish(self.done_subject, msgpack_encoder.encode(ev))
 
     # -- probes -----------------------------------------------------------------------------

@@ -39,6 +39,8 @@ DEMO_DEADLINE_MS = 1000  # the demo's calls: each must be a 200 within it
 def example_body(model: str) -> dict[str, object]:
     if model == "risk":
         return {"features": [round(0.05 * i, 2) for i in range(FEATURES)]}
+    if model == "tinylm":
+        return {"prompt": "The plane", "max_tokens": 16}
     return {"duration_us": 2000}
 
 

@@ -1,0 +1,178 @@
+"""`tinylm` on a node: one model per process, one generation state per slot, and the loop
+that runs a whole generation on the slot's executor thread.
+
+The loop runs prefill and every token step in that one thread, with no trip to the event
+loop in between: each token goes out through `emit` (for a stream, a hand-off that wakes the
+loop only when it is not already awake: `gpu_node.streaming.TokenPipe`). Before each step it
+reads two things the event loop may set: `Stop.reason` (a cancel, a caller gone, a withdrawn
+slot) and the deadline, so that a stream stops within one token step of either.
+
+Backends as for `risk` (gpu_node/compute.py): `torch` runs the torch path on the CPU,
+`interpret` the Triton decode-attention kernel in the interpreter, `triton` the compiled
+kernel on the slot's CUDA lane. Each slot's `GenState` is made once; a token allocates no
+tensor (kernels/tinylm.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_node.faults import WatchedRunner
+from kernels.tinylm import TinyLM
+from plane.contract.errors import ConfigError
+from plane.contract.messages import TINYLM_CONTEXT, StreamFinish, TinyLMRequest
+from plane.contract.models import ModelSpec
+
+LaneContext = Callable[[], contextlib.AbstractContextManager[Any]]
+Emit = Callable[[int], None]  # one token (a byte value), from the generation thread
+
+# What a token step and a prefill are expected to take at most, before any is measured (the
+# health supervisor calls a step that runs past its expectation a miss; see gpu_node/health).
+FLOOR_STEP_S = 0.005
+PRIOR_STEP_S = {"torch": 0.001, "interpret": 0.05, "triton": 0.001}
+STEP_MARGIN = 4.0  # expectation: this many times the recent mean step
+PREFILL_PER_BYTE_MARGIN_S = 0.0005
+
+
+class Stop:
+    """Set by the event loop, read by the generation thread before each step: a plain
+    attribute (one assignment is atomic under the GIL), no lock on the token path."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self) -> None:
+        self.reason: StreamFinish | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenResult:
+    finish: StreamFinish  # stop | length | cancelled | deadline
+    prompt_tokens: int
+    tokens: int  # produced
+    prefill_us: int  # start(): the prompt through the model
+    decode_us: int  # every token step after it
+    text: bytes  # what was produced
+
+    @property
+    def work_us(self) -> int:
+        """The device (here: thread) time the generation took: what the router's per-token
+        rates are learned from."""
+        return self.prefill_us + self.decode_us
+
+
+class Generation:
+    """The node's one `TinyLM` (weights from the node's seed) on its backend's device."""
+
+    def __init__(self, lm: TinyLM, backend_name: str) -> None:
+        if lm.config.context != TINYLM_CONTEXT:
+            raise ConfigError(
+                f"tinylm: the model's context is {lm.config.context}, the plane's contract "
+                f"(plane.contract.messages.TINYLM_CONTEXT) says {TINYLM_CONTEXT}; routers "
+                "would admit requests the model cannot hold: build both from one release")
+        self.lm = lm
+        self.backend_name = backend_name
+
+    @classmethod
+    def for_backend(cls, backend_name: str, device: torch.device | None,
+                    seed: int = 0) -> Generation:
+        """`torch`: the torch path on the CPU; `interpret`: the kernel in Triton's interpreter
+        (CPU); `triton`: the compiled kernel on `device`."""
+        if backend_name == "torch":
+            lm = TinyLM.from_seed(seed, "cpu", use_kernel=False)
+        elif backend_name == "interpret":
+            lm = TinyLM.from_seed(seed, "cpu", use_kernel=True)
+        else:
+            lm = TinyLM.from_seed(seed, device or torch.device("cuda"), use_kernel=True)
+        return cls(lm, backend_name)
+
+    def _ready(self) -> None:
+        """Made on the default stream, read from the slots' streams: finished first."""
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)
+
+    def make_slot(self, lane: LaneContext) -> SlotGenerator:
+        gen = SlotGenerator(self.lm, lane, PRIOR_STEP_S.get(self.backend_name, 0.001))
+        self._ready()  # the weights and this slot's state
+        gen.warm_up()
+        return gen
+
+
+def generation_for(spec: ModelSpec, backend: Any, seed: int) -> Generation | None:
+    """The node's generation model when its model generates (decided once, at start)."""
+    if spec.request_type is not TinyLMRequest:
+        return None
+    return Generation.for_backend(backend.name, getattr(backend, "device", None), seed)
+
+
+class SlotGenerator:
+    """One slot's generation state (KV cache and workspace, made once) and the loop."""
+
+    def __init__(self, lm: TinyLM, lane: LaneContext, prior_step_s: float) -> None:
+        self.lm = lm
+        self.state = lm.new_state()
+        self._lane = lane
+        self._text = bytearray(lm.config.context)  # the request's bytes out, reused
+        self.mean_step_s = prior_step_s  # of recent generations: what a step is expected to take
+
+    def warm_up(self) -> None:
+        """One short generation, so that compiling (or the interpreter's rewrite) happens
+        before the slot takes its first request, and a broken lane fails here."""
+        with self._lane():
+            self.lm.start(b"warm up", 2, state=self.state)
+            while self.lm.step(self.state) is not None:
+                pass
+
+    def generate(self, req: TinyLMRequest, stop: Stop, deadline_s: float,
+                 watch: WatchedRunner, emit: Emit | None = None) -> GenResult:
+        """Run `req` to its end on this (the slot's executor) thread: prefill, then token
+        steps until the model stops, max_tokens, `stop.reason` or the monotonic `deadline_s`.
+        Each step is announced to `watch` (health: a step that hangs is a miss; injected
+        faults), and each token handed to `emit`."""
+        lm, s, text = self.lm, self.state, self._text
+        prompt = req.prompt_bytes
+        produced = 0
+        finish: StreamFinish | None = None
+        t0 = time.perf_counter_ns()
+        t1 = t0
+        try:
+            with self._lane():
+                if stop.reason is not None:
+                    finish = stop.reason
+                else:
+                    watch.begin(max(FLOOR_STEP_S, len(prompt) * PREFILL_PER_BYTE_MARGIN_S))
+                    lm.start(prompt, req.max_tokens, req.temperature, req.seed, state=s)
+                t1 = time.perf_counter_ns()
+                expected_s = max(FLOOR_STEP_S, STEP_MARGIN * self.mean_step_s)
+                while finish is None:
+                    if stop.reason is not None:
+                        finish = stop.reason
+                        break
+                    if time.monotonic() >= deadline_s:
+                        finish = StreamFinish.DEADLINE
+                        break
+                    watch.begin(expected_s)
+                    token = lm.step(s)
+                    if token is None:
+                        break
+                    text[produced] = token
+                    produced += 1
+                    if emit is not None:
+                        emit(token)
+                    if s.finish is not None:
+                        break
+        finally:
+            watch.end()
+        t2 = time.perf_counter_ns()
+        if finish is None:
+            finish = StreamFinish(s.finish or "stop")
+        if produced:
+            self.mean_step_s = 0.8 * self.mean_step_s + 0.2 * (t2 - t1) / 1e9 / produced
+        return GenResult(finish=finish, prompt_tokens=len(prompt), tokens=produced,
+                         prefill_us=(t1 - t0) // 1000, decode_us=(t2 - t1) // 1000,
+                         text=bytes(text[:produced]))

@@ -36,7 +36,7 @@ from plane.auth.store import AuthDir
 from plane.client import Client
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
-from plane.contract.messages import FaultCommand, json_encoder
+from plane.contract.messages import FaultCommand, done_decoder, json_encoder
 from plane.contract.natsconn import connect
 from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
@@ -188,7 +188,7 @@ def test_the_allow_lists_follow_the_prefix() -> None:
     perms = {**role_permissions(Names("acme.p")), "tenant": tenant(Names("acme.p"))}
     for role, p in perms.items():
         assert not [s for s in (*p.publish, *p.subscribe) if "plane" in s.lower()], role
-    assert perms["tenant"] == Permissions(publish=("acme.p.infer.>",),
+    assert perms["tenant"] == Permissions(publish=("acme.p.infer.>", "acme.p.cancel.>"),
                                           subscribe=("_INBOX.>",))
 
 
@@ -486,3 +486,53 @@ def test_plane_auth_env_connects_as_a_role(tmp_path: Path,
     monkeypatch.setenv("PLANE_AUTH", "no-role-here")
     with pytest.raises(ConfigError, match="DIR:ROLE"):
         make_connect(None, None, None, None, None, None)
+
+
+async def test_a_tenant_streams_and_cancels_through_its_account(auth: AuthDir) -> None:
+    """A stream's messages all cross the service import (`response_type: stream`: with the
+    default, a tenant saw the start and nothing after it), and a tenant's cancel reaches the
+    node through the imported `plane.cancel.>`. Across an import the server tells the node
+    nothing when the tenant stops reading (no no-responders status comes back, checked), so
+    the slot frees here only because the cancel arrived."""
+    node = "node0-tinylm"
+    async with secured(auth, models=("tinylm",), slots=1, allow_faults=True) as plane:
+        admin = await connect(auth.options("admin", plane.url))
+        dones: list[Msg] = []
+
+        async def keep(msg: Msg) -> None:
+            dones.append(msg)
+
+        try:
+            await admin.subscribe(NAMES.done_all(), cb=keep)
+            await admin.flush()
+            async with Client.connect(auth.options("acme", plane.url)) as c:
+                whole = c.stream("tinylm", {"prompt": "The plane", "max_tokens": 60},
+                                 deadline_ms=5000)
+                pieces = [p async for p in whole]
+                assert len(pieces) >= 2 and len("".join(pieces)) == 60
+                assert whole.finish_reason == "length" and whole.usage is not None
+                slow = FaultCommand(k=0, mode="slow", extra_us=3000)  # 200 tokens: 0.6 s
+                await admin.request(NAMES.fault(node), json_encoder.encode(slow), timeout=2)
+                async with c.stream("tinylm", {"prompt": "The plane", "max_tokens": 200},
+                                    deadline_ms=5000) as early:
+                    async for _ in early:
+                        break
+            async with asyncio.timeout(5):
+                while not any(done_decoder.decode(d.data).request_id == early.request_id
+                              for d in dones):
+                    await asyncio.sleep(0.01)
+            done = next(e for d in dones
+                        if (e := done_decoder.decode(d.data)).request_id == early.request_id)
+            assert done.tokens < 100  # stopped by the cancel, not run to its 200 tokens
+        finally:
+            await admin.close()
+        assert plane.violations() == []
+
+
+async def test_the_gateway_role_may_cancel(auth: AuthDir) -> None:
+    async with secured(auth) as plane, offender(auth.options("gateway", plane.url)) as gw:
+        await gw.nc.publish(NAMES.cancel("node0-calibrated", 0), b"",
+                            headers={Header.REQUEST_ID: "gone"})
+        await gw.nc.flush()
+        await asyncio.sleep(0.2)
+        assert gw.errors == [] and plane.violations() == []

@@ -92,7 +92,8 @@ async def test_openapi_document_is_valid_and_covers_every_route(
     validate(doc)
     paths = set(doc["paths"])
     assert {f"/v1/infer/{m}" for m in MODELS} | {"/healthz", "/readyz", "/metrics",
-                                                  "/openapi.json"} == paths
+                                                  "/openapi.json", "/v1/completions",
+                                                  "/v1/chat/completions", "/v1/models"} == paths
     risk = doc["paths"]["/v1/infer/risk"]["post"]
     assert set(risk["responses"]) >= {"200", "400", "404", "429", "503", "504"}
     assert doc["components"]["schemas"]["RiskRequest"]["properties"]["features"]["minItems"] == 32

@@ -120,6 +120,7 @@ def node(n: Names) -> Permissions:
             n.health_all(),  # its own id's heartbeats (another process with its id)
             f"{p}.node.>",  # status and `answered` endpoints
             f"{p}.fault.>",  # fault injection: only nodes started with --allow-faults listen
+            n.cancel_all(),  # its streams' cancels (`P.cancel.<node>.*`: nodes share a role)
             MICRO, INBOX,
         ),
     )
@@ -146,8 +147,10 @@ def bridge(n: Names) -> Permissions:
 
 
 def gateway(n: Names) -> Permissions:
-    """The HTTP gateway: requests (naming the tenant of its bearer token) and readiness."""
-    return Permissions(publish=(n.infer_all(), f"$SRV.PING.{n.router_service}", INBOX),
+    """The HTTP gateway: requests (naming the tenant of its bearer token), the cancel of a
+    stream whose HTTP client went away, and readiness."""
+    return Permissions(publish=(n.infer_all(), n.cancel_all(), f"$SRV.PING.{n.router_service}",
+                                INBOX),
                        subscribe=(INBOX,))
 
 
@@ -157,10 +160,10 @@ def admin(n: Names) -> Permissions:
 
 
 def tenant(n: Names) -> Permissions:
-    """A tenant's users, in its own account: the imported inference service, nothing else
-    (the account has no JetStream and imports nothing else, so even an allowed subject
-    would reach no one but itself)."""
-    return Permissions(publish=(n.infer_all(),), subscribe=(INBOX,))
+    """A tenant's users, in its own account: the imported inference services and the
+    streams' cancel, nothing else (the account has no JetStream and imports nothing else,
+    so even an allowed subject would reach no one but itself)."""
+    return Permissions(publish=(n.infer_all(), n.cancel_all()), subscribe=(INBOX,))
 
 
 def role_permissions(n: Names) -> dict[str, Permissions]:

@@ -3,6 +3,14 @@
     async with Client.connect(url) as plane:
         result = await plane.invoke("risk", {"features": [0.0] * 32}, deadline_ms=50)
 
+    async with Client.connect(url) as plane:
+        async for piece in plane.stream("tinylm", {"prompt": "hi", "max_tokens": 32},
+                                        deadline_ms=500):
+            print(piece, end="")
+
+A stream (`TokenStream`, `plane.client.stream`) yields each token message's text; leaving
+the loop early cancels it on the plane; `SyncClient.stream` is the same for a `for` loop.
+
 With no `deadline_ms` the call sends none and the plane's live deadline for the model
 applies (`deadline_ms.<model>` in the PLANE_CONFIG bucket).
 
@@ -14,8 +22,10 @@ user=..., password=...))`). Errors are those of `plane.contract.errors`: `Reject
 at the URL, with `url`). Each carries `attempts` and `request_id`.
 """
 
-from plane.client.aio import Client, ClientConfig, encode_payload
+from plane.client.aio import Client, ClientConfig
+from plane.client.attempt import encode_payload
 from plane.client.result import Result
+from plane.client.stream import TokenStream
 from plane.client.sync import SyncClient
 from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
@@ -41,6 +51,7 @@ __all__ = [
     "Result",
     "RetryPolicy",
     "SyncClient",
+    "TokenStream",
     "Unavailable",
     "encode_payload",
     "retry_delay_ms",

@@ -26,22 +26,20 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
 from plane.client.connection import CONNECT_ATTEMPTS, open_connection
 from plane.client.result import Result, header_int, reply_status
+from plane.client.stream import TokenStream
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.contract.errors import ConfigError
-from plane.contract.messages import Reason, Status, error_body
+from plane.contract.messages import Reason, Status
 from plane.contract.replies import now_ms
 from plane.contract.subjects import Header, Names
-
-_encoder = msgspec.json.Encoder()
-
 
 
 class CallOptions(TypedDict, total=False):
@@ -56,6 +54,7 @@ class CallOptions(TypedDict, total=False):
     content_type: str
     headers: Mapping[str, str]
 
+
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig:
     names: Names = field(default_factory=Names)
@@ -67,6 +66,10 @@ class ClientConfig:
     # answers within its deadline; this only bounds a plane that stays silent.
     wait_ms: int = 30_000
     connect_attempts: int = CONNECT_ATTEMPTS  # retries of the first connect, then ConnectFailed
+    # How long past a stream's deadline (or its TTFT budget, before the start) a stream waits
+    # for the plane's own final message before it ends it as silent (local 504). The router
+    # answers within its grace (50 ms) of the deadline; this leaves room for a busy machine.
+    stream_margin_ms: int = 1000
     seed: int | None = None  # the jitter's random source; None: seeded from the OS
 
     def __post_init__(self) -> None:
@@ -77,22 +80,12 @@ class ClientConfig:
             raise ConfigError(f"wait_ms must be 1..{2 * MAX_DEADLINE_MS} ms")
         if not 1 <= self.connect_attempts <= 1000:
             raise ConfigError("connect_attempts must be 1..1000")
+        if not 0 <= self.stream_margin_ms <= 60_000:
+            raise ConfigError("stream_margin_ms must be 0..60000 ms")
 
     def deadline_ms(self, model: str) -> int | None:
         """The deadline to send for `model` when a call gives none (None: send none)."""
         return self.default_deadline_ms.get(model)
-
-
-def encode_payload(payload: Any) -> bytes:
-    """Bytes pass through; anything else (dict, list, msgspec Struct) is encoded as JSON."""
-    if isinstance(payload, bytes | bytearray | memoryview):
-        return bytes(payload)
-    return _encoder.encode(payload)
-
-
-def _local_reply(status: Status, reason: Reason, message: str) -> tuple[bytes, dict[str, str]]:
-    """A status the client makes up itself (no answer in time, nobody listening)."""
-    return error_body(message, reason), {Header.STATUS: str(int(status)), Header.REASON: reason}
 
 
 class Client:
@@ -134,6 +127,34 @@ class Client:
         )
         return result.raise_for_status()
 
+    def stream(
+        self,
+        model: str,
+        payload: Any,
+        *,
+        deadline_ms: int | None = None,
+        stream_deadline_ms: int | None = None,
+        policy: RetryPolicy | None = None,
+        request_id: str | None = None,
+        raise_errors: bool = True,
+        ticket: str | None = None,
+        avoid_node: str | None = None,
+        first_attempt: int = 1,
+        content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> TokenStream:
+        """A generation read as it is made (`plane.client.stream`): iterate it for its
+        text pieces (`async for piece in plane.stream("tinylm", {...}, deadline_ms=500)`),
+        or enter it (`async with`) to close it for sure. `deadline_ms` is the budget for the
+        first token (refusals are retried within it, as `call` retries); `stream_deadline_ms`
+        the whole stream's (default: the plane's). Nothing is sent until it is iterated,
+        entered or started."""
+        return TokenStream(
+            self, model, payload, deadline_ms=deadline_ms,
+            stream_deadline_ms=stream_deadline_ms, policy=policy, request_id=request_id,
+            raise_errors=raise_errors, ticket=ticket, avoid_node=avoid_node,
+            first_attempt=first_attempt, content_type=content_type, headers=headers)
+
     async def call(
         self,
         model: str,
@@ -168,19 +189,10 @@ class Client:
         attempt = first_attempt
         while True:
             remaining_s = deadline_at - time.monotonic()
-            # The caller's own headers first (trace context, a tenant the gateway names):
-            # the plane's, set below, win.
-            attempt_headers = dict(headers or {})
-            attempt_headers[Header.REQUEST_ID] = request_id
-            attempt_headers[Header.ATTEMPT] = str(attempt)
-            if send_deadline:
-                attempt_headers[Header.DEADLINE_MS] = str(max(1, int(remaining_s * 1000)))
-            if ticket:
-                attempt_headers[Header.TICKET] = ticket
-            if avoid_node:
-                attempt_headers[Header.AVOID_NODE] = avoid_node
-            if content_type:
-                attempt_headers[Header.CONTENT_TYPE] = content_type
+            attempt_headers = attempt_headers_for(
+                headers, request_id=request_id, attempt=attempt,
+                deadline_ms=max(1, int(remaining_s * 1000)) if send_deadline else None,
+                ticket=ticket, avoid_node=avoid_node, content_type=content_type)
             sent = time.monotonic()
             reply_body, reply_headers, local = await self._attempt(
                 subject, body, attempt_headers, remaining_s,
@@ -199,7 +211,7 @@ class Client:
                 statuses=tuple(statuses), hinted=hinted, waited_ms=waited_ms,
                 last_attempt_ms=last_attempt_ms, local=local,
             )
-            delay_ms = self._retry_delay_ms(result, policy, attempt - first_attempt + 1,
+            delay_ms = self.retry_delay_for(result, policy, attempt - first_attempt + 1,
                                             deadline_at)
             if delay_ms is None:
                 return result
@@ -211,11 +223,13 @@ class Client:
             waited_ms += delay_ms
             attempt += 1
 
-    def _retry_delay_ms(
+    def retry_delay_for(
         self, result: Result, policy: RetryPolicy, tries: int, deadline_at: float
     ) -> float | None:
-        """Whether to try again, and after how long. Only a 429 that is not a `deadline`
-        refusal, or a 503 from the server, is worth another attempt."""
+        """Whether to try again after `result` (the answer to the `tries`-th attempt), and
+        after how long (ms; None: give up). Only a 429 that is not a `deadline` refusal, or a
+        503 from the server, is worth another attempt; `deadline_at` is monotonic. Shared by
+        `call` and the streams (`plane.client.stream`), which retry only before a start."""
         retryable = (result.status == Status.BUSY and result.reason != Reason.DEADLINE) or (
             result.status == Status.UNAVAILABLE and not result.local
         )
@@ -238,15 +252,15 @@ class Client:
     ) -> tuple[bytes, dict[str, str], bool]:
         """One request; (body, headers, made_up_locally)."""
         if timeout_s <= 0:
-            b, h = _local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send")
+            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send")
             return b, h, True
         try:
             msg = await self.nc.request(subject, body, timeout=timeout_s, headers=headers)
         except NatsTimeout:
-            b, h = _local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer)
+            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer)
             return b, h, True
         except NoRespondersError:
-            b, h = _local_reply(
+            b, h = local_reply(
                 Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}"
             )
             return b, h, True

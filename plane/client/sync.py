@@ -2,6 +2,8 @@
 
     with SyncClient("nats://127.0.0.1:4222") as plane:
         result = plane.invoke("calibrated", {"duration_us": 2000}, deadline_ms=200)
+        for piece in plane.stream("tinylm", {"prompt": "hi", "max_tokens": 16}):
+            print(piece, end="")
 
 It runs the asyncio `Client` on an event loop in one background thread that it owns (so the
 NATS connection keeps answering pings between calls) and waits for each call there. Safe to
@@ -12,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncGenerator, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
 from plane.client.aio import Client, ClientConfig
 from plane.client.connection import open_connection
 from plane.client.result import Result
-from plane.contract.config import ConnectOptions
+from plane.client.stream import TokenStream
+from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
+from plane.contract.messages import Usage
 
 T = TypeVar("T")
 
@@ -83,6 +87,14 @@ class SyncClient:
         return self._run(client.call(model, payload, deadline_ms=deadline_ms, **kw),
                          self._wait_s(model, deadline_ms))
 
+    def stream(self, model: str, payload: Any, *, deadline_ms: int | None = None,
+               stream_deadline_ms: int | None = None, **kw: Any) -> SyncStream:
+        """See `Client.stream`: iterate it (`for piece in plane.stream(...)`) for the text
+        pieces; leaving the loop early cancels the stream."""
+        client = self._require()
+        return SyncStream(self, client.stream(model, payload, deadline_ms=deadline_ms,
+                                              stream_deadline_ms=stream_deadline_ms, **kw))
+
     def _wait_s(self, model: str, deadline_ms: int | None) -> float:
         if deadline_ms is None:
             deadline_ms = self._config.deadline_ms(model)
@@ -113,3 +125,76 @@ class SyncClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+# The async stream never waits past its deadline plus its margin, nor, without a deadline,
+# past `wait_ms` between two messages; this only bounds a loop thread that stopped.
+_STREAM_STEP_S = MAX_DEADLINE_MS / 1000 + _SLACK_S
+
+
+class SyncStream:
+    """A `TokenStream` read from a thread without an event loop: each step runs on the
+    `SyncClient`'s loop thread. Iterate it once; `with` closes (cancels) it for sure, and so
+    does leaving a `for` loop early (the generator's close)."""
+
+    def __init__(self, owner: SyncClient, stream: TokenStream) -> None:
+        self._owner = owner
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[str]:
+        pieces = self.stream.__aiter__()
+        try:
+            while True:
+                try:
+                    yield self._owner._run(_next_piece(pieces), _STREAM_STEP_S)
+                except StopAsyncIteration:
+                    return
+        finally:
+            if self._owner._loop is not None:  # close the async generator on its loop
+                self._owner._run(_close(pieces, self.stream), _SLACK_S)
+
+    def start(self) -> bool:
+        """See `TokenStream.start`."""
+        return self._owner._run(self.stream.start(), _STREAM_STEP_S)
+
+    def close(self) -> None:
+        """Cancel the stream if it still runs; idempotent."""
+        if self._owner._loop is not None:
+            self._owner._run(self.stream.aclose(), _SLACK_S)
+
+    @property
+    def result(self) -> Result | None:
+        return self.stream.result
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stream.finish_reason
+
+    @property
+    def usage(self) -> Usage | None:
+        return self.stream.usage
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    def __enter__(self) -> SyncStream:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+async def _next_piece(pieces: AsyncGenerator[str, None]) -> str:
+    return await pieces.__anext__()
+
+
+async def _close(pieces: AsyncGenerator[str, None], stream: TokenStream) -> None:
+    await pieces.aclose()  # its own cleanup: the cancel, when it still runs
+    await stream.aclose()

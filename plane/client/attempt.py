@@ -1,0 +1,47 @@
+"""One attempt of a request, shared by `Client.call` and the streams (`plane.client.stream`):
+the body, the headers it goes out with, and the answers the client makes up itself."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from plane.contract.messages import Reason, Status, error_body
+from plane.contract.subjects import Header
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_payload(payload: Any) -> bytes:
+    """Bytes pass through; anything else (dict, list, msgspec Struct) is encoded as JSON."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    return _encoder.encode(payload)
+
+
+def attempt_headers_for(
+    headers: Mapping[str, str] | None, *, request_id: str, attempt: int,
+    deadline_ms: int | None, ticket: str | None, avoid_node: str | None,
+    content_type: str | None,
+) -> dict[str, str]:
+    """The headers of one attempt. The caller's own first (trace context, a tenant the
+    gateway names): the plane's, set here, win."""
+    out = dict(headers or {})
+    out[Header.REQUEST_ID] = request_id
+    out[Header.ATTEMPT] = str(attempt)
+    if deadline_ms is not None:
+        out[Header.DEADLINE_MS] = str(deadline_ms)
+    if ticket:
+        out[Header.TICKET] = ticket
+    if avoid_node:
+        out[Header.AVOID_NODE] = avoid_node
+    if content_type:
+        out[Header.CONTENT_TYPE] = content_type
+    return out
+
+
+def local_reply(status: Status, reason: Reason, message: str) -> tuple[bytes, dict[str, str]]:
+    """A status the client makes up itself (no answer in time, nobody listening)."""
+    return error_body(message, reason), {Header.STATUS: str(int(status)), Header.REASON: reason}

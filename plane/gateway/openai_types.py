@@ -1,0 +1,196 @@
+"""OpenAI's request and answer bodies, as far as the plane speaks them
+(`plane.gateway.openai_compat`): msgspec Structs, decoded and encoded at the HTTP edge, and
+the schemas of `/openapi.json`. A request's fields not named here are ignored (OpenAI
+clients send many); a field the plane cannot honour is named by `unsupported()`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from plane.contract.errors import BadRequest
+
+
+# -- what OpenAI clients send (fields not named here are ignored) ------------------------------
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+    include_usage: bool = False
+
+
+class _Asked(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+
+    def unsupported(self) -> list[str]:
+        out = ["n (only 1)"] if self.n != 1 else []
+        return out + (["stop"] if self.stop else [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Asked, frozen=True, kw_only=True):
+    prompt: str | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            out.append("prompt as a list of other than one string")
+        return out + [name for name, bad in (
+            ("echo", self.echo), ("logprobs", self.logprobs is not None),
+            ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))) if bad]
+
+    def render(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(p.type != "text" for p in self.content):
+            raise BadRequest("only text content parts are supported")
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatRequest(_Asked, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if not self.messages:
+            out.append("an empty messages list")
+        return out + [name for name, bad in (
+            ("logprobs", bool(self.logprobs)), ("tools", bool(self.tools))) if bad]
+
+    def render(self) -> str:
+        """One prompt for a model without a chat template: a `role: content` line per
+        message, then the assistant's turn."""
+        return "".join(f"{m.role}: {m.text()}\n" for m in self.messages) + "assistant:"
+
+    def tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class PlaneBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The `tinylm` request the plane gets: only what the caller gave (the plane's defaults
+    apply to the rest; the router validates it all)."""
+
+    prompt: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+
+
+# -- what they get back -------------------------------------------------------------------
+class OpenAIUsage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct, frozen=True, kw_only=True):
+    text: str
+    index: int = 0
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: OpenAIUsage | None = None
+
+
+class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: OpenAIUsage
+
+
+class Delta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct, frozen=True, kw_only=True):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatChunk(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: OpenAIUsage | None = None
+
+
+class OpenAIError(msgspec.Struct, frozen=True, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(msgspec.Struct, frozen=True, kw_only=True):
+    error: OpenAIError
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "plane"
+
+
+class ModelList(msgspec.Struct, frozen=True, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]

@@ -1,0 +1,168 @@
+"""A plane stream as Server-Sent Events: `POST /v1/infer/{model}` with `Plane-Stream: 1` (or
+`Accept: text/event-stream` for a model that streams).
+
+    curl -N -H 'Plane-Stream: 1' -d '{"prompt": "hello", "max_tokens": 32}' \\
+        http://127.0.0.1:8080/v1/infer/tinylm
+
+    event: start
+    data: {"request_id":"...","node":"node0-tinylm","slot":0}
+
+    event: token
+    data: {"seq":1,"text":"w"}
+    ...
+    event: end
+    data: {"status":200,"finish_reason":"length","usage":{...},"request_id":"..."}
+
+The HTTP status is the first message's: the gateway waits for it before it sends a header. A
+refusal (400, 429 with Retry-After and Plane-Ticket, 503) is the stream's only message and
+goes out as the ordinary JSON answer of `POST /v1/infer/{model}`; a `start` makes it a 200
+`text/event-stream`, and whatever ends the stream after that (the node's `end`, a router's
+503/504 for a node that died) is its `end` event, with the status inside. An HTTP client that
+goes away mid-stream cancels it (`TokenStream.aclose`): its slot frees within a token step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from plane.client import TokenStream
+from plane.client.aio import CallOptions
+from plane.client.result import header_int
+from plane.contract.backoff import NO_RETRY
+from plane.contract.headers import CallerHeaders
+from plane.contract.messages import Usage
+from plane.contract.models import MODELS
+from plane.contract.subjects import Header
+from plane.gateway.common import CLIENT_KEY, http_headers
+
+EVENT_STREAM = "text/event-stream"
+
+log = structlog.get_logger("plane.gateway")
+_json = msgspec.json.Encoder()
+
+
+class StartEvent(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    node: str | None
+    slot: int | None
+
+
+class TokenEvent(msgspec.Struct, frozen=True, kw_only=True):
+    seq: int
+    text: str
+
+
+class EndEvent(msgspec.Struct, frozen=True, kw_only=True):
+    status: int
+    finish_reason: str | None
+    usage: Usage | None
+    request_id: str
+    error: str | None = None
+    reason: str | None = None
+
+
+def event(data: bytes, name: str | None = None) -> bytes:
+    """One SSE event. `data` is one line (compact JSON, or `[DONE]`)."""
+    head = f"event: {name}\n".encode() if name else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+def wants_stream(caller: CallerHeaders, request: web.Request, model: str) -> bool:
+    """`Plane-Stream: 1` asks the plane (which refuses it, 400, for a model that does not
+    stream); `Accept: text/event-stream` (what a browser's EventSource sends) streams only
+    a model that can."""
+    if caller.stream:
+        return True
+    spec = MODELS.get(model)
+    return spec is not None and spec.streams and EVENT_STREAM in request.headers.get(
+        "Accept", "")
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection mid-stream."""
+
+
+class EventWriter:
+    """A `text/event-stream` response: sent once the stream started, written event by event;
+    a write to a client that went away raises `ClientGone`."""
+
+    def __init__(self, request: web.Request, headers: Mapping[str, str]) -> None:
+        self.request = request
+        self.response = web.StreamResponse(status=200, headers={
+            **headers, "Content-Type": EVENT_STREAM, "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})  # proxies (nginx) must not hold events back
+
+    async def open(self) -> None:
+        try:
+            await self.response.prepare(self.request)
+        except ConnectionResetError as exc:
+            raise ClientGone(str(exc)) from exc
+
+    async def send(self, chunk: bytes) -> None:
+        try:
+            await self.response.write(chunk)
+        except ConnectionResetError as exc:  # aiohttp: "Cannot write to closing transport"
+            raise ClientGone(str(exc)) from exc
+
+    async def close(self) -> None:
+        with contextlib.suppress(ConnectionResetError):  # gone as it ended: nothing to do
+            await self.response.write_eof()
+
+
+def stream_headers(stream: TokenStream) -> dict[str, str]:
+    """The HTTP headers of a started stream: its start's, as a reply's are mapped."""
+    return http_headers(stream.start_headers)
+
+
+async def open_stream(request: web.Request, model: str, body: bytes, args: CallOptions,
+                      stream_deadline_ms: int | None) -> TokenStream:
+    """A stream to `model`, started (or refused: `started` is False, `result` says why).
+    The gateway never retries: the HTTP caller sees each refusal and decides."""
+    stream = request.app[CLIENT_KEY].stream(
+        model, body, policy=NO_RETRY, raise_errors=False,
+        stream_deadline_ms=stream_deadline_ms, **args)
+    try:
+        await stream.start()
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream
+
+
+async def plane_events(request: web.Request, stream: TokenStream) -> web.StreamResponse:
+    """Serve a started stream as the plane's own events (start, token..., end)."""
+    writer = EventWriter(request, stream_headers(stream))
+    start = stream.start_headers
+    try:
+        await writer.open()
+        await writer.send(event(_json.encode(StartEvent(
+            request_id=start.get(Header.REQUEST_ID, stream.request_id),
+            node=start.get(Header.NODE), slot=header_int(start, Header.SLOT))), "start"))
+        async with contextlib.aclosing(aiter(stream)) as pieces:
+            async for piece in pieces:
+                await writer.send(event(_json.encode(TokenEvent(seq=stream.seq, text=piece)),
+                                        "token"))
+        await writer.send(event(_json.encode(end_event(stream)), "end"))
+        await writer.close()
+    except ClientGone:
+        log.info("http client went away mid-stream; stream cancelled",
+                 request_id=stream.request_id, pieces=len(stream.pieces))
+    finally:
+        await stream.aclose()  # the cancel, unless it ended
+    return writer.response
+
+
+def end_event(stream: TokenStream) -> EndEvent:
+    result = stream.result
+    assert result is not None
+    error = reason = None
+    if not result.ok:
+        error, reason = result.error_message(), result.reason
+    return EndEvent(status=result.status, finish_reason=stream.finish_reason,
+                    usage=stream.usage, request_id=stream.request_id, error=error,
+                    reason=reason)

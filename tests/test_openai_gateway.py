@@ -1,0 +1,265 @@
+"""The gateway's streams against a real plane (nats-server, router, a `tinylm` node with one
+slot): the `openai` package from PyPI, unchanged, on `/v1/completions` and
+`/v1/chat/completions`, and the plane's own Server-Sent Events on `/v1/infer/tinylm`.
+
+The gateway names a tenant by bearer token here, as in production: the `openai` client's
+`api_key` is that token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import nats
+import openai
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from openai.types.chat import ChatCompletionMessageParam
+from openapi_spec_validator import validate
+
+from plane.client import Client
+from plane.contract.config import ConnectOptions
+from plane.contract.messages import FaultCommand, done_decoder, json_encoder
+from plane.contract.subjects import Header
+from plane.gateway import Gateway, GatewayConfig
+from plane.stack import PlaneStack, StackConfig
+from tests.plane_fixtures import NAMES, slots_running, wait_until
+
+MODEL = "tinylm"
+NODE = "node0-tinylm"
+PROMPT = "The plane"  # greedy from here never samples END: a stream runs to max_tokens
+TOKEN = "acme-token-0123"
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[PlaneStack]:
+    async with PlaneStack(StackConfig(models=(MODEL,), slots=1, allow_faults=True)) as s:
+        yield s
+
+
+@pytest.fixture
+async def gateway(stack: PlaneStack) -> AsyncIterator[Gateway]:
+    config = GatewayConfig(port=0, tenant_tokens={TOKEN: "acme"})
+    async with Gateway(config, ConnectOptions(url=stack.url)) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def oa(gateway: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    # No retries of its own: each test sees what the gateway answered.
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=TOKEN,
+                                  max_retries=0, timeout=20) as client:
+        yield client
+
+
+@pytest.fixture
+async def admin(stack: PlaneStack) -> AsyncIterator[NATS]:
+    nc = await nats.connect(stack.url)
+    yield nc
+    await nc.close()
+
+
+async def plane_text(stack: PlaneStack, max_tokens: int, prompt: str = PROMPT) -> str:
+    """What the plane itself answers (greedy: the one text every route must give)."""
+    async with Client.connect(stack.url) as c:
+        r = await c.invoke(MODEL, {"prompt": prompt, "max_tokens": max_tokens},
+                           deadline_ms=5000)
+    text: str = r.json()["text"]
+    return text
+
+
+async def slow(nc: NATS, extra_us: int) -> None:
+    cmd = FaultCommand(k=0, mode="slow" if extra_us else "none", extra_us=extra_us)
+    assert (await nc.request(NAMES.fault(NODE), json_encoder.encode(cmd), timeout=5)).data == b"ok"
+
+
+async def listen(nc: NATS, subject: str) -> list[Msg]:
+    seen: list[Msg] = []
+
+    async def keep(msg: Msg) -> None:
+        seen.append(msg)
+
+    await nc.subscribe(subject, cb=keep)
+    await nc.flush()
+    return seen
+
+
+# -- the openai package ----------------------------------------------------------------------
+async def test_completions_whole_and_streamed(stack: PlaneStack,
+                                              oa: openai.AsyncOpenAI) -> None:
+    expected = await plane_text(stack, 60)
+    whole = await oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60)
+    assert whole.object == "text_completion" and whole.model == MODEL
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 60
+    assert whole.usage.prompt_tokens == len(PROMPT) and whole.usage.total_tokens == 60 + 9
+    assert whole.id.startswith("cmpl-")
+
+    chunks = [c async for c in await oa.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=60, stream=True,
+        stream_options={"include_usage": True})]
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == expected and len([t for t in texts if t]) >= 2
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 60
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_chat_whole_and_streamed(stack: PlaneStack, oa: openai.AsyncOpenAI) -> None:
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": "be brief"},
+                                                  {"role": "user", "content": "hi"}]
+    prompt = "system: be brief\nuser: hi\nassistant:"
+    expected = await plane_text(stack, 40, prompt)
+    whole = await oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=40)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt)
+
+    stream = await oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                              stream=True)
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" and c.usage is None for c in chunks)
+
+
+async def test_temperature_and_seed_reach_the_plane(stack: PlaneStack,
+                                                    oa: openai.AsyncOpenAI) -> None:
+    async with Client.connect(stack.url) as c:
+        r = await c.invoke(MODEL, {"prompt": "x", "max_tokens": 30, "temperature": 1.5,
+                                   "seed": 42}, deadline_ms=5000)
+    sampled = await oa.completions.create(model=MODEL, prompt="x", max_tokens=30,
+                                          temperature=1.5, seed=42)
+    assert sampled.choices[0].text == r.json()["text"]
+    assert sampled.choices[0].text != await plane_text(stack, 30, "x")  # not greedy
+
+
+async def test_a_busy_plane_is_a_rate_limit_error(stack: PlaneStack, admin: NATS,
+                                                  oa: openai.AsyncOpenAI) -> None:
+    await slow(admin, 3000)  # the holder's 100 tokens take 0.3 s at least
+    async with Client.connect(stack.url) as c, c.stream(
+            MODEL, {"prompt": PROMPT, "max_tokens": 100}, deadline_ms=5000) as holder:
+        assert holder.started
+        with pytest.raises(openai.RateLimitError) as info:
+            await oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+        with pytest.raises(openai.RateLimitError):
+            await oa.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                stream=True)
+    await slow(admin, 0)
+    err = info.value
+    assert err.status_code == 429 and int(err.response.headers["Retry-After"]) >= 1
+    assert int(err.response.headers[Header.RETRY_AFTER_MS]) >= 1
+    assert err.response.headers.get(Header.TICKET)
+    assert err.code == "busy" and err.type == "rate_limit_error"
+    assert isinstance(err.body, dict) and "busy" in err.body["message"]
+
+
+async def test_a_client_that_leaves_mid_stream_frees_the_slot(
+        stack: PlaneStack, admin: NATS, oa: openai.AsyncOpenAI) -> None:
+    cancels = await listen(admin, NAMES.cancel_all())
+    dones = await listen(admin, NAMES.done_all())
+    await slow(admin, 2000)  # 200 tokens: 0.4 s at least, if not cancelled
+    stream = await oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200,
+                                         stream=True)
+    rid = stream.response.headers[Header.REQUEST_ID]
+    async for _ in stream:
+        break
+    await stream.close()  # the HTTP connection goes
+    await wait_until(lambda: any((c.headers or {}).get(Header.REQUEST_ID) == rid
+                                 for c in cancels), 5, "the gateway's cancel")
+    took_s = await wait_until(lambda: slots_running(stack) == 0, 5, "the slot to free")
+    assert took_s < 0.3
+    await wait_until(lambda: any(done_decoder.decode(d.data).request_id == rid for d in dones),
+                     5, "the done-event")
+    done = next(e for d in dones if (e := done_decoder.decode(d.data)).request_id == rid)
+    assert done.tokens < 100
+    await slow(admin, 0)
+    again = await oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    assert len(again.choices[0].text) == 5  # the slot serves on
+
+
+async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        await oa.completions.create(model="risk", prompt="x")
+    assert missing.value.code == "model_not_found" and "tinylm" in missing.value.message
+    with pytest.raises(openai.BadRequestError) as too_long:
+        await oa.completions.create(model=MODEL, prompt="x" * 10, max_tokens=255, stream=True)
+    assert too_long.value.code == "bad-request" and "context" in too_long.value.message
+    assert too_long.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="n \\(only 1\\)"):
+        await oa.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        await oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                         temperature=3.0)
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="wrong-token",
+                                  max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.completions.create(model=MODEL, prompt="x")
+    assert [m.id async for m in oa.models.list()] == [MODEL]
+
+
+# -- the plane's own SSE ---------------------------------------------------------------------
+def events(raw: str) -> list[tuple[str, dict[str, object]]]:
+    out = []
+    for block in raw.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((fields["event"], json.loads(fields["data"])))
+    return out
+
+
+async def test_plane_sse_streams_and_refuses_as_json(stack: PlaneStack, gateway: Gateway,
+                                                     admin: NATS) -> None:
+    expected = await plane_text(stack, 50)
+    url = f"{gateway.url}/v1/infer/{MODEL}"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt": PROMPT, "max_tokens": 50}
+    async with aiohttp.ClientSession(headers=auth) as http:
+        async with http.post(url, json=body, headers={Header.STREAM: "1",
+                                                      Header.REQUEST_ID: "sse-1"}) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            assert r.headers[Header.NODE] == NODE and r.headers[Header.REQUEST_ID] == "sse-1"
+            got = events(await r.text())
+        assert got[0] == ("start", {"request_id": "sse-1", "node": NODE, "slot": 0})
+        tokens = [data for name, data in got if name == "token"]
+        assert "".join(str(t["text"]) for t in tokens) == expected
+        assert [t["seq"] for t in tokens] == list(range(1, len(tokens) + 1))
+        name, end = got[-1]
+        assert name == "end" and end["status"] == 200 and end["finish_reason"] == "length"
+        assert isinstance(end["usage"], dict) and end["usage"]["completion_tokens"] == 50
+        # Accept: text/event-stream asks the same of a model that streams.
+        async with http.post(url, json=body, headers={"Accept": "text/event-stream"}) as r:
+            assert r.content_type == "text/event-stream"
+            assert events(await r.text())[-1][0] == "end"
+        # A refusal before the start is an ordinary JSON answer, status and all.
+        await slow(admin, 3000)
+        async with Client.connect(stack.url) as c, c.stream(
+                MODEL, {"prompt": PROMPT, "max_tokens": 100}, deadline_ms=5000) as holder:
+            assert holder.started
+            async with http.post(url, json=body, headers={Header.STREAM: "1"}) as r:
+                assert r.status == 429 and r.content_type == "application/json"
+                assert int(r.headers["Retry-After"]) >= 1 and r.headers.get(Header.TICKET)
+                assert (await r.json())["reason"] == "busy"
+        await slow(admin, 0)
+        async with http.post(url, json={"prompt": 3}, headers={Header.STREAM: "1"}) as r:
+            assert r.status == 400 and (await r.json())["reason"] == "bad-request"
+
+
+async def test_openapi_lists_the_streaming_routes(gateway: Gateway) -> None:
+    async with aiohttp.ClientSession() as http, http.get(f"{gateway.url}/openapi.json") as r:
+        doc = await r.json()
+    validate(doc)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
+    op = doc["paths"][f"/v1/infer/{MODEL}"]["post"]
+    assert "text/event-stream" in op["responses"]["200"]["content"]
+    assert {Header.STREAM, Header.STREAM_DEADLINE_MS} <= {p["name"] for p in op["parameters"]}
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat["security"] == [{"bearer": []}]
+    assert set(chat["responses"]) >= {"200", "400", "404", "429"}

@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=30.0, help="s per open-loop load")
-    p.add_argument("--slots", type=int, default=2)
+    # What a CPU node serving tinylm runs by default (gpu_node.node.Node.default_slots): one
+    # slot per core the loop, broker, router and load generator do not need.
+    p.add_argument("--slots", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--backend", default="torch", help="the node's backend (torch: CPU)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
     p.add_argument("--deadline-ms", type=int, default=1000, help="TTFT budget sent")

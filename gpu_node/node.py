@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
 from typing import Any
 
@@ -109,10 +110,20 @@ class Node(Lifecycle, TaskOwner):
         consumers and 302 threads)."""
         return min(MAX_SLOTS, max(4 * self.backend.default_slots(), self.cfg.slots or 0))
 
+    def default_slots(self) -> int:
+        """The backend's count, except for a generation on a CPU: its steps keep a core busy
+        the whole stream, so one slot per core the node's loop, the broker and the router do
+        not need. Measured with tinylm on a 2-core box (`plane pulse --stream --capacity-x 2`):
+        2 slots 34 streams/s at 0.76 ms a token, 1 slot 49 streams/s at 0.28 ms."""
+        slots = self.backend.default_slots()
+        if self.generation is not None and self.generation.lm.device.type == "cpu":
+            slots = max(1, min(slots, (os.cpu_count() or 2) - 1))
+        return slots
+
     @property
     def target_slots(self) -> int:
         live = self.settings.get("slots", self.cfg.node_id)
-        configured = self.cfg.slots or self.backend.default_slots()
+        configured = self.cfg.slots or self.default_slots()
         if live is None:
             return configured
         if live <= self.slot_limit:

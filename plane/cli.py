@@ -149,7 +149,7 @@ def serving_options(f: F) -> F:
 
 @main.command()
 @serving_options
-@click.option("--models", default="risk,calibrated", show_default=True,
+@click.option("--models", default="risk,calibrated,tinylm", show_default=True,
               help="Comma-separated models to serve (one node each).")
 @click.option("--slots", type=int, default=None, help="Slots per node (default: backend's).")
 @click.option("--backend", default="auto", show_default=True,

@@ -46,7 +46,7 @@ def test_readme_python_blocks_run_against_plane_up_on_a_fixed_port(tmp_path: Pat
     port = _free_port()
     log, err = tmp_path / "up.log", tmp_path / "up.err"
     with log.open("wb") as out, err.open("wb") as errs:
-        proc = subprocess.Popen([PLANE, "up", "--port", str(port), "--models", "risk",
+        proc = subprocess.Popen([PLANE, "up", "--port", str(port), "--models", "risk,tinylm",
                                  "--log-level", "warning"], stdout=out, stderr=errs)
     try:
         # Redirected to a file, still the first line at once (not at exit).
@@ -59,7 +59,11 @@ def test_readme_python_blocks_run_against_plane_up_on_a_fixed_port(tmp_path: Pat
             done = subprocess.run([sys.executable, str(script)], cwd=tmp_path,
                                   capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, f"README block {i}:\n{block}\n{done.stderr[-2000:]}"
-            assert re.search(r"'score': 0\.\d+", done.stdout), done.stdout
+            if '"tinylm"' in block:  # a stream: its text, then how it finished and its usage
+                assert re.search(r"\b(length|stop) Usage\(prompt_tokens=16, completion_tokens=",
+                                 done.stdout), done.stdout
+            else:
+                assert re.search(r"'score': 0\.\d+", done.stdout), done.stdout
         # The port is taken now: a second plane says so in one line and exits 2.
         again = subprocess.run([PLANE, "up", "--port", str(port), "--models", "risk",
                                 "--log-level", "warning"], capture_output=True, text=True,

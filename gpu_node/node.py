@@ -284,7 +284,8 @@ class Node(Lifecycle, TaskOwner):
         body["busy"] = [s.current is not None for s in self.slots]
         if self.generation is not None:
             body["streams"] = {"cancelled": self.streams.cancelled,
-                               "readers_gone": self.streams.readers_gone}
+                               "readers_gone": self.streams.readers_gone,
+                               "cancels_refused": self.streams.refused}
         if self._telemetry is not None and self._telemetry.last is not None:
             body["gpu"] = msgspec.to_builtins(self._telemetry.last)
         await req.respond(json_encoder.encode(body))

@@ -287,7 +287,8 @@ class Slot(Generating):
                         raise BadRequest(f"model {self.model} does not stream; call it without "
                                          f"{Header.STREAM}")
                     cur.stream = StreamRun(reply=cur.reply, prompt_tokens=len(req.prompt_bytes),
-                                           deadline_at_ms=stream_at_ms)
+                                           deadline_at_ms=stream_at_ms,
+                                           account=h.get(Header.CALLER_ACCOUNT, ""))
             except BadRequest as exc:
                 await self._answer_error(cur, Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc), t0)
                 return

@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.js.api import Header as NatsHeader
 
 from gpu_node.generation import Stop
+from plane.contract.headers import requester_account
 from plane.contract.messages import StreamFinish
 from plane.contract.subjects import Header, Names
 
@@ -112,6 +113,7 @@ class StreamRun:
     reply: str  # the caller's inbox
     prompt_tokens: int
     deadline_at_ms: int  # the whole stream's (router wall clock, epoch ms)
+    account: str = ""  # the tenant account it came from across an import ("": the plane's)
     stop: Stop = field(default_factory=Stop)
     seq: int = 0  # of the last message sent (start: 0)
     sent: int = 0  # tokens published
@@ -140,6 +142,7 @@ class StreamControl:
         self._subs: list[Any] = []
         self.cancelled = 0  # streams ended by a cancel
         self.readers_gone = 0  # streams ended because nobody read them any more
+        self.refused = 0  # cancels from an account that did not send the stream
 
     def reply_subject(self, k: int) -> str:
         """What slot k's stream messages carry as their reply subject."""
@@ -167,9 +170,18 @@ class StreamControl:
 
     async def _on_cancel(self, msg: Msg) -> None:
         running = self._running(msg.subject)
-        rid = (msg.headers or {}).get(Header.REQUEST_ID)
+        h = msg.headers or {}
+        rid = h.get(Header.REQUEST_ID)
         if running is None or rid is None or running[0] != rid:
             return  # not what this slot runs now (ended already, or another request)
+        # A tenant may cancel its own streams only (request ids can be guessed); the plane's
+        # own roles (the gateway, for an HTTP client gone) send from inside: no account.
+        acc = requester_account(h)
+        if acc and acc != running[1].account:
+            self.refused += 1
+            log.warning("cancel from another account ignored", node=self.node,
+                        subject=msg.subject, request_id=rid, account=acc)
+            return
         running[1].cancel(StreamFinish.CANCELLED)
         self.cancelled += 1
         log.info("stream cancelled", node=self.node, subject=msg.subject, request_id=rid)

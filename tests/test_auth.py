@@ -536,3 +536,33 @@ async def test_the_gateway_role_may_cancel(auth: AuthDir) -> None:
         await gw.nc.flush()
         await asyncio.sleep(0.2)
         assert gw.errors == [] and plane.violations() == []
+
+
+async def test_a_tenant_cannot_cancel_another_tenants_stream(auth: AuthDir) -> None:
+    """Request ids can be guessed: a cancel counts only from the account that sent the stream
+    (the router names it on the slot message) or from inside the plane's own account."""
+    node = "node0-tinylm"
+    async with secured(auth, models=("tinylm",), slots=1, allow_faults=True) as plane:
+        admin = await connect(auth.options("admin", plane.url))
+        beta = await connect(auth.options("beta", plane.url))
+        try:
+            slow = FaultCommand(k=0, mode="slow", extra_us=2000)  # 100 tokens: ~0.2 s
+            await admin.request(NAMES.fault(node), json_encoder.encode(slow), timeout=2)
+            async with Client.connect(auth.options("acme", plane.url)) as c:
+                s = c.stream("tinylm", {"prompt": "The plane", "max_tokens": 100},
+                             deadline_ms=5000)
+                cancelled_by_beta = False
+                async for _ in s:
+                    if not cancelled_by_beta:
+                        cancel_subject = (s.start_headers or {})[Header.CANCEL_SUBJECT]
+                        await beta.publish(cancel_subject, b"",
+                                           headers={Header.REQUEST_ID: s.request_id})
+                        await beta.flush()
+                        cancelled_by_beta = True
+                assert s.finish_reason == "length"  # beta's cancel changed nothing
+                assert s.usage is not None and s.usage.completion_tokens == 100
+            assert plane.stack.nodes[0].streams.refused == 1
+        finally:
+            await admin.close()
+            await beta.close()
+        assert plane.violations() == []

@@ -31,6 +31,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import msgspec
+
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import BadRequest
 from plane.contract.subjects import Header, InvalidToken, check_token
@@ -134,3 +136,26 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
                          request_id=request_id) from None
     except ValueError as exc:
         raise BadRequest(str(exc), request_id=request_id) from None
+
+
+class RequestInfo(msgspec.Struct):
+    """The part of nats-server's `Nats-Request-Info` the plane reads: the requesting account,
+    which the server sets on a message that crossed a service import with `share: true` (and
+    overwrites when a caller forged it)."""
+
+    acc: str = ""
+
+
+_request_info = msgspec.json.Decoder(RequestInfo)
+
+
+def requester_account(headers: Mapping[str, str] | None) -> str:
+    """The account a message came from across an import; "" for one sent inside the plane's
+    own account (a plane role) or unreadable."""
+    raw = (headers or {}).get(Header.NATS_REQUEST_INFO)
+    if not raw:
+        return ""
+    try:
+        return _request_info.decode(raw).acc
+    except msgspec.DecodeError:
+        return ""

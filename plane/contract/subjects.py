@@ -65,6 +65,9 @@ class Header:
     STREAM_DEADLINE_MS = "Plane-Stream-Deadline-Ms"  # request: budget for the whole stream
     STREAM_DEADLINE_AT = "Plane-Stream-Deadline-At"  # slot message: router wall clock, epoch ms
     CANCEL_SUBJECT = "Plane-Cancel-Subject"  # start message: where a cancel goes
+    # Slot message of a stream sent across a tenant's import: the account it came from; only
+    # a cancel from that account (or from inside the plane's own) may end it.
+    CALLER_ACCOUNT = "Plane-Caller-Account"
     # Kafka bridge stamps on plane.events.* messages.
     EVENT_TIME = "Plane-Event-Time"
     INGEST_TIME = "Plane-Ingest-Time"

@@ -31,7 +31,7 @@ from plane.contract.budget import predict
 from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
-from plane.contract.headers import read_caller
+from plane.contract.headers import read_caller, requester_account
 from plane.contract.messages import Status
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS, model_spec
@@ -537,6 +537,8 @@ class RequestPath:
         if r.stream_ms is not None:
             out[Header.STREAM] = ASKED
             out[Header.STREAM_DEADLINE_AT] = str(now_ms + end_ms)
+            if acc := requester_account(hdrs):
+                out[Header.CALLER_ACCOUNT] = acc
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct
         # The trace goes on: under our admission span when spans are on, else as it came.

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import msgspec
-
+from plane.contract.headers import requester_account
 from plane.contract.subjects import TOKEN_RE, Header
 
 DEFAULT_TENANT = "default"
@@ -26,25 +25,10 @@ OTHER_TENANT = "other"
 MAX_TENANTS = 64
 
 
-class RequestInfo(msgspec.Struct):
-    """The part of nats-server's `Nats-Request-Info` the router reads."""
-
-    acc: str = ""
-
-
-_info = msgspec.json.Decoder(RequestInfo)
-
-
 def named_tenant(headers: Mapping[str, str]) -> str:
     """The tenant a request's headers name (the server's word first)."""
-    raw = headers.get(Header.NATS_REQUEST_INFO)
-    if raw:
-        try:
-            acc = _info.decode(raw).acc
-        except msgspec.DecodeError:
-            acc = ""
-        if acc:
-            return acc if TOKEN_RE.fullmatch(acc) else OTHER_TENANT
+    if acc := requester_account(headers):
+        return acc if TOKEN_RE.fullmatch(acc) else OTHER_TENANT
     name = headers.get(Header.TENANT)
     if not name:
         return DEFAULT_TENANT

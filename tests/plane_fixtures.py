@@ -15,6 +15,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from plane.contract.config import ConnectOptions
+from plane.contract.messages import FaultCommand, json_encoder
 from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
 
@@ -74,3 +75,22 @@ async def wait_until(pred: Callable[[], object], timeout_s: float, what: str) ->
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def slow_steps(nc: Client, extra_us: int, node: str = "node0-tinylm", k: int = 0) -> None:
+    """Every request (every token step, for a generation) of slot k of `node` takes
+    `extra_us` more; 0: back to normal. The node must run with `allow_faults`."""
+    cmd = FaultCommand(k=k, mode="slow" if extra_us else "none", extra_us=extra_us)
+    assert (await nc.request(NAMES.fault(node), json_encoder.encode(cmd), timeout=5)).data == b"ok"
+
+
+async def listen(nc: Client, subject: str) -> list[Msg]:
+    """Every message on `subject` from now on (a real subscription on the plane's server)."""
+    seen: list[Msg] = []
+
+    async def keep(msg: Msg) -> None:
+        seen.append(msg)
+
+    await nc.subscribe(subject, cb=keep)
+    await nc.flush()
+    return seen

@@ -16,17 +16,17 @@ import nats
 import openai
 import pytest
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from openai.types.chat import ChatCompletionMessageParam
 from openapi_spec_validator import validate
 
 from plane.client import Client
 from plane.contract.config import ConnectOptions
-from plane.contract.messages import FaultCommand, done_decoder, json_encoder
+from plane.contract.messages import done_decoder
 from plane.contract.subjects import Header
 from plane.gateway import Gateway, GatewayConfig
 from plane.stack import PlaneStack, StackConfig
-from tests.plane_fixtures import NAMES, slots_running, wait_until
+from tests.plane_fixtures import NAMES, listen, slots_running, wait_until
+from tests.plane_fixtures import slow_steps as slow
 
 MODEL = "tinylm"
 NODE = "node0-tinylm"
@@ -71,20 +71,6 @@ async def plane_text(stack: PlaneStack, max_tokens: int, prompt: str = PROMPT) -
     return text
 
 
-async def slow(nc: NATS, extra_us: int) -> None:
-    cmd = FaultCommand(k=0, mode="slow" if extra_us else "none", extra_us=extra_us)
-    assert (await nc.request(NAMES.fault(NODE), json_encoder.encode(cmd), timeout=5)).data == b"ok"
-
-
-async def listen(nc: NATS, subject: str) -> list[Msg]:
-    seen: list[Msg] = []
-
-    async def keep(msg: Msg) -> None:
-        seen.append(msg)
-
-    await nc.subscribe(subject, cb=keep)
-    await nc.flush()
-    return seen
 
 
 # -- the openai package ----------------------------------------------------------------------

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import nats
 import pytest
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from plane.client import Client, ClientConfig, SyncClient
@@ -24,17 +23,16 @@ from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import BadRequest, DeadlineExceeded, Rejected
 from plane.contract.messages import (
     DoneEvent,
-    FaultCommand,
     Status,
     StreamEnd,
     Usage,
     done_decoder,
-    json_encoder,
 )
 from plane.contract.streams import end_message, start_headers, token_headers
 from plane.contract.subjects import Header
 from plane.stack import PlaneStack, StackConfig
-from tests.plane_fixtures import NAMES, slots_running, wait_until
+from tests.plane_fixtures import NAMES, listen, slots_running, wait_until
+from tests.plane_fixtures import slow_steps as slow
 
 MODEL = "tinylm"
 NODE = "node0-tinylm"
@@ -58,22 +56,6 @@ def ask(max_tokens: int, prompt: str = PROMPT) -> dict[str, object]:
     return {"prompt": prompt, "max_tokens": max_tokens}
 
 
-async def slow(nc: NATS, extra_us: int) -> None:
-    """Every token step of the node's slot 0 takes `extra_us` more (0: back to normal)."""
-    cmd = FaultCommand(k=0, mode="slow" if extra_us else "none", extra_us=extra_us)
-    assert (await nc.request(NAMES.fault(NODE), json_encoder.encode(cmd), timeout=5)).data == b"ok"
-
-
-async def listen(nc: NATS, subject: str) -> list[Msg]:
-    """Every message on `subject` from now on (a real subscription on the plane's server)."""
-    seen: list[Msg] = []
-
-    async def keep(msg: Msg) -> None:
-        seen.append(msg)
-
-    await nc.subscribe(subject, cb=keep)
-    await nc.flush()
-    return seen
 
 
 def done_events(msgs: list[Msg]) -> list[DoneEvent]:

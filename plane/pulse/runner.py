@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from plane.contract.errors import ConfigError
 from plane.pulse.outcome import Outcome
@@ -67,7 +69,6 @@ async def run_load(target: Target, body: bytes, config: LoadConfig) -> Run:
     offsets = arrival_offsets_s(config.rate, config.duration_s)
     live = Live(scheduled=len(offsets))
     run = Run()
-    finished = asyncio.Event()
     start = time.monotonic()
 
     async def one(offset_s: float) -> None:
@@ -82,10 +83,22 @@ async def run_load(target: Target, body: bytes, config: LoadConfig) -> Run:
             live.in_flight -= 1
             live.done += 1
 
+    await open_loop(offsets, start, live, config, one)
+    run.dropped = live.dropped
+    run.elapsed_s = time.monotonic() - start
+    return run
+
+
+async def open_loop(offsets: list[float], start: float, live: Live, config: LoadConfig,
+                    one: Callable[[float], Coroutine[Any, Any, None]]) -> None:
+    """Launch `one(offset)` at each scheduled offset (seconds after `start`), never more than
+    `config.concurrency` at once (one past it is dropped and counted), with the progress bar;
+    return when every launched one has ended. `one` must count itself done in `live`."""
+    finished = asyncio.Event()
     async with asyncio.TaskGroup() as outer:
         outer.create_task(_show(live, finished, config.progress))
         try:
-            async with asyncio.TaskGroup() as requests:
+            async with asyncio.TaskGroup() as launched:
                 for offset_s in offsets:
                     wait_s = start + offset_s - time.monotonic()
                     if wait_s > 0:
@@ -95,12 +108,9 @@ async def run_load(target: Target, body: bytes, config: LoadConfig) -> Run:
                         continue
                     live.in_flight += 1
                     live.launched += 1
-                    requests.create_task(one(offset_s))
+                    launched.create_task(one(offset_s))
         finally:
             finished.set()
-    run.dropped = live.dropped
-    run.elapsed_s = time.monotonic() - start
-    return run
 
 
 async def _show(live: Live, finished: asyncio.Event, enabled: bool) -> None:

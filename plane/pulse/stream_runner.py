@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from plane.contract.errors import ConfigError
-from plane.pulse.progress import ProgressBar
-from plane.pulse.runner import Live, LoadConfig
+from plane.pulse.runner import Live, LoadConfig, open_loop
 from plane.pulse.stream_outcome import StreamOutcome
 from plane.pulse.stream_target import StreamTarget
 
@@ -50,7 +49,6 @@ async def run_streams(target: StreamTarget, body: bytes, config: LoadConfig, *,
     offsets = poisson_offsets_s(config.rate, config.duration_s, random.Random(seed))
     live = Live(scheduled=len(offsets))
     run = StreamRun()
-    finished = asyncio.Event()
     start = time.monotonic()
     after_final_before = target.after_final
 
@@ -64,22 +62,7 @@ async def run_streams(target: StreamTarget, body: bytes, config: LoadConfig, *,
             live.in_flight -= 1
             live.done += 1
 
-    async with asyncio.TaskGroup() as outer:
-        outer.create_task(_show(live, finished, config.progress))
-        try:
-            async with asyncio.TaskGroup() as streams:
-                for offset_s in offsets:
-                    wait_s = start + offset_s - time.monotonic()
-                    if wait_s > 0:
-                        await asyncio.sleep(wait_s)
-                    if live.in_flight >= config.concurrency:
-                        live.dropped += 1
-                        continue
-                    live.in_flight += 1
-                    live.launched += 1
-                    streams.create_task(one(offset_s))
-        finally:
-            finished.set()
+    await open_loop(offsets, start, live, config, one)
     run.dropped = live.dropped
     run.elapsed_s = time.monotonic() - start
     run.after_final = target.after_final - after_final_before
@@ -132,17 +115,3 @@ async def closed_loop(target: StreamTarget, body: bytes, *, callers: int, second
                     tokens=sum(o.tokens for o in ok),
                     refused=sum(o.statuses.count(429) for o in outcomes),
                     other=len(outcomes) - len(ok))
-
-
-async def _show(live: Live, finished: asyncio.Event, enabled: bool) -> None:
-    if not enabled:
-        return
-    with ProgressBar(total=live.scheduled) as bar:
-        while not finished.is_set():
-            bar.update(live)
-            try:
-                async with asyncio.timeout(0.2):
-                    await finished.wait()
-            except TimeoutError:
-                pass
-        bar.update(live)

@@ -3,11 +3,23 @@ prompt and max_tokens at per-token rates learned from done-events; its deadline 
 first token, its stream deadline for the whole; tickets count a busy slot free at its
 stream's predicted end."""
 
+import asyncio
+import json
+
 from plane.contract.budget import PRIOR_DECODE_NS, ServiceWindow, TokenRates
 from plane.contract.messages import Reason, Status
+from plane.contract.streams import StreamReader
 from plane.contract.subjects import Header
 from plane.router.admission import Admission, Ask, Place, Refuse
-from tests.plane_fixtures import NAMES, calibrated, client, plane, status
+from tests.plane_fixtures import (
+    NAMES,
+    calibrated,
+    client,
+    plane,
+    slots_running,
+    status,
+    wait_until,
+)
 from tests.test_admission import busy_until, slots
 
 
@@ -138,3 +150,36 @@ def test_streams_that_end_early_are_spaced_by_what_they_take() -> None:
     for _ in range(8):  # a few ran to max_tokens (the window recomputes every 8): the p99 knows
         r.learn(prompt_tokens=0, tokens=100, prefill_us=0, decode_us=40_000, max_tokens=100)
     assert r.predict(overhead(0), 0, 100)[0].p99_us == 40_000
+
+
+async def test_a_stream_forwarded_to_the_router_that_made_its_promise_arrives_whole() -> None:
+    """A ticket holder's stream retry lands on the router that did not make the promise: it is
+    forwarded, and every message of the stream (start, tokens, end), not only the first, is
+    relayed to the caller in order."""
+    async with plane(models=("tinylm",), slots=1, routers=2) as stack, client(stack.url) as nc:
+        async def ask(subject: str, max_tokens: int, **h: str) -> StreamReader:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish(subject, json.dumps({"prompt": "hi", "max_tokens": max_tokens})
+                             .encode(), reply=inbox, headers={Header.STREAM: "1", **h})
+            reader = StreamReader()
+            while not reader.done:
+                m = await sub.next_msg(timeout=5)
+                reader.feed(m.headers, m.data)
+            await sub.unsubscribe()
+            return reader
+
+        long = asyncio.create_task(ask(NAMES.infer("tinylm"), 250))
+        await wait_until(lambda: slots_running(stack) == 1, 5, "the long stream running")
+        refused = await ask(NAMES.infer("tinylm"), 40)
+        assert refused.status == 429
+        ticket = (refused.final_headers or {})[Header.TICKET]
+        owner = next(r for r in stack.routers if ticket.startswith(r.cfg.router_id + "-"))
+        other = next(r for r in stack.routers if r is not owner)
+        assert (await long).status == 200
+        kept = await ask(NAMES.router_infer(other.cfg.router_id, "tinylm"), 40,
+                         **{Header.TICKET: ticket})
+        assert kept.status == 200 and kept.start is not None
+        assert kept.usage is not None and kept.usage.completion_tokens == 40
+        assert kept.next_seq >= 3  # start, at least one token message, end: all relayed
+        assert owner.admission.stats["ticket-valid"] == 1, owner.admission.stats

@@ -450,7 +450,10 @@ class RequestPath:
                             wait_s: float) -> bool:
         """`_forward` for a stream: every message the owner's placement sends comes to an inbox
         of ours and goes on to the caller, up to and including the final one. No responders
-        (the server's status on our inbox, before anything else) means the owner is gone."""
+        (the server's status on our inbox, before anything else) means the owner is gone.
+        The node sees our inbox as the reader: a caller that stops reading is not noticed
+        through a relay (its cancel still reaches the node directly), and the stream ends at
+        its deadline at the latest."""
         msg, model = r.msg, r.model
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)

@@ -37,7 +37,7 @@ from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator
 from gpu_node.recent import RecentIds
 from gpu_node.slot_generation import Generating
-from gpu_node.streaming import StreamRun
+from gpu_node.streaming import StreamMeters, StreamRun
 from plane.contract import replies, streams
 from plane.contract.budget import ServiceWindow
 from plane.contract.canonical import CanonicalLog
@@ -104,6 +104,8 @@ class Slot(Generating):
         self.tracing = tracing or Tracing.off()
         self.generator = generator  # tinylm: this slot's generation state
         self.stream_reply = stream_reply  # stream messages' reply subject (see streaming.py)
+        # Label children only where streams run: no zero series for other models.
+        self.stream_meters = StreamMeters(metrics, spec.name) if generator is not None else None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)

@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from gpu_node.current import Current
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator, Stop
-from gpu_node.streaming import EXTEND_ACK_S, StreamRun, TokenPipe
+from gpu_node.streaming import EXTEND_ACK_S, StreamMeters, StreamRun, TokenPipe
 from plane.contract import replies, streams
 from plane.contract.budget import ServiceWindow
 from plane.contract.messages import (
@@ -48,6 +48,7 @@ class Generating:
     runner: WatchedRunner
     generator: SlotGenerator | None
     stream_reply: str
+    stream_meters: StreamMeters | None
     current: Current | None
     window: ServiceWindow
     failures: int
@@ -108,8 +109,8 @@ class Generating:
     async def _stream(self, cur: Current, req: TinyLMRequest, t0: int) -> None:
         """`start`, the tokens as the slot's thread makes them (one generation loop there,
         not one executor call per token), then the final `end`."""
-        run = cur.stream
-        assert run is not None
+        run, meters = cur.stream, self.stream_meters
+        assert run is not None and meters is not None  # streams run on generating slots only
         cur.stop = run.stop
         loop = asyncio.get_running_loop()
         h = cur.msg.headers or {}
@@ -132,6 +133,7 @@ class Generating:
                     run.sent += len(data)
                     await self.nc.publish(cur.reply, data, reply=self.stream_reply,
                                           headers=streams.token_headers(cur.request_id, run.seq))
+                    meters.sent(run, len(data), time.monotonic(), cur.fetched_s)
                 if run.extend_due:  # a long stream: the ack wait starts again
                     run.extend_due = False
                     with contextlib.suppress(Exception):  # disconnected: the next one will do
@@ -188,4 +190,6 @@ class Generating:
         body, headers = streams.end_message(cur.request_id, run.seq + 1, status, end, service_us,
                                             node=self.node)
         run.seq += 1
+        if self.stream_meters is not None:
+            self.stream_meters.ended(run, end.finish_reason)
         await self._finish(cur, status, service_us, body, headers)

@@ -35,6 +35,7 @@ from nats.js.api import Header as NatsHeader
 from gpu_node.generation import Stop
 from plane.contract.headers import requester_account
 from plane.contract.messages import StreamFinish
+from plane.contract.metrics import PlaneMetrics
 from plane.contract.subjects import Header, Names
 
 log = structlog.get_logger("plane.streams")
@@ -118,6 +119,9 @@ class StreamRun:
     seq: int = 0  # of the last message sent (start: 0)
     sent: int = 0  # tokens published
     extend_due: bool = False
+    first_s: float = 0.0  # monotonic, when the first token message went out
+    last_s: float = 0.0  # ... and the last
+    first_tokens: int = 0  # tokens in that first message
 
     def cancel(self, why: StreamFinish) -> None:
         if self.stop.reason is None:
@@ -197,3 +201,33 @@ class StreamControl:
         self.readers_gone += 1
         log.info("stream stopped: nobody reads it", node=self.node, subject=msg.subject,
                  request_id=running[0])
+
+
+class StreamMeters:
+    """A slot's stream metrics, label children resolved once (none per token)."""
+
+    __slots__ = ("_ended", "_first", "_metrics", "_model", "_per_token", "_tokens")
+
+    def __init__(self, metrics: PlaneMetrics, model: str) -> None:
+        self._metrics, self._model = metrics, model
+        self._first = metrics.stream_first_token_seconds.labels(model)
+        self._per_token = metrics.stream_token_seconds.labels(model)
+        self._tokens = metrics.stream_tokens.labels(model)
+        self._ended: dict[str, Any] = {}
+
+    def sent(self, run: StreamRun, tokens: int, now_s: float, fetched_s: float) -> None:
+        """A token message of `tokens` tokens went out at `now_s`."""
+        if run.first_s == 0.0:
+            run.first_s, run.first_tokens = now_s, tokens
+            self._first.observe(now_s - fetched_s)
+        run.last_s = now_s
+        self._tokens.inc(tokens)
+
+    def ended(self, run: StreamRun, finish: str) -> None:
+        after_first = run.sent - run.first_tokens
+        if after_first > 0:
+            self._per_token.observe((run.last_s - run.first_s) / after_first)
+        counter = self._ended.get(finish)
+        if counter is None:
+            counter = self._ended[finish] = self._metrics.streams_ended.labels(self._model, finish)
+        counter.inc()

@@ -399,3 +399,14 @@ async def test_a_cancelled_stream_through_the_router_frees_its_slot_for_the_next
     assert s.reader.end is not None and s.reader.end.finish_reason == StreamFinish.CANCELLED
     assert nxt.reader.status == 200 and nxt.reader.start is not None
     assert nxt.reader.start[Header.SLOT] == "0"
+    # What Prometheus sees of the two: how each ended, every token sent, a first token each.
+    sample = stack.metrics.registry.get_sample_value
+    model = {"model": MODEL}
+    assert sample("plane_streams_total", {**model, "finish": "cancelled"}) == 1
+    assert sample("plane_streams_total", {**model, "finish": "length"}) == 1
+    assert s.reader.usage is not None and nxt.reader.usage is not None
+    sent = s.reader.usage.completion_tokens + nxt.reader.usage.completion_tokens
+    assert sample("plane_stream_tokens_total", model) == sent == len(s.text) + 8
+    assert sample("plane_stream_first_token_seconds_count", model) == 2
+    per_token = sample("plane_stream_token_seconds_sum", model) or 0.0
+    assert 0 < per_token / (sample("plane_stream_token_seconds_count", model) or 1) < 0.05

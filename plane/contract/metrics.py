@@ -12,6 +12,9 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 # Buckets from 100 µs to 10 s: the plane's answers live in the first half.
+TOKEN_BUCKETS_S = (  # a decode step: tens of µs on a GPU, a few hundred on a CPU
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05,
+)
 LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0,
@@ -90,6 +93,19 @@ class PlaneMetrics:
         self.slot_busy_seconds = Counter(
             "plane_slot_busy_seconds", "Time slots spent running requests", ["model", "slot"],
             registry=r)
+        # Streams (docs/design.md "Streams"), as the node sees them: from fetching the slot
+        # message to its first token's message; the time per token after it, per stream.
+        self.stream_first_token_seconds = Histogram(
+            "plane_stream_first_token_seconds", "Slot fetch to the first token sent, per stream",
+            ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.stream_token_seconds = Histogram(
+            "plane_stream_token_seconds", "Time per token after the first, per stream",
+            ["model"], buckets=TOKEN_BUCKETS_S, registry=r)
+        self.stream_tokens = Counter(
+            "plane_stream_tokens", "Tokens sent on streams", ["model"], registry=r)
+        self.streams_ended = Counter(
+            "plane_streams", "Streams ended, by how (stop, length, cancelled, deadline, error)",
+            ["model", "finish"], registry=r)
         self.slot_sm_seconds = Counter(
             "plane_slot_sm_seconds",
             "Busy time x SMs of the slot's partition (SM-seconds; x1000 for SM-ms); only "

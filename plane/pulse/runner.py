@@ -56,6 +56,13 @@ class Live:
     dropped: int = 0
     in_flight: int = 0
 
+    def ended(self, final: str) -> None:
+        """One launched request (or stream) is over, with its final status."""
+        self.ok += final == "200"
+        self.refused += final == "429"
+        self.in_flight -= 1
+        self.done += 1
+
 
 @dataclass
 class Run:
@@ -72,16 +79,15 @@ async def run_load(target: Target, body: bytes, config: LoadConfig) -> Run:
     start = time.monotonic()
 
     async def one(offset_s: float) -> None:
+        final = ""
         try:
             attempts = await target.send(body)
             latency_us = int((time.monotonic() - start - offset_s) * 1e6)
             run.outcomes.append(Outcome(scheduled_s=offset_s, latency_us=latency_us,
                                         attempts=attempts))
-            live.ok += attempts.final == "200"
-            live.refused += attempts.final == "429"
+            final = attempts.final
         finally:
-            live.in_flight -= 1
-            live.done += 1
+            live.ended(final)
 
     await open_loop(offsets, start, live, config, one)
     run.dropped = live.dropped

@@ -53,14 +53,13 @@ async def run_streams(target: StreamTarget, body: bytes, config: LoadConfig, *,
     after_final_before = target.after_final
 
     async def one(offset_s: float) -> None:
+        final = ""
         try:
             o = await target.stream(body, t0=start, scheduled_s=offset_s)
             run.outcomes.append(o)
-            live.ok += o.final == "200"
-            live.refused += o.final == "429"
+            final = o.final
         finally:
-            live.in_flight -= 1
-            live.done += 1
+            live.ended(final)
 
     await open_loop(offsets, start, live, config, one)
     run.dropped = live.dropped

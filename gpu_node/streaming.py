@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
-from nats.aio.client import NO_RESPONDERS_STATUS, Client
+from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import Header as NatsHeader
 
 from gpu_node.generation import Stop
-from plane.contract.headers import requester_account
+from plane.contract.headers import is_no_responders, requester_account
 from plane.contract.messages import StreamFinish
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.subjects import Header, Names
@@ -52,7 +51,6 @@ EXTEND_ACK_S = 10.0
 TOKEN_GAP_S = 0.002
 # The server's no-responders status: `Status: 503` (nats-py's names) and the subject nobody
 # listens to in this header.
-NATS_SUBJECT = "Nats-Subject"
 
 
 class TokenPipe:
@@ -192,10 +190,10 @@ class StreamControl:
 
     async def _on_no_responders(self, msg: Msg) -> None:
         h = msg.headers or {}
-        if h.get(NatsHeader.STATUS) != NO_RESPONDERS_STATUS:
+        if not is_no_responders(h):
             return
         running = self._running(msg.subject)
-        if running is None or h.get(NATS_SUBJECT) != running[1].reply:
+        if running is None or h.get(Header.NATS_SUBJECT) != running[1].reply:
             return  # an earlier stream's reader (this slot runs another now)
         running[1].cancel(StreamFinish.CANCELLED)
         self.readers_gone += 1

@@ -182,4 +182,11 @@ async def test_a_stream_forwarded_to_the_router_that_made_its_promise_arrives_wh
         assert kept.status == 200 and kept.start is not None
         assert kept.usage is not None and kept.usage.completion_tokens == 40
         assert kept.next_seq >= 3  # start, at least one token message, end: all relayed
-        assert owner.admission.stats["ticket-valid"] == 1, owner.admission.stats
+        # Forwarded for its ticket and relayed (the owner honours it, or, on a loaded machine
+        # where the stream ahead ran long, takes it as a late holder: either way it ran).
+        relayed = stack.metrics.registry.get_sample_value(
+            "plane_router_forwarded_total", {"model": "tinylm", "why": "ticket",
+                                              "outcome": "relayed"})
+        assert relayed == 1
+        stats = owner.admission.stats
+        assert stats["ticket-valid"] + stats["ticket-late"] == 1, stats

@@ -17,6 +17,8 @@ from pathlib import Path
 if "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: see above
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -104,32 +106,32 @@ ATTENTION_SHAPES = [
 # --------------------------------------------------------------------------------------------
 
 
+def _attends_like_the_reference(attend: Callable[..., object], n_heads: int, context: int,
+                                head_dim: int, pos: int) -> None:
+    qkv, k_cache, v_cache = _attention_case(n_heads, context, head_dim, seed=pos)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    want = decode_attention_reference(qkv, k_ref, v_ref, pos)
+    out = torch.full((n_heads * head_dim,), float("nan"))
+    attend(qkv, k_cache, v_cache, pos, out=out)
+    torch.testing.assert_close(out, want, atol=ATOL, rtol=ATOL)
+    # Row `pos` now holds this token's k and v; every other row is as it was.
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 @needs_interpreter
 @pytest.mark.parametrize(("n_heads", "context", "head_dim", "pos"), ATTENTION_SHAPES)
 def test_kernel_attends_like_the_reference(
     n_heads: int, context: int, head_dim: int, pos: int
 ) -> None:
-    qkv, k_cache, v_cache = _attention_case(n_heads, context, head_dim, seed=pos)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    want = decode_attention_reference(qkv, k_ref, v_ref, pos)
-    out = torch.full((n_heads * head_dim,), float("nan"))
-    decode_attention(qkv, k_cache, v_cache, pos, out=out)
-    torch.testing.assert_close(out, want, atol=ATOL, rtol=ATOL)
-    # Row `pos` now holds this token's k and v; every other row is as it was.
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    _attends_like_the_reference(decode_attention, n_heads, context, head_dim, pos)
 
 
 @pytest.mark.parametrize(("n_heads", "context", "head_dim", "pos"), ATTENTION_SHAPES)
 def test_torch_twin_attends_like_the_reference(
     n_heads: int, context: int, head_dim: int, pos: int
 ) -> None:
-    qkv, k_cache, v_cache = _attention_case(n_heads, context, head_dim, seed=pos)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    want = decode_attention_reference(qkv, k_ref, v_ref, pos)
-    out = torch.full((n_heads * head_dim,), float("nan"))
-    TorchAttention(n_heads, context, torch.device("cpu"))(qkv, k_cache, v_cache, pos, out=out)
-    torch.testing.assert_close(out, want, atol=ATOL, rtol=ATOL)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    twin = TorchAttention(n_heads, context, torch.device("cpu"))
+    _attends_like_the_reference(twin, n_heads, context, head_dim, pos)
 
 
 @needs_interpreter

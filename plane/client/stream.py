@@ -46,6 +46,7 @@ from plane.client.attempt import attempt_headers_for, encode_payload, local_repl
 from plane.client.result import Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
+from plane.contract.headers import is_no_responders
 from plane.contract.messages import Reason, Status, Usage
 from plane.contract.streams import ASKED, Kind, StreamBroken, StreamReader
 from plane.contract.subjects import Header
@@ -57,7 +58,6 @@ log = structlog.get_logger("plane.client")
 
 # nats-server's own status header: a no-responders answer carries `Status: 503` and no
 # Plane-Status (no router listens on the subject).
-_NATS_STATUS = "Status"
 
 
 class TokenStream:
@@ -281,7 +281,7 @@ class TokenStream:
         """Read one message; on the final one, keep it as `result` (and unsubscribe later).
         None when the stream broke (then it is finished with a local 503)."""
         headers = dict(msg.headers or {})
-        if Header.STATUS not in headers and headers.get(_NATS_STATUS) == "503":
+        if is_no_responders(headers):
             self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY,
                                f"no router listens on {self.subject}")
             return Kind.FINAL

@@ -159,3 +159,13 @@ def requester_account(headers: Mapping[str, str] | None) -> str:
         return _request_info.decode(raw).acc
     except msgspec.DecodeError:
         return ""
+
+
+NO_RESPONDERS = "503"  # the server's `Status` when nobody listens (see Header.NATS_STATUS)
+
+
+def is_no_responders(headers: Mapping[str, str] | None) -> bool:
+    """The server's own no-responders status (nobody listened on the subject a message with a
+    reply went to), not a plane answer with a 503 (which carries `Plane-Status`)."""
+    h = headers or {}
+    return h.get(Header.NATS_STATUS) == NO_RESPONDERS and Header.STATUS not in h

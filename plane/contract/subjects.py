@@ -79,6 +79,11 @@ class Header:
     # router and the slot message to the node, and back on the reply.
     TRACEPARENT = "traceparent"
     TRACESTATE = "tracestate"
+    # Set by nats-server on the status it sends to a reply subject when nobody listens on the
+    # subject a message with that reply went to (`no_responders`): `Status: 503` and, on the
+    # subject, `Nats-Subject`.
+    NATS_STATUS = "Status"
+    NATS_SUBJECT = "Nats-Subject"
     # NATS server headers we set.
     NATS_TTL = "Nats-TTL"
     NATS_MSG_ID = "Nats-Msg-Id"

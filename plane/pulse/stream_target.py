@@ -31,6 +31,7 @@ from plane.client.result import header_int
 from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
+from plane.contract.headers import is_no_responders
 from plane.contract.messages import Reason
 from plane.contract.natsconn import connect
 from plane.contract.replies import now_ms
@@ -39,7 +40,7 @@ from plane.contract.subjects import Header, Names
 from plane.pulse.stream_outcome import BROKEN, ERROR, TIMEOUT, StreamOutcome
 
 # The server's own status line on a request nobody listens to (nats-py puts it in `Status`).
-NATS_STATUS, NO_RESPONDERS = "Status", "no-responders"
+NO_RESPONDERS = "no-responders"  # the reason pulse records for the server's status
 WAIT_GRACE_MS = 2000  # past the stream deadline: the router's own 504 comes within its grace
 DEFAULT_WAIT_MS = 60_000  # no stream deadline sent: wait this long for a stream to end
 _PENDING_MSGS = 1 << 20  # the subscription's buffer: a token burst must never be dropped
@@ -232,7 +233,7 @@ class StreamTarget:
                 await self.cancel(call)  # free the slot if it still runs
             status = 0 if call.end_t is None or call.broken else call.reader.status
             reason = call.headers.get(Header.REASON, "")
-            if status == 0 and call.headers.get(NATS_STATUS) == "503":
+            if status == 0 and is_no_responders(call.headers):
                 status, reason = 503, NO_RESPONDERS  # the server's: nobody listens there
             statuses.append(status)
             reasons.append(reason)

@@ -31,7 +31,7 @@ from plane.contract.budget import predict
 from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
-from plane.contract.headers import read_caller, requester_account
+from plane.contract.headers import is_no_responders, read_caller, requester_account
 from plane.contract.messages import Status
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS, model_spec
@@ -83,7 +83,6 @@ YIELD_EVERY = 32
 PROMISE_OPEN_S = 0.05
 
 
-NO_RESPONDERS = "503"  # the server's Status header when nobody listens on a request's subject
 
 
 def _is_depth_refusal(exc: APIError) -> bool:
@@ -100,9 +99,7 @@ class Routing:
     rid: str
     model: str
     ms: ModelSlots
-    deadline_ms: int
     work_us: int
-    stream_ms: int | None  # a stream's whole budget (ms from receipt); None: not a stream
     max_tokens: int  # a generation's; 0 for other models
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
@@ -283,7 +280,7 @@ class RequestPath:
         owner = ticket_owner(caller.ticket) if caller.ticket else None
         ms = self._model(model)
         now = time.monotonic()
-        first_p99_us = end_deadline_s = stream_ms = None
+        first_p99_us = end_deadline_s = None
         if (shape := spec.tokens(req)) is None:
             work_us = spec.work_us(req)
             prediction = predict(ms.window, work_us)
@@ -303,8 +300,8 @@ class RequestPath:
         # place what fits now and hand it what needs a promise.
         promiser = self.cfg.router_id if forwarded else self.peers.promiser()
         r = Routing(
-            msg=msg, rid=rid, model=model, ms=ms, deadline_ms=deadline_ms, work_us=work_us,
-            stream_ms=stream_ms, max_tokens=shape[1] if shape is not None else 0,
+            msg=msg, rid=rid, model=model, ms=ms, work_us=work_us,
+            max_tokens=shape[1] if shape is not None else 0,
             t0=t0, tenant=self.tenants.of(hdrs), forwarded=forwarded, promiser=promiser,
             span=self.tracing.start("plane.admission", hdrs, epoch_ns_of(int(t0 * 1e9)),
                                     {"model": model, "request_id": rid})
@@ -428,8 +425,9 @@ class RequestPath:
         headers[Header.FORWARDED_BY] = self.cfg.router_id
         # Longer than the owner's own deadline handling (deadline + grace + its takeover), so
         # its answer, whatever it is, comes back before we give up on it.
-        wait_s = (r.stream_ms or r.deadline_ms) / 1000 + self.cfg.deadline_grace_ms / 1000 + 1.0
-        if r.stream_ms is not None:
+        wait_s = (r.ask.end_deadline_s or r.ask.deadline_s) - time.monotonic() + (
+            self.cfg.deadline_grace_ms / 1000 + 1.0)
+        if r.ask.end_deadline_s is not None:  # a stream
             return await self._relay_stream(r, owner, why, headers, wait_s)
         try:
             answer = await self.nc.request(self.cfg.names.router_infer(owner, model), msg.data,
@@ -471,7 +469,7 @@ class RequestPath:
                                        r.tenant)
                     return True
                 h = m.headers or {}
-                if first and h.get("Status") == NO_RESPONDERS and Header.STATUS not in h:
+                if first and is_no_responders(h):
                     self.metrics.forwarded.labels(model, why, "owner-gone").inc()
                     return False
                 if first:
@@ -537,7 +535,7 @@ class RequestPath:
             # at the deadline (an expired message would look "taken by the node").
             Header.NATS_TTL: f"{math.ceil(end_ms / 1000) + 1}s",
         }
-        if r.stream_ms is not None:
+        if r.ask.end_deadline_s is not None:  # a stream
             out[Header.STREAM] = ASKED
             out[Header.STREAM_DEADLINE_AT] = str(now_ms + end_ms)
             if acc := requester_account(hdrs):

@@ -28,9 +28,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import APIError
 
+from plane.contract.headers import is_no_responders
+
 # The status header nats-py fills from the reply's status line ("NATS/1.0 503").
-STATUS_HEADER = "Status"
-NO_RESPONDERS = "503"
 
 
 class _ApiError(msgspec.Struct):
@@ -140,7 +140,7 @@ class SlotPublisher:
         if entry is None:
             return  # given up on already (expired): the caller treated it as placed
         outcome: Outcome
-        if msg.headers and msg.headers.get(STATUS_HEADER) == NO_RESPONDERS:
+        if is_no_responders(msg.headers):
             outcome = NoStream()
         else:
             try:

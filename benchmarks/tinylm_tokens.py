@@ -4,14 +4,20 @@ cost before the first one.
     .venv/bin/python benchmarks/tinylm_tokens.py [--device cpu] [--streams 20]
                                                  [--prompt-bytes 16] [--max-tokens 240]
                                                  [--temperature 0.8] [--threads 1] [--kernel]
+                                                 [--wait-us 0] [--gap-ms 0]
 
 What runs: `--streams` generations back to back on one slot's state (its buffers made once,
 as a node's slot does), after one warm-up stream that is dropped. Each `step()` is timed on
 the monotonic clock; a step returns only once its logits are on the host (on CUDA it waits
 for the device), so the clock reads finished work. A step that samples the last token runs
 no decode step and is left out. Prints p50/p99/max of the per-token µs overall and by
-position in the context (steady means those barely move), the prefill (`start`) µs, and
-tokens/s.
+position in the context (steady means those barely move), the spread of each stream's mean
+per-token time (what a promise timed to a stream's end has to predict: the plane's router
+learns it from done-events), the prefill (`start`) µs, and tokens/s.
+
+`--wait-us` sleeps that long in each step, as a step that waits on a device does (the host
+part stays the CPU's): with it, the spread left is the host's, not the kernel's. `--gap-ms`
+idles between streams, as a slot between callers does.
 
 `--kernel` uses the Triton decode-attention kernel: compiled on CUDA, or the CPU
 interpreter under TRITON_INTERPRET=1 (slow: for checking, not timing). Without it, the torch
@@ -48,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=1, help="torch CPU threads (default 1: one slot, one core)"
     )
     p.add_argument("--kernel", action="store_true", help="the Triton kernel path")
+    p.add_argument("--wait-us", type=int, default=0, help="sleep per step (a device's wait)")
+    p.add_argument("--gap-ms", type=float, default=0.0, help="idle between streams")
     return p.parse_args(argv)
 
 
@@ -76,32 +84,41 @@ def main(argv: list[str] | None = None) -> int:
     steps_us: list[float] = []
     positions: list[int] = []
     prefill_us: list[float] = []
+    stream_means_us: list[float] = []
     t_all = 0
     for stream in range(args.streams + 1):  # stream 0 warms up and is dropped
         t0 = time.perf_counter_ns()
         lm.start(prompt, args.max_tokens, args.temperature, seed=stream, state=state)
         t1 = time.perf_counter_ns()
         stream_start = t0
+        decode_ns, decode_steps = 0, 0
         while True:
             pos = state.pos
             t_step = time.perf_counter_ns()
+            if args.wait_us:
+                time.sleep(args.wait_us / 1e6)
             token = lm.step(state)
             elapsed = time.perf_counter_ns() - t_step
             if token is None or state.finish is not None:
                 break  # the last token runs no decode step
+            decode_ns, decode_steps = decode_ns + elapsed, decode_steps + 1
             if stream:
                 steps_us.append(elapsed / 1e3)
                 positions.append(pos)
         if stream:
             prefill_us.append((t1 - t0) / 1e3)
+            stream_means_us.append(decode_ns / max(1, decode_steps) / 1e3)
             t_all += time.perf_counter_ns() - stream_start
+        if args.gap_ms:
+            time.sleep(args.gap_ms / 1e3)
 
     steps, where = np.array(steps_us), np.array(positions)
     path = "kernel" if args.kernel else "torch"
     print(
         f"tinylm on {device} ({path} path, {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}): {args.streams} streams x {args.max_tokens} tokens, prompt "
-        f"{args.prompt_bytes} B, temperature {args.temperature}"
+        f"{args.prompt_bytes} B, temperature {args.temperature}, wait {args.wait_us} us per "
+        f"step, {args.gap_ms} ms between streams"
     )
     print(f"  per token    {pct(steps)}  ({steps.size} steps)")
     band = context // POSITION_BANDS
@@ -109,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         here = steps[(where >= lo) & (where < lo + band)]
         if here.size:
             print(f"  pos {lo:3d}-{lo + band - 1:3d} {pct(here)}")
+    means = np.array(stream_means_us)
+    m50, m90 = np.percentile(means, [50, 90])
+    print(f"  stream mean  p50 {m50:8.1f} us  p90 {m90:8.1f} us  max {means.max():8.1f} us  "
+          f"(p90/p50 {m90 / m50:.2f}, max/p50 {means.max() / m50:.2f}; {means.size} streams)")
     print(f"  prefill      {pct(np.array(prefill_us))}  ({args.prompt_bytes + 1} tokens)")
     tokens = args.streams * args.max_tokens
     print(f"  {tokens / (t_all / 1e9):,.0f} tokens/s on one slot, prefill included")

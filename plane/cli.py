@@ -199,7 +199,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 @click.option("--backend", default="auto", show_default=True,
               type=click.Choice(BACKENDS))
 @click.option("--sms-per-slot", type=int, default=None, help="SMs per slot partition (CUDA).")
-@click.option("--node-id", default=None, help="Node name (default: n-<hostname>).")
+@click.option("--node-id", default=None, help="Node name (default: n-<hostname>-<model>).")
 @click.option("--allow-faults", is_flag=True, help="Accept fault injection (tests, drills).")
 @click.option("--freshness/--no-freshness", default=True, show_default=True,
               help="risk: guard streamed per-card features by their freshness.")

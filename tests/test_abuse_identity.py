@@ -30,6 +30,7 @@ from plane.contract.messages import (
     json_encoder,
 )
 from plane.contract.subjects import Header
+from plane.pulse.bodies import default_body
 from plane.router import Router
 from plane.stack import PlaneStack
 from tests.ledger import Ledger
@@ -282,6 +283,31 @@ async def test_c_a_node_whose_id_a_live_node_has_is_refused_whatever_its_model()
         # The first one never noticed: it serves on.
         m = await node_nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
         assert status(m) == 200 and (m.headers or {})[Header.NODE] == NODE
+
+
+async def test_c_nodes_of_two_models_on_one_host_need_no_node_id() -> None:
+    """The default id names the model (`n-<hostname>-<model>`): a `calibrated` and a `risk`
+    node on one host start side by side and both serve (with `n-<hostname>` for both, the
+    second was refused as a twin)."""
+    async with plane(models=(), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        nodes = [Node(nc, NodeConfig(model=m, slots=1, backend="torch"))
+                 for m in ("calibrated", "risk")]
+        try:
+            for node in nodes:
+                await node.start()
+            ids = [node.cfg.node_id for node in nodes]
+            assert ids[0] != ids[1] and all(i.endswith(m) for i, m in
+                                            zip(ids, ("calibrated", "risk"), strict=True))
+            for node in nodes:
+                model = node.cfg.model
+                await wait_until(lambda m=model, n=node: _healthy(stack, m, n.cfg.node_id) == 1,
+                                 5, f"the {model} node's slot")
+                m = await nc.request(NAMES.infer(model), default_body(model), timeout=5)
+                assert status(m) == 200 and (m.headers or {})[Header.NODE] == node.cfg.node_id
+        finally:
+            for node in nodes:
+                await node.stop()
 
 
 async def test_c_one_process_heartbeat_never_keeps_another_models_slots_alive() -> None:

@@ -83,7 +83,7 @@ class RouterConfig:
 @dataclass(frozen=True, kw_only=True)
 class NodeConfig:
     names: Names = field(default_factory=Names)
-    node_id: str = field(default_factory=lambda: f"n-{socket.gethostname()[:20]}")
+    node_id: str = ""  # "": `n-<hostname>-<model>`, so nodes of two models on one host differ
     model: str = "risk"
     slots: int | None = None  # None: per backend (2 on CPU; SMs / sms_per_slot on CUDA)
     backend: str = "auto"  # auto | torch | interpret | triton
@@ -104,8 +104,10 @@ class NodeConfig:
     default_deadline_ms: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_DEADLINE_MS))
 
     def __post_init__(self) -> None:
-        _token("node", self.node_id)
         _token("model", self.model)
+        if not self.node_id:
+            object.__setattr__(self, "node_id", f"n-{socket.gethostname()[:20]}-{self.model}")
+        _token("node", self.node_id)
         if self.slots is not None and not 1 <= self.slots <= 1024:
             raise ConfigError("--slots must be between 1 and 1024")
         if self.backend not in BACKENDS:

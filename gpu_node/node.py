@@ -79,7 +79,8 @@ class Node(Lifecycle, TaskOwner):
                                                sms_per_slot=cfg.sms_per_slot)
         # tinylm: one model per process (each slot gets its own state), built once here.
         self.generation = generation_for(self.spec, self.backend, cfg.seed)
-        self.streams = StreamControl(nc, cfg.names, cfg.node_id, self._slot_at)
+        self.streams = StreamControl(nc, cfg.names, cfg.node_id, self._slot_at,
+                                     lambda: self.slots)
         self.enrich = enrich
         self.tracing = tracing or Tracing.off()
         self.settings = LiveSettings(cfg.names)

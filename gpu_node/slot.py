@@ -290,7 +290,8 @@ class Slot(Generating):
                                          f"{Header.STREAM}")
                     cur.stream = StreamRun(reply=cur.reply, prompt_tokens=len(req.prompt_bytes),
                                            deadline_at_ms=stream_at_ms,
-                                           account=h.get(Header.CALLER_ACCOUNT, ""))
+                                           account=h.get(Header.CALLER_ACCOUNT, ""),
+                                           client=h.get(Header.CALLER_CLIENT, ""))
             except BadRequest as exc:
                 await self._answer_error(cur, Status.BAD_REQUEST, Reason.BAD_REQUEST, str(exc), t0)
                 return

@@ -1,5 +1,5 @@
 """Streams on a node (docs/design.md "Streams"): the hand-off of tokens from a slot's
-generation thread to the event loop, a stream's running state, and the node's two
+generation thread to the event loop, a stream's running state, and the node's three
 subscriptions that end streams early.
 
 Per token the generation thread appends one byte under a lock and wakes the loop
@@ -12,8 +12,10 @@ A stream ends early when:
 - its caller stops reading: every stream message goes out with a reply subject of the node's
   own (`<inbox>.<k>`), and the server answers that subject with a no-responders status
   (`Status: 503`, `Nats-Subject: <the caller's inbox>`) when nobody is subscribed to the
-  caller's inbox any more.
-Both only set the stream's `Stop.reason`, which the generation thread reads before its next
+  caller's inbox any more;
+- its caller's connection closes, for a tenant's stream across an import (where no
+  no-responders status comes back): the server's advisory names the connection.
+Each only sets the stream's `Stop.reason`, which the generation thread reads before its next
 step.
 """
 
@@ -23,19 +25,20 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from gpu_node.generation import Stop
-from plane.contract.headers import is_no_responders, requester_account
-from plane.contract.messages import StreamFinish
+from plane.contract.headers import client_key, is_no_responders, requester_account
+from plane.contract.messages import StreamFinish, disconnect_decoder
 from plane.contract.metrics import PlaneMetrics
-from plane.contract.subjects import Header, Names
+from plane.contract.subjects import CLIENT_DISCONNECTS, Header, Names
 
 log = structlog.get_logger("plane.streams")
 
@@ -113,6 +116,7 @@ class StreamRun:
     prompt_tokens: int
     deadline_at_ms: int  # the whole stream's (router wall clock, epoch ms)
     account: str = ""  # the tenant account it came from across an import ("": the plane's)
+    client: str = ""  # ... and its connection (`<server id>/<client id>`), when the server said
     stop: Stop = field(default_factory=Stop)
     seq: int = 0  # of the last message sent (start: 0)
     sent: int = 0  # tokens published
@@ -133,13 +137,23 @@ class StreamingSlot(Protocol):
 
 
 class StreamControl:
-    """The node's one cancel subscription (`plane.cancel.<node>.*`) and one inbox for the
-    no-responders statuses of its stream messages (`<inbox>.<k>`), routed to slot k."""
+    """The node's one cancel subscription (`plane.cancel.<node>.*`), one inbox for the
+    no-responders statuses of its stream messages (`<inbox>.<k>`), routed to slot k, and the
+    server's advisories of closed connections (`CLIENT_DISCONNECTS`, imported under `plane
+    auth`): a tenant's reader that is gone stops its stream either way.
+
+    Why both: inside the plane's account a token message to a reader that is gone comes back
+    as the server's no-responders status. Across a tenant's import it does not (the import
+    keeps mapping the reply subject after the tenant's connection closed: checked on
+    nats-server 2.15), so there the node learns it from the advisory, matched by the
+    connection the router named on the slot message (`Plane-Caller-Client`)."""
 
     def __init__(self, nc: Client, names: Names, node: str,
-                 slot: Callable[[int], StreamingSlot | None]) -> None:
+                 slot: Callable[[int], StreamingSlot | None],
+                 slots: Callable[[], Sequence[StreamingSlot]] = lambda: ()) -> None:
         self.nc, self.names, self.node = nc, names, node
         self._slot = slot
+        self._slots = slots
         self.inbox = nc.new_inbox()
         self._subs: list[Any] = []
         self.cancelled = 0  # streams ended by a cancel
@@ -154,6 +168,8 @@ class StreamControl:
         self._subs = [
             await self.nc.subscribe(self.names.node_cancels(self.node), cb=self._on_cancel),
             await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_no_responders),
+            # Without `plane auth` (one account) nothing comes here: the status above does it.
+            await self.nc.subscribe(CLIENT_DISCONNECTS, cb=self._on_disconnect),
         ]
 
     async def stop(self) -> None:
@@ -199,6 +215,21 @@ class StreamControl:
         self.readers_gone += 1
         log.info("stream stopped: nobody reads it", node=self.node, subject=msg.subject,
                  request_id=running[0])
+
+
+    async def _on_disconnect(self, msg: Msg) -> None:
+        try:
+            ev = disconnect_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        gone = client_key(ev.server.id, ev.client.id)
+        for slot in self._slots():
+            running = slot.stream_running()
+            if running is not None and running[1].client == gone:
+                running[1].cancel(StreamFinish.CANCELLED)
+                self.readers_gone += 1
+                log.info("stream stopped: its caller's connection closed", node=self.node,
+                         request_id=running[0], account=ev.client.acc)
 
 
 class StreamMeters:

@@ -9,6 +9,7 @@ the connection's `error_cb`, and the server closes nothing (the offender stays c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -561,4 +562,48 @@ async def test_a_tenant_cannot_cancel_another_tenants_stream(auth: AuthDir) -> N
             assert plane.stack.nodes[0].streams.refused == 1
         finally:
             await beta.close()
+        assert plane.violations() == []
+
+
+async def test_a_tenant_that_vanishes_mid_stream_frees_the_slot(auth: AuthDir) -> None:
+    """A tenant's connection drops mid-stream (no cancel sent): its subscriptions go with it,
+    the server drops the import's reply mapping, and the node's next token message finds no
+    responder: the stream stops there, not at its deadline."""
+    node = "node0-tinylm"
+    async with secured(auth, models=("tinylm",), slots=1, allow_faults=True) as plane:
+        admin = await connect(auth.options("admin", plane.url))
+        dones: list[Msg] = []
+
+        async def keep(msg: Msg) -> None:
+            dones.append(msg)
+
+        try:
+            await admin.subscribe(NAMES.done_all(), cb=keep)
+            slow = FaultCommand(k=0, mode="slow", extra_us=3000)  # 200 tokens: 0.6 s
+            await admin.request(NAMES.fault(node), json_encoder.encode(slow), timeout=2)
+            opts = auth.options("acme", plane.url)
+            assert opts.url is not None
+            caller = await nats.connect(opts.url, user=opts.user, password=opts.password,
+                                        allow_reconnect=False)
+            inbox = caller.new_inbox()
+            sub = await caller.subscribe(inbox)
+            body = json.dumps({"prompt": "The plane", "max_tokens": 200}).encode()
+            await caller.publish(NAMES.infer("tinylm"), body, reply=inbox, headers={
+                Header.STREAM: "1", Header.DEADLINE_MS: "5000", Header.REQUEST_ID: "vanish-1"})
+            first = await sub.next_msg(timeout=5)  # the start
+            assert first.headers is not None
+            await sub.next_msg(timeout=5)  # a token: the stream runs
+            caller._transport.close()  # gone without a word (no cancel, no unsubscribe)
+            async with asyncio.timeout(5):
+                while not any(done_decoder.decode(d.data).request_id == "vanish-1"
+                              for d in dones):
+                    await asyncio.sleep(0.01)
+            done = next(e for d in dones
+                        if (e := done_decoder.decode(d.data)).request_id == "vanish-1")
+            assert done.tokens < 100, done  # stopped when the caller went, not at 200
+            assert plane.stack.nodes[0].streams.readers_gone == 1
+            with contextlib.suppress(Exception):
+                await caller.close()
+        finally:
+            await admin.close()
         assert plane.violations() == []

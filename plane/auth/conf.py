@@ -8,6 +8,10 @@
                      the router (and a node, for a cancel) sees the server's
                      `Nats-Request-Info` (the requesting account, which a caller cannot
                      forge: the server overwrites the header)
+    SYS              the system account, no users: it exports to the plane's account the
+                     advisories of closed connections (`$SYS.ACCOUNT.*.DISCONNECT`), so a
+                     node stops a stream whose tenant's connection closed (across an import
+                     no no-responders status tells it; `gpu_node.streaming`)
 
 One export per model, not `<prefix>.infer.>`: a service's answers cross the import as one
 message per request (`response_type: single`, the default: the server drops the mapping of
@@ -35,8 +39,9 @@ from collections.abc import Mapping
 from plane.auth.roles import Permissions, role_permissions, tenant
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.models import MODELS
-from plane.contract.subjects import Names
+from plane.contract.subjects import CLIENT_DISCONNECTS, Names
 
+SYSTEM_ACCOUNT = "SYS"
 # The longest deadline, plus a minute for the watchdog's answer and the trip back.
 RESPONSE_THRESHOLD_S = MAX_DEADLINE_MS // 1000 + 60
 
@@ -85,13 +90,20 @@ def render(names: Names, plane_account: str, *, roles: Mapping[str, str],
         "# `plane auth init` / `plane auth add-tenant` again. Passwords are bcrypt hashes.",
         (f"include {_q(include)}  # the base: server, cluster, JetStream's store" if include
          else "jetstream: enabled  # the store: nats-server's -sd DIR (plane up: a temporary one)"),
+        f"system_account: {_q(SYSTEM_ACCOUNT)}",
         "accounts: {",
+        f"  {_q(SYSTEM_ACCOUNT)}: {{",
+        f"    exports: [{{stream: {_q(CLIENT_DISCONNECTS)}, "
+        f"accounts: {_list([plane_account])}}}]",
+        "  }",
         f"  {_q(plane_account)}: {{",
         "    jetstream: enabled",
         "    users: [",
         users,
         "    ]",
         f"    exports: [{exports}]",
+        f"    imports: [{{stream: {{account: {_q(SYSTEM_ACCOUNT)}, "
+        f"subject: {_q(CLIENT_DISCONNECTS)}}}}}]",
         "  }",
     ]
     for name, password_hash in sorted(tenants.items()):

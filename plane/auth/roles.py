@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plane.contract.subjects import Names
+from plane.contract.subjects import CLIENT_DISCONNECTS, Names
 
 ROLES = ("router", "node", "bridge", "gateway", "admin")
 INBOX = "_INBOX.>"
@@ -121,6 +121,7 @@ def node(n: Names) -> Permissions:
             f"{p}.node.>",  # status and `answered` endpoints
             f"{p}.fault.>",  # fault injection: only nodes started with --allow-faults listen
             n.cancel_all(),  # its streams' cancels (`P.cancel.<node>.*`: nodes share a role)
+            CLIENT_DISCONNECTS,  # a tenant's connection closed: its streams stop
             MICRO, INBOX,
         ),
     )

@@ -139,26 +139,45 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
 
 
 class RequestInfo(msgspec.Struct):
-    """The part of nats-server's `Nats-Request-Info` the plane reads: the requesting account,
-    which the server sets on a message that crossed a service import with `share: true` (and
-    overwrites when a caller forged it)."""
+    """The part of nats-server's `Nats-Request-Info` the plane reads: the requesting account
+    and connection (the server's id and its client id there), which the server sets on a
+    message that crossed a service import with `share: true` (and overwrites when a caller
+    forged it)."""
 
     acc: str = ""
+    id: int = 0  # the client id, on server `server`
+    server: str = ""
+
+    @property
+    def client(self) -> str:
+        """`<server id>/<client id>`: one connection, as the server's advisories name it
+        (`client_key`); "" when the header did not say."""
+        return client_key(self.server, self.id) if self.server and self.id else ""
 
 
 _request_info = msgspec.json.Decoder(RequestInfo)
 
 
+def request_info(headers: Mapping[str, str] | None) -> RequestInfo:
+    """What the server said of a message that came across an import; empty fields for one
+    sent inside the plane's own account (a plane role) or unreadable."""
+    raw = (headers or {}).get(Header.NATS_REQUEST_INFO)
+    if not raw:
+        return RequestInfo()
+    try:
+        return _request_info.decode(raw)
+    except msgspec.DecodeError:
+        return RequestInfo()
+
+
 def requester_account(headers: Mapping[str, str] | None) -> str:
     """The account a message came from across an import; "" for one sent inside the plane's
     own account (a plane role) or unreadable."""
-    raw = (headers or {}).get(Header.NATS_REQUEST_INFO)
-    if not raw:
-        return ""
-    try:
-        return _request_info.decode(raw).acc
-    except msgspec.DecodeError:
-        return ""
+    return request_info(headers).acc
+
+
+def client_key(server: str, client_id: int) -> str:
+    return f"{server}/{client_id}"
 
 
 NO_RESPONDERS = "503"  # the server's `Status` when nobody listens (see Header.NATS_STATUS)

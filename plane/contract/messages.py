@@ -235,6 +235,23 @@ class FaultCommand(msgspec.Struct, frozen=True, kw_only=True):
     extra_us: int = 0
 
 
+class _AdvisoryServer(msgspec.Struct):
+    id: str = ""
+
+
+class _AdvisoryClient(msgspec.Struct):
+    id: int = 0
+    acc: str = ""
+
+
+class ClientDisconnect(msgspec.Struct):
+    """nats-server's advisory that a connection closed (`$SYS.ACCOUNT.<acc>.DISCONNECT`,
+    imported into the plane's account under `plane auth`): the part the plane reads."""
+
+    server: _AdvisoryServer = msgspec.field(default_factory=_AdvisoryServer)
+    client: _AdvisoryClient = msgspec.field(default_factory=_AdvisoryClient)
+
+
 json_encoder = msgspec.json.Encoder()
 msgpack_encoder = msgspec.msgpack.Encoder()
 advert_decoder = msgspec.json.Decoder(NodeAdvert)
@@ -243,6 +260,7 @@ admission_note_decoder = msgspec.msgpack.Decoder(AdmissionNote)
 heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 fault_decoder = msgspec.json.Decoder(FaultCommand)
 error_decoder = msgspec.json.Decoder(ErrorBody)
+disconnect_decoder = msgspec.json.Decoder(ClientDisconnect)
 
 
 def error_body(error: str, reason: Reason) -> bytes:

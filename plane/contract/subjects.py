@@ -13,6 +13,10 @@ from dataclasses import dataclass
 TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 ROUTER_QUEUE_GROUP = "plane-routers"
+# nats-server's advisory that a connection of account `*` closed. Under `plane auth` the
+# plane's account imports it from the system account: a node stops the streams of a tenant
+# whose connection went (inside the plane's account the no-responders status does that).
+CLIENT_DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"
 
 
 class InvalidToken(ValueError):
@@ -68,6 +72,9 @@ class Header:
     # Slot message of a stream sent across a tenant's import: the account it came from; only
     # a cancel from that account (or from inside the plane's own) may end it.
     CALLER_ACCOUNT = "Plane-Caller-Account"
+    # ... and the caller's connection (`<server id>/<client id>`, from the server's
+    # `Nats-Request-Info`): when that connection closes, the node stops the stream.
+    CALLER_CLIENT = "Plane-Caller-Client"
     # Kafka bridge stamps on plane.events.* messages.
     EVENT_TIME = "Plane-Event-Time"
     INGEST_TIME = "Plane-Ingest-Time"

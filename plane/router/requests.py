@@ -31,7 +31,7 @@ from plane.contract.budget import predict
 from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
-from plane.contract.headers import is_no_responders, read_caller, requester_account
+from plane.contract.headers import is_no_responders, read_caller, request_info
 from plane.contract.messages import Status
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS, model_spec
@@ -538,8 +538,11 @@ class RequestPath:
         if r.ask.end_deadline_s is not None:  # a stream
             out[Header.STREAM] = ASKED
             out[Header.STREAM_DEADLINE_AT] = str(now_ms + end_ms)
-            if acc := requester_account(hdrs):
-                out[Header.CALLER_ACCOUNT] = acc
+            info = request_info(hdrs)
+            if info.acc:
+                out[Header.CALLER_ACCOUNT] = info.acc
+            if info.client:
+                out[Header.CALLER_CLIENT] = info.client
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct
         # The trace goes on: under our admission span when spans are on, else as it came.

@@ -32,7 +32,6 @@ from gpu_node.compute import Backend, make_backend
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import generation_for
 from gpu_node.health import Supervisor
-from gpu_node.recent import RecentIds
 from gpu_node.slot import Enrich, Slot
 from gpu_node.standing import Other, Standing
 from gpu_node.streaming import StreamControl
@@ -52,6 +51,7 @@ from plane.contract.messages import (
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import model_spec
 from plane.contract.provision import ProvisionPlan, ensure_all, ensure_all_again
+from plane.contract.recent import RecentIds
 from plane.contract.settings import MAX_SLOTS, LiveSettings, refused
 from plane.contract.subjects import advert_key, config_key
 from plane.contract.tracing import Tracing

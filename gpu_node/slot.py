@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -35,7 +36,6 @@ from nats.js.errors import FetchTimeoutError, NotFoundError
 from gpu_node.current import Current
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator
-from gpu_node.recent import RecentIds
 from gpu_node.slot_generation import Generating
 from gpu_node.streaming import StreamMeters, StreamRun
 from plane.contract import replies, streams
@@ -58,8 +58,9 @@ from plane.contract.messages import (
 )
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import ModelSpec
-from plane.contract.ownership import NOT_ANSWERED, Take, placement_id, take
-from plane.contract.subjects import Header, Names
+from plane.contract.ownership import NOT_ANSWERED, Take, attempt_id, placement_id, take
+from plane.contract.recent import RecentIds
+from plane.contract.subjects import Header, InvalidToken, Names, check_token
 from plane.contract.tracing import Tracing, trace_headers
 
 MustTake = Callable[[float], bool]  # fetched at (monotonic s) -> may a router have acted on it?
@@ -75,6 +76,11 @@ ACK_WAIT_S = 30.0
 # Depth one leaves at most one message on a subject; in a cluster a few more have been seen
 # (nats-server #6245): a sweep takes at most this many.
 SWEEP_MAX = 4
+# A node that took a message after its deadline asks its router whether it answered it
+# already (`_router_answered`): each try this long, for at most this long in all (its router
+# may be failing over with the broker).
+ASK_ROUTER_TIMEOUT_S = 0.25
+ASK_ROUTER_WITHIN_S = 1.0
 
 
 Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
@@ -197,6 +203,8 @@ class Slot(Generating):
             if outcome is Take.GONE or Header.REPLY_TO not in h:
                 continue
             rid = h.get(Header.REQUEST_ID, "")
+            if await self._router_answered(h, rid):
+                continue  # landed after its router answered it (a failover)
             self.answered.add(placement_id(self.stream, seq))
             await self._publish_done(h, rid, int(Status.UNAVAILABLE), 0, 0)
             body, headers = replies.error_reply(
@@ -394,14 +402,43 @@ class Slot(Generating):
         outcome = await take(self.js, self.stream, cur.msg.metadata.sequence.stream)
         with contextlib.suppress(Exception):
             await cur.msg.ack()  # clears our consumer's pending message either way
-        if outcome is Take.GONE:
+        if outcome is Take.GONE or await self._router_answered(cur.msg.headers or {},
+                                                               cur.request_id):
             await self._done(cur, NOT_ANSWERED, 0)
             return False
         return True
 
+    async def _router_answered(self, h: Mapping[str, str], request_id: str) -> bool:
+        """Past its deadline, a message we took may be one its router answered without the
+        broker's word (its publish's outcome unknown in a failover: it landed late). Record
+        the attempt as ours, then ask that router (`plane.contract.ownership`); True: it
+        answered, stay silent. A router that is gone, or silent for `ASK_ROUTER_WITHIN_S`,
+        did not."""
+        attempt = attempt_id(request_id, h.get(Header.ATTEMPT, "1"))
+        self.answered.add(attempt)
+        try:
+            subject = self.names.router_answered(check_token("router id", h[Header.ROUTER]))
+        except (KeyError, InvalidToken):
+            return False
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + ASK_ROUTER_WITHIN_S
+        while True:
+            try:
+                reply = await self.nc.request(subject, attempt.encode(),
+                                              timeout=ASK_ROUTER_TIMEOUT_S)
+                return reply.data == b"1"
+            except NoRespondersError:
+                return False
+            except Exception:
+                if loop.time() >= give_up:
+                    return False
+                await asyncio.sleep(0.05)
+
     async def _finish(self, cur: Current, status: Status, service_us: int, body: bytes,
                       headers: dict[str, str]) -> None:
         self.answered.add(placement_id(self.stream, cur.msg.metadata.sequence.stream))
+        self.answered.add(attempt_id(cur.request_id,
+                                     (cur.msg.headers or {}).get(Header.ATTEMPT, "1")))
         await self._done(cur, int(status), service_us)
         h = cur.msg.headers or {}
         headers.update(trace_headers(h))  # the trace, back on the reply

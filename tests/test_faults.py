@@ -13,11 +13,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from nats.aio.msg import Msg
+
 from plane.client import Client as PlaneClient
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header
+from plane.router.inflight import InFlight
 from tests.ledger import Ledger
-from tests.plane_fixtures import NAMES, calibrated, client, plane, wait_until
+from tests.plane_fixtures import NAMES, calibrated, client, plane, slots_running, wait_until
 
 PLANE = str(Path(sys.executable).parent / "plane")
 # A call made while the server is down for its restart may be lost with it (core NATS is
@@ -132,3 +135,51 @@ async def test_nats_server_restarted_under_load() -> None:
                 assert time.monotonic() < t_end, res
                 await asyncio.sleep(0.1)
         assert stack.routers[0].models["calibrated"].healthy_count() == 2
+
+
+async def test_a_message_that_lands_after_its_router_answered_it_is_not_answered_again() -> None:
+    """A cluster failing over: the router's publish got no PubAck and the message was nowhere
+    by the deadline, so the router answered 504 without the broker's word; then the message
+    landed and a node fetched it, and answered a second time (tests/test_cluster.py, 2.5 s
+    later). Here the two halves by hand, on one server: the router's entry for a placement
+    whose outcome is unknown, then its message published after the router answered. The
+    node takes it, asks the router, and stays silent; an attempt the router did not answer
+    is still answered by the node, once."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        view = next(iter(router.models["calibrated"].slots.values()))
+        js = nc.jetstream()
+        answers: dict[str, list[Msg]] = {"late-1": [], "late-2": []}
+        inbox = nc.new_inbox()
+
+        async def keep(msg: Msg) -> None:
+            answers[msg.subject.rsplit(".", 1)[1]].append(msg)
+
+        await nc.subscribe(f"{inbox}.*", cb=keep)
+        now = time.monotonic()
+        fl = InFlight(request_id="late-1", model="calibrated", reply=f"{inbox}.late-1",
+                      node=view.node, key=view.key, placed_s=now, tenant="default",
+                      subject=view.subject, stream=NAMES.slot_stream_for(view.node),
+                      deadline_s=now + 0.05, answer_by_s=now + 0.1, attempt="1")
+        router.inflight.placed(router.inflight.track(fl), None)  # its PubAck never came
+        await wait_until(lambda: answers["late-1"], 5, "the router's 504")
+        assert answers["late-1"][0].headers[Header.STATUS] == "504"
+
+        def landed(rid: str) -> dict[str, str]:  # the slot message, as the router wrote it
+            past_ms = int(time.time() * 1000) - 200
+            return {Header.REPLY_TO: f"{inbox}.{rid}", Header.REQUEST_ID: rid,
+                    Header.DEADLINE_AT: str(past_ms), Header.DEADLINE_MS: "50",
+                    Header.WORK_US: "1000", Header.ROUTER: router.cfg.router_id,
+                    Header.ATTEMPT: "1"}
+
+        await js.publish(view.subject, calibrated(1000), headers=landed("late-1"))
+        await asyncio.sleep(1.0)  # the node fetches it, takes it, asks the router
+        assert len(answers["late-1"]) == 1, [m.headers for m in answers["late-1"]]
+        # The control: an attempt the router never answered is the node's to answer.
+        await wait_until(lambda: slots_running(stack) == 0, 5, "the slot free")
+        await js.publish(view.subject, calibrated(1000), headers=landed("late-2"))
+        await wait_until(lambda: answers["late-2"], 5, "the node's 504")
+        await asyncio.sleep(0.5)
+        assert [m.headers[Header.STATUS] for m in answers["late-2"]] == ["504"]
+        assert answers["late-2"][0].headers[Header.NODE] == view.node

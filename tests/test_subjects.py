@@ -43,6 +43,7 @@ DOCUMENTED: list[Case] = [
     ("router_meter", ("r1",), "plane.router.<id>.meter"),
     ("node_status", ("n1",), "plane.node.<node>.status"),
     ("node_answered", ("n1",), "plane.node.<node>.answered"),
+    ("router_answered", ("r1",), "plane.router.<id>.answered"),
     ("fault", ("n1",), "plane.fault.<node>"),
     ("cancel", ("n1", 3), "plane.cancel.<node>.<k>"),
     ("slots_stream", None, "PLANE_SLOTS"),

@@ -106,6 +106,7 @@ def node(n: Names) -> Permissions:
             n.health_all(),  # heartbeats
             n.done_all(),  # done-events
             f"{p}.node.*.status",  # the id check before claiming
+            f"{p}.router.*.answered",  # did the router answer what we took late?
             INBOX, SERVICE_REPLIES,  # answers to callers, micro and `answered` replies
             f"$KV.{n.nodes_bucket}.>",  # adverts
             *_provision(n), *_take(n),

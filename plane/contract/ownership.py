@@ -5,6 +5,15 @@ replies. After the deadline, a node or a router that wants to answer must first 
 message through the JetStream API, which says definitively whether it was still there. Only
 the one whose delete succeeded answers; the broker serialises the two. So a lost done-event, a
 router that lost its server, or a node that dies mid-request can never make two answers.
+
+When the broker cannot say (a cluster failing over: the router's publish got no PubAck and
+the message is nowhere to be found, or a delete that keeps timing out), the router answers at
+the deadline all the same (else nobody might), after asking the node, and remembers that
+attempt (`attempt_id`). The message may still land later and reach a node: a node that takes
+a message after its deadline first records the attempt, then asks the router that placed it
+whether it already answered it (`Names.router_answered`), and answers only if not (or if
+that router does not reply: it is gone). The router asks before it records, the node records
+before it asks, so each sees the other's answer except within one turn of the router's loop.
 """
 
 from __future__ import annotations
@@ -23,6 +32,12 @@ NOT_ANSWERED = 0
 def placement_id(stream: str, seq: int) -> str:
     """One placement of one request: unique, unlike caller request ids (reused by retries)."""
     return f"{stream}:{seq}"
+
+
+def attempt_id(request_id: str, attempt: str) -> str:
+    """One attempt of one request (`Plane-Attempt`), as its router knows it even when its
+    publish's outcome is unknown and it has no stream sequence to name."""
+    return f"{request_id}#{attempt}"
 
 
 # JetStream's "sequence N not found": the message is gone (acked, or deleted by the other side).

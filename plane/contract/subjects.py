@@ -193,6 +193,11 @@ class Names:
         """Router asks a node "did you answer request X?" before taking over its deadline."""
         return f"{self.prefix}.node.{node}.answered"
 
+    def router_answered(self, router_id: str) -> str:
+        """A node asks the router that placed a message it took after the deadline "did you
+        answer that attempt without the broker's word?" (`plane.contract.ownership`)."""
+        return f"{self.prefix}.router.{router_id}.answered"
+
     def cancel(self, node: str, k: int) -> str:
         """Where a caller cancels the stream slot k of `node` runs (the message names it by
         `Plane-Request-Id`)."""

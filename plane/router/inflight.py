@@ -14,12 +14,16 @@ import structlog
 from nats.js import JetStreamContext
 
 from plane.contract.messages import Reason, Status
-from plane.contract.ownership import NOT_ANSWERED, Take, placement_id, take
+from plane.contract.ownership import NOT_ANSWERED, Take, attempt_id, placement_id, take
+from plane.contract.recent import RecentIds
 from plane.contract.subjects import Header
 
 log = structlog.get_logger("plane.router.inflight")
 
-# Done-event status of a request the node did not answer (it finished after the deadline).
+# Attempts answered without the broker's word, remembered for a node's question: a message
+# lands late by a failover's seconds, and such answers are rare.
+ANSWERED_UNSURE_KEPT = 4096
+
 
 @dataclass(slots=True)
 class InFlight:
@@ -38,6 +42,7 @@ class InFlight:
     placing: bool = True  # the publish has not returned yet: not ours to resolve
     resolving: bool = False
     max_tokens: int = 0  # a generation's (what its done-event's tokens are a share of)
+    attempt: str = "1"  # the caller's `Plane-Attempt`, as on the slot message
 
 
 Answer = Callable[[InFlight, Status, Reason, str], Awaitable[None]]
@@ -55,6 +60,9 @@ class InFlightBook:
         self._freed = freed
         self._spawn = spawn
         self.entries: dict[str, InFlight] = {}  # by slot key: depth one makes it unique
+        # Attempts answered without the broker's word (`Take.UNKNOWN`): a node that takes
+        # such a message later asks (`plane.contract.ownership`).
+        self.answered_unsure = RecentIds(size=ANSWERED_UNSURE_KEPT)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -121,12 +129,16 @@ class InFlightBook:
             # Ours now, but a node whose ack and done-event were lost (its broker died) may
             # have answered before the deadline all the same: it remembers, so ask. A node
             # presumed dead is asked once, briefly; a live one patiently (our own server may
-            # be failing over).
-            placement = placement_id(fl.stream, seq) if seq is not None else ""
-            if seq is not None and await self._asked(fl, placement, node_alive):
+            # be failing over). Without a sequence (the publish's outcome unknown), by the
+            # attempt: the message may have landed and been answered all the same.
+            asked = (placement_id(fl.stream, seq) if seq is not None
+                     else attempt_id(fl.request_id, fl.attempt))
+            if await self._asked(fl, asked, node_alive):
                 log.info("node says it answered", request_id=fl.request_id, node=fl.node)
                 return
             if outcome is Take.UNKNOWN:
+                # The message may yet reach a node (it lands late): that node asks us first.
+                self.answered_unsure.add(attempt_id(fl.request_id, fl.attempt))
                 log.warning("broker could not say who answers; answering", node=fl.node,
                             request_id=fl.request_id)
             await self._answer(fl, status, reason, text)

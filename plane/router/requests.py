@@ -647,7 +647,7 @@ class RequestPath:
             deadline_s=ask.deadline_s,
             # The router owns the deadline of what it placed: a stream's whole one.
             answer_by_s=(ask.end_deadline_s or ask.deadline_s) + self.cfg.deadline_grace_ms / 1000,
-            max_tokens=r.max_tokens,
+            max_tokens=r.max_tokens, attempt=(r.msg.headers or {}).get(Header.ATTEMPT, "1"),
         ))
 
     async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse,

@@ -143,6 +143,8 @@ class Router(Lifecycle, TaskOwner):
         self._done_sub = await self.nc.subscribe(n.done_all(), cb=self._on_done)
         self._subs.append(self._done_sub)
         self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self.peers.on_note))
+        self._subs.append(await self.nc.subscribe(n.router_answered(self.cfg.router_id),
+                                                  cb=self._on_answered_query))
         await self.publisher.start()
         self._spawn(self._watchdog())
         await self._learn_slots(nodes_kv)
@@ -321,6 +323,14 @@ class Router(Lifecycle, TaskOwner):
             "inflight": len(self.inflight),
         }
         await req.respond(json_encoder.encode(body))
+
+    async def _on_answered_query(self, msg: Msg) -> None:
+        """A node took a message of ours after its deadline: did we answer that attempt
+        without the broker's word (`plane.contract.ownership`)?"""
+        if msg.reply:
+            asked = msg.data.decode(errors="replace")
+            await self.nc.publish(msg.reply,
+                                  b"1" if self.inflight.answered_unsure.seen(asked) else b"0")
 
     async def _on_meter(self, req: Any) -> None:
         """Per tenant and model: requests by final status, slot µs, SM·ms (this router's)."""

@@ -1,5 +1,7 @@
-"""The placements (stream:seq) a node answered lately, so a router taking over a deadline
-can ask "did you answer it?" when the node's ack and done-event were lost (its broker died)."""
+"""Ids answered lately, bounded: a node's (placements and attempts it answered, so a router
+taking over a deadline can ask "did you answer it?" when the node's ack and done-event were
+lost) and a router's (attempts it answered without the broker's word, so a node that takes
+such a message later can ask it the same; `plane.contract.ownership`)."""
 
 from __future__ import annotations
 

@@ -200,6 +200,11 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no
             await asyncio.sleep(0.01)
 
 
+# Above the pipeline's own latency on a loaded 2-core host (Kafka -> bridge -> JetStream took
+# 100 ms once under the whole suite), well under the injected lag.
+THRESHOLD_MS = 250.0
+
+
 async def test_injected_upstream_lag_makes_the_guard_wait_or_degrade(
     nc: Client, tansu: EmbeddedTansu, kafka_topic
 ) -> None:
@@ -211,24 +216,24 @@ async def test_injected_upstream_lag_makes_the_guard_wait_or_degrade(
     async with (
         KafkaBridge(nc, bridge_cfg) as bridge,
         FeatureUpdater(nc, UpdaterConfig(topic=topic)) as updater,
-        CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.DEGRADE,
-                                                check_age=False)) as degrading,
-        CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.WAIT,
-                                                check_age=False)) as waiting,
+        CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.DEGRADE, check_age=False,
+                                                threshold_ms=THRESHOLD_MS)) as degrading,
+        CardFeatureGuard(nc, NAMES, GuardConfig(on_stale=OnStale.WAIT, check_age=False,
+                                                threshold_ms=THRESHOLD_MS)) as waiting,
     ):
         await bridge.wait_assigned()
         await _produce(bootstrap, topic, "c1", 10.0, lag_ms=0)
         await _until(lambda: "c1" in degrading._last_good and "c1" in waiting._last_good)
         good = (await degrading.lookup("c1", _deadline(50)))
-        assert good.freshness is Freshness.FRESH and good.lag_ms < 100
+        assert good.freshness is Freshness.FRESH and good.lag_ms <= THRESHOLD_MS
 
-        # Records now arrive 300 ms after their event time.
+        # Records now arrive 600 ms after their event time.
         for i in range(3):
-            await _produce(bootstrap, topic, "c1", 500.0 + i, lag_ms=300)
+            await _produce(bootstrap, topic, "c1", 500.0 + i, lag_ms=600)
         await _until(lambda: updater.applied == 4 and waiting._latest["c1"].count == 4)
         r = await degrading.lookup("c1", _deadline(50))
         assert r.freshness is Freshness.DEGRADED and r.waited_ms == 0
-        assert r.lag_ms >= 300 and r.values == good.values  # the last good value
+        assert r.lag_ms >= 600 and r.values == good.values  # the last good value
         r = await waiting.lookup("c1", _deadline(50))
         assert r.freshness is Freshness.DEGRADED and r.waited_ms >= 40
         assert r.values == good.values
@@ -238,7 +243,7 @@ async def test_injected_upstream_lag_makes_the_guard_wait_or_degrade(
         await asyncio.sleep(0.1)
         await _produce(bootstrap, topic, "c1", 20.0, lag_ms=0)
         r = await lookup
-        assert r.freshness is Freshness.WAITED and r.lag_ms < 100
+        assert r.freshness is Freshness.WAITED and r.lag_ms <= THRESHOLD_MS
         assert r.values != good.values and 100 <= r.waited_ms < 3000
         lag_count = waiting.metrics.registry.get_sample_value(
             "plane_freshness_lag_seconds_count")

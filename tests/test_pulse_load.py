@@ -86,19 +86,22 @@ async def test_cli_against_a_queueing_server(queueing_server: str, tmp_path: Pat
 
 async def test_against_the_plane_with_retries() -> None:
     """The same overload (1.5x) into the plane: accepted answers stay at their service time,
-    the excess is refused at once with a Retry-After, and the SDK retries it."""
+    the excess is refused at once with a Retry-After, and the SDK retries it. Jobs of 100 ms
+    (2 slots: 20/s, offered 30/s): the plane, pulse and the SDK share one process and one
+    loop here, and on a slow 2-core host their scheduling alone put the p99 of 20 ms jobs
+    at 2-2.7x the p50 (the plane's own processes, in BENCHMARKS.md, hold 1.5-1.7 at 2x)."""
     async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as stack:
         target = NatsTarget(ConnectOptions(url=stack.url), model="calibrated",
                             deadline_ms=1000, policy=RetryPolicy(max_attempts=4))
-        report = await pulse(target, default_body("calibrated", duration_us=20_000),
-                             LoadConfig(rate=150, duration_s=3), deadline_ms=1000)
+        report = await pulse(target, default_body("calibrated", duration_us=100_000),
+                             LoadConfig(rate=30, duration_s=5), deadline_ms=1000)
     s = report.summary
     assert s.verdict == ABSENT, s
     assert s.status_counts.get("200", 0) > 0 and s.status_counts.get("429", 0) > 0
     assert s.retry_after_share == 1.0
-    assert s.p50_ms is not None and 20 <= s.p50_ms < 40
+    assert s.p50_ms is not None and 100 <= s.p50_ms < 130
     assert s.first_retry_success is not None and s.mean_retries is not None
-    assert s.sent == 450 and s.dropped == 0
+    assert s.sent == 150 and s.dropped == 0
 
 
 async def test_cli_against_the_plane_without_retries() -> None:

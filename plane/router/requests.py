@@ -56,6 +56,7 @@ from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
+from plane.router.receipt import received_s
 from plane.router.slot_publish import (
     NoStream,
     Outcome,
@@ -248,8 +249,11 @@ class RequestPath:
     async def _route_one(self, msg: Msg) -> None:
         """Decide, on the subscription's own task: the common cases (a placement, a refusal)
         finish here or in the PubAck's callback, with no task per request; only a request
-        that must wait (a parked holder, a forward to another router) gets a task."""
-        t0 = time.perf_counter()
+        that must wait (a parked holder, a forward to another router) gets a task. Budgets
+        and the decision's time run from the request's receipt (`plane.router.receipt`)."""
+        now = time.monotonic()
+        received = received_s(msg, now)
+        t0 = time.perf_counter() - (now - received)
         hdrs = msg.headers or {}
         model = self.cfg.names.infer_model_of(msg.subject)
         label = model if model in MODELS else "unknown"  # metric labels stay bounded
@@ -295,7 +299,7 @@ class RequestPath:
                         f"than {Header.DEADLINE_MS} ({deadline_ms}), the budget for the first "
                         f"token: give the whole stream at least as long"))
                     return
-                first_p99_us, end_deadline_s = first_p99, now + stream_ms / 1000
+                first_p99_us, end_deadline_s = first_p99, received + stream_ms / 1000
         # One router makes every promise (so no two promise the same slot time); the others
         # place what fits now and hand it what needs a promise.
         promiser = self.cfg.router_id if forwarded else self.peers.promiser()
@@ -307,7 +311,7 @@ class RequestPath:
                                     {"model": model, "request_id": rid})
             if self.tracing.on else None,
             may_promise=promiser == self.cfg.router_id,
-            ask=Ask(now_s=now, deadline_s=now + deadline_ms / 1000,
+            ask=Ask(now_s=now, deadline_s=received + deadline_ms / 1000,
                     prediction=prediction, ticket=caller.ticket, avoid_node=caller.avoid_node,
                     first_p99_us=first_p99_us, end_deadline_s=end_deadline_s),
         )

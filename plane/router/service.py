@@ -51,6 +51,7 @@ from plane.router.micro import InferEndpoint
 from plane.router.occupancy import ModelSlots, slot_key
 from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
+from plane.router.receipt import stamp_receipt
 from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
 
@@ -163,13 +164,13 @@ class Router(Lifecycle, TaskOwner):
                                     queue=ROUTER_QUEUE_GROUP, handler=self.requests.on_request,
                                     metadata={"models": ",".join(sorted(MODELS))})
         self.requests.errored = self._infer.count_error
-        self._request_subs = [
+        self._request_subs = [stamp_receipt(sub) for sub in (
             await self._infer.start(self.nc, self.cfg.max_pending),
             # Our own subject: ticket holders whose retry reached another router come here.
             await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
                                     cb=self.requests.on_request,
                                     pending_msgs_limit=self.cfg.max_pending),
-        ]
+        )]
         for sub in self._request_subs:
             on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)

@@ -37,7 +37,7 @@ from plane.auth.store import AuthDir
 from plane.client import Client
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
-from plane.contract.messages import FaultCommand, done_decoder, json_encoder
+from plane.contract.messages import DoneEvent, FaultCommand, done_decoder, json_encoder
 from plane.contract.natsconn import connect
 from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
@@ -489,45 +489,81 @@ def test_plane_auth_env_connects_as_a_role(tmp_path: Path,
         make_connect(None, None, None, None, None, None)
 
 
+@asynccontextmanager
+async def slowed_streams(auth: AuthDir, plane: Secured) -> AsyncIterator[list[DoneEvent]]:
+    """The done-events of `plane` as they come (heard as admin), with tinylm's slot made
+    3 ms a token slower (200 tokens: 0.6 s, time for a cancel or a caller gone to stop it)."""
+    admin = await connect(auth.options("admin", plane.url))
+    events: list[DoneEvent] = []
+
+    async def keep(msg: Msg) -> None:
+        events.append(done_decoder.decode(msg.data))
+
+    try:
+        await admin.subscribe(NAMES.done_all(), cb=keep)
+        slow = FaultCommand(k=0, mode="slow", extra_us=3000)
+        await admin.request(NAMES.fault("node0-tinylm"), json_encoder.encode(slow), timeout=2)
+        yield events
+    finally:
+        await admin.close()
+
+
+async def done_of(events: list[DoneEvent], request_id: str) -> DoneEvent:
+    async with asyncio.timeout(5):
+        while not (done := [e for e in events if e.request_id == request_id]):
+            await asyncio.sleep(0.01)
+    return done[0]
+
+
 async def test_a_tenant_streams_and_cancels_through_its_account(auth: AuthDir) -> None:
     """A stream's messages all cross the service import (`response_type: stream`: with the
     default, a tenant saw the start and nothing after it), and a tenant's cancel reaches the
     node through the imported `plane.cancel.>`. Across an import the server tells the node
     nothing when the tenant stops reading (no no-responders status comes back, checked), so
     the slot frees here only because the cancel arrived."""
-    node = "node0-tinylm"
-    async with secured(auth, models=("tinylm",), slots=1, allow_faults=True) as plane:
-        admin = await connect(auth.options("admin", plane.url))
-        dones: list[Msg] = []
+    async with secured(auth, models=("tinylm",), slots=1, allow_faults=True) as plane, \
+            slowed_streams(auth, plane) as dones:
+        async with Client.connect(auth.options("acme", plane.url)) as c:
+            whole = c.stream("tinylm", {"prompt": "The plane", "max_tokens": 60},
+                             deadline_ms=5000)
+            pieces = [p async for p in whole]
+            assert len(pieces) >= 2 and len("".join(pieces)) == 60
+            assert whole.finish_reason == "length" and whole.usage is not None
+            async with c.stream("tinylm", {"prompt": "The plane", "max_tokens": 200},
+                                deadline_ms=5000) as early:
+                async for _ in early:
+                    break
+        done = await done_of(dones, early.request_id)
+        assert done.tokens < 100  # stopped by the cancel, not run to its 200 tokens
+    assert plane.violations() == []
 
-        async def keep(msg: Msg) -> None:
-            dones.append(msg)
 
-        try:
-            await admin.subscribe(NAMES.done_all(), cb=keep)
-            await admin.flush()
-            async with Client.connect(auth.options("acme", plane.url)) as c:
-                whole = c.stream("tinylm", {"prompt": "The plane", "max_tokens": 60},
-                                 deadline_ms=5000)
-                pieces = [p async for p in whole]
-                assert len(pieces) >= 2 and len("".join(pieces)) == 60
-                assert whole.finish_reason == "length" and whole.usage is not None
-                slow = FaultCommand(k=0, mode="slow", extra_us=3000)  # 200 tokens: 0.6 s
-                await admin.request(NAMES.fault(node), json_encoder.encode(slow), timeout=2)
-                async with c.stream("tinylm", {"prompt": "The plane", "max_tokens": 200},
-                                    deadline_ms=5000) as early:
-                    async for _ in early:
-                        break
-            async with asyncio.timeout(5):
-                while not any(done_decoder.decode(d.data).request_id == early.request_id
-                              for d in dones):
-                    await asyncio.sleep(0.01)
-            done = next(e for d in dones
-                        if (e := done_decoder.decode(d.data)).request_id == early.request_id)
-            assert done.tokens < 100  # stopped by the cancel, not run to its 200 tokens
-        finally:
-            await admin.close()
-        assert plane.violations() == []
+async def test_a_tenant_that_vanishes_mid_stream_frees_the_slot(auth: AuthDir) -> None:
+    """A tenant's connection closes mid-stream, no cancel sent. No no-responders status
+    comes back across the import (the test above), so the node hears it from the server's
+    advisory of the closed connection (`$SYS.ACCOUNT.*.DISCONNECT`, imported under `plane
+    auth`), matched by the connection the router named on the slot message: the stream stops
+    there, not at its 200th token or its deadline."""
+    async with secured(auth, models=("tinylm",), slots=1, allow_faults=True) as plane, \
+            slowed_streams(auth, plane) as dones:
+        opts = auth.options("acme", plane.url)
+        assert opts.url is not None
+        caller = await nats.connect(opts.url, user=opts.user, password=opts.password,
+                                    allow_reconnect=False)
+        inbox = caller.new_inbox()
+        sub = await caller.subscribe(inbox)
+        body = json.dumps({"prompt": "The plane", "max_tokens": 200}).encode()
+        await caller.publish(NAMES.infer("tinylm"), body, reply=inbox, headers={
+            Header.STREAM: "1", Header.DEADLINE_MS: "5000", Header.REQUEST_ID: "vanish-1"})
+        await sub.next_msg(timeout=5)  # the start
+        await sub.next_msg(timeout=5)  # a token: the stream runs
+        caller._transport.close()  # gone without a word (no cancel, no unsubscribe)
+        done = await done_of(dones, "vanish-1")
+        assert done.tokens < 100, done  # stopped when the caller went, not at 200
+        assert plane.stack.nodes[0].streams.readers_gone == 1
+        with contextlib.suppress(Exception):
+            await caller.close()
+    assert plane.violations() == []
 
 
 async def test_the_gateway_role_may_cancel(auth: AuthDir) -> None:
@@ -562,48 +598,4 @@ async def test_a_tenant_cannot_cancel_another_tenants_stream(auth: AuthDir) -> N
             assert plane.stack.nodes[0].streams.refused == 1
         finally:
             await beta.close()
-        assert plane.violations() == []
-
-
-async def test_a_tenant_that_vanishes_mid_stream_frees_the_slot(auth: AuthDir) -> None:
-    """A tenant's connection drops mid-stream (no cancel sent): its subscriptions go with it,
-    the server drops the import's reply mapping, and the node's next token message finds no
-    responder: the stream stops there, not at its deadline."""
-    node = "node0-tinylm"
-    async with secured(auth, models=("tinylm",), slots=1, allow_faults=True) as plane:
-        admin = await connect(auth.options("admin", plane.url))
-        dones: list[Msg] = []
-
-        async def keep(msg: Msg) -> None:
-            dones.append(msg)
-
-        try:
-            await admin.subscribe(NAMES.done_all(), cb=keep)
-            slow = FaultCommand(k=0, mode="slow", extra_us=3000)  # 200 tokens: 0.6 s
-            await admin.request(NAMES.fault(node), json_encoder.encode(slow), timeout=2)
-            opts = auth.options("acme", plane.url)
-            assert opts.url is not None
-            caller = await nats.connect(opts.url, user=opts.user, password=opts.password,
-                                        allow_reconnect=False)
-            inbox = caller.new_inbox()
-            sub = await caller.subscribe(inbox)
-            body = json.dumps({"prompt": "The plane", "max_tokens": 200}).encode()
-            await caller.publish(NAMES.infer("tinylm"), body, reply=inbox, headers={
-                Header.STREAM: "1", Header.DEADLINE_MS: "5000", Header.REQUEST_ID: "vanish-1"})
-            first = await sub.next_msg(timeout=5)  # the start
-            assert first.headers is not None
-            await sub.next_msg(timeout=5)  # a token: the stream runs
-            caller._transport.close()  # gone without a word (no cancel, no unsubscribe)
-            async with asyncio.timeout(5):
-                while not any(done_decoder.decode(d.data).request_id == "vanish-1"
-                              for d in dones):
-                    await asyncio.sleep(0.01)
-            done = next(e for d in dones
-                        if (e := done_decoder.decode(d.data)).request_id == "vanish-1")
-            assert done.tokens < 100, done  # stopped when the caller went, not at 200
-            assert plane.stack.nodes[0].streams.readers_gone == 1
-            with contextlib.suppress(Exception):
-                await caller.close()
-        finally:
-            await admin.close()
         assert plane.violations() == []

@@ -216,7 +216,6 @@ class StreamControl:
         log.info("stream stopped: nobody reads it", node=self.node, subject=msg.subject,
                  request_id=running[0])
 
-
     async def _on_disconnect(self, msg: Msg) -> None:
         try:
             ev = disconnect_decoder.decode(msg.data)

@@ -274,11 +274,26 @@ def test_late_holders_are_not_no_shows() -> None:
     assert adm.stats["ticket-late"] == 3 and adm.redemption["calibrated"] == 1.0
 
 
+def test_a_slot_past_its_predicted_end_is_promised_later_as_its_overrun_grows() -> None:
+    """Cold streams ran 3x their prediction, and holders were promised `now` (the slot's
+    predicted end had passed) again and again: one was refused four times in 35 ms. Past its
+    p50 end a slot is predicted to run on for half of what is left to its p99 end or of its
+    overrun so far, whichever is longer: the promises back off as the overrun grows."""
+    waits = []
+    for now in (0.020, 0.040, 0.080):
+        ms, adm = slots(1), Admission("r")
+        busy_until(ms, 0.010)  # predicted to end at 10 ms (p50 and p99), still running
+        d = adm.decide(ms, ask(now))
+        assert isinstance(d, Refuse) and d.retry_after_ms is not None
+        waits.append(d.retry_after_ms)
+    assert 4 <= waits[0] < waits[1] < waits[2], waits
+
+
 def test_a_slot_taken_by_someone_else_frees_itself_after_its_p99() -> None:
     ms = slots(1)
     view = ms.slots["n/0"]
     view.occupy(0.0, None, expected_s=0.010, p99_s=0.020)  # the broker said: taken
-    assert not view.is_free(0.015) and view.free_time(0.015) == 0.015
+    assert not view.is_free(0.015) and view.free_time(0.015) == 0.0175  # half way to its p99
     assert view.is_free(0.021) and ms.busy_count(0.021) == 0
     view.occupy(0.0, "ours", expected_s=0.010, p99_s=0.020)  # ours: the in-flight book owns it
     assert not view.is_free(0.5)

@@ -427,6 +427,36 @@ async def test_a_tenant_added_while_running_is_served_without_a_restart(auth: Au
                                            for nc in plane.stack.clients)
 
 
+async def test_add_tenant_says_when_the_running_server_did_not_take_the_config(
+        auth: AuthDir) -> None:
+    """A server started with a config from before the system account (2026-12-01): a reload
+    cannot add one (nats-server logs "config reload not supported for SystemAccount" and
+    keeps the old config), so the new tenant (in the config `add-tenant` writes, with the
+    account) is not let in. `add-tenant --nats` says so and fails, where it used to report
+    "the running server reloaded it"; after a restart the tenant is in."""
+    kept: list[str] = []
+    in_sys_block = False
+    for line in auth.conf.read_text().splitlines():  # the lines the system account added
+        if line.startswith('  "SYS": {'):
+            in_sys_block = True
+        elif in_sys_block:
+            in_sys_block = line != "  }"
+        elif "SYS" not in line:
+            kept.append(line)
+    older = "\n".join(kept) + "\n"
+    assert "system_account" not in older and "$SYS" not in older and "users:" in older
+    auth.conf.write_text(older)
+    async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        out = await asyncio.to_thread(
+            subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "gamma", "--nats",
+                             server.url], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 1, out
+        assert "did not take it on reload" in out.stderr and "restart" in out.stderr
+        assert not await can_connect(auth.options("gamma", server.url))
+        await server.restart()
+        assert await can_connect(auth.options("gamma", server.url))
+
+
 async def test_plane_up_auth_serves_with_the_roles(auth: AuthDir) -> None:
     """`plane up --auth DIR --demo`: the embedded server runs DIR/nats.conf, each part its
     role, and the demo's calls (as admin) are answered."""

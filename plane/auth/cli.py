@@ -73,15 +73,22 @@ def add_tenant(directory: str, name: str, share: int | None, max_rate: int | Non
                nats_url: str | None, as_json: bool) -> None:
     """Add tenant NAME: an account that can only call the plane (`<prefix>.infer.>`, the
     imported service) and read its own replies. A server running DIR/nats.conf reloads it
-    at once, with no restart. Again for an existing tenant: changes its settings, keeps its
-    password. --share and --max-rate go into PLANE_CONFIG (`share.NAME`, `max_rate.NAME`)
-    with --nats URL, and whenever `plane up --auth DIR` starts."""
+    at once, with no restart (with --nats URL, checked: the tenant is let in). Again for an
+    existing tenant: changes its settings, keeps its password. --share and --max-rate go
+    into PLANE_CONFIG (`share.NAME`, `max_rate.NAME`) with --nats URL, and whenever `plane
+    up --auth DIR` starts."""
     d = AuthDir(directory)
     d.add_tenant(name, share=share, max_rate=max_rate)
     reloaded = d.reload()
     if nats_url is not None:
-        from plane.auth.live import put_tenant_settings
+        from plane.auth.live import put_tenant_settings, tenant_let_in
 
+        if reloaded and not asyncio.run(tenant_let_in(d, name, nats_url)):
+            raise click.ClickException(
+                f"{d.conf} now has tenant {name}, but the server at {nats_url} did not take "
+                "it on reload (nats-server cannot reload some changes, such as the system "
+                "account a config written before 2026-12-01 lacks; its log says which): "
+                "restart the server (one at a time in a cluster), then run this again")
         asyncio.run(put_tenant_settings(d, nats_url))
     if as_json:
         click.echo(options_json(d, d.load(), name))

@@ -79,8 +79,7 @@ class Node(Lifecycle, TaskOwner):
                                                sms_per_slot=cfg.sms_per_slot)
         # tinylm: one model per process (each slot gets its own state), built once here.
         self.generation = generation_for(self.spec, self.backend, cfg.seed)
-        self.streams = StreamControl(nc, cfg.names, cfg.node_id, self._slot_at,
-                                     lambda: self.slots)
+        self.streams = StreamControl(nc, cfg.names, cfg.node_id, lambda: self.slots)
         self.enrich = enrich
         self.tracing = tracing or Tracing.off()
         self.settings = LiveSettings(cfg.names)
@@ -250,9 +249,6 @@ class Node(Lifecycle, TaskOwner):
             await slot.withdraw("resized", wait_s=self.cfg.drain_timeout_s)
             await slot.close()
         self.changed()
-
-    def _slot_at(self, k: int) -> Slot | None:
-        return self.slots[k] if 0 <= k < len(self.slots) else None
 
     def _budget_us(self) -> int:
         ms = self.settings.deadline_or_default(self.cfg.model, self.cfg.default_deadline_ms)

@@ -436,11 +436,11 @@ class Slot(Generating):
 
     async def _finish(self, cur: Current, status: Status, service_us: int, body: bytes,
                       headers: dict[str, str]) -> None:
-        self.answered.add(placement_id(self.stream, cur.msg.metadata.sequence.stream))
-        self.answered.add(attempt_id(cur.request_id,
-                                     (cur.msg.headers or {}).get(Header.ATTEMPT, "1")))
-        await self._done(cur, int(status), service_us)
         h = cur.msg.headers or {}
+        # By placement and by attempt: a router asks by the one it knows (ownership).
+        self.answered.add(placement_id(self.stream, cur.msg.metadata.sequence.stream))
+        self.answered.add(attempt_id(cur.request_id, h.get(Header.ATTEMPT, "1")))
+        await self._done(cur, int(status), service_us)
         headers.update(trace_headers(h))  # the trace, back on the reply
         await self.nc.publish(cur.reply, body, headers=headers)
         if self.tracing.on:

@@ -52,8 +52,6 @@ EXTEND_ACK_S = 10.0
 # node's thread to ~2.2x the bare loop; one per ms (~4 tokens a message) to ~1.46x; one per
 # 2 ms (~9 tokens) to ~1.25x. A held token waits at most max(this, one step).
 TOKEN_GAP_S = 0.002
-# The server's no-responders status: `Status: 503` (nats-py's names) and the subject nobody
-# listens to in this header.
 
 
 class TokenPipe:
@@ -149,11 +147,9 @@ class StreamControl:
     connection the router named on the slot message (`Plane-Caller-Client`)."""
 
     def __init__(self, nc: Client, names: Names, node: str,
-                 slot: Callable[[int], StreamingSlot | None],
-                 slots: Callable[[], Sequence[StreamingSlot]] = lambda: ()) -> None:
+                 slots: Callable[[], Sequence[StreamingSlot]]) -> None:
         self.nc, self.names, self.node = nc, names, node
-        self._slot = slot
-        self._slots = slots
+        self._slots = slots  # the node's slots, by k
         self.inbox = nc.new_inbox()
         self._subs: list[Any] = []
         self.cancelled = 0  # streams ended by a cancel
@@ -183,8 +179,8 @@ class StreamControl:
             k = int(subject.rsplit(".", 1)[1])
         except (IndexError, ValueError):
             return None
-        slot = self._slot(k)
-        return slot.stream_running() if slot is not None else None
+        slots = self._slots()
+        return slots[k].stream_running() if 0 <= k < len(slots) else None
 
     async def _on_cancel(self, msg: Msg) -> None:
         running = self._running(msg.subject)

@@ -32,6 +32,7 @@ from freshness.config import BridgeConfig, GuardConfig, UpdaterConfig
 from freshness.features import FeatureUpdater
 from freshness.guard import CardFeatureGuard
 from freshness.tansu import EmbeddedTansu
+from plane.auth.live import can_connect, tenant_let_in
 from plane.auth.roles import Permissions, role_permissions, tenant
 from plane.auth.store import AuthDir
 from plane.client import Client
@@ -118,23 +119,6 @@ async def offender(opts: ConnectOptions) -> AsyncIterator[Offender]:
         yield Offender(nc, errors)
     finally:
         await nc.close()
-
-
-async def can_connect(opts: ConnectOptions) -> bool:
-    """One attempt, no retries (the plane's own connect retries a refusal for ~10 s)."""
-    assert opts.url is not None
-
-    async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per refusal
-        pass
-
-    try:
-        nc = await nats.connect(opts.url, user=opts.user, password=opts.password,
-                                allow_reconnect=False, max_reconnect_attempts=0,
-                                connect_timeout=2, error_cb=quiet)
-    except Exception:
-        return False
-    await nc.close()
-    return True
 
 
 async def still_serving(plane: Secured, tenant: str = "acme") -> None:
@@ -413,12 +397,7 @@ async def test_a_tenant_added_while_running_is_served_without_a_restart(auth: Au
                                                     password="x"))
         auth.add_tenant("gamma", share=5)
         assert await asyncio.to_thread(auth.reload)
-        for _ in range(100):  # the server reloads in its own time: a moment
-            if await can_connect(auth.options("gamma", plane.url)):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("gamma was never let in")
+        assert await tenant_let_in(auth, "gamma", plane.url, within_s=10), "never let in"
         await still_serving(plane, "gamma")
         assert plane.server.pid == pid and plane.server.running
         await still_serving(plane, "acme")

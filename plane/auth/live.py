@@ -6,12 +6,12 @@ stack's `settings`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import nats
 from nats.js.errors import NotFoundError
 
 from plane.auth.store import AuthDir
+from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.natsconn import close, connect
 
@@ -36,24 +36,32 @@ async def put_tenant_settings(d: AuthDir, url: str) -> dict[str, int]:
     return wanted
 
 
+async def can_connect(opts: ConnectOptions) -> bool:
+    """One attempt, no retries (the plane's own `connect` retries a refusal for ~10 s)."""
+    assert opts.url is not None
+
+    async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per refusal
+        pass
+
+    try:
+        nc = await nats.connect(opts.url, user=opts.user, password=opts.password,
+                                allow_reconnect=False, max_reconnect_attempts=0,
+                                connect_timeout=2, error_cb=quiet)
+    except Exception:
+        return False
+    await nc.close()
+    return True
+
+
 async def tenant_let_in(d: AuthDir, tenant: str, url: str, *, within_s: float = 5.0) -> bool:
     """Whether the server at `url` lets `tenant` connect within `within_s` (it reloads in its
     own time after the signal). False: the reload did not take (nats-server cannot reload
     some changes, a new system account among them: it logs why and keeps the old config)."""
     opts = d.options(tenant, url)
-
-    async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per refusal
-        pass
-
     loop = asyncio.get_running_loop()
     give_up = loop.time() + within_s
-    while True:
-        with contextlib.suppress(Exception):
-            nc = await nats.connect(url, user=opts.user, password=opts.password,
-                                    allow_reconnect=False, max_reconnect_attempts=0,
-                                    connect_timeout=2, error_cb=quiet)
-            await nc.close()
-            return True
+    while not await can_connect(opts):
         if loop.time() >= give_up:
             return False
         await asyncio.sleep(0.2)
+    return True

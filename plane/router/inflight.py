@@ -131,14 +131,14 @@ class InFlightBook:
             # presumed dead is asked once, briefly; a live one patiently (our own server may
             # be failing over). Without a sequence (the publish's outcome unknown), by the
             # attempt: the message may have landed and been answered all the same.
-            asked = (placement_id(fl.stream, seq) if seq is not None
-                     else attempt_id(fl.request_id, fl.attempt))
+            attempt = attempt_id(fl.request_id, fl.attempt)
+            asked = placement_id(fl.stream, seq) if seq is not None else attempt
             if await self._asked(fl, asked, node_alive):
                 log.info("node says it answered", request_id=fl.request_id, node=fl.node)
                 return
             if outcome is Take.UNKNOWN:
                 # The message may yet reach a node (it lands late): that node asks us first.
-                self.answered_unsure.add(attempt_id(fl.request_id, fl.attempt))
+                self.answered_unsure.add(attempt)
                 log.warning("broker could not say who answers; answering", node=fl.node,
                             request_id=fl.request_id)
             await self._answer(fl, status, reason, text)

@@ -84,8 +84,6 @@ YIELD_EVERY = 32
 PROMISE_OPEN_S = 0.05
 
 
-
-
 def _is_depth_refusal(exc: APIError) -> bool:
     """The depth-one refusal. err_code 10077 is shared by other stream limits: match the
     description too."""
@@ -283,7 +281,6 @@ class RequestPath:
         forwarded = Header.FORWARDED_BY in hdrs  # never forwarded twice
         owner = ticket_owner(caller.ticket) if caller.ticket else None
         ms = self._model(model)
-        now = time.monotonic()
         first_p99_us = end_deadline_s = None
         if (shape := spec.tokens(req)) is None:
             work_us = spec.work_us(req)
@@ -564,7 +561,7 @@ class RequestPath:
             return
         view = p.place.candidates[p.i]
         # Track before publishing: the node's done-event can arrive before our PubAck.
-        p.fl = self._track(view, r)
+        p.fl = self._track(view, r, p.headers[Header.ATTEMPT])
         await self._send(p)
 
     async def _send(self, p: Placing) -> None:
@@ -640,7 +637,7 @@ class RequestPath:
         self.inflight.untrack(fl)
         view.release(time.monotonic(), fl.request_id)
 
-    def _track(self, view: SlotView, r: Routing) -> InFlight:
+    def _track(self, view: SlotView, r: Routing, attempt: str) -> InFlight:
         now = time.monotonic()
         ask = r.ask
         view.occupy(now, r.rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
@@ -651,7 +648,7 @@ class RequestPath:
             deadline_s=ask.deadline_s,
             # The router owns the deadline of what it placed: a stream's whole one.
             answer_by_s=(ask.end_deadline_s or ask.deadline_s) + self.cfg.deadline_grace_ms / 1000,
-            max_tokens=r.max_tokens, attempt=(r.msg.headers or {}).get(Header.ATTEMPT, "1"),
+            max_tokens=r.max_tokens, attempt=attempt,
         ))
 
     async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse,

@@ -30,8 +30,6 @@ from nats.js.errors import APIError
 
 from plane.contract.headers import is_no_responders
 
-# The status header nats-py fills from the reply's status line ("NATS/1.0 503").
-
 
 class _ApiError(msgspec.Struct):
     code: int = 0

@@ -11,11 +11,16 @@ import subprocess
 import sys
 import time
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 
 from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
 from plane.contract.embedded import EmbeddedNats
-from plane.contract.subjects import Header
+from plane.contract.replies import ok_headers
+from plane.contract.subjects import Header, Names
+
+OUTAGE_S = 1.0  # the server is down this long while a call waits
 
 
 def _dead_url() -> str:
@@ -89,3 +94,37 @@ async def test_deadline_is_sent_only_when_asked(nats_server: EmbeddedNats,
     assert deadlines[0] is None and deadlines[3] is None and deadlines[4] is None, deadlines
     assert deadlines[1] is not None and 1 <= int(deadlines[1]) <= 80
     assert deadlines[2] is not None and 1 <= int(deadlines[2]) <= 90
+
+
+async def test_a_call_made_while_the_server_is_down_sends_the_deadline_it_has_left(
+        nats_server: EmbeddedNats) -> None:
+    """A call made during an outage is held by the SDK, not in nats-py's buffer, and goes out
+    at the reconnect with what is left of its deadline: the router counts a budget from when
+    it receives a request, and would otherwise give it time its caller no longer has."""
+    headers: list[dict[str, str]] = []
+    stand_in = await nats.connect(nats_server.url, reconnect_time_wait=0.05,
+                                  max_reconnect_attempts=-1)
+
+    async def answer(msg: Msg) -> None:
+        h = dict(msg.headers or {})
+        headers.append(h)
+        await stand_in.publish(msg.reply, b'{"duration_us": 1}',
+                               headers=ok_headers(h.get(Header.REQUEST_ID, "x"), "n1", 0, 1))
+
+    await stand_in.subscribe(Names().infer_all(), cb=answer)
+    try:
+        async with Client.connect(nats_server.url) as plane:
+            await nats_server.stop()
+            async with asyncio.timeout(5):
+                while not plane.nc.is_reconnecting:
+                    await asyncio.sleep(0.01)
+            call = asyncio.create_task(
+                plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=5000))
+            await asyncio.sleep(OUTAGE_S)
+            await nats_server.start()
+            await call
+    finally:
+        await stand_in.close()
+    sent = int(headers[-1][Header.DEADLINE_MS])
+    assert sent <= 5000 - OUTAGE_S * 1000, sent
+

@@ -35,6 +35,7 @@ from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.processes import free_port
 from plane.contract.provision import ProvisionPlan, ensure_all
+from plane.contract.subjects import Header
 from plane.stack import PlaneStack, StackConfig
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated
@@ -47,6 +48,7 @@ RATE_PER_S = 150.0
 WORK_US = 3000
 DEADLINE_MS = 1000
 BEFORE_KILL_S = 2.0
+SETTLED_CALLS, SETTLE_GAP_S = 10, 0.02
 AFTER_KILL_S = 12.0
 # Requests sent in the last RECOVERED_S seconds must include 200s: the plane came back.
 RECOVERED_S = 2.0
@@ -117,6 +119,21 @@ async def move_slot_leader(nc: Client, to: str, timeout_s: float = 15.0) -> str:
                     await nc.request(subject, body, timeout=2)
             await asyncio.sleep(0.25)
     return to
+
+
+async def serving_after_the_move(nc: Client, timeout_s: float = 15.0) -> None:
+    """Until SETTLED_CALLS calls in a row (SETTLE_GAP_S apart) are answered 200: a slot stream
+    whose leader just moved holds placements for a moment (its consumers move too)."""
+    async with asyncio.timeout(timeout_s):
+        in_a_row = 0
+        while in_a_row < SETTLED_CALLS:
+            with contextlib.suppress(NatsError, TimeoutError):
+                reply = await nc.request(NAMES.infer("calibrated"), calibrated(WORK_US),
+                                         timeout=DEADLINE_MS / 1000,
+                                         headers={Header.DEADLINE_MS: str(DEADLINE_MS)})
+                ok = (reply.headers or {}).get(Header.STATUS) == "200"
+                in_a_row = in_a_row + 1 if ok else 0
+            await asyncio.sleep(SETTLE_GAP_S)
 
 
 async def _leader_or_none(nc: Client) -> str | None:
@@ -190,6 +207,8 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
             async with _client(survivors[0].url) as caller, \
                     _client(survivors[1].url) as watcher:
                 await move_slot_leader(watcher, victim.spec.server_name or "")
+                # The move is not what this test measures: start once the plane serves again.
+                await serving_after_the_move(caller)
 
                 ledger = await Ledger(caller).start()
                 await caller.flush()

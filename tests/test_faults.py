@@ -27,6 +27,7 @@ PLANE = str(Path(sys.executable).parent / "plane")
 # at-most-once) and end in the SDK's own 504 at its deadline; none made later may, and few.
 LOST_WINDOW_S = 0.25
 MAX_LOST_AT_RESTART = 5
+MAX_NOT_SERVED = 5  # of those not lost: a call's retries can still miss (a slow reconnect)
 
 
 async def test_node_killed_mid_request() -> None:
@@ -98,6 +99,7 @@ async def test_nats_server_restarted_under_load() -> None:
             # call -> (when its last attempt was sent, status, took_s, lost: the SDK's own 504,
             # no answer came)
             outcomes: dict[int, tuple[float, int, float, bool]] = {}
+            seen: dict[int, tuple[float, tuple[int, ...], str | None]] = {}  # for a failure
 
             async def one(i: int) -> None:
                 await asyncio.sleep(i * 0.02)
@@ -106,6 +108,7 @@ async def test_nats_server_restarted_under_load() -> None:
                 t1 = time.monotonic()
                 lost = res.local and res.status == 504
                 outcomes[i] = (t1 - res.last_attempt_ms / 1000, res.status, t1 - t0, lost)
+                seen[i] = (t0, res.statuses, res.reason)
 
             load = asyncio.gather(*(one(i) for i in range(100)))
             await asyncio.sleep(0.6)  # pacing: restart with calls in flight
@@ -124,8 +127,13 @@ async def test_nats_server_restarted_under_load() -> None:
                           if -LOST_WINDOW_S <= t <= up_s - down_s + LOST_WINDOW_S}
             assert lost == at_restart, f"lost (s after the restart began): {lost}, {counts}"
             assert len(lost) <= MAX_LOST_AT_RESTART, (lost, counts)
+            # The calls held back by the outage reach the plane together when the clients
+            # reconnect: a burst well past the promise horizon, whose deadlines leave room
+            # for all of it. Each is told its turn, and is served.
             ok = sum(1 for _, s, _, _ in outcomes.values() if s == 200)
-            assert ok >= 50, counts
+            assert ok >= len(outcomes) - len(lost) - MAX_NOT_SERVED, (counts, {
+                i: (round(t0 - down_s, 2), statuses, reason)
+                for i, (t0, statuses, reason) in seen.items() if statuses[-1] != 200})
             # The plane recovered by itself: new calls succeed.
             t_end = time.monotonic() + 10
             while True:

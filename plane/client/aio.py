@@ -31,7 +31,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
-from plane.client.connection import CONNECT_ATTEMPTS, open_connection
+from plane.client.connection import CONNECT_ATTEMPTS, open_connection, until_connected
 from plane.client.result import Result, header_int, reply_status
 from plane.client.stream import TokenStream
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
@@ -188,6 +188,7 @@ class Client:
         hinted = 0
         attempt = first_attempt
         while True:
+            await until_connected(self.nc, deadline_at)
             remaining_s = deadline_at - time.monotonic()
             attempt_headers = attempt_headers_for(
                 headers, request_id=request_id, attempt=attempt,

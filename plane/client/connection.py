@@ -11,6 +11,9 @@ long-lived service's client), and an outage is logged once, then at most once pe
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import nats
 import structlog
 from nats.aio.client import Client as NATS
@@ -26,6 +29,23 @@ log = structlog.get_logger("plane.client")
 CONNECT_ATTEMPTS = 3
 CONNECT_TIMEOUT_S = 2.0  # per attempt: a blackholed address fails in a few seconds
 RECONNECT_WAIT_S = 0.2
+# While the connection is down, how often a request about to be sent looks whether it is up.
+RECONNECTED_POLL_S = 0.005
+
+
+async def until_connected(nc: NATS, deadline_at: float) -> None:
+    """Wait while `nc` is reconnecting, at most until `deadline_at` (monotonic).
+
+    A request published while the connection is down waits in nats-py's buffer and goes out
+    at the reconnect with the `Plane-Deadline-Ms` it was given before the wait; the router
+    counts a budget from when it receives a request, so it would give such a request time its
+    caller no longer has (measured: a call held 2 s by a server restart was told to come back
+    after its caller's deadline, and gave up). Held here instead, the attempt is sent with
+    what is left. A property read when connected: nothing on the hot path."""
+    # Polled: nats-py has no awaitable for "reconnected", and its callbacks on a connection
+    # the caller passed in are the caller's.
+    while nc.is_reconnecting and time.monotonic() < deadline_at:  # noqa: ASYNC110
+        await asyncio.sleep(RECONNECTED_POLL_S)
 
 
 async def open_connection(opts: ConnectOptions,

@@ -43,6 +43,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
+from plane.client.connection import until_connected
 from plane.client.result import Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
@@ -197,6 +198,7 @@ class TokenStream:
             self._stream_at = t0 + self._stream_deadline_ms / 1000
         attempt = self._first_attempt
         while not self._closed:  # closed while it waited to retry: send nothing more
+            await until_connected(client.nc, deadline_at)
             remaining_s = deadline_at - time.monotonic()
             if remaining_s <= 0:
                 self._finish_local(Status.DEADLINE, Reason.DEADLINE,

@@ -57,9 +57,19 @@ MIN_REDEMPTION = 0.5
 LAPSED_KEEP_S = 0.5
 LAPSED_MAX = 10_000
 # At most this many open promises per healthy slot, so router state stays bounded under any
-# load. Beyond it the refusal says `deadline`: go elsewhere at once. (How far ahead a promise
-# may be is the caller's deadline's business: its start plus the p99 must fit in it.)
+# load; beyond that horizon the refusal says `deadline` (go elsewhere now) while the load
+# goes on. (How far ahead a promise may be is the caller's deadline's business: its start
+# plus the p99 must fit in it.) A burst is not a load: while the callers arriving (newcomers,
+# an exponential average over BURST_WINDOW_S) come no faster than the slots serve, a caller
+# beyond the horizon is told its turn all the same, with a ticket that pins no slot time:
+# successive such callers are told successive times, a slot's share of a service time apart,
+# after the last promise (one time per model is all the router adds), and a newcomer queues
+# after them while their turns run past the promises; back with its ticket, such a caller is
+# placed, or promised the next start the promises leave. So the calls a client held back
+# while it reconnected are served, not turned away; measured, under 2x for good, turns far
+# ahead made 93% of first retries fail (newcomers take the slots the turns were counting on).
 PROMISE_MAX_LINKS = 8
+BURST_WINDOW_S = 1.0
 REDEMPTION_WEIGHT = 0.1
 
 
@@ -87,6 +97,33 @@ def ticket_owner(ticket: str) -> str | None:
 
 def _within(lo: float, hi: float, x: float) -> float:
     return max(lo, min(hi, x))
+
+
+def _late_tolerance_s(p: Prediction) -> float:
+    """How long a turn is held for a late caller."""
+    return _within(LATE_TOLERANCE_MIN_S, LATE_TOLERANCE_MAX_S,
+                   LATE_TOLERANCE_SHARE * p.p50_us / 1e6)
+
+
+def _wait_ms(at_s: float, now_s: float) -> int:
+    """Whole milliseconds from `now_s` until `at_s`, at least 1 (1e-6: float noise)."""
+    return max(1, math.ceil((at_s - now_s) * 1000 - 1e-6))
+
+
+@dataclass(slots=True)
+class ArrivalRate:
+    """Events per second, an exponential average over BURST_WINDOW_S: a burst of n at once
+    reads n / BURST_WINDOW_S, a steady rate reads itself."""
+
+    rate: float = 0.0
+    at_s: float = 0.0
+
+    def per_s(self, now_s: float) -> float:
+        return self.rate * math.exp(-max(0.0, now_s - self.at_s) / BURST_WINDOW_S)
+
+    def arrived(self, now_s: float) -> None:
+        self.rate = self.per_s(now_s) + 1 / BURST_WINDOW_S
+        self.at_s = now_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +290,9 @@ class Admission:
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
+        # Per model, the next turn for a caller beyond the promise horizon (monotonic s).
+        self._beyond: dict[str, float] = {}
+        self._arrivals: dict[str, ArrivalRate] = {}  # per model, newcomers per second
         # Promises made or gone since the router last looked (it tells the other routers).
         self.notes: list[PromiseChange] = []
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
@@ -301,7 +341,12 @@ class Admission:
             if refusal is not None:
                 return refusal
         self._expire(ms, ask.now_s)
-        holder = self._holder(ms, ask)
+        holder, returned = self._holder(ms, ask)
+        if ask.ticket is None and ask.park_until_s is None:
+            rate = self._arrivals.get(ms.model)
+            if rate is None:
+                rate = self._arrivals[ms.model] = ArrivalRate()
+            rate.arrived(ask.now_s)
         free: list[SlotView] = []
         avoided: list[SlotView] = []
         for view in ms.ordered():
@@ -314,7 +359,9 @@ class Admission:
                 self.forget(ms, holder, tell=False)
             return Place(free + avoided, holder)
         if holder is None:
-            return self._refuse(ms, ask, None, may_promise)
+            # A caller back with a ticket that held no slot (told its turn beyond the
+            # horizon, or late) does not queue again behind those told after it.
+            return self._refuse(ms, ask, None, may_promise, queue=not returned)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
         if may_park:
             until_s = ask.park_until_s or self._park_until(ms, ask, holder)
@@ -361,37 +408,40 @@ class Admission:
         """The holder was placed: its promise is kept (and out of the book already)."""
         self.forget(ms, promise)
 
-    def _holder(self, ms: ModelSlots, ask: Ask) -> Promise | None:
+    def _holder(self, ms: ModelSlots, ask: Ask) -> tuple[Promise | None, bool]:
+        """The open promise `ask`'s ticket holds, if any, and whether the ticket was one this
+        router gave (a holder's, or one that holds no slot time any more or never did)."""
         if ask.ticket is None:
-            return None
+            return None, False
         r = self.tickets.get(ask.ticket)
         if r is None and (r := self.foreign.get(ask.ticket)) is not None:
             # Made by a router that did not take this retry (it is gone): kept here.
             self.stats["ticket-foreign"] += 1
-            return r
+            return r, True
         if r is None:
             if (unpinned := self._unpinned.pop(ask.ticket, None)) is not None:
                 # A ticket that held no slot time: the caller goes as a newcomer.
                 self.stats["ticket-unpinned"] += 1
                 self._count(unpinned[0], redeemed=True)
-            elif (lapsed := self._lapsed.pop(ask.ticket, None)) is not None:
+                return None, True
+            if (lapsed := self._lapsed.pop(ask.ticket, None)) is not None:
                 # Came back after its promise lapsed: late, not a no-show.
                 self.stats["ticket-late"] += 1
                 self._count(lapsed[0], redeemed=True)
-            else:
-                self.stats["ticket-unknown"] += 1
-            return None
+                return None, True
+            self.stats["ticket-unknown"] += 1
+            return None, False
         if ask.park_until_s is None:  # first look at this holder (not a parked re-decide)
             self.on_lateness(ms.model, ask.now_s - r.due_s)
         if r.expires_s < ask.now_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
             self._count(ms.model, redeemed=True)
-            return None
+            return None, True
         if ask.park_until_s is None:
             self._count(ms.model, redeemed=True)
         self.stats["ticket-valid"] += 1
-        return r
+        return r, True
 
     def _count(self, model: str, *, redeemed: bool) -> None:
         rate = self.redemption.get(model, 1.0)
@@ -420,7 +470,9 @@ class Admission:
             self.notes.append(PromiseChange(ms.model, p, made=False))
 
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
-                may_promise: bool = True) -> Refuse:
+                may_promise: bool = True, *, queue: bool = False) -> Refuse:
+        """Refuse `ask`, with a ticket for the next start the promises leave. `queue`: a
+        newcomer, who waits its turn behind callers told theirs beyond the horizon."""
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
@@ -429,8 +481,16 @@ class Admission:
         p = ask.prediction
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
         due_s = max(now, start_s + lag_s - RETURN_LEAD_S)
-        wait_ms = max(1, math.ceil((due_s - now) * 1000 - 1e-6))  # 1e-6: float noise
-        if len(ms.promises) >= PROMISE_MAX_LINKS * len(free_s):
+        full = len(ms.promises) >= PROMISE_MAX_LINKS * len(free_s)
+        beyond_s = self._beyond.get(ms.model, 0.0)
+        if full or (queue and beyond_s > due_s):
+            arrivals = self._arrivals.get(ms.model)
+            serve_per_s = len(free_s) * 1e6 / max(1, p.expected_us)
+            if arrivals is None or arrivals.per_s(now) <= serve_per_s:
+                return self._refuse_beyond(ms, ask, max(due_s, beyond_s), len(free_s),
+                                           may_promise)
+        wait_ms = _wait_ms(due_s, now)
+        if full:
             return Refuse(
                 Status.BUSY, Reason.DEADLINE,
                 f"every {ms.model} slot already has {PROMISE_MAX_LINKS} callers promised "
@@ -448,12 +508,10 @@ class Admission:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
-        p50_s = ask.prediction.p50_us / 1e6
-        tolerance_s = _within(LATE_TOLERANCE_MIN_S, LATE_TOLERANCE_MAX_S,
-                              LATE_TOLERANCE_SHARE * p50_s)
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=due_s,
-            expires_s=due_s + tolerance_s, service_s=ask.prediction.expected_us / 1e6,
+            expires_s=due_s + _late_tolerance_s(ask.prediction),
+            service_s=ask.prediction.expected_us / 1e6,
             issued_s=now, pinned=self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION,
         )
         if promise.pinned:
@@ -466,4 +524,34 @@ class Admission:
             Status.BUSY, Reason.BUSY,
             f"all {ms.model} slots are busy: come back in {wait_ms} ms with this ticket",
             retry_after_ms=wait_ms, ticket=promise.ticket,
+        )
+
+    def _refuse_beyond(self, ms: ModelSlots, ask: Ask, turn_s: float, slots: int,
+                       may_promise: bool) -> Refuse:
+        """A caller past the promise horizon: told its turn (`turn_s`, after the promises
+        and the callers told before it), without a ticket."""
+        wait_ms = _wait_ms(turn_s, ask.now_s)
+        if turn_s > ask.latest_start_s():
+            return Refuse(
+                Status.BUSY, Reason.DEADLINE,
+                f"every {ms.model} slot already has {PROMISE_MAX_LINKS} callers promised and "
+                f"your turn (in {wait_ms} ms) comes too late for your deadline: go elsewhere "
+                "now, or raise Plane-Deadline-Ms",
+                retry_after_ms=wait_ms,
+            )
+        if not may_promise:
+            return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
+                          retry_after_ms=wait_ms, delegate=True)
+        self._beyond[ms.model] = turn_s + ask.prediction.expected_us / 1e6 / slots
+        self.stats["beyond-horizon"] += 1
+        # A ticket that pins no slot time (kept, lapsing and counted like an unpinned one):
+        # back with it, the caller is not sent behind those told their turns after it.
+        ticket = new_ticket(self._prefix)
+        self._unpinned[ticket] = (ms.model, ask.now_s + wait_ms / 1000
+                                  + _late_tolerance_s(ask.prediction))
+        return Refuse(
+            Status.BUSY, Reason.BUSY,
+            f"every {ms.model} slot already has {PROMISE_MAX_LINKS} callers promised: come "
+            f"back in {wait_ms} ms with this ticket (your turn)",
+            retry_after_ms=wait_ms, ticket=ticket,
         )

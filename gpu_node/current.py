@@ -25,6 +25,15 @@ class Current:
     stop: Stop | None = None  # a generation's: set to stop its thread before the next step
     stream: StreamRun | None = None  # a stream's running state
     gen: GenResult | None = None  # a generation's outcome (its done-event's token fields)
+    # Waiting for its inputs (the freshness guard's wait for a fresh value): this request's
+    # own time, not the slot's overhead, like its work.
+    inputs_us: int = 0
+
+    @property
+    def own_us(self) -> int:
+        """The slot time this request asked for beyond the slot's overhead: its requested
+        work and its wait for inputs (what the overhead windows subtract)."""
+        return self.work_us + self.inputs_us
 
     @property
     def answer_by_ms(self) -> int:

@@ -308,8 +308,10 @@ class Slot(Generating):
                 return
             extra: dict[str, str] = {}
             if self.enrich is not None:
+                inputs_ns = time.perf_counter_ns()
                 req, extra = await self.enrich(req, time.monotonic() + (
                     cur.deadline_at_ms - replies.now_ms()) / 1000)
+                cur.inputs_us = (time.perf_counter_ns() - inputs_ns) // 1000
             try:
                 result = await self._run(req, cur.work_us)
             except asyncio.CancelledError:
@@ -323,7 +325,7 @@ class Slot(Generating):
             if cur.answered:  # abandoned by the supervisor while it ran
                 return
             service_us = (time.perf_counter_ns() - t0) // 1000
-            self.window.add(service_us - cur.work_us)
+            self.window.add(service_us - cur.own_us)
             body = self._encode(result, h.get(Header.CONTENT_TYPE))
             if result is None or replies.now_ms() > cur.deadline_at_ms:
                 await self._answer_error(cur, Status.DEADLINE, Reason.DEADLINE,
@@ -454,6 +456,7 @@ class Slot(Generating):
                                  model=self.model, node=self.node, slot=self.k,
                                  status=int(status), service_us=service_us,
                                  compute_us=cur.compute_us, work_us=cur.work_us,
+                                 inputs_us=cur.inputs_us,
                                  deadline_left_ms=cur.deadline_at_ms - replies.now_ms())
 
     def _spans(self, cur: Current, h: dict[str, str], status: Status) -> None:
@@ -471,7 +474,7 @@ class Slot(Generating):
 
     async def _done(self, cur: Current, status: int, service_us: int) -> None:
         await self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,
-                                 cur.work_us, cur.gen)
+                                 cur.own_us, cur.gen)
 
     async def _publish_done(self, h: dict[str, str], request_id: str, status: int,
                             service_us: int, work_us: int, gen: GenResult | None = None) -> None:

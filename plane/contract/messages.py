@@ -156,7 +156,10 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     status: int
     service_us: int
     router: str = ""
-    work_us: int = 0  # the requested device work; a stream's: the device time it took
+    # The slot time the request itself asked for, which the routers subtract from its cycle
+    # to learn the slot's overhead: its requested device work (a stream's: the device time it
+    # took) plus its wait for inputs (the freshness guard's wait for a fresh value).
+    work_us: int = 0
     sms: int = 0  # the slot's partition in SMs (0: not a GPU partition; metered as 1)
     # Streams only (0 otherwise): what the router learns its per-token rates from.
     prompt_tokens: int = 0

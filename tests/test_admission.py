@@ -358,3 +358,29 @@ def test_a_slot_taken_by_someone_else_frees_itself_after_its_p99() -> None:
     assert view.is_free(0.021) and ms.busy_count(0.021) == 0
     view.occupy(0.0, "ours", expected_s=0.010, p99_s=0.020)  # ours: the in-flight book owns it
     assert not view.is_free(0.5)
+
+
+def test_a_newcomer_whose_caller_would_not_come_back_waits_for_a_slot_about_to_free() -> None:
+    """Callers that never retry (promises do not pin): a refusal leaves the slot idle until
+    the next arrival, so a newcomer waits (parked) for a slot predicted to free within a
+    quarter of the p50, holding it; one later than that is refused at once."""
+    ms, adm = slots(2), Admission("r")
+    adm.redemption["calibrated"] = 0.0
+    busy_until(ms, 0.002, 0.008)
+    d = adm.decide(ms, ask(0.0))
+    assert isinstance(d, Park) and d.holder.pinned and d.holder.parked
+    assert d.until_s <= 0.0 + MS10.p50_us / 1e6
+    # The next newcomer does not take the slot the parked one holds: the other frees in
+    # 8 ms, past the window (2.5 ms), so it is refused at once (an estimate, no slot time).
+    n = adm.decide(ms, ask(0.0))
+    assert isinstance(n, Refuse) and n.reason == Reason.BUSY
+    assert adm.tickets.keys() == {d.holder.ticket}
+    # The slot frees: the parked newcomer is placed, its promise kept.
+    ms.slots["n/0"].release(0.002)
+    placed = adm.decide(ms, Ask(now_s=0.002, deadline_s=1.0, prediction=MS10,
+                                ticket=d.holder.ticket, park_until_s=d.until_s))
+    assert isinstance(placed, Place) and placed.redeemed is d.holder
+    # Callers that come back keep their tickets: no parking then.
+    ms2, adm2 = slots(1), Admission("r")
+    busy_until(ms2, 0.002)
+    assert isinstance(adm2.decide(ms2, ask(0.0)), Refuse)

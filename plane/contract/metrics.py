@@ -55,7 +55,9 @@ class PlaneMetrics:
             "its promise (why=ticket), a refusal that needs a promise to the router that makes "
             "them (why=promise)", ["model", "why", "outcome"], registry=r)
         self.parked = Counter(
-            "plane_tickets_parked", "Ticket holders that waited for a slot to free",
+            "plane_tickets_parked",
+            "Ticket holders (and newcomers whose callers do not come back) that waited for a "
+            "slot to free",
             ["model"], registry=r)
         self.ticket_lateness = Histogram(
             "plane_ticket_lateness_seconds",

@@ -54,6 +54,11 @@ PARK_MAX_SHARE = 1.0
 # average follows the callers there are now. With REDEMPTION_WEIGHT 0.1, seven no-shows in a
 # row stop pinning: under callers that never retry (`hey`), within about half a second.
 MIN_REDEMPTION = 0.5
+# While promises do not pin (callers do not come back), a newcomer that finds every slot busy
+# but one predicted to free within this share of the p50 service time waits for it (parked,
+# as a holder would) instead of being refused: a refusal nobody redeems leaves the slot idle
+# until the next arrival. One promise per freeing slot, so at most about one waiter per slot.
+NEWCOMER_PARK_SHARE = 0.25
 LAPSED_KEEP_S = 0.5
 LAPSED_MAX = 10_000
 # At most this many open promises per healthy slot, so router state stays bounded under any
@@ -100,7 +105,7 @@ def _within(lo: float, hi: float, x: float) -> float:
 
 
 def _late_tolerance_s(p: Prediction) -> float:
-    """How long a turn is held for a late caller."""
+    """How long a promise (or a turn past the horizon) is held for a late holder."""
     return _within(LATE_TOLERANCE_MIN_S, LATE_TOLERANCE_MAX_S,
                    LATE_TOLERANCE_SHARE * p.p50_us / 1e6)
 
@@ -361,7 +366,8 @@ class Admission:
         if holder is None:
             # A caller back with a ticket that held no slot (told its turn beyond the
             # horizon, or late) does not queue again behind those told after it.
-            return self._refuse(ms, ask, None, may_promise, queue=not returned)
+            return self._refuse(ms, ask, None, may_promise, queue=not returned,
+                                may_park=may_park)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
         if may_park:
             until_s = ask.park_until_s or self._park_until(ms, ask, holder)
@@ -470,9 +476,11 @@ class Admission:
             self.notes.append(PromiseChange(ms.model, p, made=False))
 
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
-                may_promise: bool = True, *, queue: bool = False) -> Refuse:
+                may_promise: bool = True, *, queue: bool = False,
+                may_park: bool = False) -> Refuse | Park:
         """Refuse `ask`, with a ticket for the next start the promises leave. `queue`: a
-        newcomer, who waits its turn behind callers told theirs beyond the horizon."""
+        newcomer, who waits its turn behind callers told theirs beyond the horizon.
+        `may_park`: a newcomer whose caller would not come back may wait here instead."""
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
@@ -507,12 +515,16 @@ class Admission:
         if not may_promise:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
+        pinned = self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION
+        if (may_park and not pinned and holder is None
+                and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6):
+            return self._park_newcomer(ms, ask, start_s)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=due_s,
             expires_s=due_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
-            issued_s=now, pinned=self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION,
+            issued_s=now, pinned=pinned,
         )
         if promise.pinned:
             ms.promises.add(promise)
@@ -526,10 +538,27 @@ class Admission:
             retry_after_ms=wait_ms, ticket=promise.ticket,
         )
 
+    def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float) -> Park:
+        """A newcomer whose caller would not come back, when a slot frees within moments:
+        it waits here for that slot, holding it with a promise of its own (kept like a
+        parked holder's: woken by the done-event, refused if the window closes first)."""
+        promise = Promise(
+            ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
+            service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
+        )
+        promise.parked = True
+        ms.promises.add(promise)
+        until_s = self._park_until(ms, ask, promise)
+        promise.expires_s = until_s + PARK_MARGIN_S
+        self.notes.append(PromiseChange(ms.model, promise, made=True))
+        self.tickets[promise.ticket] = promise
+        self.stats["newcomer-parked"] += 1
+        return Park(until_s, promise)
+
     def _refuse_beyond(self, ms: ModelSlots, ask: Ask, turn_s: float, slots: int,
                        may_promise: bool) -> Refuse:
         """A caller past the promise horizon: told its turn (`turn_s`, after the promises
-        and the callers told before it), without a ticket."""
+        and the callers told before it), with a ticket that pins no slot time."""
         wait_ms = _wait_ms(turn_s, ask.now_s)
         if turn_s > ask.latest_start_s():
             return Refuse(

@@ -496,7 +496,8 @@ class RequestPath:
                 decision.until_s - time.monotonic())
             await self.parking.wait(ms.model, decision.holder.due_s, loop_until)
             now = time.monotonic()
-            ask = replace(ask.later(now), park_until_s=decision.until_s)
+            ask = replace(ask.later(now), park_until_s=decision.until_s,
+                          ticket=decision.holder.ticket)  # a parked newcomer's too
             decision = self.admission.decide(ms, ask, may_park=now < decision.until_s,
                                              may_promise=may_promise)
         return decision, parked

@@ -309,7 +309,11 @@ class Slot(Generating):
             extra: dict[str, str] = {}
             if self.enrich is not None:
                 inputs_ns = time.perf_counter_ns()
-                req, extra = await self.enrich(req, time.monotonic() + (
+                # The wait for inputs ends early enough for the rest to make the deadline:
+                # the request's work and the slot's p99 overhead (on a loaded host the
+                # guard's fixed reserve alone let the answer come after it, a 504).
+                rest_s = (self.window.p99_us + cur.work_us) / 1e6
+                req, extra = await self.enrich(req, time.monotonic() - rest_s + (
                     cur.deadline_at_ms - replies.now_ms()) / 1000)
                 cur.inputs_us = (time.perf_counter_ns() - inputs_ns) // 1000
             try:

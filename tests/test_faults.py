@@ -27,7 +27,11 @@ PLANE = str(Path(sys.executable).parent / "plane")
 # at-most-once) and end in the SDK's own 504 at its deadline; none made later may, and few.
 LOST_WINDOW_S = 0.25
 MAX_LOST_AT_RESTART = 5
-MAX_NOT_SERVED = 5  # of those not lost: a call's retries can still miss (a slow reconnect)
+# Of the calls not lost, how many may still go unserved (a slow reconnect, a loaded host
+# whose slots cannot serve the burst in time: told `deadline`, rightly). Before callers past
+# the promise horizon were told their turns, about half went unserved on an idle host.
+MAX_NOT_SERVED = 15
+WORK_US = 20_000  # 2 slots, 50 calls/s: a half of the capacity
 
 
 async def test_node_killed_mid_request() -> None:
@@ -104,7 +108,7 @@ async def test_nats_server_restarted_under_load() -> None:
             async def one(i: int) -> None:
                 await asyncio.sleep(i * 0.02)
                 t0 = time.monotonic()
-                res = await sdk.call("calibrated", {"duration_us": 20_000}, deadline_ms=3000)
+                res = await sdk.call("calibrated", {"duration_us": WORK_US}, deadline_ms=3000)
                 t1 = time.monotonic()
                 lost = res.local and res.status == 504
                 outcomes[i] = (t1 - res.last_attempt_ms / 1000, res.status, t1 - t0, lost)

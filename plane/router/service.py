@@ -51,7 +51,7 @@ from plane.router.micro import InferEndpoint
 from plane.router.occupancy import ModelSlots, slot_key
 from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
-from plane.router.receipt import stamp_receipt
+from plane.router.receipt import received_s, stamp_receipt
 from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
 
@@ -141,7 +141,11 @@ class Router(Lifecycle, TaskOwner):
         n = self.names
         self._health_sub = await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat)
         self._subs.append(self._health_sub)
-        self._done_sub = await self.nc.subscribe(n.done_all(), cb=self._on_done)
+        # Stamped at receipt: a slot's cycle ends when its done-event arrived, not when this
+        # router's loop got round to it (a volley of requests ahead of it in the loop taught
+        # the router 50+ ms cycles for a 1 ms model, and it then refused every 50 ms deadline).
+        self._done_sub = stamp_receipt(
+            await self.nc.subscribe(n.done_all(), cb=self._on_done))
         self._subs.append(self._done_sub)
         self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self.peers.on_note))
         self._subs.append(await self.nc.subscribe(n.router_answered(self.cfg.router_id),
@@ -278,7 +282,7 @@ class Router(Lifecycle, TaskOwner):
                 self.parking.wake_one(ev.model)
             fl = self.inflight.entries.get(key)
             if fl is not None and fl.request_id == ev.request_id:
-                self._placed_done(ms, fl, ev, now)
+                self._placed_done(ms, fl, ev, received_s(msg, now))
         self.inflight.done(key, ev.request_id, ev.status)
 
     def _placed_done(self, ms: ModelSlots, fl: InFlight, ev: DoneEvent, now: float) -> None:

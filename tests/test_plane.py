@@ -188,7 +188,10 @@ async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_
                                  calibrated(1000), timeout=5,
                                  headers={Header.TICKET: ticket, Header.REQUEST_ID: "fwd-1"})
         assert status(again) == 200 and header(again, Header.REQUEST_ID) == "fwd-1"
-        assert owner.admission.stats["ticket-valid"] == 1, owner.admission.stats
+        # The owner knew its ticket: on time, or late (a slow host can stall the holder past
+        # the promise's tolerance; a clean clone did once), never as unknown.
+        taken = owner.admission.stats["ticket-valid"] + owner.admission.stats["ticket-late"]
+        assert taken == 1 and owner.admission.stats["ticket-unknown"] == 0, owner.admission.stats
         assert other.admission.stats["ticket-unknown"] == 0
         # A ticket from a router that is gone: decided where it landed, as a newcomer's.
         gone = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,

@@ -50,6 +50,7 @@ from plane.contract.messages import (
 )
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import model_spec
+from plane.contract.ownership import reply_answered
 from plane.contract.provision import ProvisionPlan, ensure_all, ensure_all_again
 from plane.contract.recent import RecentIds
 from plane.contract.settings import MAX_SLOTS, LiveSettings, refused
@@ -270,9 +271,7 @@ class Node(Lifecycle, TaskOwner):
             await self.nc.publish(msg.reply, answer)
 
     async def _on_answered_query(self, msg: Msg) -> None:
-        if msg.reply:
-            placement = msg.data.decode(errors="replace")
-            await self.nc.publish(msg.reply, b"1" if self.answered.seen(placement) else b"0")
+        await reply_answered(self.nc, msg, self.answered.seen)
 
     async def _on_status(self, req: Any) -> None:
         """The advert, plus what `plane status` and `plane top` show: which slots run a

@@ -27,7 +27,6 @@ from typing import Any
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -58,7 +57,14 @@ from plane.contract.messages import (
 )
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import ModelSpec
-from plane.contract.ownership import NOT_ANSWERED, Take, attempt_id, placement_id, take
+from plane.contract.ownership import (
+    NOT_ANSWERED,
+    Take,
+    ask_answered,
+    attempt_id,
+    placement_id,
+    take,
+)
 from plane.contract.recent import RecentIds
 from plane.contract.subjects import Header, InvalidToken, Names, check_token
 from plane.contract.tracing import Tracing, trace_headers
@@ -418,27 +424,16 @@ class Slot(Generating):
         """Past its deadline, a message we took may be one its router answered without the
         broker's word (its publish's outcome unknown in a failover: it landed late). Record
         the attempt as ours, then ask that router (`plane.contract.ownership`); True: it
-        answered, stay silent. A router that is gone, or silent for `ASK_ROUTER_WITHIN_S`,
-        did not."""
+        answered, stay silent. A router silent or unreachable (gone) for
+        `ASK_ROUTER_WITHIN_S` did not."""
         attempt = attempt_id(request_id, h.get(Header.ATTEMPT, "1"))
         self.answered.add(attempt)
         try:
             subject = self.names.router_answered(check_token("router id", h[Header.ROUTER]))
         except (KeyError, InvalidToken):
             return False
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + ASK_ROUTER_WITHIN_S
-        while True:
-            try:
-                reply = await self.nc.request(subject, attempt.encode(),
-                                              timeout=ASK_ROUTER_TIMEOUT_S)
-                return reply.data == b"1"
-            except NoRespondersError:
-                return False
-            except Exception:
-                if loop.time() >= give_up:
-                    return False
-                await asyncio.sleep(0.05)
+        return await ask_answered(self.nc, subject, attempt, timeout_s=ASK_ROUTER_TIMEOUT_S,
+                                  within_s=ASK_ROUTER_WITHIN_S)
 
     async def _finish(self, cur: Current, status: Status, service_us: int, body: bytes,
                       headers: dict[str, str]) -> None:

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -38,6 +41,31 @@ def attempt_id(request_id: str, attempt: str) -> str:
     """One attempt of one request (`Plane-Attempt`), as its router knows it even when its
     publish's outcome is unknown and it has no stream sequence to name."""
     return f"{request_id}#{attempt}"
+
+
+async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float,
+                       within_s: float) -> bool:
+    """Ask the other side (a node's or a router's `answered` subject) whether it answered
+    `asked` (a placement or an attempt id). Asked again while the question cannot get
+    through (a server failing over); False when it stays silent, or unreachable, for
+    `within_s` (it is gone: nobody else will answer)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + within_s
+    while True:
+        try:
+            reply = await nc.request(subject, asked.encode(), timeout=timeout_s)
+            return reply.data == b"1"
+        except Exception:
+            if loop.time() >= give_up:
+                return False
+            await asyncio.sleep(0.05)
+
+
+async def reply_answered(nc: Client, msg: Msg, seen: Callable[[str], bool]) -> None:
+    """The other side of `ask_answered`: "1" when `seen(asked)`, else "0"."""
+    if msg.reply:
+        asked = msg.data.decode(errors="replace")
+        await nc.publish(msg.reply, b"1" if seen(asked) else b"0")
 
 
 # JetStream's "sequence N not found": the message is gone (acked, or deleted by the other side).

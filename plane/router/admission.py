@@ -65,7 +65,7 @@ LAPSED_MAX = 10_000
 # load; beyond that horizon the refusal says `deadline` (go elsewhere now) while the load
 # goes on. (How far ahead a promise may be is the caller's deadline's business: its start
 # plus the p99 must fit in it.) A burst is not a load: while the callers arriving (newcomers,
-# an exponential average over BURST_WINDOW_S) come no faster than the slots serve, a caller
+# `ModelSlots.arrivals`) come no faster than the slots serve, a caller
 # beyond the horizon is told its turn all the same, with a ticket that pins no slot time:
 # successive such callers are told successive times, a slot's share of a service time apart,
 # after the last promise (one time per model is all the router adds), and a newcomer queues
@@ -74,7 +74,6 @@ LAPSED_MAX = 10_000
 # while it reconnected are served, not turned away; measured, under 2x for good, turns far
 # ahead made 93% of first retries fail (newcomers take the slots the turns were counting on).
 PROMISE_MAX_LINKS = 8
-BURST_WINDOW_S = 1.0
 REDEMPTION_WEIGHT = 0.1
 
 
@@ -113,22 +112,6 @@ def _late_tolerance_s(p: Prediction) -> float:
 def _wait_ms(at_s: float, now_s: float) -> int:
     """Whole milliseconds from `now_s` until `at_s`, at least 1 (1e-6: float noise)."""
     return max(1, math.ceil((at_s - now_s) * 1000 - 1e-6))
-
-
-@dataclass(slots=True)
-class ArrivalRate:
-    """Events per second, an exponential average over BURST_WINDOW_S: a burst of n at once
-    reads n / BURST_WINDOW_S, a steady rate reads itself."""
-
-    rate: float = 0.0
-    at_s: float = 0.0
-
-    def per_s(self, now_s: float) -> float:
-        return self.rate * math.exp(-max(0.0, now_s - self.at_s) / BURST_WINDOW_S)
-
-    def arrived(self, now_s: float) -> None:
-        self.rate = self.per_s(now_s) + 1 / BURST_WINDOW_S
-        self.at_s = now_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,9 +278,6 @@ class Admission:
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
-        # Per model, the next turn for a caller beyond the promise horizon (monotonic s).
-        self._beyond: dict[str, float] = {}
-        self._arrivals: dict[str, ArrivalRate] = {}  # per model, newcomers per second
         # Promises made or gone since the router last looked (it tells the other routers).
         self.notes: list[PromiseChange] = []
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
@@ -348,10 +328,7 @@ class Admission:
         self._expire(ms, ask.now_s)
         holder, returned = self._holder(ms, ask)
         if ask.ticket is None and ask.park_until_s is None:
-            rate = self._arrivals.get(ms.model)
-            if rate is None:
-                rate = self._arrivals[ms.model] = ArrivalRate()
-            rate.arrived(ask.now_s)
+            ms.arrivals.arrived(ask.now_s)
         free: list[SlotView] = []
         avoided: list[SlotView] = []
         for view in ms.ordered():
@@ -490,12 +467,10 @@ class Admission:
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
         due_s = max(now, start_s + lag_s - RETURN_LEAD_S)
         full = len(ms.promises) >= PROMISE_MAX_LINKS * len(free_s)
-        beyond_s = self._beyond.get(ms.model, 0.0)
-        if full or (queue and beyond_s > due_s):
-            arrivals = self._arrivals.get(ms.model)
+        if full or (queue and ms.beyond_s > due_s):
             serve_per_s = len(free_s) * 1e6 / max(1, p.expected_us)
-            if arrivals is None or arrivals.per_s(now) <= serve_per_s:
-                return self._refuse_beyond(ms, ask, max(due_s, beyond_s), len(free_s),
+            if ms.arrivals.per_s(now) <= serve_per_s:
+                return self._refuse_beyond(ms, ask, max(due_s, ms.beyond_s), len(free_s),
                                            may_promise)
         wait_ms = _wait_ms(due_s, now)
         if full:
@@ -571,7 +546,7 @@ class Admission:
         if not may_promise:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
-        self._beyond[ms.model] = turn_s + ask.prediction.expected_us / 1e6 / slots
+        ms.beyond_s = turn_s + ask.prediction.expected_us / 1e6 / slots
         self.stats["beyond-horizon"] += 1
         # A ticket that pins no slot time (kept, lapsing and counted like an unpinned one):
         # back with it, the caller is not sent behind those told their turns after it.

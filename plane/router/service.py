@@ -39,7 +39,7 @@ from plane.contract.messages import (
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS
 from plane.contract.natsconn import on_overflow
-from plane.contract.ownership import NOT_ANSWERED
+from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, ensure_all, ensure_all_again
 from plane.contract.settings import LiveSettings
 from plane.contract.subjects import ROUTER_QUEUE_GROUP
@@ -332,10 +332,7 @@ class Router(Lifecycle, TaskOwner):
     async def _on_answered_query(self, msg: Msg) -> None:
         """A node took a message of ours after its deadline: did we answer that attempt
         without the broker's word (`plane.contract.ownership`)?"""
-        if msg.reply:
-            asked = msg.data.decode(errors="replace")
-            await self.nc.publish(msg.reply,
-                                  b"1" if self.inflight.answered_unsure.seen(asked) else b"0")
+        await reply_answered(self.nc, msg, self.inflight.answered_unsure.seen)
 
     async def _on_meter(self, req: Any) -> None:
         """Per tenant and model: requests by final status, slot µs, SM·ms (this router's)."""
@@ -409,21 +406,12 @@ class Router(Lifecycle, TaskOwner):
         log.warning("reconnected: re-provisioning", router=self.cfg.router_id)
         await ensure_all_again(self.js, self._plan)
 
-    async def _node_answered(self, fl: InFlight, placement: str, patient: bool) -> bool:
-        """True only when the node says it answered that placement. Asked again while the
-        question cannot get through (our own server may be failing over); False when the
-        node stays silent for `ASK_NODE_WITHIN_S` (it is dead: nobody else will answer)."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + (ASK_NODE_WITHIN_S if patient else 0.0)
-        while True:
-            try:
-                msg = await self.nc.request(self.names.node_answered(fl.node),
-                                            placement.encode(), timeout=ASK_NODE_TIMEOUT_S)
-                return msg.data == b"1"
-            except Exception:
-                if loop.time() >= give_up:
-                    return False
-                await asyncio.sleep(0.05)
+    async def _node_answered(self, fl: InFlight, asked: str, patient: bool) -> bool:
+        """True only when the node says it answered that placement (or attempt); a live node
+        is asked patiently (our own server may be failing over), a dead one once."""
+        return await ask_answered(self.nc, self.names.node_answered(fl.node), asked,
+                                  timeout_s=ASK_NODE_TIMEOUT_S,
+                                  within_s=ASK_NODE_WITHIN_S if patient else 0.0)
 
     async def _answer_for_node(self, fl: InFlight, status: Status, reason: Reason,
                                text: str) -> None:

@@ -2,8 +2,6 @@
 ticket holder gets its slot ahead of newcomers, and a promise that cannot meet the deadline is
 never made."""
 
-import itertools
-
 from plane.contract.budget import Prediction, ServiceWindow, fits, predict
 from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.contract.subjects import Names
@@ -247,74 +245,15 @@ def test_a_parked_holder_whose_window_closes_gets_a_new_promise() -> None:
     assert a.ticket not in adm.tickets and adm.stats["holder-refused-after-park"] == 1
 
 
-def test_callers_beyond_the_horizon_are_told_successive_turns() -> None:
+def test_promises_stop_at_the_horizon_with_a_deadline_refusal() -> None:
     ms, adm = slots(2), Admission("r")
     busy_until(ms, 0.010, 0.010)
-    promised = []
     for _ in range(PROMISE_MAX_LINKS * 2):
         d = adm.decide(ms, ask(0.0))
         assert isinstance(d, Refuse) and d.reason == Reason.BUSY and d.ticket
-        promised.append(d.retry_after_ms)
-    assert len(ms.promises) == PROMISE_MAX_LINKS * 2
-    # Past the horizon: no more promises, but each caller its own turn, after the last
-    # promise and a slot's share of a service time (5 ms on two 10 ms slots) after the one
-    # before, with a ticket (a burst that fits its deadlines is not turned away).
-    turns = []
-    for _ in range(4):
-        d = adm.decide(ms, ask(0.0))
-        assert isinstance(d, Refuse) and d.reason == Reason.BUSY and d.ticket
-        assert d.retry_after_ms is not None
-        turns.append(d.retry_after_ms)
-    assert len(ms.promises) == PROMISE_MAX_LINKS * 2
-    assert turns[0] >= max(p for p in promised if p is not None)
-    assert [b - a for a, b in itertools.pairwise(turns)] == [5, 5, 5]
-    # A turn that misses the caller's deadline says `deadline`: go elsewhere now.
-    d = adm.decide(ms, ask(0.0, deadline_s=0.1))
+    d = adm.decide(ms, ask(0.0))
     assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE and d.ticket is None
     assert d.retry_after_ms is not None and d.retry_after_ms > 0
-
-
-def test_under_a_load_faster_than_the_slots_the_horizon_says_deadline() -> None:
-    """Turns far ahead are for a burst: while callers keep coming faster than the slots
-    serve (here 1,000/s at two 10 ms slots, 200/s), the caller past the horizon goes
-    elsewhere now, and newcomers are not queued behind turns told before."""
-    ms, adm = slots(2), Admission("r")
-    busy_until(ms, 0.010, 0.010)
-    first = [adm.decide(ms, ask(i / 1000, deadline_s=10.0)) for i in range(500)]
-    # Turns were told while the average still read a burst (its first ~0.2 s), no longer.
-    told = adm.stats["beyond-horizon"]
-    assert 0 < told < 300
-    then = [adm.decide(ms, ask(i / 1000, deadline_s=10.0)) for i in range(500, 1000)]
-    assert all(isinstance(d, Refuse) for d in first + then)
-    assert adm.stats["beyond-horizon"] == told
-    assert any(isinstance(d, Refuse) and d.reason == Reason.DEADLINE for d in then)
-
-
-def test_a_caller_back_at_its_turn_beyond_the_horizon_goes_before_newcomers() -> None:
-    ms, adm = slots(1), Admission("r")
-    busy_until(ms, 0.010)
-    for _ in range(PROMISE_MAX_LINKS):
-        adm.decide(ms, ask(0.0))
-    first = adm.decide(ms, ask(0.0))
-    second = adm.decide(ms, ask(0.0))
-    assert isinstance(first, Refuse) and first.ticket and first.retry_after_ms
-    assert isinstance(second, Refuse) and second.ticket and second.retry_after_ms
-    # The promises are gone (their holders were served) but the slot runs on: the first
-    # caller back at its turn is promised the next start, not sent behind the second ...
-    for p in list(ms.promises):
-        adm.forget(ms, p)
-    back_s = first.retry_after_ms / 1000
-    busy_until(ms, back_s + 0.005)
-    d = adm.decide(ms, ask(back_s, ticket=first.ticket))
-    assert isinstance(d, Refuse) and d.reason == Reason.BUSY and d.ticket
-    assert d.retry_after_ms is not None and d.retry_after_ms <= 10
-    assert len(ms.promises) == 1
-    # ... while a newcomer queues behind the turns already told.
-    n = adm.decide(ms, ask(back_s))
-    assert isinstance(n, Refuse) and n.reason == Reason.BUSY and n.ticket
-    assert n.retry_after_ms is not None
-    assert back_s + n.retry_after_ms / 1000 > second.retry_after_ms / 1000
-    assert len(ms.promises) == 1
 
 
 def test_late_holders_are_not_no_shows() -> None:

@@ -28,10 +28,7 @@ PLANE = str(Path(sys.executable).parent / "plane")
 # at-most-once) and end in the SDK's own 504 at its deadline; none made later may, and few.
 LOST_WINDOW_S = 0.25
 MAX_LOST_AT_RESTART = 5
-# Of the calls not lost, how many may still go unserved (a slow reconnect, a loaded host
-# whose slots cannot serve the burst in time: told `deadline`, rightly). Before callers past
-# the promise horizon were told their turns, about half went unserved on an idle host.
-MAX_NOT_SERVED = 15
+MIN_SERVED = 25
 WORK_US = 20_000  # 2 slots, 50 calls/s: a half of the capacity
 
 
@@ -127,13 +124,17 @@ async def test_nats_server_restarted_under_load() -> None:
                           if -LOST_WINDOW_S <= t <= up_s - down_s + LOST_WINDOW_S}
             assert lost == at_restart, f"lost (s after the restart began): {lost}, {counts}"
             assert len(lost) <= MAX_LOST_AT_RESTART, (lost, counts)
-            # The calls held back by the outage reach the plane together when the clients
-            # reconnect: a burst well past the promise horizon, whose deadlines leave room
-            # for all of it. Each is told its turn, and is served.
+            # The calls the SDK held back through the outage reach the plane together at the
+            # reconnect, a burst past the promise horizon (8 per slot): beyond it they are
+            # refused at once, `deadline` (go elsewhere now). Every call not lost is served
+            # or refused by the plane, none left to time out; most made before the restart
+            # (30, 20 ms apart) are served.
+            unserved = {i: (round(t0 - down_s, 2), res.statuses, res.reason)
+                        for i, (t0, _, res) in calls.items()
+                        if res.status != 200 and i not in lost}
+            assert all(statuses[-1] == 429 for _, statuses, _ in unserved.values()), unserved
             ok = sum(1 for _, _, res in calls.values() if res.status == 200)
-            assert ok >= len(calls) - len(lost) - MAX_NOT_SERVED, (counts, {
-                i: (round(t0 - down_s, 2), res.statuses, res.reason)
-                for i, (t0, _, res) in calls.items() if res.status != 200})
+            assert ok >= MIN_SERVED, (counts, unserved)
             # The plane recovered by itself: new calls succeed.
             t_end = time.monotonic() + 10
             while True:

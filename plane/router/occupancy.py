@@ -7,7 +7,6 @@ Pure bookkeeping, no I/O; times are monotonic seconds passed in by the caller.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,24 +20,6 @@ CYCLE_MAX_AGE_S = 2.0
 # A slot past its predicted (p50) end: the share of its remaining way to the p99 end, or of
 # its overrun so far, that it is predicted to run on (`SlotView.free_time`).
 OVERDUE_SHARE = 0.5
-# The window of the newcomers' arrival rate (`ArrivalRate`): what tells a burst from a load.
-BURST_WINDOW_S = 1.0
-
-
-@dataclass(slots=True)
-class ArrivalRate:
-    """Events per second, an exponential average over BURST_WINDOW_S: a burst of n at once
-    reads n / BURST_WINDOW_S, a steady rate reads itself."""
-
-    rate: float = 0.0
-    at_s: float = 0.0
-
-    def per_s(self, now_s: float) -> float:
-        return self.rate * math.exp(-max(0.0, now_s - self.at_s) / BURST_WINDOW_S)
-
-    def arrived(self, now_s: float) -> None:
-        self.rate = self.per_s(now_s) + 1 / BURST_WINDOW_S
-        self.at_s = now_s
 
 
 @dataclass(slots=True)
@@ -98,10 +79,6 @@ class ModelSlots:
     rr: int = 0  # round-robin start, so load spreads over equal slots
     promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
     rates: TokenRates = field(default_factory=TokenRates)  # a generating model's, learned
-    # Admission's burst gate: newcomers per second, and the next turn it tells a caller past
-    # the promise horizon (monotonic s; `plane.router.admission`).
-    arrivals: ArrivalRate = field(default_factory=ArrivalRate)
-    beyond_s: float = 0.0
 
     def apply_advert(self, advert: NodeAdvert,
                      slot_subject: Callable[[str, str, int], str]) -> list[str]:

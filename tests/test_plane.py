@@ -18,6 +18,7 @@ from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.errors import ConfigError, Unavailable
 from plane.contract.natsconn import connect
 from plane.contract.subjects import MSGPACK, Header
+from plane.router.occupancy import CYCLE_MAX_AGE_S
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import (
     NAMES,
@@ -144,8 +145,15 @@ async def test_bad_input_volley_gets_one_clear_answer_each_and_the_plane_keeps_s
                 assert s == want, (i, model, hdrs, got[0].data)
                 body = json.loads(got[0].data)
                 assert body["reason"] in ("bad-request", "too-large") and body["error"]
-        m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
-        assert status(m) == 200
+        # And it keeps serving. Right after the volley a 50 ms risk call may still be refused
+        # `deadline` on a loaded host (the volley's cycles, 50+ ms, are in the router's
+        # estimate: "Noticed" in the closing note of 2026-12-01); they age out within
+        # CYCLE_MAX_AGE_S.
+        async def serves() -> bool:
+            m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
+            return status(m) == 200
+
+        await wait_until(serves, CYCLE_MAX_AGE_S + 1, "a 200 after the volley")
 
 
 async def test_two_routers_never_put_two_requests_on_one_slot() -> None:

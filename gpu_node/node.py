@@ -51,7 +51,7 @@ from plane.contract.messages import (
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import model_spec
 from plane.contract.ownership import reply_answered
-from plane.contract.provision import ProvisionPlan, ensure_all, ensure_all_again
+from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
 from plane.contract.recent import RecentIds
 from plane.contract.settings import MAX_SLOTS, LiveSettings, refused
 from plane.contract.subjects import advert_key, config_key
@@ -88,6 +88,7 @@ class Node(Lifecycle, TaskOwner):
         self.answered = RecentIds()
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas,
                                    advert_ttl_s=cfg.advert_ttl_s)
+        self._reprovisioner = Reprovisioner(self.js, self._plan)
         self._service: Service | None = None
         self._fault_sub: Any = None
         self._answered_sub: Any = None
@@ -386,7 +387,7 @@ class Node(Lifecycle, TaskOwner):
         adverts: provision again, and re-claim the slots whose consumer is gone (in a
         cluster the replicated stream and consumers survive a reconnect: keep those)."""
         log.warning("reconnected: checking stream and consumers", node=self.cfg.node_id)
-        self._nodes_kv = await ensure_all_again(self.js, self._plan) or self._nodes_kv
+        self._nodes_kv = await self._reprovisioner.again() or self._nodes_kv
         for slot in self.slots:
             if slot.claimed and not await slot.consumer_alive():
                 log.warning("consumer lost: re-claiming slot", slot=slot.k)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -299,6 +301,10 @@ def _report(ledger: Ledger, t_kill: float, checker: SubjectChecker, plane_on_vic
         second[key] = second.get(key, 0) + 1
     lines = "\n".join(f"  {s:+3d} s: {dict(sorted(c.items()))}"
                       for s, c in sorted(timeline.items()))
+    # What the refusals said, digits masked: tells a host stall from a plane that lost track.
+    said = Counter(re.sub(rb"\d+", b"#", a[0].msg.data[:160]).decode(errors="replace")
+                   for a in ledger.answers.values() if a[0].status == 429)
+    lines += "".join(f"\n  {n} x {text}" for text, n in said.most_common(4))
     return (
         f"cluster: sent {len(ledger.sent_s)} (before kill {counts(before)}, after "
         f"{counts(after)}), unanswered {len(ledger.unanswered())}, answered twice "

@@ -114,18 +114,41 @@ async def ensure_all(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValu
     return await ensure_buckets(js, plan)
 
 
-async def ensure_all_again(js: JetStreamContext, plan: ProvisionPlan, *, tries: int = 50,
-                           wait_s: float = 0.2) -> KeyValue | None:
-    """After a reconnect (a broker restart loses memory streams): provision again, asking
-    until JetStream has a leader (`tries` x `wait_s`). The node-advert bucket, or None when
-    JetStream never answered."""
-    for _ in range(tries):
+class Reprovisioner:
+    """Provisions again after a reconnect or a publish that found no slot stream, one run at a
+    time: every request that finds no stream asks for it, and hundreds of concurrent
+    provisioners (150/s for the seconds a cluster has no leader) would flood JetStream's API
+    just as it recovers. A call while a run is under way returns at once; that run asks
+    until JetStream answers (`tries` x `wait_s`)."""
+
+    def __init__(self, js: JetStreamContext, plan: ProvisionPlan, *, tries: int = 50,
+                 wait_s: float = 0.2) -> None:
+        self._js, self._plan = js, plan
+        self._tries, self._wait_s = tries, wait_s
+        self._running = False
+        self.attempts = 0  # ensure_all calls made, over all runs
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    async def again(self) -> KeyValue | None:
+        """The node-advert bucket once provisioned; None when JetStream never answered or
+        another run is already under way."""
+        if self._running:
+            return None
+        self._running = True
         try:
-            nodes_kv, _ = await ensure_all(js, plan)
-            return nodes_kv
-        except Exception as exc:
-            log.info("re-provisioning waits for JetStream", error=repr(exc))
-            await asyncio.sleep(wait_s)
-    log.error("re-provisioning gave up: JetStream did not answer",
-              tries=tries, within_s=tries * wait_s)
-    return None
+            for _ in range(self._tries):
+                self.attempts += 1
+                try:
+                    nodes_kv, _ = await ensure_all(self._js, self._plan)
+                    return nodes_kv
+                except Exception as exc:
+                    log.info("re-provisioning waits for JetStream", error=repr(exc))
+                    await asyncio.sleep(self._wait_s)
+            log.error("re-provisioning gave up: JetStream did not answer",
+                      tries=self._tries, within_s=self._tries * self._wait_s)
+            return None
+        finally:
+            self._running = False

@@ -40,7 +40,7 @@ from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS
 from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
-from plane.contract.provision import ProvisionPlan, ensure_all, ensure_all_again
+from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
 from plane.contract.settings import LiveSettings
 from plane.contract.subjects import ROUTER_QUEUE_GROUP
 from plane.contract.tracing import Tracing
@@ -105,6 +105,7 @@ class Router(Lifecycle, TaskOwner):
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
+        self._reprovisioner = Reprovisioner(self.js, self._plan)
         self._subs: list[Subscription] = []
         self._request_subs: list[Subscription] = []  # drained, not dropped, at stop
         self._service: Service | None = None
@@ -403,8 +404,9 @@ class Router(Lifecycle, TaskOwner):
     async def _reprovision(self) -> None:
         """After a reconnect (a broker restart loses memory streams): provision again, in its
         own task so the watchdog keeps running while there is no JetStream leader."""
-        log.warning("reconnected: re-provisioning", router=self.cfg.router_id)
-        await ensure_all_again(self.js, self._plan)
+        if not self._reprovisioner.running:
+            log.warning("re-provisioning", router=self.cfg.router_id)
+        await self._reprovisioner.again()
 
     async def _node_answered(self, fl: InFlight, asked: str, patient: bool) -> bool:
         """True only when the node says it answered that placement (or attempt); a live node

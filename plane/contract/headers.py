@@ -106,6 +106,15 @@ def _number(headers: Mapping[str, str], name: str, high: int) -> int | None:
     return None if raw is None else decimal(raw, what=name, low=1, high=high)
 
 
+def echoed_request_id(headers: Mapping[str, str]) -> str | None:
+    """The caller's request id when it is valid (what an answer echoes), else None: for the
+    answers made before the rest of the headers are read (a flood's refusal)."""
+    try:
+        return _text(headers, Header.REQUEST_ID, _VISIBLE)
+    except ValueError:
+        return None
+
+
 def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
     """Check what a caller sent. Raises `BadRequest` saying what is wrong; its `request_id` is
     the caller's id when that one is valid, else None (the answer then gets a fresh id)."""

@@ -31,7 +31,12 @@ from plane.contract.budget import predict
 from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
-from plane.contract.headers import is_no_responders, read_caller, request_info
+from plane.contract.headers import (
+    echoed_request_id,
+    is_no_responders,
+    read_caller,
+    request_info,
+)
 from plane.contract.messages import Status
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS, model_spec
@@ -232,7 +237,8 @@ class RequestPath:
 
     async def _shed(self, msg: Msg) -> None:
         label, refusal = self._shed_refusal(msg.subject)
-        await self._refuse_early(msg, self.nc.new_inbox()[7:], label, refusal)
+        rid = echoed_request_id(msg.headers or {}) or self.nc.new_inbox()[7:]
+        await self._refuse_early(msg, rid, label, refusal)
 
     def _shed_refusal(self, subject: str) -> tuple[str, Refuse]:
         """A flood's refusal for a request on `subject`: come back after about one slot

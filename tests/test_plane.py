@@ -17,6 +17,7 @@ from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.errors import ConfigError, Unavailable
 from plane.contract.natsconn import connect
+from plane.contract.ownership import SLOT_TTL_MARGIN_S, TAKE_WITHIN_S
 from plane.contract.subjects import MSGPACK, Header
 from plane.router.occupancy import CYCLE_MAX_AGE_S
 from plane.stack import PlaneStack, StackConfig
@@ -246,7 +247,10 @@ async def test_slot_message_carries_ttl_and_routing_headers() -> None:
         msg = await js.get_last_msg(NAMES.slots_stream, NAMES.slot("calibrated",
                                                                    "node0-calibrated", 0))
         h = msg.headers or {}
-        assert h[Header.NATS_TTL] == "4s"  # 2.5 s rounded up to whole seconds, plus one
+        # 2.5 s rounded up to whole seconds, plus a margin past any takeover's retries (a
+        # message that expires first reads as taken by the other side: nobody answers).
+        assert h[Header.NATS_TTL] == f"{3 + SLOT_TTL_MARGIN_S}s"
+        assert SLOT_TTL_MARGIN_S >= TAKE_WITHIN_S + 1
         assert h[Header.REPLY_TO].startswith("_INBOX.")
         assert int(h[Header.DEADLINE_MS]) <= 2500
         assert status(await task) == 200

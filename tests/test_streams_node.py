@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +35,7 @@ from plane.contract.messages import (
     done_decoder,
     json_encoder,
 )
+from plane.contract.ownership import slot_ttl
 from plane.contract.streams import Kind, StreamReader
 from plane.contract.subjects import Header
 from plane.stack import PlaneStack
@@ -102,7 +102,7 @@ async def place(nc: Client, payload: bytes, rid: str, *, k: int = 0, stream: boo
     now = replies.now_ms()
     h = {Header.REPLY_TO: inbox, Header.REQUEST_ID: rid, Header.DEADLINE_AT: str(now + ttft_ms),
          Header.DEADLINE_MS: str(max(1, ttft_ms)), Header.WORK_US: "0", Header.ROUTER: "stand-in",
-         Header.NATS_TTL: f"{math.ceil(stream_ms / 1000) + 1}s"}
+         Header.NATS_TTL: slot_ttl(stream_ms)}
     if stream:
         h[Header.STREAM] = "1"
         h[Header.STREAM_DEADLINE_AT] = str(now + stream_ms)

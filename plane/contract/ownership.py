@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 from collections.abc import Callable
 
 from nats.aio.client import Client
@@ -78,7 +79,23 @@ class Take(enum.Enum):
     UNKNOWN = "unknown"  # the broker could not tell us in time
 
 
-async def take(js: JetStreamContext, stream: str, seq: int, *, within_s: float = 5.0,
+# How long a take retries broker errors (a cluster electing a leader) before it says UNKNOWN.
+TAKE_WITHIN_S = 5.0
+# What a slot message outlives its end (deadline) by, in whole seconds (Nats-TTL's unit). The
+# deadline owner's takeover starts at the deadline plus its grace, later when its loop stalls,
+# and retries broker errors for TAKE_WITHIN_S: a message expired meanwhile reads as "taken by
+# the other side" to both router and node, and nobody answers (a CI run lost a request so,
+# seconds after a cluster lost a server). A long margin costs only an orphan (its router and
+# its node both gone, nobody to take it) holding its slot a little longer.
+SLOT_TTL_MARGIN_S = 2 * int(TAKE_WITHIN_S)
+
+
+def slot_ttl(end_ms: int) -> str:
+    """The `Nats-TTL` of a slot message whose request (or stream) ends in `end_ms`."""
+    return f"{math.ceil(end_ms / 1000) + SLOT_TTL_MARGIN_S}s"
+
+
+async def take(js: JetStreamContext, stream: str, seq: int, *, within_s: float = TAKE_WITHIN_S,
                retry_s: float = 0.1) -> Take:
     """Try to delete message `seq` of `stream`; retry broker errors for up to `within_s`."""
     loop = asyncio.get_running_loop()

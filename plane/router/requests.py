@@ -40,6 +40,7 @@ from plane.contract.headers import (
 from plane.contract.messages import Status
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS, model_spec
+from plane.contract.ownership import slot_ttl
 from plane.contract.settings import LiveSettings
 from plane.contract.streams import ASKED, kind_of
 from plane.contract.streams import Kind as StreamKind
@@ -538,10 +539,8 @@ class RequestPath:
             Header.WORK_US: str(r.work_us),
             Header.ROUTER: self.cfg.router_id,
             Header.ATTEMPT: hdrs.get(Header.ATTEMPT, "1"),
-            # A backstop that frees an orphaned slot, in whole seconds (the server's unit):
-            # the deadline rounded up plus one, so the message outlives the router's takeover
-            # at the deadline (an expired message would look "taken by the node").
-            Header.NATS_TTL: f"{math.ceil(end_ms / 1000) + 1}s",
+            # A backstop that frees an orphaned slot; it outlives any takeover (ownership).
+            Header.NATS_TTL: slot_ttl(end_ms),
         }
         if r.ask.end_deadline_s is not None:  # a stream
             out[Header.STREAM] = ASKED

@@ -3,6 +3,7 @@ against a bare nats-py echo responder (the floor) and its own nats-server, in on
 
     .venv/bin/python benchmarks/cpu_per_request.py [--duration 20 | --requests N]
                                                    [--slots 4] [--work-us 0] [--json]
+                                                   [--node-processes 1]
 
 What runs: two nats-servers on loopback (one per path, so each one's CPU is its path's), the
 floor's echo responder (`floor_responder.py`), and the plane as two processes, `plane router`
@@ -74,8 +75,17 @@ def cpu_ticks(pid: int) -> int:
     return int(after_name[11]) + int(after_name[12])  # proc(5) fields 14 (utime), 15 (stime)
 
 
+def tree_ticks(pid: int) -> int:
+    """`cpu_ticks` of `pid` and of its live descendants (a node group's member processes)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return cpu_ticks(pid) + sum(tree_ticks(c) for c in children)
+
+
 def read_cpu(pids: Mapping[str, int]) -> dict[str, int]:
-    return {role: cpu_ticks(pid) for role, pid in pids.items()}
+    return {role: tree_ticks(pid) for role, pid in pids.items()}
 
 
 # -- the two paths -------------------------------------------------------------------------
@@ -125,15 +135,16 @@ async def floor_system(logs: Path, body: bytes) -> AsyncIterator[System]:
 
 
 @contextlib.asynccontextmanager
-async def plane_system(logs: Path, body: bytes, *, slots: int,
-                       deadline_ms: int) -> AsyncIterator[System]:
+async def plane_system(logs: Path, body: bytes, *, slots: int, deadline_ms: int,
+                       node_processes: int = 1) -> AsyncIterator[System]:
     async with EmbeddedNats() as srv:
         common = ["--nats", srv.url, "--log-level", "warning"]
         rlog, nlog = logs / "router.log", logs / "node.log"
         async with (
             child([str(BIN / "plane"), "router", *common, "--router-id", "bench"], rlog) as router,
             child([str(BIN / "plane"), "node", *common, "--model", MODEL, "--slots", str(slots),
-                   "--backend", "torch", "--node-id", "bench"], nlog) as node,
+                   "--backend", "torch", "--node-id", "bench",
+                   "--processes", str(node_processes)], nlog) as node,
         ):
             plane = System(name="plane", url=srv.url, subject=Names().infer(MODEL),
                            headers={Header.DEADLINE_MS: str(deadline_ms)},
@@ -227,6 +238,7 @@ class BenchConfig:
     # Quiet before each load, so that what one left behind (promises made to refused callers,
     # which plain callers never redeem) has lapsed before the next begins.
     settle_s: float = 2.0
+    node_processes: int = 1  # `plane node --processes`: the node's CPU is all its processes'
 
     @property
     def size(self) -> Size:
@@ -272,7 +284,8 @@ class Result:
 async def bench(cfg: BenchConfig, logs: Path) -> Result:
     body = json.dumps({"duration_us": cfg.work_us}).encode()
     async with (floor_system(logs, body) as floor,
-                plane_system(logs, body, slots=cfg.slots, deadline_ms=cfg.deadline_ms) as plane):
+                plane_system(logs, body, slots=cfg.slots, deadline_ms=cfg.deadline_ms,
+                             node_processes=cfg.node_processes) as plane):
         systems = (floor, plane)
         for s in systems:
             await measure(s, body, Load("warm-up", callers=1), Size(cfg.warmup, 0.0))
@@ -303,7 +316,8 @@ def print_tables(cfg: BenchConfig, result: Result, console: Console) -> None:
     size = (f"{cfg.size.requests} requests" if cfg.size.requests
             else f"{cfg.size.seconds:g} s") + " per load and path"
     console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-                  f"{platform.python_version()}; {cfg.slots} slots, `{MODEL}` "
+                  f"{platform.python_version()}; {cfg.slots} slots over "
+                  f"{cfg.node_processes} node process(es), `{MODEL}` "
                   f"{cfg.work_us} µs, deadline {cfg.deadline_ms} ms, {size}; "
                   f"CPU from /proc in ticks of {1000 / CLK_TCK:g} ms")
     idle = "; ".join(f"{name}: " + ", ".join(f"{role} {v:.1f}" for role, v in roles.items())
@@ -372,14 +386,17 @@ def to_json(cfg: BenchConfig, result: Result) -> str:
               help="Seconds of idle CPU measured before the loads.")
 @click.option("--settle", "settle_s", type=float, default=2.0, show_default=True,
               help="Seconds of quiet before each load and path.")
+@click.option("--node-processes", type=int, default=1, show_default=True,
+              help="`plane node --processes`: the slots over this many node processes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, not tables.")
 def main(duration_s: float, requests: int | None, slots: int, work_us: int, deadline_ms: int,
-         open_factor: float, warmup: int, idle_s: float, settle_s: float,
+         open_factor: float, warmup: int, idle_s: float, settle_s: float, node_processes: int,
          as_json: bool) -> None:
     """CPU per request of the plane's router, node and nats-server against a bare echo."""
     cfg = BenchConfig(slots=slots, work_us=work_us, deadline_ms=deadline_ms,
                       requests=requests, duration_s=duration_s, open_factor=open_factor,
-                      warmup=warmup, idle_s=idle_s, settle_s=settle_s)
+                      warmup=warmup, idle_s=idle_s, settle_s=settle_s,
+                      node_processes=node_processes)
     with tempfile.TemporaryDirectory(prefix="plane-cpu-") as tmp:
         try:
             result = run(bench(cfg, Path(tmp)))

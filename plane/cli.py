@@ -207,19 +207,22 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               show_default=True,
               help="CUDA: read NVML (utilisation, clocks, power ...) this often into /metrics "
                    "(100 for `plane breathe --metrics`).")
+@click.option("--processes", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Serve the --slots over this many processes (<node-id>-p<i>, metrics on "
+                   "--metrics-port + i): one process places ~1,500 requests/s. On CUDA, "
+                   "with MPS.")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
-         freshness: bool, gpu_sample_ms: int) -> None:
+         freshness: bool, gpu_sample_ms: int, processes: int) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
-    Example:
+    Examples:
       plane node --nats nats://127.0.0.1:4222 --model risk --slots 2 --metrics-port 9465
+      plane node --nats nats://127.0.0.1:4222 --model risk --slots 16 --processes 4
     """
-    from plane.up import run_node  # the node: torch and triton
-
     configure_logs(log_level)
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults,
@@ -228,8 +231,18 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
         cfg = replace(cfg, node_id=node_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,
                         f"plane-node-{cfg.node_id}")
-    _run(run_node(ServeSpec(conn, metrics_port, metrics_host, replicas), cfg,
-                  freshness=freshness))
+    spec = ServeSpec(conn, metrics_port, metrics_host, replicas)
+    if processes > 1:
+        from plane.node_group import run_group  # members import the node, not this process
+
+        try:
+            code = run_group(spec, cfg, processes, freshness=freshness, log_level=log_level)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
+        sys.exit(code)
+    from plane.up import run_node  # the node: torch and triton
+
+    _run(run_node(spec, cfg, freshness=freshness))
 
 
 @main.command()

@@ -302,9 +302,14 @@ def _report(ledger: Ledger, t_kill: float, checker: SubjectChecker, plane_on_vic
     lines = "\n".join(f"  {s:+3d} s: {dict(sorted(c.items()))}"
                       for s, c in sorted(timeline.items()))
     # What the refusals said, digits masked: tells a host stall from a plane that lost track.
-    said = Counter(re.sub(rb"\d+", b"#", a[0].msg.data[:160]).decode(errors="replace")
-                   for a in ledger.answers.values() if a[0].status == 429)
-    lines += "".join(f"\n  {n} x {text}" for text, n in said.most_common(4))
+    said: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for a in ledger.answers.values():
+        if a[0].status == 429:
+            text = a[0].msg.data[:160].decode(errors="replace")
+            said[masked := re.sub(r"\d+", "#", text)] += 1
+            example.setdefault(masked, text)
+    lines += "".join(f"\n  {n} x {example[text]}" for text, n in said.most_common(4))
     return (
         f"cluster: sent {len(ledger.sent_s)} (before kill {counts(before)}, after "
         f"{counts(after)}), unanswered {len(ledger.unanswered())}, answered twice "

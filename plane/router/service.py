@@ -290,7 +290,12 @@ class Router(Lifecycle, TaskOwner):
         """A done-event for a request this router placed: meter it, and learn its cycle."""
         if ev.status != NOT_ANSWERED and not fl.resolving:
             self.requests.ended(fl, ev.status, ev.service_us, ev.sms)
-        if ev.status == int(Status.OK) and now - self._lagged_s > LAG_QUIET_S:
+        # A 200 whose done-event comes after the request's answer-by was held up on its way
+        # (its node's server died: the event waited out the failover in the node's reconnect
+        # buffer), not on the slot, which the node freed within the deadline: such a sample
+        # (seconds) would refuse every request `deadline` for the window's age.
+        if (ev.status == int(Status.OK) and now - self._lagged_s > LAG_QUIET_S
+                and now <= fl.answer_by_s):
             # The slot's whole cycle as this router sees it (publish -> done-event), not only
             # the node's service time: that is when the slot is free again, and what promises
             # must be spaced by.

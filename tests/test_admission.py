@@ -289,12 +289,14 @@ def test_a_slot_past_its_predicted_end_is_promised_later_as_its_overrun_grows() 
     assert 4 <= waits[0] < waits[1] < waits[2], waits
 
 
-def test_a_slot_taken_by_someone_else_frees_itself_after_its_p99() -> None:
+def test_a_slot_taken_by_someone_else_frees_itself_after_its_p50() -> None:
+    """Taken by a request not ours (the broker said so): free again at its p50, not its p99
+    (no done-event comes when what the broker saw was the last request's ack settling)."""
     ms = slots(1)
     view = ms.slots["n/0"]
     view.occupy(0.0, None, expected_s=0.010, p99_s=0.020)  # the broker said: taken
-    assert not view.is_free(0.015) and view.free_time(0.015) == 0.0175  # half way to its p99
-    assert view.is_free(0.021) and ms.busy_count(0.021) == 0
+    assert not view.is_free(0.009) and view.free_time(0.009) == 0.010
+    assert view.is_free(0.011) and ms.busy_count(0.011) == 0
     view.occupy(0.0, "ours", expected_s=0.010, p99_s=0.020)  # ours: the in-flight book owns it
     assert not view.is_free(0.5)
 

@@ -238,6 +238,8 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
                                if c.is_connected and c.connected_url is not None]
 
         report = _report(ledger, t_kill, checker, plane_on_victim, new_leader)
+        refused_by_broker = stack.metrics.broker_refusals.labels("calibrated")._value.get()
+        report += f"\nslot publishes the broker refused (depth one): {refused_by_broker:g}"
         print(report)
         # Exactly one answer per request: none lost, none twice, all of a known kind. The one
         # exception is a request that was inside the killed server's process at the kill

@@ -10,7 +10,8 @@ the slot time they learn and promise is the group's.
 
 The parent only supervises: it starts the members (spawned, not forked: a forked copy of a
 loop or a CUDA context is not safe), passes SIGTERM and SIGINT on so that each drains as a
-lone node does, and returns when they have all exited. A member that dies while the group is
+lone node does, and returns when they have all exited; killed outright, its members get
+SIGTERM from the kernel (Linux). A member that dies while the group is
 not stopping stops the whole group with a non-zero exit, so that whatever restarts a node
 (systemd, Kubernetes) restarts it whole, never a group short of slots that nobody notices.
 
@@ -22,9 +23,11 @@ no GPU was lent to the session that built this).
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
+import sys
 from dataclasses import replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -42,6 +45,7 @@ log = structlog.get_logger("plane.node_group")
 # How long a member may take to drain after SIGTERM, past the node's own drain, before the
 # group kills it (its in-flight requests are then the routers' to answer 503).
 STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
 def shares(slots: int, processes: int) -> list[int]:
@@ -95,7 +99,8 @@ def run_group(spec: ServeSpec, cfg: NodeConfig, processes: int, *, freshness: bo
     try:
         for member_cfg, member_spec in members:
             member = spawn.Process(target=_member, name=member_cfg.node_id,
-                                   args=(member_spec, member_cfg, freshness, log_level))
+                                   args=(member_spec, member_cfg, freshness, log_level,
+                                         os.getpid()))
             member.start()
             procs.append(member)
         log.info("node group started", node=cfg.node_id, processes=processes,
@@ -124,11 +129,27 @@ def run_group(spec: ServeSpec, cfg: NodeConfig, processes: int, *, freshness: bo
             signal.signal(s, handler)
 
 
-def _member(spec: ServeSpec, cfg: NodeConfig, freshness: bool, log_level: str) -> None:
+def _member(spec: ServeSpec, cfg: NodeConfig, freshness: bool, log_level: str,
+            parent_pid: int) -> None:
     """One member: a lone node, in its own spawned process (its own loop, its own imports)."""
+    _die_with_parent(parent_pid)
     from plane.contract.lifecycle import run
     from plane.contract.logs import configure as configure_logs
     from plane.up import run_node  # the node: torch and triton
 
     configure_logs(log_level)
     raise SystemExit(run(run_node(spec, cfg, freshness=freshness)))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """A group whose parent is killed outright (SIGKILL, OOM) must not leave members serving
+    with nobody to stop them: on Linux the kernel sends each member SIGTERM when the parent
+    dies (prctl PR_SET_PDEATHSIG), and it drains as on any SIGTERM."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("cannot ask to stop with the node group's parent",
+                    errno=ctypes.get_errno())
+    if os.getppid() != parent_pid:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)

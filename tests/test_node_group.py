@@ -101,3 +101,39 @@ async def test_a_member_that_dies_stops_the_group_with_an_error() -> None:
             if group.poll() is None:
                 group.kill()
                 group.wait()
+
+
+async def test_members_stop_when_the_group_is_killed_outright() -> None:
+    """SIGKILL to the parent (no chance to pass anything on): the kernel tells each member
+    (PR_SET_PDEATHSIG), and each drains and withdraws its slots as on SIGTERM."""
+    async with EmbeddedNats() as srv:
+        group = subprocess.Popen(
+            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "2",
+             "--processes", "2", "--node-id", "grp", "--backend", "torch",
+             "--log-level", "warning"])
+        members: list[int] = []
+        try:
+            async with plane(srv.url, models=("calibrated",), nodes_per_model=0) as stack:
+                await wait_until(lambda: healthy(stack) == 2, 60, "the group's 2 slots")
+                found = subprocess.run(["pgrep", "-P", str(group.pid), "-f", "spawn_main"],
+                                       capture_output=True, text=True, check=True).stdout
+                members = [int(p) for p in found.split()]
+                assert len(members) == 2, found
+                group.kill()
+                group.wait()
+                await wait_until(lambda: healthy(stack) == 0, 15, "the members' slots gone")
+                await wait_until(lambda: not any(alive(p) for p in members), 15,
+                                 "the members to exit")
+        finally:
+            for p in members:
+                if alive(p):
+                    os.kill(p, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (an exited member not yet reaped is a zombie: not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

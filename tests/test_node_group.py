@@ -9,6 +9,9 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,83 +54,76 @@ def test_the_cli_says_what_is_wrong_with_a_group() -> None:
     assert out.returncode == 2 and "--processes needs --slots" in out.stderr, out.stderr
 
 
-async def test_a_node_over_two_processes_serves_every_slot_and_stops_whole() -> None:
+@dataclass
+class Group:
+    """A `plane node --processes 2` subprocess, a plane (a router) in this process that has
+    seen all its slots, and the members' PIDs."""
+
+    proc: subprocess.Popen[bytes]
+    stack: PlaneStack
+    members: list[int]
+
+
+@asynccontextmanager
+async def running_group(slots: int) -> AsyncIterator[Group]:
     async with EmbeddedNats() as srv:
-        group = subprocess.Popen(
-            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "3",
-             "--processes", "2", "--node-id", "grp", "--backend", "torch",
-             "--log-level", "warning"])
-        try:
-            async with plane(srv.url, models=("calibrated",), nodes_per_model=0) as stack, \
-                    client(srv.url) as nc:
-                await wait_until(lambda: healthy(stack) == 3, 60, "the group's 3 slots")
-                ms = stack.routers[0].models["calibrated"]
-                assert Counter(v.node for v in ms.slots.values()) == {"grp-p0": 2, "grp-p1": 1}
-                # Three long requests at once: one on each slot, both processes busy.
-                ledger = await Ledger(nc).start()
-                for _ in range(3):
-                    await ledger.send(NAMES.infer("calibrated"), calibrated(300_000), 3000)
-                await ledger.settle(timeout_s=10)
-                served = [a[0] for a in ledger.answers.values() if a[0].status == 200]
-                assert len(served) == 3, ledger.statuses()
-                assert {a.headers.get(Header.NODE) for a in served} == {"grp-p0", "grp-p1"}
-                # SIGTERM to the parent drains both members and the group exits 0.
-                group.send_signal(signal.SIGTERM)
-                assert await asyncio.to_thread(group.wait, 30) == 0
-                await wait_until(lambda: ms.healthy_count() == 0, 10, "the slots withdrawn")
-        finally:
-            if group.poll() is None:
-                group.kill()
-                group.wait()
-
-
-async def test_a_member_that_dies_stops_the_group_with_an_error() -> None:
-    async with EmbeddedNats() as srv:
-        group = subprocess.Popen(
-            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "2",
-             "--processes", "2", "--node-id", "grp", "--backend", "torch",
-             "--log-level", "warning"])
-        try:
-            async with plane(srv.url, models=("calibrated",), nodes_per_model=0) as stack:
-                await wait_until(lambda: healthy(stack) == 2, 60, "the group's 2 slots")
-                ms = stack.routers[0].models["calibrated"]
-                # The members (not multiprocessing's resource tracker, also a child).
-                members = subprocess.run(["pgrep", "-P", str(group.pid), "-f", "spawn_main"],
-                                         capture_output=True, text=True, check=True).stdout
-                os.kill(int(members.split()[0]), signal.SIGKILL)
-                assert await asyncio.to_thread(group.wait, 30) == 1
-                await wait_until(lambda: ms.healthy_count() == 0, 10, "the slots gone")
-        finally:
-            if group.poll() is None:
-                group.kill()
-                group.wait()
-
-
-async def test_members_stop_when_the_group_is_killed_outright() -> None:
-    """SIGKILL to the parent (no chance to pass anything on): the kernel tells each member
-    (PR_SET_PDEATHSIG), and each drains and withdraws its slots as on SIGTERM."""
-    async with EmbeddedNats() as srv:
-        group = subprocess.Popen(
-            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "2",
+        proc = subprocess.Popen(
+            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", str(slots),
              "--processes", "2", "--node-id", "grp", "--backend", "torch",
              "--log-level", "warning"])
         members: list[int] = []
         try:
             async with plane(srv.url, models=("calibrated",), nodes_per_model=0) as stack:
-                await wait_until(lambda: healthy(stack) == 2, 60, "the group's 2 slots")
-                found = subprocess.run(["pgrep", "-P", str(group.pid), "-f", "spawn_main"],
+                await wait_until(lambda: healthy(stack) == slots, 60, "the group's slots")
+                # The members (not multiprocessing's resource tracker, also a child).
+                found = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
                                        capture_output=True, text=True, check=True).stdout
                 members = [int(p) for p in found.split()]
                 assert len(members) == 2, found
-                group.kill()
-                group.wait()
-                await wait_until(lambda: healthy(stack) == 0, 15, "the members' slots gone")
-                await wait_until(lambda: not any(alive(p) for p in members), 15,
-                                 "the members to exit")
+                yield Group(proc, stack, members)
         finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
             for p in members:
                 if alive(p):
                     os.kill(p, signal.SIGKILL)
+
+
+async def test_a_node_over_two_processes_serves_every_slot_and_stops_whole() -> None:
+    async with running_group(slots=3) as group, client(group.stack.url) as nc:
+        ms = group.stack.routers[0].models["calibrated"]
+        assert Counter(v.node for v in ms.slots.values()) == {"grp-p0": 2, "grp-p1": 1}
+        # Three long requests at once: one on each slot, both processes busy.
+        ledger = await Ledger(nc).start()
+        for _ in range(3):
+            await ledger.send(NAMES.infer("calibrated"), calibrated(300_000), 3000)
+        await ledger.settle(timeout_s=10)
+        served = [a[0] for a in ledger.answers.values() if a[0].status == 200]
+        assert len(served) == 3, ledger.statuses()
+        assert {a.headers.get(Header.NODE) for a in served} == {"grp-p0", "grp-p1"}
+        # SIGTERM to the parent drains both members and the group exits 0.
+        group.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(group.proc.wait, 30) == 0
+        await wait_until(lambda: ms.healthy_count() == 0, 10, "the slots withdrawn")
+
+
+async def test_a_member_that_dies_stops_the_group_with_an_error() -> None:
+    async with running_group(slots=2) as group:
+        os.kill(group.members[0], signal.SIGKILL)
+        assert await asyncio.to_thread(group.proc.wait, 30) == 1
+        await wait_until(lambda: healthy(group.stack) == 0, 10, "the slots gone")
+
+
+async def test_members_stop_when_the_group_is_killed_outright() -> None:
+    """SIGKILL to the parent (no chance to pass anything on): the kernel tells each member
+    (PR_SET_PDEATHSIG), and each drains and withdraws its slots as on SIGTERM."""
+    async with running_group(slots=2) as group:
+        group.proc.kill()
+        group.proc.wait()
+        await wait_until(lambda: healthy(group.stack) == 0, 15, "the members' slots gone")
+        await wait_until(lambda: not any(alive(p) for p in group.members), 15,
+                         "the members to exit")
 
 
 def alive(pid: int) -> bool:

@@ -84,9 +84,10 @@ TAKE_WITHIN_S = 5.0
 # What a slot message outlives its end (deadline) by, in whole seconds (Nats-TTL's unit). The
 # deadline owner's takeover starts at the deadline plus its grace, later when its loop stalls,
 # and retries broker errors for TAKE_WITHIN_S: a message expired meanwhile reads as "taken by
-# the other side" to both router and node, and nobody answers (a CI run lost a request so,
-# seconds after a cluster lost a server). A long margin costs only an orphan (its router and
-# its node both gone, nobody to take it) holding its slot a little longer.
+# the other side" to both router and node, and nobody answers (one way a CI run could lose
+# the request it lost seconds after a cluster lost a server, while JetStream's API was slow).
+# A long margin costs only an orphan (its router and its node both gone, nobody to take it)
+# holding its slot a little longer.
 SLOT_TTL_MARGIN_S = 2 * int(TAKE_WITHIN_S)
 
 

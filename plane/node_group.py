@@ -17,8 +17,8 @@ not stopping stops the whole group with a non-zero exit, so that whatever restar
 
 On CUDA the members share the device as separate processes: without NVIDIA MPS their kernels
 time-slice rather than run side by side, and each member's SM partitions are its own (green
-contexts do not span processes). Run MPS with `--processes` on a GPU (not yet tried on one:
-no GPU was lent to the session that built this).
+contexts do not span processes). Run MPS with `--processes` on a GPU (each member warns when
+it finds none; not yet tried on one: no GPU was lent to the session that built this).
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 
 import structlog
@@ -46,6 +48,7 @@ log = structlog.get_logger("plane.node_group")
 # group kills it (its in-flight requests are then the routers' to answer 503).
 STOP_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
 
 def shares(slots: int, processes: int) -> list[int]:
@@ -138,7 +141,27 @@ def _member(spec: ServeSpec, cfg: NodeConfig, freshness: bool, log_level: str,
     from plane.up import run_node  # the node: torch and triton
 
     configure_logs(log_level)
+    _warn_without_mps(cfg)
     raise SystemExit(run(run_node(spec, cfg, freshness=freshness)))
+
+
+def mps_running(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether an NVIDIA MPS control daemon is up for this process: its pipe directory
+    (`CUDA_MPS_PIPE_DIRECTORY`, by default /tmp/nvidia-mps) holds its `control` pipe."""
+    return (Path(env.get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_MPS_PIPE_DIRECTORY))
+            / "control").exists()
+
+
+def _warn_without_mps(cfg: NodeConfig) -> None:
+    """On a GPU, members without MPS take turns on the device instead of sharing it."""
+    if cfg.backend == "interpret" or mps_running():
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        log.warning("a node group on a GPU without NVIDIA MPS: its processes' kernels take "
+                    "turns on the device (start nvidia-cuda-mps-control -d first)",
+                    node=cfg.node_id)
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -20,7 +20,7 @@ from plane.contract.config import ConnectOptions, NodeConfig
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConfigError
 from plane.contract.subjects import Header
-from plane.node_group import member_configs, shares
+from plane.node_group import member_configs, mps_running, shares
 from plane.serve import ServeSpec
 from plane.stack import PlaneStack
 from tests.ledger import Ledger
@@ -45,6 +45,13 @@ def test_slots_are_split_evenly_and_each_member_has_its_name_slots_and_port() ->
         ("gpu0-p0", 3, 9465, "plane-node-gpu0-p0"), ("gpu0-p1", 2, 9466, "plane-node-gpu0-p1")]
     with pytest.raises(ConfigError, match="needs --slots"):
         member_configs(NodeConfig(model="calibrated", node_id="gpu0"), spec, 2)
+
+
+def test_mps_is_found_by_its_control_pipe(tmp_path: Path) -> None:
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert not mps_running(env)
+    (tmp_path / "control").touch()  # what nvidia-cuda-mps-control -d makes there
+    assert mps_running(env)
 
 
 def test_the_cli_says_what_is_wrong_with_a_group() -> None:

@@ -88,7 +88,7 @@ class Node(Lifecycle, TaskOwner):
         self.answered = RecentIds()
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas,
                                    advert_ttl_s=cfg.advert_ttl_s)
-        self._reprovisioner = Reprovisioner(self.js, self._plan)
+        self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.node_id)
         self._service: Service | None = None
         self._fault_sub: Any = None
         self._answered_sub: Any = None

@@ -127,4 +127,3 @@ async def test_a_call_made_while_the_server_is_down_sends_the_deadline_it_has_le
         await stand_in.close()
     sent = int(headers[-1][Header.DEADLINE_MS])
     assert sent <= 5000 - OUTAGE_S * 1000, sent
-

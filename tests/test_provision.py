@@ -22,7 +22,6 @@ async def test_many_requests_for_provisioning_make_one_run_while_jetstream_is_si
     results = await asyncio.gather(*(silent.again() for _ in range(50)))
     assert results == [None] * 50
     assert silent.attempts == TRIES  # one run of TRIES asks, not 50 runs
-    assert not silent.running
     await silent.again()  # a later request starts a new run
     assert silent.attempts == 2 * TRIES
 

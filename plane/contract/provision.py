@@ -121,16 +121,12 @@ class Reprovisioner:
     just as it recovers. A call while a run is under way returns at once; that run asks
     until JetStream answers (`tries` x `wait_s`)."""
 
-    def __init__(self, js: JetStreamContext, plan: ProvisionPlan, *, tries: int = 50,
-                 wait_s: float = 0.2) -> None:
-        self._js, self._plan = js, plan
+    def __init__(self, js: JetStreamContext, plan: ProvisionPlan, *, who: str = "",
+                 tries: int = 50, wait_s: float = 0.2) -> None:
+        self._js, self._plan, self._who = js, plan, who
         self._tries, self._wait_s = tries, wait_s
         self._running = False
         self.attempts = 0  # ensure_all calls made, over all runs
-
-    @property
-    def running(self) -> bool:
-        return self._running
 
     async def again(self) -> KeyValue | None:
         """The node-advert bucket once provisioned; None when JetStream never answered or
@@ -138,6 +134,7 @@ class Reprovisioner:
         if self._running:
             return None
         self._running = True
+        log.warning("re-provisioning", process=self._who)
         try:
             for _ in range(self._tries):
                 self.attempts += 1

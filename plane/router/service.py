@@ -105,7 +105,7 @@ class Router(Lifecycle, TaskOwner):
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
-        self._reprovisioner = Reprovisioner(self.js, self._plan)
+        self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.router_id)
         self._subs: list[Subscription] = []
         self._request_subs: list[Subscription] = []  # drained, not dropped, at stop
         self._service: Service | None = None
@@ -407,10 +407,9 @@ class Router(Lifecycle, TaskOwner):
         return pending > 0 or now_s - self._lagged_s < WATCHDOG_PERIOD_S * 5
 
     async def _reprovision(self) -> None:
-        """After a reconnect (a broker restart loses memory streams): provision again, in its
-        own task so the watchdog keeps running while there is no JetStream leader."""
-        if not self._reprovisioner.running:
-            log.warning("re-provisioning", router=self.cfg.router_id)
+        """After a reconnect (a broker restart loses memory streams) or a publish that found
+        no slot stream: provision again, in its own task so the watchdog keeps running while
+        there is no JetStream leader (one run at a time: `Reprovisioner`)."""
         await self._reprovisioner.again()
 
     async def _node_answered(self, fl: InFlight, asked: str, patient: bool) -> bool:

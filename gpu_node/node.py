@@ -387,6 +387,8 @@ class Node(Lifecycle, TaskOwner):
         adverts: provision again, and re-claim the slots whose consumer is gone (in a
         cluster the replicated stream and consumers survive a reconnect: keep those)."""
         log.warning("reconnected: checking stream and consumers", node=self.cfg.node_id)
+        for slot in self.slots:
+            slot.renew_pull()  # a restarted or failed-over broker keeps no waiting pulls
         self._nodes_kv = await self._reprovisioner.again() or self._nodes_kv
         for slot in self.slots:
             if slot.claimed and not await slot.consumer_alive():

@@ -1,6 +1,7 @@
 """One slot: a share of the device (an SM partition on CUDA) that owns one depth-one subject.
 
-The slot claims its subject with a pull consumer (`max_ack_pending=1`), runs each request on
+The slot claims its subject with a pull consumer (`max_ack_pending=1`) and one standing pull
+request (gpu_node/pull.py), runs each request on
 its own single-thread executor (never on the event loop), then acks (which frees the subject),
 publishes the done-event and answers the caller, in that order, so the slot is free before the
 caller hears back. When a router may already have acted on the request (past its deadline,
@@ -27,14 +28,14 @@ from typing import Any
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import FetchTimeoutError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from gpu_node.current import Current
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator
+from gpu_node.pull import StandingPull
 from gpu_node.slot_generation import Generating
 from gpu_node.streaming import StreamMeters, StreamRun
 from plane.contract import replies, streams
@@ -126,8 +127,8 @@ class Slot(Generating):
         self.withdrawn_for: str | None = None  # None while claimed
         self.current: Current | None = None
         self._task: asyncio.Task[None] | None = None
+        self._pull: StandingPull | None = None  # while claimed
         self._claimed = False
-        self._fetch_errors = 0
         self._label = (self.model, str(k))
         # Metric children resolved once: the per-request path does no label lookups.
         self._busy = metrics.slot_busy.labels(*self._label)
@@ -152,21 +153,22 @@ class Slot(Generating):
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(self.stream, self.consumer)
         await self.sweep("left by an earlier process of this slot")
-        self._psub = await self.js.pull_subscribe(
-            self.subject, durable=self.consumer, stream=self.stream,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT, max_ack_pending=1, ack_wait=ACK_WAIT_S,
-                inactive_threshold=CONSUMER_INACTIVE_S, mem_storage=True, max_waiting=4,
-            ),
-        )
+        await self.js.add_consumer(self.stream, ConsumerConfig(
+            durable_name=self.consumer, filter_subject=self.subject,
+            ack_policy=AckPolicy.EXPLICIT, max_ack_pending=1, ack_wait=ACK_WAIT_S,
+            inactive_threshold=CONSUMER_INACTIVE_S, mem_storage=True, max_waiting=4,
+        ))
+        self._pull = pull = StandingPull(self.nc, self.stream, self.consumer,
+                                         expires_s=self.fetch_expiry_s)
+        await pull.start()
         self._claimed = True
         self.withdrawn_for = None
-        self._task = asyncio.create_task(self._loop(), name=f"slot-{self.model}-{self.k}")
+        self._task = asyncio.create_task(self._loop(pull), name=f"slot-{self.model}-{self.k}")
         self.metrics.slot_healthy.labels(*self._label).set(1)
 
     async def withdraw(self, cause: str, *, wait_s: float = 0.0) -> None:
-        """Stop claiming. The fetch loop ends after its current fetch; a request running now
-        is finished (within `wait_s`) or answered 503 and its message terminated."""
+        """Stop claiming. A request running now is finished (within `wait_s`) or answered 503;
+        one the standing pull delivered and the slot did not start is answered 503 too."""
         if not self._claimed:
             self.withdrawn_for = self.withdrawn_for or cause
             return
@@ -183,8 +185,9 @@ class Slot(Generating):
             await cancel_and_wait(task)
             if cur is not None:
                 await self.abandon(f"slot withdrawn ({cause})", cur)
-        with contextlib.suppress(Exception):
-            await self._psub.unsubscribe()
+        pull, self._pull = self._pull, None
+        if pull is not None and await pull.stop():
+            await self.sweep(f"slot withdrawn ({cause})")
         log.info("slot withdrawn", model=self.model, slot=self.k, cause=cause)
 
     async def sweep(self, why: str) -> None:
@@ -255,24 +258,14 @@ class Slot(Generating):
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- data path --------------------------------------------------------------------------
-    async def _loop(self) -> None:
+    def renew_pull(self) -> None:
+        """After a reconnect: the broker may have lost the standing pull; ask again now."""
+        if self._pull is not None:
+            self._pull.renew()
+
+    async def _loop(self, pull: StandingPull) -> None:
         while self._claimed:
-            try:
-                msgs = await self._psub.fetch(1, timeout=self.fetch_expiry_s)
-            except (NatsTimeoutError, FetchTimeoutError, TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # broker restart, reconnect: fetch again shortly
-                self._fetch_errors += 1
-                if self._fetch_errors in (1, 10) or self._fetch_errors % 100 == 0:
-                    log.warning("fetch failing", slot=self.k, error=repr(exc),
-                                times=self._fetch_errors)
-                await asyncio.sleep(0.1)
-                continue
-            self._fetch_errors = 0
-            for msg in msgs:
-                await self._handle(msg)
+            await self._handle(await pull.next())
 
     async def _handle(self, msg: Msg) -> None:
         t0 = time.perf_counter_ns()

@@ -1,0 +1,136 @@
+"""A slot's standing pull request: one JetStream pull that delivers many messages.
+
+nats-py's `fetch(1)` costs, per message, a pull request (JSON, a publish), a uuid, two tasks
+and a timer (`next_msg` under `wait_for`): the node's profile showed it as a tenth of the
+node's CPU per request and one more NATS message than the work needs (docs/perf). A slot
+consumer has `max_ack_pending=1`, so the broker delivers one message at a time however large
+a pull's batch is: one pull of `BATCH` messages, renewed before it expires, delivers every
+request while the slot is claimed, and each message costs only its own delivery.
+
+Each pull has its own reply subject (`<inbox>.<n>`), so what comes back says which pull it
+belongs to: a message is handed on whichever pull delivered it; a status (408 the pull
+expired, 409 a conflict such as the consumer deleted or a leader change, 503 no consumer)
+ends the pull it names, and only the current pull's end asks for a new one. A pull renews
+at `RENEW_AT` of its expiry (before the broker ends it: no gap without a pull), when its
+batch is spent, and at once after a reconnect (`renew`): a restarted or failed-over broker
+keeps no waiting pulls. Never more than two stand at once, within the consumer's
+`max_waiting`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = structlog.get_logger("plane.slot")
+
+BATCH = 10_000
+# A pull renews when this share of its expiry has passed.
+RENEW_AT = 0.8
+# After a status that ends the current pull with an error (409, 503), wait this long before
+# the next: a deleted consumer would otherwise be asked again in a tight loop.
+ERROR_BACKOFF_S = 0.1
+
+
+class StandingPull:
+    def __init__(self, nc: Client, stream: str, consumer: str, *, expires_s: float,
+                 api_prefix: str = "$JS.API") -> None:
+        self._nc = nc
+        self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._expires_s = expires_s
+        self._request = json.dumps({"batch": BATCH, "expires": int(expires_s * 1e9)}).encode()
+        self._tokens = itertools.count(1)
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._current = ""  # the token of the newest pull
+        self._delivered = 0  # messages the current pull delivered
+        self._issued_s = 0.0  # monotonic, the current pull
+        self._renewed = asyncio.Event()
+        self._messages: asyncio.Queue[Msg] = asyncio.Queue()
+        self._keeper: asyncio.Task[None] | None = None
+        self.errors = 0  # statuses that ended a pull with an error, in a row
+
+    async def start(self) -> None:
+        self._prefix = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
+        await self._issue()
+        self._keeper = asyncio.create_task(self._keep(), name=f"pull-{self._next_subject}")
+
+    async def stop(self) -> int:
+        """Stop asking; how many delivered messages nobody took with `next` (still on the
+        subject, unacked: the slot answers them, `Slot.sweep`). A pull still standing at the
+        broker ends at its expiry; a message it delivers meanwhile finds no subscriber and
+        stays on the subject for whoever takes it first (the router at its deadline, the
+        slot's next claim)."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return self._messages.qsize()
+
+    async def next(self) -> Msg:
+        """The next message the consumer delivers (waits as long as it takes)."""
+        return await self._messages.get()
+
+    def renew(self) -> None:
+        """Ask again now (after a reconnect: the broker may have lost the standing pull)."""
+        self._renewed.set()
+
+    async def _issue(self) -> None:
+        self._current = f"{self._prefix}.{next(self._tokens)}"
+        self._delivered = 0
+        self._issued_s = time.monotonic()
+        await self._nc.publish(self._next_subject, self._request, reply=self._current)
+
+    async def _keep(self) -> None:
+        """Renew the current pull before it expires, or when asked (`renew`, a status)."""
+        while True:
+            due_s = self._issued_s + RENEW_AT * self._expires_s - time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, due_s)):
+                    await self._renewed.wait()
+            if self._renewed.is_set() and self.errors:
+                await asyncio.sleep(ERROR_BACKOFF_S)
+            self._renewed.clear()
+            if not self._nc.is_connected:
+                await asyncio.sleep(ERROR_BACKOFF_S)
+                continue
+            try:
+                await self._issue()
+            except Exception as exc:  # a reconnect under way: try again shortly
+                log.warning("pull request not sent", subject=self._next_subject, error=repr(exc))
+                await asyncio.sleep(ERROR_BACKOFF_S)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        h = msg.headers
+        status = h.get("Status") if h else None
+        if not status:
+            self.errors = 0
+            self._messages.put_nowait(msg)
+            if msg.subject == self._current:
+                self._delivered += 1
+                if self._delivered >= BATCH:
+                    self._renewed.set()
+            return
+        if status == "100" or msg.subject != self._current:
+            return  # a heartbeat, or the end of a pull already renewed
+        if status != "408":  # 408: expired (a stalled loop renewed late); anything else: why
+            self.errors += 1
+            if self.errors in (1, 10) or self.errors % 100 == 0:
+                log.warning("pull ended by the broker", subject=self._next_subject,
+                            status=status, description=h.get("Description", "") if h else "",
+                            times=self.errors)
+        self._renewed.set()

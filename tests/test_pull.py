@@ -1,0 +1,117 @@
+"""A slot's standing pull (gpu_node/pull.py) against a real nats-server: one pull request
+delivers every message while it stands, is renewed before it expires, comes back after its
+consumer was deleted and made again, and says on stop what it delivered that nobody took."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from gpu_node.pull import StandingPull
+
+STREAM, SUBJECT, CONSUMER = "PULLTEST", "pulltest.slot", "pulltest_slot"
+
+
+async def _setup(nc: Client) -> None:
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=STREAM, subjects=[SUBJECT]))
+    await _consumer(nc)
+
+
+async def _consumer(nc: Client) -> None:
+    await nc.jetstream().add_consumer(STREAM, ConsumerConfig(
+        durable_name=CONSUMER, filter_subject=SUBJECT, ack_policy=AckPolicy.EXPLICIT,
+        max_ack_pending=1, ack_wait=30, max_waiting=4))
+
+
+async def _count_pull_requests(nc: Client) -> list[Msg]:
+    seen: list[Msg] = []
+
+    async def on(msg: Msg) -> None:
+        seen.append(msg)
+
+    await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}", cb=on)
+    return seen
+
+
+async def _take(pull: StandingPull, n: int) -> list[bytes]:
+    got = []
+    for _ in range(n):
+        msg = await asyncio.wait_for(pull.next(), 5)
+        got.append(msg.data)
+        await msg.ack()
+    return got
+
+
+async def test_one_pull_request_delivers_many_messages_one_at_a_time(nc: Client) -> None:
+    await _setup(nc)
+    requests = await _count_pull_requests(nc)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
+    await pull.start()
+    js = nc.jetstream()
+    for i in range(50):
+        await js.publish(SUBJECT, str(i).encode())
+    assert await _take(pull, 50) == [str(i).encode() for i in range(50)]
+    await nc.flush()
+    assert len(requests) == 1  # fetch(1) would have made 50
+    info = await js.consumer_info(STREAM, CONSUMER)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+    assert await pull.stop() == 0
+
+
+async def test_the_pull_is_renewed_before_it_expires(nc: Client) -> None:
+    await _setup(nc)
+    requests = await _count_pull_requests(nc)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=0.3)
+    await pull.start()
+    await asyncio.sleep(1.0)  # three pulls' lifetimes
+    await nc.flush()
+    assert len(requests) >= 3
+    t0 = asyncio.get_running_loop().time()
+    await nc.jetstream().publish(SUBJECT, b"late")
+    assert await _take(pull, 1) == [b"late"]
+    # Delivered by a pull that stood: no wait for the next renewal.
+    assert asyncio.get_running_loop().time() - t0 < 0.2
+    assert pull.errors == 0
+    await pull.stop()
+
+
+async def test_a_consumer_deleted_and_made_again_is_pulled_again(nc: Client) -> None:
+    await _setup(nc)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
+    await pull.start()
+    js = nc.jetstream()
+    for _ in range(100):  # the pull stands at the consumer (else the delete may come first)
+        if (await js.consumer_info(STREAM, CONSUMER)).num_waiting == 1:
+            break
+        await asyncio.sleep(0.01)
+    await js.delete_consumer(STREAM, CONSUMER)  # the broker ends the pull: 409
+    for _ in range(50):
+        if pull.errors:
+            break
+        await asyncio.sleep(0.02)
+    assert pull.errors >= 1
+    await _consumer(nc)
+    await js.publish(SUBJECT, b"after")
+    assert await _take(pull, 1) == [b"after"]
+    assert pull.errors == 0
+    await pull.stop()
+
+
+async def test_stop_says_how_many_delivered_messages_nobody_took(nc: Client) -> None:
+    await _setup(nc)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
+    await pull.start()
+    await nc.jetstream().publish(SUBJECT, b"untaken")
+    for _ in range(100):
+        info = await nc.jetstream().consumer_info(STREAM, CONSUMER)
+        if info.num_ack_pending:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the delivery reaches the subscription
+    assert await pull.stop() == 1
+    # Still on the subject, unacked: the slot answers it (Slot.sweep).
+    assert (await nc.jetstream().get_last_msg(STREAM, SUBJECT)).data == b"untaken"

@@ -1,6 +1,6 @@
 """The seam between a node's slot and the compute: a `Backend` makes one `SlotRunner` per slot.
 
-A runner's methods are blocking and are only ever called from that slot's own executor thread
+A runner's methods are blocking and are only ever called from that slot's own thread
 (never on the event loop). Backends:
 
 - `torch`: CPU serving, torch ops into preallocated buffers.

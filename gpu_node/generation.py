@@ -1,5 +1,5 @@
 """`tinylm` on a node: one model per process, one generation state per slot, and the loop
-that runs a whole generation on the slot's executor thread.
+that runs a whole generation on the slot's thread.
 
 The loop runs prefill and every token step in that one thread, with no trip to the event
 loop in between: each token goes out through `emit` (for a stream, a hand-off that wakes the
@@ -130,7 +130,7 @@ class SlotGenerator:
 
     def generate(self, req: TinyLMRequest, stop: Stop, deadline_s: float,
                  watch: WatchedRunner, emit: Emit | None = None) -> GenResult:
-        """Run `req` to its end on this (the slot's executor) thread: prefill, then token
+        """Run `req` to its end on this (the slot's) thread: prefill, then token
         steps until the model stops, max_tokens, `stop.reason` or the monotonic `deadline_s`.
         Each step is announced to `watch` (health: a step that hangs is a miss; injected
         faults), and each token handed to `emit`."""

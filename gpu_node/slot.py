@@ -1,14 +1,14 @@
 """One slot: a share of the device (an SM partition on CUDA) that owns one depth-one subject.
 
 The slot claims its subject with a pull consumer (`max_ack_pending=1`) and one standing pull
-request (gpu_node/pull.py), runs each request on
-its own single-thread executor (never on the event loop), then acks (which frees the subject),
-publishes the done-event and answers the caller, in that order, so the slot is free before the
-caller hears back. When a router may already have acted on the request (past its deadline,
-disconnected, or whenever the node says so: draining, replaced, heartbeats lapsed), the slot
-takes the message through the API instead and answers only if the take succeeds
-(`plane.contract.ownership`). A message left on the subject unfetched (an earlier life of the
-slot, a process it replaced) is never purged unseen: it is taken and answered 503 the same way.
+request (gpu_node/pull.py), runs each request on its own thread (gpu_node/slot_thread.py, never
+on the event loop), then acks (which frees the subject), publishes the done-event and answers
+the caller, in that order, so the slot is free before the caller hears back. When a router may
+already have acted on the request (past its deadline, disconnected, or whenever the node says
+so: draining, replaced, heartbeats lapsed), the slot takes the message through the API instead
+and answers only if the take succeeds (`plane.contract.ownership`). A message left on the
+subject unfetched (an earlier life of the slot, a process it replaced) is never purged unseen:
+it is taken and answered 503 the same way.
 
 A `tinylm` request that asks to stream (`Plane-Stream: 1`) keeps its message unacked for the
 whole stream: `start`, tokens as the generation thread makes them, then the final `end`,
@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -37,6 +36,7 @@ from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator
 from gpu_node.pull import StandingPull
 from gpu_node.slot_generation import Generating
+from gpu_node.slot_thread import SlotThread
 from gpu_node.streaming import StreamMeters, StreamRun
 from plane.contract import replies, streams
 from plane.contract.budget import ServiceWindow
@@ -119,7 +119,7 @@ class Slot(Generating):
         self.stream_reply = stream_reply  # stream messages' reply subject (see streaming.py)
         # Label children only where streams run: no zero series for other models.
         self.stream_meters = StreamMeters(metrics, spec.name) if generator is not None else None
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"slot-{self.model}-{k}")
+        self.thread = SlotThread(f"slot-{self.model}-{k}")
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)
         self.healthy = True
@@ -255,7 +255,7 @@ class Slot(Generating):
             return True  # cannot tell: keep it; a failing fetch will show
 
     async def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.thread.shutdown()
 
     # -- data path --------------------------------------------------------------------------
     def renew_pull(self) -> None:
@@ -346,18 +346,15 @@ class Slot(Generating):
 
     async def _run(self, req: Any, work_us: int) -> Any:
         """The request's result (None: a generation stopped at the deadline)."""
-        loop = asyncio.get_running_loop()
         expected_s = (work_us + max(5000, 4 * self.window.p99_us)) / 1e6
         started_s = self._busy_from()
         try:
             if isinstance(req, TinyLMRequest):
                 return await self._generate(req)
             if isinstance(req, CalibratedRequest):
-                await loop.run_in_executor(
-                    self.executor, self.runner.run_calibrated, req.duration_us, expected_s)
+                await self.thread.run(self.runner.run_calibrated, req.duration_us, expected_s)
                 return CalibratedReply(duration_us=req.duration_us)
-            score = await loop.run_in_executor(
-                self.executor, self.runner.run_risk, req.features, expected_s)
+            score = await self.thread.run(self.runner.run_risk, req.features, expected_s)
             return RiskReply(score=score)
         finally:
             self._account(started_s)
@@ -483,9 +480,8 @@ class Slot(Generating):
 
     # -- probes -----------------------------------------------------------------------------
     async def probe(self) -> bool:
-        loop = asyncio.get_running_loop()
         t0 = time.perf_counter_ns()
         expected_s = max(0.005, 4 * self.probe_window.p50_us / 1e6)  # p50: robust to a hang
-        ok = bool(await loop.run_in_executor(self.executor, self.runner.probe, expected_s))
+        ok = bool(await self.thread.run(self.runner.probe, expected_s))
         self.probe_window.add((time.perf_counter_ns() - t0) // 1000)
         return ok

@@ -1,7 +1,7 @@
 """A slot's `tinylm` requests: one reply, or a stream (docs/design.md "Streams").
 
 A mixin of `gpu_node.slot.Slot` (the attributes and answering methods it uses are the
-slot's, declared below). A generation runs whole on the slot's executor thread
+slot's, declared below). A generation runs whole on the slot's thread
 (`gpu_node.generation`); a stream's tokens come to the event loop through a `TokenPipe` and go
 out as token messages; the final `end` is answered like any reply (`_claim_answer`, with the
 stream deadline in place of the deadline), after the done-event.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import structlog
@@ -21,6 +20,7 @@ from nats.aio.client import Client
 from gpu_node.current import Current
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator, Stop
+from gpu_node.slot_thread import SlotThread
 from gpu_node.streaming import EXTEND_ACK_S, StreamMeters, StreamRun, TokenPipe
 from plane.contract import replies, streams
 from plane.contract.budget import ServiceWindow
@@ -48,7 +48,7 @@ class Generating:
     node: str
     nc: Client
     names: Names
-    executor: ThreadPoolExecutor
+    thread: SlotThread
     runner: WatchedRunner
     generator: SlotGenerator | None
     stream_reply: str
@@ -84,9 +84,8 @@ class Generating:
         cur, gen = self.current, self.generator
         assert cur is not None and gen is not None  # _handle: tinylm nodes have a generator
         cur.stop = Stop()
-        result = await asyncio.get_running_loop().run_in_executor(
-            self.executor, gen.generate, req, cur.stop, self._deadline_s(cur.deadline_at_ms),
-            self.runner)
+        result = await self.thread.run(gen.generate, req, cur.stop,
+                                       self._deadline_s(cur.deadline_at_ms), self.runner)
         cur.gen, cur.work_us = result, result.work_us
         if result.finish is StreamFinish.DEADLINE:
             return None
@@ -100,7 +99,7 @@ class Generating:
 
     def _stream_thread(self, req: TinyLMRequest, stop: Stop, deadline_s: float,
                        pipe: TokenPipe) -> GenResult:
-        """On the slot's executor thread: the whole generation, each token into `pipe`."""
+        """On the slot's thread: the whole generation, each token into `pipe`."""
         assert self.generator is not None
         try:
             return self.generator.generate(req, stop, deadline_s, self.runner, pipe.put)
@@ -109,7 +108,7 @@ class Generating:
 
     async def _stream(self, cur: Current, req: TinyLMRequest, t0: int) -> None:
         """`start`, the tokens as the slot's thread makes them (one generation loop there,
-        not one executor call per token), then the final `end`."""
+        not one thread call per token), then the final `end`."""
         run, meters = cur.stream, self.stream_meters
         assert run is not None and meters is not None  # streams run on generating slots only
         cur.stop = run.stop
@@ -122,8 +121,8 @@ class Generating:
         pipe = TokenPipe(loop)
         timer = loop.call_later(EXTEND_ACK_S, self._extend_due, run, pipe)
         started_s = self._busy_from()
-        fut = loop.run_in_executor(self.executor, self._stream_thread, req, run.stop,
-                                   self._deadline_s(run.deadline_at_ms), pipe)
+        fut = self.thread.run(self._stream_thread, req, run.stop,
+                              self._deadline_s(run.deadline_at_ms), pipe)
         error = ""
         try:
             while True:

@@ -306,7 +306,7 @@ async def test_a_slot_withdrawn_mid_stream_ends_it_503_and_stops_generating() ->
         await s.to_end()
         await s.nothing_more(0.2)
         # The generation thread stopped at its next step: the slot's thread is free again.
-        await asyncio.wrap_future(slot.executor.submit(lambda: None))
+        await slot.thread.run(lambda: None)
     assert s.reader.status == 503 and s.reader.end is not None
     assert s.reader.end.finish_reason == StreamFinish.ERROR
 

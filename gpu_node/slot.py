@@ -66,6 +66,7 @@ from plane.contract.ownership import (
     placement_id,
     take,
 )
+from plane.contract.publish import publish
 from plane.contract.recent import RecentIds
 from plane.contract.subjects import Header, InvalidToken, Names, check_token
 from plane.contract.tracing import Tracing, trace_headers
@@ -433,7 +434,7 @@ class Slot(Generating):
         self.answered.add(attempt_id(cur.request_id, h.get(Header.ATTEMPT, "1")))
         await self._done(cur, int(status), service_us)
         headers.update(trace_headers(h))  # the trace, back on the reply
-        await self.nc.publish(cur.reply, body, headers=headers)
+        await publish(self.nc, cur.reply, body, headers)
         if self.tracing.on:
             self._spans(cur, h, status)
         counter = self._ok if status == Status.OK else self.metrics.node_requests.labels(

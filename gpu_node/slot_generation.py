@@ -33,6 +33,7 @@ from plane.contract.messages import (
     TinyLMRequest,
     Usage,
 )
+from plane.contract.publish import publish
 from plane.contract.subjects import Names
 from plane.contract.tracing import trace_headers
 
@@ -117,7 +118,7 @@ class Generating:
         start = streams.start_headers(cur.request_id, self.node, self.k,
                                       self.names.cancel(self.node, self.k))
         start.update(trace_headers(h))
-        await self.nc.publish(cur.reply, b"", reply=self.stream_reply, headers=start)
+        await publish(self.nc, cur.reply, b"", start, reply=self.stream_reply)
         pipe = TokenPipe(loop)
         timer = loop.call_later(EXTEND_ACK_S, self._extend_due, run, pipe)
         started_s = self._busy_from()
@@ -131,8 +132,9 @@ class Generating:
                 if data:
                     run.seq += 1
                     run.sent += len(data)
-                    await self.nc.publish(cur.reply, data, reply=self.stream_reply,
-                                          headers=streams.token_headers(cur.request_id, run.seq))
+                    await publish(self.nc, cur.reply, data,
+                                  streams.token_headers(cur.request_id, run.seq),
+                                  reply=self.stream_reply)
                     meters.sent(run, len(data), time.monotonic(), cur.fetched_s)
                 if run.extend_due:  # a long stream: the ack wait starts again
                     run.extend_due = False

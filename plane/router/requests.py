@@ -41,6 +41,7 @@ from plane.contract.messages import Status
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS, model_spec
 from plane.contract.ownership import slot_ttl
+from plane.contract.publish import publish
 from plane.contract.settings import LiveSettings
 from plane.contract.streams import ASKED, kind_of
 from plane.contract.streams import Kind as StreamKind
@@ -680,4 +681,4 @@ class RequestPath:
         else:
             self.errored(int(r.status), r.message)
         if reply:
-            await self.nc.publish(reply, body, headers=headers)
+            await publish(self.nc, reply, body, headers)

@@ -29,6 +29,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import APIError
 
 from plane.contract.headers import is_no_responders
+from plane.contract.publish import publish
 
 
 class _ApiError(msgspec.Struct):
@@ -109,8 +110,7 @@ class SlotPublisher:
         self._pending[token] = (now_s, then)
         self._idle.clear()
         try:
-            await self._nc.publish(subject, data, reply=f"{self._prefix}.{token}",
-                                   headers=headers)
+            await publish(self._nc, subject, data, headers, reply=f"{self._prefix}.{token}")
         except BaseException:
             self._forget(token)
             raise

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from plane.contract.metrics import PlaneMetrics
+from plane.contract.metrics import Children, PlaneMetrics
 
 
 @dataclass(slots=True)
@@ -32,7 +32,9 @@ class MeterReading(msgspec.Struct, frozen=True, kw_only=True):
 
 class Meter:
     def __init__(self, metrics: PlaneMetrics) -> None:
-        self._metrics = metrics
+        self._requests = Children(metrics.tenant_requests)
+        self._slot_s = Children(metrics.tenant_slot_seconds)
+        self._sm_s = Children(metrics.tenant_sm_seconds)
         self._usage: dict[tuple[str, str], Usage] = {}
 
     def _of(self, tenant: str, model: str) -> Usage:
@@ -43,15 +45,15 @@ class Meter:
 
     def answered(self, tenant: str, model: str, status: int) -> None:
         self._of(tenant, model).statuses[status] += 1
-        self._metrics.tenant_requests.labels(tenant, model, str(status)).inc()
+        self._requests(tenant, model, str(status)).inc()
 
     def used(self, tenant: str, model: str, service_us: int, sms: int) -> None:
         u = self._of(tenant, model)
         sm_ms = service_us / 1000 * max(1, sms)
         u.slot_us += service_us
         u.sm_ms += sm_ms
-        self._metrics.tenant_slot_seconds.labels(tenant, model).inc(service_us / 1e6)
-        self._metrics.tenant_sm_seconds.labels(tenant, model).inc(sm_ms / 1000)
+        self._slot_s(tenant, model).inc(service_us / 1e6)
+        self._sm_s(tenant, model).inc(sm_ms / 1000)
 
     def readings(self) -> list[MeterReading]:
         return [MeterReading(tenant=t, model=m,

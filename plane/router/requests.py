@@ -38,7 +38,7 @@ from plane.contract.headers import (
     request_info,
 )
 from plane.contract.messages import Status
-from plane.contract.metrics import PlaneMetrics
+from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS, model_spec
 from plane.contract.ownership import slot_ttl
 from plane.contract.publish import publish
@@ -155,6 +155,10 @@ class RequestPath:
         self.nc = parts.nc
         self.cfg = parts.cfg
         self.metrics = parts.metrics
+        # Children looked up once: these count every request.
+        self._decision_s = Children(parts.metrics.router_decision_seconds)
+        self._answered = Children(parts.metrics.router_requests)
+        self._refusals = Children(parts.metrics.refusals)
         self.admission = parts.admission
         self._models = parts.models
         self._model = parts.model
@@ -406,7 +410,7 @@ class RequestPath:
         """The one record of a request's decision (its metric and its canonical line); then
         tell the other routers what changed (nothing, and nothing sent, when alone)."""
         took_s = time.perf_counter() - r.t0
-        self.metrics.router_decision_seconds.labels(r.model, outcome).observe(took_s)
+        self._decision_s(r.model, outcome).observe(took_s)
         if r.span is not None:
             r.span.end(time.time_ns(), outcome=outcome, tenant=r.tenant)
         if self.canonical.due():
@@ -672,10 +676,10 @@ class RequestPath:
         body, headers = replies.error_reply(
             rid, r.status, r.reason, r.message, retry_after_ms=r.retry_after_ms, ticket=r.ticket)
         headers.update(trace_headers(hdrs))
-        self.metrics.router_requests.labels(model, str(int(r.status))).inc()
+        self._answered(model, str(int(r.status))).inc()
         self.meter.answered(tenant, model, int(r.status))
         if r.status is Status.BUSY:  # a 429 is admission at work, not an error
-            self.metrics.refusals.labels(model, r.reason.value).inc()
+            self._refusals(model, r.reason.value).inc()
             if r.ticket is not None:
                 self.metrics.tickets_issued.labels(model).inc()
         else:

@@ -1,8 +1,9 @@
 """A slot's standing pull request: one JetStream pull that delivers many messages.
 
 nats-py's `fetch(1)` costs, per message, a pull request (JSON, a publish), a uuid, two tasks
-and a timer (`next_msg` under `wait_for`): the node's profile showed it as a tenth of the
-node's CPU per request and one more NATS message than the work needs (docs/perf). A slot
+and a timer (`next_msg` under `wait_for`), and one more NATS message than the work needs:
+without it the node spends 15-25% less CPU per request, and one request alone is answered in
+about two thirds of the time (BENCHMARKS.md, seventh session). A slot
 consumer has `max_ack_pending=1`, so the broker delivers one message at a time however large
 a pull's batch is: one pull of `BATCH` messages, renewed before it expires, delivers every
 request while the slot is claimed, and each message costs only its own delivery.
@@ -13,8 +14,9 @@ expired, 409 a conflict such as the consumer deleted or a leader change, 503 no 
 ends the pull it names, and only the current pull's end asks for a new one. A pull renews
 at `RENEW_AT` of its expiry (before the broker ends it: no gap without a pull), when its
 batch is spent, and at once after a reconnect (`renew`): a restarted or failed-over broker
-keeps no waiting pulls. Never more than two stand at once, within the consumer's
-`max_waiting`.
+keeps no waiting pulls. A renewal overlaps the last fifth of its predecessor's life, so two
+stand at once for a while (three at most, when a reconnect renews as well), within the
+consumer's `max_waiting` of 4.
 """
 
 from __future__ import annotations

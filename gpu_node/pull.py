@@ -81,6 +81,11 @@ class StandingPull:
         if sub is not None:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        return self.held
+
+    @property
+    def held(self) -> int:
+        """Messages delivered that nobody has taken with `next` yet."""
         return self._messages.qsize()
 
     async def next(self) -> Msg:

@@ -15,33 +15,19 @@ from nats.errors import BadSubjectError, MaxPayloadError
 
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.publish import header_block, publish
+from tests.plane_fixtures import listen, wait_until
 
 HEADERS = {"Plane-Request-Id": "r-1", "Plane-Deadline-Ms": "250", "Nats-TTL": "11s",
            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
            "Plane-Note": "spaces inside: kept, and a colon"}
 
 
-async def _collect(nc: Client, subject: str) -> list[Msg]:
-    got: list[Msg] = []
-
-    async def on(msg: Msg) -> None:
-        got.append(msg)
-
-    await nc.subscribe(subject, cb=on)
-    await nc.flush()
-    return got
-
-
 async def _until(got: list[Msg], n: int) -> None:
-    for _ in range(200):
-        if len(got) >= n:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{len(got)} of {n} messages arrived")
+    await wait_until(lambda: len(got) >= n, 5, f"{n} messages")
 
 
 async def test_what_arrives_is_what_nats_py_delivers(nc: Client) -> None:
-    got = await _collect(nc, "pub.test")
+    got = await listen(nc, "pub.test")
     await nc.publish("pub.test", b"body", reply="_INBOX.a.1", headers=HEADERS)
     await publish(nc, "pub.test", b"body", HEADERS, reply="_INBOX.a.1")
     await publish(nc, "pub.test", b"", {"Plane-Request-Id": "r-2"})
@@ -56,7 +42,7 @@ async def test_what_arrives_is_what_nats_py_delivers(nc: Client) -> None:
 async def test_a_line_break_in_a_value_becomes_a_space_as_nats_py_makes_it(nc: Client) -> None:
     sneaky = {"Plane-Request-Id": "r-1\r\nPlane-Status: 200"}
     assert header_block(sneaky) == b"NATS/1.0\r\nPlane-Request-Id: r-1  Plane-Status: 200\r\n\r\n"
-    got = await _collect(nc, "pub.sneaky")
+    got = await listen(nc, "pub.sneaky")
     await nc.publish("pub.sneaky", b"", headers=sneaky)
     await publish(nc, "pub.sneaky", b"", sneaky)
     await _until(got, 2)
@@ -75,7 +61,7 @@ async def test_published_while_reconnecting_arrives_after_the_reconnect() -> Non
     async with EmbeddedNats() as srv:
         nc = await nats.connect(srv.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
         try:
-            got = await _collect(nc, "pub.later")  # resubscribed before the buffer is sent
+            got = await listen(nc, "pub.later")  # resubscribed before the buffer is sent
             await srv.stop()
             for _ in range(200):
                 if not nc.is_connected:

@@ -11,6 +11,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from gpu_node.pull import StandingPull
+from tests.plane_fixtures import listen, wait_until
 
 STREAM, SUBJECT, CONSUMER = "PULLTEST", "pulltest.slot", "pulltest_slot"
 
@@ -28,13 +29,15 @@ async def _consumer(nc: Client) -> None:
 
 
 async def _count_pull_requests(nc: Client) -> list[Msg]:
-    seen: list[Msg] = []
+    return await listen(nc, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}")
 
-    async def on(msg: Msg) -> None:
-        seen.append(msg)
 
-    await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}", cb=on)
-    return seen
+async def _standing(nc: Client) -> None:
+    """Until a pull stands at the consumer (the broker holds it, waiting)."""
+    async def waiting() -> bool:
+        return (await nc.jetstream().consumer_info(STREAM, CONSUMER)).num_waiting >= 1
+
+    await wait_until(waiting, 5, "a pull to stand at the consumer")
 
 
 async def _take(pull: StandingPull, n: int) -> list[bytes]:
@@ -57,8 +60,12 @@ async def test_one_pull_request_delivers_many_messages_one_at_a_time(nc: Client)
     assert await _take(pull, 50) == [str(i).encode() for i in range(50)]
     await nc.flush()
     assert len(requests) == 1  # fetch(1) would have made 50
-    info = await js.consumer_info(STREAM, CONSUMER)
-    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+    async def all_acked() -> bool:  # the broker takes acks in on its own time
+        info = await js.consumer_info(STREAM, CONSUMER)
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await wait_until(all_acked, 5, "every message acked")
     assert await pull.stop() == 0
 
 
@@ -70,11 +77,9 @@ async def test_the_pull_is_renewed_before_it_expires(nc: Client) -> None:
     await asyncio.sleep(1.0)  # three pulls' lifetimes
     await nc.flush()
     assert len(requests) >= 3
-    t0 = asyncio.get_running_loop().time()
+    await _standing(nc)  # still one standing, for what comes next
     await nc.jetstream().publish(SUBJECT, b"late")
     assert await _take(pull, 1) == [b"late"]
-    # Delivered by a pull that stood: no wait for the next renewal.
-    assert asyncio.get_running_loop().time() - t0 < 0.2
     assert pull.errors == 0
     await pull.stop()
 
@@ -84,16 +89,9 @@ async def test_a_consumer_deleted_and_made_again_is_pulled_again(nc: Client) -> 
     pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
     await pull.start()
     js = nc.jetstream()
-    for _ in range(100):  # the pull stands at the consumer (else the delete may come first)
-        if (await js.consumer_info(STREAM, CONSUMER)).num_waiting == 1:
-            break
-        await asyncio.sleep(0.01)
+    await _standing(nc)  # else the delete may come before the pull
     await js.delete_consumer(STREAM, CONSUMER)  # the broker ends the pull: 409
-    for _ in range(50):
-        if pull.errors:
-            break
-        await asyncio.sleep(0.02)
-    assert pull.errors >= 1
+    await wait_until(lambda: pull.errors, 5, "the broker to end the pull")
     await _consumer(nc)
     await js.publish(SUBJECT, b"after")
     assert await _take(pull, 1) == [b"after"]
@@ -106,12 +104,7 @@ async def test_stop_says_how_many_delivered_messages_nobody_took(nc: Client) -> 
     pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
     await pull.start()
     await nc.jetstream().publish(SUBJECT, b"untaken")
-    for _ in range(100):
-        info = await nc.jetstream().consumer_info(STREAM, CONSUMER)
-        if info.num_ack_pending:
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)  # the delivery reaches the subscription
+    await wait_until(lambda: pull.held, 5, "the delivery")
     assert await pull.stop() == 1
     # Still on the subject, unacked: the slot answers it (Slot.sweep).
     assert (await nc.jetstream().get_last_msg(STREAM, SUBJECT)).data == b"untaken"

@@ -239,7 +239,7 @@ class Node(Lifecycle, TaskOwner):
                 k=k, runner=WatchedRunner(runner), nc=self.nc, js=self.js,
                 names=self.names, node=self.cfg.node_id, spec=self.spec,
                 stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
-                fetch_expiry_s=self.cfg.fetch_expiry_s, enrich=self.enrich,
+                pull_expiry_s=self.cfg.pull_expiry_s, enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
                 sms=partition_sms(self.backend), tracing=self.tracing,
                 generator=generator, stream_reply=self.streams.reply_subject(k),

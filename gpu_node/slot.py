@@ -97,7 +97,7 @@ Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
 class Slot(Generating):
     def __init__(
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
-        node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, fetch_expiry_s: float,
+        node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, pull_expiry_s: float,
         enrich: Enrich | None = None, answered: RecentIds | None = None,
         must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
         generator: SlotGenerator | None = None, stream_reply: str = "",
@@ -111,7 +111,7 @@ class Slot(Generating):
         self.done_subject = names.done(self.model, node, k)
         self.stream = stream
         self.metrics = metrics
-        self.fetch_expiry_s = fetch_expiry_s
+        self.pull_expiry_s = pull_expiry_s
         self.enrich = enrich
         self.answered = answered if answered is not None else RecentIds()
         self.must_take = must_take or (lambda fetched_s: False)
@@ -160,7 +160,7 @@ class Slot(Generating):
             inactive_threshold=CONSUMER_INACTIVE_S, mem_storage=True, max_waiting=4,
         ))
         self._pull = pull = StandingPull(self.nc, self.stream, self.consumer,
-                                         expires_s=self.fetch_expiry_s)
+                                         expires_s=self.pull_expiry_s)
         await pull.start()
         self._claimed = True
         self.withdrawn_for = None

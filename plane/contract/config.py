@@ -94,7 +94,10 @@ class NodeConfig:
     heartbeat_period_s: float = 0.25
     probe_period_ms: int = 100
     probe_misses: int = 3
-    fetch_expiry_s: float = 5.0
+    # A slot's standing pull lives this long at the broker and is renewed at 80% of it: the
+    # longest a pull lost without a word (a broker that kept no state, no reconnect seen) goes
+    # unreplaced.
+    pull_expiry_s: float = 5.0
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0
     # Accept fault-injection commands on `<prefix>.fault.<node>` (tests and drills only).

@@ -63,7 +63,11 @@ class StandingPull:
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
         self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
-        await self._issue()
+        try:
+            await self._issue()
+        except BaseException:
+            await self.stop()
+            raise
         self._keeper = asyncio.create_task(self._keep(), name=f"pull-{self._next_subject}")
 
     async def stop(self) -> int:

@@ -159,9 +159,9 @@ class Slot(Generating):
             ack_policy=AckPolicy.EXPLICIT, max_ack_pending=1, ack_wait=ACK_WAIT_S,
             inactive_threshold=CONSUMER_INACTIVE_S, mem_storage=True, max_waiting=4,
         ))
-        self._pull = pull = StandingPull(self.nc, self.stream, self.consumer,
-                                         expires_s=self.pull_expiry_s)
+        pull = StandingPull(self.nc, self.stream, self.consumer, expires_s=self.pull_expiry_s)
         await pull.start()
+        self._pull = pull
         self._claimed = True
         self.withdrawn_for = None
         self._task = asyncio.create_task(self._loop(pull), name=f"slot-{self.model}-{self.k}")

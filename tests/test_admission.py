@@ -2,6 +2,8 @@
 ticket holder gets its slot ahead of newcomers, and a promise that cannot meet the deadline is
 never made."""
 
+import pytest
+
 from plane.contract.budget import Prediction, ServiceWindow, fits, predict
 from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.contract.subjects import Names
@@ -278,7 +280,8 @@ def test_a_slot_past_its_predicted_end_is_promised_later_as_its_overrun_grows() 
     """Cold streams ran 3x their prediction, and holders were promised `now` (the slot's
     predicted end had passed) again and again: one was refused four times in 35 ms. Past its
     p50 end a slot is predicted to run on for half of what is left to its p99 end or of its
-    overrun so far, whichever is longer: the promises back off as the overrun grows."""
+    overrun so far, whichever is longer; past its p99 end too, for as long again as it has
+    overrun: the promises back off as the overrun grows, doubling while a stall lasts."""
     waits = []
     for now in (0.020, 0.040, 0.080):
         ms, adm = slots(1), Admission("r")
@@ -287,6 +290,20 @@ def test_a_slot_past_its_predicted_end_is_promised_later_as_its_overrun_grows() 
         assert isinstance(d, Refuse) and d.retry_after_ms is not None
         waits.append(d.retry_after_ms)
     assert 4 <= waits[0] < waits[1] < waits[2], waits
+    # Overran by 30 and 70 ms: as long again (less the holder's trip back, RETURN_LEAD_S).
+    assert waits[1] >= 28 and waits[2] >= 68, waits
+
+
+def test_within_its_p99_an_overdue_slot_is_given_half_past_it_as_long_again() -> None:
+    """Predicted to end at 10 ms (p50), 40 ms (p99): at 30 ms, half of the longer of what
+    is left to the p99 end (10 ms) and the overrun (20 ms); at 50 ms, past the p99 end, as
+    long again as the overrun (40 ms). A later promise within the p99 would leave a slot
+    that frees on time idle; a shorter one past it burns a caller's attempts in a stall."""
+    view = slots(1).slots["n/0"]
+    view.occupy(0.0, "ours", expected_s=0.010, p99_s=0.040)
+    assert view.free_time(0.005) == 0.010
+    assert view.free_time(0.030) == pytest.approx(0.040)
+    assert view.free_time(0.050) == pytest.approx(0.090)
 
 
 def test_a_slot_taken_by_someone_else_frees_itself_after_its_p50() -> None:

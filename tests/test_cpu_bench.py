@@ -38,3 +38,20 @@ async def test_cpu_per_request_smoke() -> None:
     assert data["capacity_per_s"] > 0 and 0 <= data["false_refusal_share"] <= 1
     assert {r["name"] for r in data["ratios"]} and all(
         len(r["by_load"]) == 3 for r in data["ratios"])
+
+
+async def test_interleaved_ab_smoke() -> None:
+    """The interleaved before/after (benchmarks/interleaved_ab.py), this tree against
+    itself, one short round: both runs measured, one table row each."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "interleaved_ab.py"), "--base", str(REPO),
+        "--rounds", "1", "--seconds", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    rows = [line for line in out.decode().splitlines() if line.startswith(("| base", "| this"))]
+    assert len(rows) == 2, out.decode()
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2]) > 0 and float(cells[5]) > 0  # answered/s, 1 and 4 callers

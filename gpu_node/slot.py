@@ -56,7 +56,7 @@ from plane.contract.messages import (
     json_encoder,
     msgpack_encoder,
 )
-from plane.contract.metrics import PlaneMetrics
+from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import ModelSpec
 from plane.contract.ownership import (
     NOT_ANSWERED,
@@ -134,7 +134,7 @@ class Slot(Generating):
         # Metric children resolved once: the per-request path does no label lookups.
         self._busy = metrics.slot_busy.labels(*self._label)
         self._service = metrics.service_seconds.labels(self.model)
-        self._ok = metrics.node_requests.labels(self.model, "200")
+        self._answered = Children(metrics.node_requests)  # by status
         # Busy time, and busy time x the partition's SMs (`sms`: 0 on a CPU, no SM-seconds).
         self._busy_s = metrics.slot_busy_seconds.labels(*self._label)
         self._sm_s = metrics.slot_sm_seconds.labels(*self._label) if sms > 0 else None
@@ -222,7 +222,7 @@ class Slot(Generating):
                 f"slot {self.node}/{self.k} did not run it ({why}); retry elsewhere",
                 node=self.node)
             await self.nc.publish(h[Header.REPLY_TO], body, headers=headers)
-            self.metrics.node_requests.labels(self.model, str(int(Status.UNAVAILABLE))).inc()
+            self._answered(self.model, str(int(Status.UNAVAILABLE))).inc()
             log.warning("unfetched request answered", slot=self.k, request_id=rid, why=why)
 
     async def abandon(self, why: str, cur: Current | None = None) -> None:
@@ -437,9 +437,7 @@ class Slot(Generating):
         await publish(self.nc, cur.reply, body, headers)
         if self.tracing.on:
             self._spans(cur, h, status)
-        counter = self._ok if status == Status.OK else self.metrics.node_requests.labels(
-            self.model, str(int(status)))
-        counter.inc()
+        self._answered(self.model, str(int(status))).inc()
         error = status is not Status.OK
         if self.canonical.due(error=error):
             self.canonical.write("request answered", error=error, request_id=cur.request_id,

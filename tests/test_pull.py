@@ -28,6 +28,15 @@ async def _consumer(nc: Client) -> None:
         max_ack_pending=1, ack_wait=30, max_waiting=4))
 
 
+async def _started(nc: Client, *, expires_s: float = 30, setup: bool = True) -> StandingPull:
+    """A standing pull on the test consumer (made first unless `setup` is False)."""
+    if setup:
+        await _setup(nc)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=expires_s)
+    await pull.start()
+    return pull
+
+
 async def _count_pull_requests(nc: Client) -> list[Msg]:
     return await listen(nc, f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}")
 
@@ -52,8 +61,7 @@ async def _take(pull: StandingPull, n: int) -> list[bytes]:
 async def test_one_pull_request_delivers_many_messages_one_at_a_time(nc: Client) -> None:
     await _setup(nc)
     requests = await _count_pull_requests(nc)
-    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
-    await pull.start()
+    pull = await _started(nc, setup=False)
     js = nc.jetstream()
     for i in range(50):
         await js.publish(SUBJECT, str(i).encode())
@@ -72,8 +80,7 @@ async def test_one_pull_request_delivers_many_messages_one_at_a_time(nc: Client)
 async def test_the_pull_is_renewed_before_it_expires(nc: Client) -> None:
     await _setup(nc)
     requests = await _count_pull_requests(nc)
-    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=0.3)
-    await pull.start()
+    pull = await _started(nc, expires_s=0.3, setup=False)
     await asyncio.sleep(1.0)  # three pulls' lifetimes
     await nc.flush()
     assert len(requests) >= 3
@@ -85,9 +92,7 @@ async def test_the_pull_is_renewed_before_it_expires(nc: Client) -> None:
 
 
 async def test_a_consumer_deleted_and_made_again_is_pulled_again(nc: Client) -> None:
-    await _setup(nc)
-    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
-    await pull.start()
+    pull = await _started(nc)
     js = nc.jetstream()
     await _standing(nc)  # else the delete may come before the pull
     await js.delete_consumer(STREAM, CONSUMER)  # the broker ends the pull: 409
@@ -100,9 +105,7 @@ async def test_a_consumer_deleted_and_made_again_is_pulled_again(nc: Client) -> 
 
 
 async def test_stop_says_how_many_delivered_messages_nobody_took(nc: Client) -> None:
-    await _setup(nc)
-    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30)
-    await pull.start()
+    pull = await _started(nc)
     await nc.jetstream().publish(SUBJECT, b"untaken")
     await wait_until(lambda: pull.held, 5, "the delivery")
     assert await pull.stop() == 1

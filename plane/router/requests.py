@@ -156,10 +156,13 @@ class RequestPath:
         self.nc = parts.nc
         self.cfg = parts.cfg
         self.metrics = parts.metrics
-        # Children looked up once: these count every request.
+        # Children looked up once: these count every request (tickets: every refusal at
+        # overload, every retry let in).
         self._decision_s = Children(parts.metrics.router_decision_seconds)
         self._answered = Children(parts.metrics.router_requests)
         self._refusals = Children(parts.metrics.refusals)
+        self._tickets_issued = Children(parts.metrics.tickets_issued)
+        self._tickets_honoured = Children(parts.metrics.tickets_honoured)
         self.admission = parts.admission
         self._models = parts.models
         self._model = parts.model
@@ -604,7 +607,7 @@ class RequestPath:
                     self.fair.kept(r.model, r.tenant, r.ask.ticket)
                 if p.place.redeemed is not None:
                     self.admission.redeemed(r.ms, p.place.redeemed)
-                    self.metrics.tickets_honoured.labels(r.model).inc()
+                    self._tickets_honoured(r.model).inc()
                 await self.peers.tell_taken(r.model, view, p.place, r.ask)
                 await self._decided(r, "placed", view)
             case TimedOut():
@@ -689,7 +692,7 @@ class RequestPath:
         if r.status is Status.BUSY:  # a 429 is admission at work, not an error
             self._refusals(model, r.reason.value).inc()
             if r.ticket is not None:
-                self.metrics.tickets_issued.labels(model).inc()
+                self._tickets_issued(model).inc()
         else:
             self.errored(int(r.status), r.message)
         if reply:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -143,11 +144,30 @@ class KafkaSource:
         await self._call(self._commit, offsets, wait)
 
     async def close(self) -> None:
+        """Leave the group and close, bounded by `drain_timeout_s` + the session timeout:
+        librdkafka's `close()` has no timeout of its own, and one that never returns must not
+        hold the bridge's shutdown (or its process's exit) with it."""
         consumer, self._consumer = self._consumer, None
+        bound_s = self.cfg.drain_timeout_s + self.cfg.session_timeout_ms / 1000
+        idle = True
         if consumer is not None:
-            with contextlib.suppress(KafkaException, RuntimeError):
-                await self._call(consumer.close)
+            # A barrier: the calls queued before it (a last fetch) have returned; the
+            # consumer must not be closed while another thread is inside it.
+            try:
+                async with asyncio.timeout(bound_s):
+                    await self._call(lambda: None)
+            except TimeoutError:
+                idle = False
         self._executor.shutdown(wait=False)
+        if consumer is None:
+            return
+        if not idle:
+            log.warning("Kafka consumer still busy at close: left open (the group takes its "
+                        "partitions back when the session times out)", waited_s=bound_s)
+        elif not await in_daemon_thread(consumer.close, bound_s, "kafka-consumer-close"):
+            log.warning("Kafka consumer did not close in time: the group takes its partitions "
+                        "back when the session times out", waited_s=bound_s,
+                        kafka=self.cfg.kafka_bootstrap)
 
     # -- on the consumer's thread ---------------------------------------------------------
     async def _call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
@@ -258,6 +278,35 @@ class KafkaSource:
     def _on_error(self, err: KafkaError) -> None:
         log.warning("Kafka client error", error=err.str(), code=err.name(),
                     fatal=err.fatal(), kafka=self.cfg.kafka_bootstrap)
+
+
+async def in_daemon_thread(fn: Callable[[], object], timeout_s: float, name: str) -> bool:
+    """Run `fn` on a daemon thread of its own and wait up to `timeout_s`: True when it
+    returned (its errors from librdkafka are logged), False when it is still running (it is
+    left there; a daemon thread does not hold the process at exit, an executor's would)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def run() -> None:
+        try:
+            fn()
+        except (KafkaException, RuntimeError) as exc:
+            log.warning("Kafka close failed", error=str(exc), call=name)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+                loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await done
+        return True
+    except TimeoutError:
+        return False
 
 
 KafkaHeaders = list[tuple[str, str | bytes | None]]

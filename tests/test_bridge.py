@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 from collections import Counter
 
 import pytest
@@ -25,6 +26,7 @@ from nats.aio.client import Client
 
 from freshness.bridge import KafkaBridge, dead_reason
 from freshness.config import BridgeConfig
+from freshness.kafka_client import in_daemon_thread
 from freshness.records import Stamps, decode_bytes, encode_bytes, msg_id
 from freshness.tansu import EmbeddedTansu
 from plane.contract.config import ConnectOptions
@@ -85,6 +87,19 @@ def test_stamps_round_trip_through_headers() -> None:
         assert decode_bytes(encode_bytes(raw)) == raw
     with pytest.raises(ValueError, match="Plane-Event-Time"):
         Stamps.from_headers({Header.INGEST_TIME: "1"})
+
+
+async def test_a_close_that_never_returns_is_left_behind() -> None:
+    """librdkafka's `close()` has no timeout: the bridge waits for it a bounded time, on a
+    daemon thread (one in an executor would hold the process at exit)."""
+    release = threading.Event()
+    assert await in_daemon_thread(lambda: None, 5.0, "quick") is True
+    assert await in_daemon_thread(release.wait, 0.2, "stuck") is False
+    stuck = [t for t in threading.enumerate() if t.name == "stuck"]
+    assert stuck and stuck[0].daemon
+    release.set()
+    stuck[0].join(5)
+    assert not stuck[0].is_alive()
 
 
 def test_config_refuses_what_cannot_be_bridged() -> None:

@@ -32,8 +32,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from plane.contract.inline import Inline
-
 log = structlog.get_logger("plane.slot")
 
 BATCH = 10_000
@@ -64,8 +62,7 @@ class StandingPull:
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
-        # Handled as read (plane.contract.inline): straight onto the slot's queue.
-        self._sub = await Inline.of(self._nc).subscribe(f"{self._prefix}.*", self._on_msg)
+        self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
         try:
             await self._issue()
         except BaseException:
@@ -128,7 +125,7 @@ class StandingPull:
                 log.warning("pull request not sent", subject=self._next_subject, error=repr(exc))
                 await asyncio.sleep(ERROR_BACKOFF_S)
 
-    def _on_msg(self, msg: Msg) -> None:
+    async def _on_msg(self, msg: Msg) -> None:
         h = msg.headers
         status = h.get("Status") if h else None
         if not status:

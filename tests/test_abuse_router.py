@@ -80,6 +80,8 @@ async def test_a_flood_is_shed_at_once_and_each_request_answered_once() -> None:
                      router_overrides={"max_routing": 1}) as stack:
         nc = await nats.connect(stack.url)
         try:
+            # Fewer than the subscription's pending limit (512), so none is dropped by nats-py
+            # (answered with a fresh id: the drop leaves no headers, see design.md).
             ledger = await flood(nc, 500, work_us=20_000)
             await ledger.settle(20)
             assert ledger.unanswered() == [] and ledger.answered_twice() == []
@@ -270,5 +272,26 @@ async def test_a_stopping_router_answers_every_request_it_was_handed() -> None:
             await ledger.settle(10)
             assert ledger.unanswered() == [], (len(ledger.unanswered()), ledger.statuses())
             assert ledger.answered_twice() == []
+        finally:
+            await nc.close()
+
+
+async def test_requests_past_the_pending_limit_are_refused_not_lost() -> None:
+    """A burst read faster than the router handles it: past `max_pending` requests waiting
+    in the subscription, nats-py drops a message (its default limit is half a million, which
+    a burst turned into RSS that stayed); the router answers each dropped one 429 at once
+    from its subject and reply. Every request gets exactly one answer."""
+    async with plane(models=("calibrated",), slots=2, backend="torch",
+                     router_overrides={"max_pending": 16}) as stack:
+        nc = await nats.connect(stack.url)
+        try:
+            ledger = await flood(nc, 2000, unread_s=0.3)
+            await ledger.settle(20)
+            assert ledger.unanswered() == [] and ledger.answered_twice() == []
+            shed = [i for i in ledger.answers if ledger.status(i) == 429
+                    and not (ledger.first(i).msg.headers or {}).get(Header.REQUEST_ID, "")
+                    .startswith("ledger-")]
+            assert shed, ledger.statuses()  # answered from the drop: a fresh request id
+            assert ledger.statuses()[200] > 0
         finally:
             await nc.close()

@@ -60,11 +60,18 @@ class RouterConfig:
     # Requests decided or placed at once; beyond it a request is refused 429 on arrival,
     # without a task, so a flood cannot starve the loop of heartbeats and done-events.
     max_routing: int = 1024
+    # Requests read from the socket and not yet handled, per request subscription: past it
+    # nats-py drops the message and the router answers it 429 at once (`overflowed`), so a
+    # burst of any size costs bounded memory (with the default of nats-py, half a million,
+    # a 20,000-request burst stepped RSS up 11-14% for good; with 512, 3%).
+    max_pending: int = 512
 
     def __post_init__(self) -> None:
         _token("router id", self.router_id.replace(".", "-"))
         if not 1 <= self.max_routing <= 1_000_000:
             raise ConfigError("max_routing must be between 1 and 1,000,000")
+        if not 16 <= self.max_pending <= 1_000_000:
+            raise ConfigError("max_pending must be between 16 and 1,000,000")
         if not 256 <= self.max_body_bytes <= 16 * 1024 * 1024:
             raise ConfigError("max_body_bytes must be between 256 B and 16 MiB")
         for model, ms in self.default_deadline_ms.items():

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
 import structlog
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from nats.errors import SlowConsumerError
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError, Unavailable
@@ -74,6 +77,22 @@ class Throttle:
         self._last.clear()
 
 
+Overflow = Callable[[str, str], Awaitable[None]]  # (subject, reply) of a dropped message
+
+# Subscriptions whose overflow someone answers. nats-py drops a message that arrives while
+# the subscription holds its pending limit, and reports it to the connection's error
+# callback (`SlowConsumerError`, with the message's subject and reply): for a request, the
+# handler registered here answers it, so that a flood is refused, not lost. Weak: a
+# subscription that is gone takes its entry with it.
+_OVERFLOW: weakref.WeakKeyDictionary[Subscription, Overflow] = weakref.WeakKeyDictionary()
+
+
+def on_overflow(sub: Subscription, handler: Overflow) -> None:
+    """Answer the messages `sub` drops past its pending limit with `handler` (connections
+    made by `connect` only)."""
+    _OVERFLOW[sub] = handler
+
+
 async def connect(opts: ConnectOptions) -> Client:
     """Connect; raise `Unavailable` saying why when the server cannot be reached or refuses
     us. Once connected, reconnect forever (a broker restart must not end a node)."""
@@ -81,6 +100,9 @@ async def connect(opts: ConnectOptions) -> Client:
     throttle = Throttle(ERROR_LOG_EVERY_S)
 
     async def remember(exc: Exception) -> None:
+        if isinstance(exc, SlowConsumerError) and (answer := _OVERFLOW.get(exc.sub)):
+            await answer(exc.subject, exc.reply)
+            return
         last[:] = [exc]  # only the latest: this callback lives as long as the connection
         held = throttle.allow(type(exc).__name__)
         if held is not None:

@@ -12,23 +12,21 @@ pinned, `pyproject.toml`; `tests/test_micro.py` checks both against it):
 - `Service.stop` unsubscribes, which drops requests delivered but not yet read: the router
   drains the subscription first (every request it brought is answered), then `detach` takes
   the endpoint out of the service so that its stop does not touch the closed subscription;
-- its subscription hands each request to a queue and a task of nats-py's (and takes nats-py's
-  default pending limit, half a million messages): `start` puts in its place one handled as
-  read (`plane.contract.inline`), handing each message to the endpoint's own counting
-  handler; a burst waits in the socket, not in the router's memory, and what the router
-  cannot take is refused at once (`max_routing`).
+- its subscription takes nats-py's default pending limit (half a million messages): `start`
+  puts in its place one with the router's own limit, handing each message to the endpoint's
+  own counting handler, so that a burst costs bounded memory (what overflows is answered,
+  `plane.contract.natsconn.on_overflow`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Endpoint, Service
-
-from plane.contract.inline import Inline
 
 
 class InferEndpoint:
@@ -41,15 +39,17 @@ class InferEndpoint:
         self._metadata = metadata
         self._endpoint: Endpoint | None = None
 
-    async def start(self, inline: Inline) -> Subscription:
-        """Listen, each request handled as read; the subscription (drained at stop)."""
+    async def start(self, nc: Client, pending_limit: int) -> Subscription:
+        """Listen, at most `pending_limit` requests read and not yet handled; the
+        subscription (drained at stop)."""
         await self._service.add_endpoint(name="infer", subject=self._subject,
                                          queue_group=self._queue, handler=self._on_request,
                                          metadata=self._metadata)
         endpoint = self._endpoint = self._service._endpoints[-1]
         theirs = endpoint._subscription
-        ours = await inline.subscribe(self._subject, endpoint._handle_request,
-                                      queue=self._queue)
+        ours = await nc.subscribe(self._subject, queue=self._queue,
+                                  cb=endpoint._handle_request,
+                                  pending_msgs_limit=pending_limit)
         if theirs is not None:
             await theirs.unsubscribe()
         endpoint._subscription = ours

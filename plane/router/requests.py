@@ -1,10 +1,9 @@
 """The path of one request through the router: read it, decide (admission), then place it
 on a slot, park it, forward it to the router that makes promises, or refuse it.
 
-The common cases (a placement, a refusal) are decided as nats-py reads the request
-(`plane.contract.inline`) and finish as it reads the PubAck (`plane.router.slot_publish`),
-with no task, queue, future or timer per request; only a request that must wait (a parked
-ticket holder, a forward) gets a task.
+The common cases (a placement, a refusal) are decided on the subscription's own task and
+finish in the PubAck's callback (`plane.router.slot_publish`), with no task, future or timer
+per request; only a request that must wait (a parked ticket holder, a forward) gets a task.
 Every refusal is built by admission (`plane.router.admission`); each admitted request's
 decision is recorded once (`_decided`). The router's service (`plane.router.service`) owns
 the subscriptions and the control plane, and hands each request to `RequestPath.on_request`.
@@ -39,7 +38,6 @@ from plane.contract.headers import (
     read_caller,
     request_info,
 )
-from plane.contract.inline import received_s
 from plane.contract.messages import Status
 from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS, model_spec
@@ -66,6 +64,7 @@ from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
+from plane.router.receipt import received_s
 from plane.router.slot_publish import (
     NoStream,
     Outcome,
@@ -74,7 +73,7 @@ from plane.router.slot_publish import (
     SlotPublisher,
     TimedOut,
 )
-from plane.router.tenancy import Tenants
+from plane.router.tenancy import DEFAULT_TENANT, Tenants
 
 log = structlog.get_logger("plane.router.requests")
 
@@ -86,6 +85,8 @@ log = structlog.get_logger("plane.router.requests")
 BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)
 SETTLE_WITHIN_S = 0.010
 TENANT_LIMITS = ("max_rate.", "max_slots.")  # the live settings of a tenant's own limits
+# Requests handled back to back on the subscription's task before it lets the loop turn.
+YIELD_EVERY = 32
 # A tenant's ticket counts against its share of the promises until its due time and this
 # long after (the holder's way back; a promise kept earlier is let go at once).
 PROMISE_OPEN_S = 0.05
@@ -146,6 +147,7 @@ class RouterParts:
     settings: LiveSettings
     spawn: Callable[[Coroutine[Any, Any, None]], object]
     reprovision: Callable[[], Coroutine[Any, Any, None]]
+    done_pending: Callable[[], int]  # done-events read and not yet handled
     tracing: Tracing = field(default_factory=Tracing.off)
 
 
@@ -171,6 +173,7 @@ class RequestPath:
         self.settings = parts.settings
         self._spawn = parts.spawn
         self._reprovision = parts.reprovision
+        self._done_pending = parts.done_pending
         self.tracing = parts.tracing
         self.max_body_bytes = parts.cfg.max_body_bytes  # at most what the server carries
         # Ids for requests that came without one: unique to this router's life (a NUID drawn
@@ -178,6 +181,7 @@ class RequestPath:
         self._rid_prefix = parts.nc.new_inbox()[len("_INBOX."):]
         self._rid_count = itertools.count(1)
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
+        self._run = 0  # requests handled since the loop last turned (YIELD_EVERY)
         settings = parts.settings
         self.tenants = Tenants()
         self.fair = FairShare(weight=lambda t: settings.get("share", t) or 1,
@@ -207,24 +211,43 @@ class RequestPath:
             self.max_body_bytes = max(0, room)
 
     async def on_request(self, msg: Msg) -> None:
-        """A request, handled as nats-py reads it (`plane.contract.inline`): decided before
-        anything read after it, and after every done-event read before it (so a slot whose
-        caller already has its answer is seen free)."""
         if not msg.reply:
             log.warning("request without reply subject dropped", subject=msg.subject)
             return
+        self._run += 1
+        if self._run >= YIELD_EVERY:
+            # A backlog is handled here without a pause (a publish does not wait), so the
+            # replies it sends pile up in nats-py's write buffer and nothing else runs (the
+            # writer, heartbeats, done-events). Let the loop turn now and then: a burst of
+            # 20,000 left RSS 11% up for good (its peak kept by the allocator).
+            self._run = 0
+            await asyncio.sleep(0)
         if self.in_hand() >= self.cfg.max_routing:
-            # A flood: refuse at once, without a task or any state per request, so the loop
-            # keeps up with heartbeats and done-events (and memory stays bounded). Come back
-            # after about one slot cycle.
+            # A flood: refuse at once, in the callback, without a task or any state per
+            # request, so the loop keeps up with heartbeats and done-events (and memory stays
+            # bounded). Come back after about one slot cycle.
             await self._shed(msg)
             return
+        if self._done_pending():
+            # Done-events read before this request are still queued for their own task: let
+            # them land first (one turn of the loop; they were scheduled before us), so a
+            # slot whose caller already has its answer is seen free. Deciding ahead of them
+            # refused callers = slots 13% of the time.
+            await asyncio.sleep(0)
         await self._route_one(msg)
 
     def in_hand(self) -> int:
         """Requests decided or placed now: those whose PubAck is awaited, and those waiting
         in a task (parked holders, forwards). Counted, never kept: it cannot drift."""
         return len(self.publisher) + self._waiting
+
+    async def overflowed(self, subject: str, reply: str) -> None:
+        """A request nats-py dropped: more were read than this router has room to hold
+        (`RouterConfig.max_pending`). Shed like any flood, with what the drop left us (its
+        subject and reply: no headers, so a fresh request id and the default tenant)."""
+        if reply:
+            label, refusal = self._shed_refusal(subject)
+            await self._answer(reply, {}, self._new_rid(), label, refusal, DEFAULT_TENANT)
 
     async def _shed(self, msg: Msg) -> None:
         label, refusal = self._shed_refusal(msg.subject)
@@ -242,10 +265,10 @@ class RequestPath:
         return label, refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms)
 
     async def _route_one(self, msg: Msg) -> None:
-        """Decide: the common cases (a placement, a refusal) finish here or in the PubAck's
-        handler, with no task per request; only a request that must wait (a parked holder,
-        a forward to another router) gets a task. Budgets and the decision's time run from
-        the request's receipt (`plane.router.receipt`)."""
+        """Decide, on the subscription's own task: the common cases (a placement, a refusal)
+        finish here or in the PubAck's callback, with no task per request; only a request
+        that must wait (a parked holder, a forward to another router) gets a task. Budgets
+        and the decision's time run from the request's receipt (`plane.router.receipt`)."""
         now = time.monotonic()
         received = received_s(msg, now)
         t0 = time.perf_counter() - (now - received)

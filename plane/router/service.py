@@ -27,7 +27,6 @@ from nats.micro.service import Service
 from plane.contract import replies
 from plane.contract.config import RouterConfig
 from plane.contract.identity import Heard, Instances
-from plane.contract.inline import Inline, received_s
 from plane.contract.lifecycle import Lifecycle, TaskOwner
 from plane.contract.messages import (
     DoneEvent,
@@ -39,6 +38,7 @@ from plane.contract.messages import (
 )
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS
+from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
 from plane.contract.settings import LiveSettings
@@ -51,6 +51,7 @@ from plane.router.micro import InferEndpoint
 from plane.router.occupancy import ModelSlots, slot_key
 from plane.router.parking import ParkingLot
 from plane.router.peers import Peers
+from plane.router.receipt import received_s, stamp_receipt
 from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
 
@@ -87,7 +88,6 @@ class Router(Lifecycle, TaskOwner):
     ) -> None:
         super().__init__()
         self.nc = nc
-        self._inline = Inline.of(nc)  # the hot subscriptions, handled as read
         self.cfg = cfg
         self.metrics = metrics or PlaneMetrics()
         self.names = cfg.names
@@ -119,7 +119,7 @@ class Router(Lifecycle, TaskOwner):
             nc=nc, cfg=cfg, metrics=self.metrics, admission=self.admission, models=self.models,
             model=self._model, publisher=self.publisher, inflight=self.inflight,
             peers=self.peers, parking=self.parking, settings=self.settings, spawn=self._spawn,
-            reprovision=self._reprovision,
+            reprovision=self._reprovision, done_pending=self._done_pending,
             tracing=tracing or Tracing.off()))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
         self._started = False
@@ -142,11 +142,11 @@ class Router(Lifecycle, TaskOwner):
         n = self.names
         self._health_sub = await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat)
         self._subs.append(self._health_sub)
-        # Handled as read (plane.contract.inline), in the order the server sent them: a
-        # slot's cycle ends when its done-event arrived, not when this router's loop got
-        # round to it (a volley of requests ahead of it in the loop taught the router 50+ ms
-        # cycles for a 1 ms model, and it then refused every 50 ms deadline).
-        self._done_sub = await self._inline.subscribe(n.done_all(), self._on_done)
+        # Stamped at receipt: a slot's cycle ends when its done-event arrived, not when this
+        # router's loop got round to it (a volley of requests ahead of it in the loop taught
+        # the router 50+ ms cycles for a 1 ms model, and it then refused every 50 ms deadline).
+        self._done_sub = stamp_receipt(
+            await self.nc.subscribe(n.done_all(), cb=self._on_done))
         self._subs.append(self._done_sub)
         self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self.peers.on_note))
         self._subs.append(await self.nc.subscribe(n.router_answered(self.cfg.router_id),
@@ -169,12 +169,15 @@ class Router(Lifecycle, TaskOwner):
                                     queue=ROUTER_QUEUE_GROUP, handler=self.requests.on_request,
                                     metadata={"models": ",".join(sorted(MODELS))})
         self.requests.errored = self._infer.count_error
-        self._request_subs = [
-            await self._infer.start(self._inline),
+        self._request_subs = [stamp_receipt(sub) for sub in (
+            await self._infer.start(self.nc, self.cfg.max_pending),
             # Our own subject: ticket holders whose retry reached another router come here.
-            await self._inline.subscribe(n.router_infer_all(self.cfg.router_id),
-                                         self.requests.on_request),
-        ]
+            await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
+                                    cb=self.requests.on_request,
+                                    pending_msgs_limit=self.cfg.max_pending),
+        )]
+        for sub in self._request_subs:
+            on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)
         await self.nc.flush()
         log.info("router started", router=self.cfg.router_id, subject=n.infer_all())
@@ -227,7 +230,6 @@ class Router(Lifecycle, TaskOwner):
                 await self._service.stop()
         with contextlib.suppress(Exception):
             await self.publisher.stop()
-        await self._inline.aclose()
         await self.settings.stop()
         log.info("router stopped", router=self.cfg.router_id)
 
@@ -266,7 +268,7 @@ class Router(Lifecycle, TaskOwner):
         self._gauge_slots()
         self._heard.set()
 
-    def _on_done(self, msg: Msg) -> None:
+    async def _on_done(self, msg: Msg) -> None:
         try:
             ev: DoneEvent = done_decoder.decode(msg.data)
         except msgspec.DecodeError:
@@ -395,7 +397,7 @@ class Router(Lifecycle, TaskOwner):
             for then in self.publisher.expire(now):
                 self._spawn(then(TimedOut()))
             self.inflight.tick(now)
-            self.flood_memory.observe(self.requests.in_hand(), now)
+            self.flood_memory.observe(self.requests.in_hand() + self._backlog(), now)
             await self.peers.announce_if_due(now)
 
     def _behind(self, now_s: float) -> bool:
@@ -431,3 +433,10 @@ class Router(Lifecycle, TaskOwner):
         for m, ms in self.models.items():
             self.metrics.slots_known.labels(m, "healthy").set(ms.healthy_count())
             self.metrics.slots_known.labels(m, "busy").set(ms.busy_count(time.monotonic()))
+
+    def _done_pending(self) -> int:
+        return self._done_sub.pending_msgs if self._done_sub is not None else 0
+
+    def _backlog(self) -> int:
+        """Requests delivered to us and not read yet."""
+        return sum(s.pending_msgs for s in self._request_subs)

@@ -29,7 +29,6 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import APIError
 
 from plane.contract.headers import is_no_responders
-from plane.contract.inline import Inline
 from plane.contract.publish import publish
 
 
@@ -91,8 +90,7 @@ class SlotPublisher:
     async def start(self) -> None:
         if self._sub is None:
             self._prefix = self._nc.new_inbox()
-            # Handled as read (plane.contract.inline): one PubAck per placement.
-            self._sub = await Inline.of(self._nc).subscribe(f"{self._prefix}.*", self._on_ack)
+            self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_ack)
 
     async def drained(self, timeout_s: float) -> None:
         """Until every publish has its answer (or `timeout_s`)."""

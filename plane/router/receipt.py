@@ -1,0 +1,47 @@
+"""When the router received a request: the moment nats-py read it off the socket, not the
+moment the router got round to it.
+
+A router reads requests one after another. In a burst (2,000 at once: `benchmarks/burst.py`)
+the last waited 200-300 ms behind the others before its own decision, and that wait counted
+nowhere: its `Plane-Deadline-Ms` ran from the decision (design.md says from receipt), so a
+caller with a 100 ms budget could be placed at 300 ms and answered after it had given up, and
+`plane_router_decision_seconds` ("from receipt") showed a fraction of a millisecond. Stamped
+here, the budget and the metric both start at receipt: the wait is the caller's, and it shows.
+
+The stamp is put on as nats-py hands the message to the subscription's queue: that queue's
+`put_nowait` is wrapped (the queue itself stays: the subscription's task already waits on
+it). `_pending_queue` is a private attribute of nats-py's `Subscription`; the nats-py version
+is pinned in pyproject.toml and `tests/test_receipt.py` checks the stamp on a real server.
+"""
+
+from __future__ import annotations
+
+import time
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+_RECEIVED = "_plane_received_s"  # on the Msg (a plain dataclass): monotonic seconds
+
+
+def stamp_receipt(sub: Subscription) -> Subscription:
+    """Make `sub` stamp each message with its receipt time from now on."""
+    queue = sub._pending_queue
+    put = queue.put_nowait
+
+    def stamped(item: Msg) -> None:
+        mark_received(item, time.monotonic())
+        put(item)
+
+    queue.put_nowait = stamped  # type: ignore[method-assign]
+    return sub
+
+
+def mark_received(msg: Msg, at_s: float) -> None:
+    setattr(msg, _RECEIVED, at_s)
+
+
+def received_s(msg: Msg, default: float) -> float:
+    """When `msg` was received (monotonic s); `default` for one not stamped."""
+    at = getattr(msg, _RECEIVED, None)
+    return at if isinstance(at, float) else default

@@ -34,6 +34,7 @@ class WatchedRunner:
         # assignments of floats are atomic under the GIL.
         self.call_started_s: float | None = None
         self.call_expected_s: float = 0.0
+        self.last_call_us = 0  # how long the last call took (written as it ends)
 
     def set_fault(self, mode: str, extra_us: int = 0) -> None:
         if mode not in MODES:
@@ -60,7 +61,15 @@ class WatchedRunner:
         elif mode == "slow":
             time.sleep(self._extra_s)
 
+    @property
+    def faulty(self) -> bool:
+        """A fault is injected: calls may hang, fail or be slow."""
+        return self._mode != "none"
+
     def end(self) -> None:
+        started = self.call_started_s
+        if started is not None:
+            self.last_call_us = int((time.monotonic() - started) * 1e6)
         self.call_started_s = None
 
     def _call(self, fn: Callable[[], T], expected_s: float) -> T:

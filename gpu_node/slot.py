@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client
@@ -74,6 +74,7 @@ from plane.contract.tracing import Tracing, trace_headers
 MustTake = Callable[[float], bool]  # fetched at (monotonic s) -> may a router have acted on it?
 
 log = structlog.get_logger("plane.slot")
+T = TypeVar("T")
 
 # Consumers outlive a short network blip but not a dead node.
 CONSUMER_INACTIVE_S = 30.0
@@ -89,6 +90,8 @@ SWEEP_MAX = 4
 # may be failing over with the broker).
 ASK_ROUTER_TIMEOUT_S = 0.25
 ASK_ROUTER_WITHIN_S = 1.0
+# Calls in a row within `inline_work_us` before a slot runs its calls on the event loop.
+INLINE_AFTER = 32
 
 
 Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
@@ -98,7 +101,7 @@ class Slot(Generating):
     def __init__(
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
         node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, pull_expiry_s: float,
-        enrich: Enrich | None = None, answered: RecentIds | None = None,
+        inline_work_us: int = 0, enrich: Enrich | None = None, answered: RecentIds | None = None,
         must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
         generator: SlotGenerator | None = None, stream_reply: str = "",
     ) -> None:
@@ -112,6 +115,8 @@ class Slot(Generating):
         self.stream = stream
         self.metrics = metrics
         self.pull_expiry_s = pull_expiry_s
+        self.inline_work_us = inline_work_us
+        self._short_calls = 0  # calls in a row that took at most inline_work_us (`_call`)
         self.enrich = enrich
         self.answered = answered if answered is not None else RecentIds()
         self.must_take = must_take or (lambda fetched_s: False)
@@ -353,12 +358,33 @@ class Slot(Generating):
             if isinstance(req, TinyLMRequest):
                 return await self._generate(req)
             if isinstance(req, CalibratedRequest):
-                await self.thread.run(self.runner.run_calibrated, req.duration_us, expected_s)
+                await self._call(work_us, self.runner.run_calibrated, req.duration_us,
+                                 expected_s)
                 return CalibratedReply(duration_us=req.duration_us)
-            score = await self.thread.run(self.runner.run_risk, req.features, expected_s)
+            score = await self._call(work_us, self.runner.run_risk, req.features, expected_s)
             return RiskReply(score=score)
         finally:
             self._account(started_s)
+
+    async def _call(self, work_us: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the slot's thread; or here, on the event loop, while this slot's
+        calls are known short: its last `INLINE_AFTER` all took at most `inline_work_us`, the
+        request asks for no more, and no fault is injected (a hang must not take the loop).
+        The hop to the thread and back costs ~30 us each way (`benchmarks/slot_thread_hop.py`):
+        as much as short work itself. A call that overruns sends the next ones back to the
+        thread until the slot's calls are short again; the loop is held at most one such
+        call (and the node's other slots with it)."""
+        limit = self.inline_work_us
+        if (self._short_calls >= INLINE_AFTER and work_us <= limit
+                and not self.runner.faulty):
+            result = fn(*args)
+        else:
+            result = await self.thread.run(fn, *args)
+        if self.runner.last_call_us <= limit:
+            self._short_calls += 1
+        else:
+            self._short_calls = 0
+        return result
 
     def _busy_from(self) -> float:
         """The slot is busy from now (perf counter): pair with `_account`."""

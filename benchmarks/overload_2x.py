@@ -84,6 +84,21 @@ def figures(outcomes: list[Outcome], seconds: float) -> dict[str, float]:
     }
 
 
+def counters(metrics_text: str) -> str:
+    """The routers' refusals by reason, tickets issued and honoured, holders parked and the
+    broker's depth refusals (summed over routers): where the refusals came from."""
+    sums: dict[str, float] = {}
+    pattern = (r'^plane_(refusals_total|tickets_issued_total|tickets_honoured_total|'
+               r'tickets_parked_total|broker_slot_refusals_total|'
+               r'ticket_lateness_seconds_bucket)\{([^}]*)\} (\S+)$')
+    for kind, labels, value in re.findall(pattern, metrics_text, re.MULTILINE):
+        label = re.search(r'(?:reason|le)="([^"]*)"', labels)
+        kind = kind.removesuffix("_total")
+        key = f"{kind}[{label.group(1)}]" if label else kind
+        sums[key] = sums.get(key, 0.0) + float(value)
+    return ", ".join(f"{k} {v:.0f}" for k, v in sums.items())
+
+
 def refusal_share_within_1ms(metrics_text: str) -> tuple[float, int]:
     """From the routers' decision histograms (summed): the share of refusals decided within
     1 ms by the router that decided them."""
@@ -158,7 +173,7 @@ async def main() -> None:
               f"{r['accepted_p99_ms']:.1f} | {r['accepted_p99_ms'] / r['accepted_p50_ms']:.2f} "
               f"| {r['refused_first_share']:.1%} | {r['first_retry_success']:.2%} | "
               f"{r['mean_retries_per_refused']:.2f} |")
-    print()
+    print(f"\nrouter counters over both loads: {counters(text)}\n")
     if args.no_retry:
         print(f"goodput at 2x: {r2['accepted_per_s'] / cap:.0%} of the capacity")
         for name, ok in [

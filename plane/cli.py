@@ -211,11 +211,15 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               help="Serve the --slots over this many processes (<node-id>-p<i>, metrics on "
                    "--metrics-port + i): one process places ~1,500 requests/s. On CUDA, "
                    "with MPS.")
+@click.option("--inline-work-us", type=click.IntRange(0, 10_000), default=100,
+              show_default=True,
+              help="A slot whose calls all take at most this long runs them on the event loop, "
+                   "not its thread (the hop costs ~30 us each way); 0: always the thread.")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
-         freshness: bool, gpu_sample_ms: int, processes: int) -> None:
+         freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
@@ -226,7 +230,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     configure_logs(log_level)
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults,
-                     gpu_sample_period_s=gpu_sample_ms / 1000)
+                     gpu_sample_period_s=gpu_sample_ms / 1000, inline_work_us=inline_work_us)
     if node_id:
         cfg = replace(cfg, node_id=node_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,

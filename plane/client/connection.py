@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConnectFailed
+from plane.contract.header_lines import use_fast_header_lines
 from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs
 
 log = structlog.get_logger("plane.client")
@@ -87,4 +88,4 @@ async def open_connection(opts: ConnectOptions,
         ) from None
     connected = True
     nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
-    return nc
+    return use_fast_header_lines(nc)

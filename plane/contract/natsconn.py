@@ -19,6 +19,7 @@ from nats.errors import SlowConsumerError
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError, Unavailable
+from plane.contract.header_lines import use_fast_header_lines
 
 
 def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:
@@ -123,7 +124,7 @@ async def connect(opts: ConnectOptions) -> Client:
             "(--user/--password, --token, --creds, --tls-ca)"
         ) from exc
     nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
-    return nc
+    return use_fast_header_lines(nc)
 
 
 async def close(nc: Client, timeout_s: float = DRAIN_TIMEOUT_S) -> None:

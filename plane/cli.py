@@ -211,10 +211,11 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               help="Serve the --slots over this many processes (<node-id>-p<i>, metrics on "
                    "--metrics-port + i): one process places ~1,500 requests/s. On CUDA, "
                    "with MPS.")
-@click.option("--inline-work-us", type=click.IntRange(0, 10_000), default=100,
+@click.option("--inline-work-us", type=click.IntRange(0, 10_000), default=50,
               show_default=True,
               help="A slot whose calls all take at most this long runs them on the event loop, "
-                   "not its thread (the hop costs ~30 us each way); 0: always the thread.")
+                   "not its thread (the hop costs ~30 us each way, and the loop is held for "
+                   "the call); 0: always the thread.")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,

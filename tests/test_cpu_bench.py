@@ -54,4 +54,6 @@ async def test_interleaved_ab_smoke() -> None:
     assert len(rows) == 2, out.decode()
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[2]) > 0 and float(cells[5]) > 0  # answered/s, 1 and 4 callers
+        assert float(cells[2]) > 0 and float(cells[6]) > 0  # answered/s, 1 and 4 callers
+        router_ns, node_ns = (float(x) for x in cells[5].split("/"))  # ÷ nats-server's CPU
+        assert router_ns > 0 and node_ns > 0

@@ -32,7 +32,8 @@ from gpu_node.compute import Backend, make_backend
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import generation_for
 from gpu_node.health import Supervisor
-from gpu_node.slot import Enrich, Slot
+from gpu_node.partitions import NONE
+from gpu_node.slot import INLINE_WORK_US_CPU, Enrich, Slot
 from gpu_node.standing import Other, Standing
 from gpu_node.streaming import StreamControl
 from gpu_node.telemetry import GpuTelemetry, make_telemetry, partition_sms
@@ -226,6 +227,12 @@ class Node(Lifecycle, TaskOwner):
         log.info("node stopped", node=self.cfg.node_id)
 
     # -- slots ------------------------------------------------------------------------------
+    def _inline_work_us(self) -> int:
+        """`NodeConfig.inline_work_us`, or the backend's: on a CPU only."""
+        if self.cfg.inline_work_us is not None:
+            return self.cfg.inline_work_us
+        return INLINE_WORK_US_CPU if self.backend.partition == NONE else 0
+
     async def _reconcile_slots(self) -> None:
         want = self.target_slots
         while len(self.slots) < want:
@@ -239,7 +246,7 @@ class Node(Lifecycle, TaskOwner):
                 k=k, runner=WatchedRunner(runner), nc=self.nc, js=self.js,
                 names=self.names, node=self.cfg.node_id, spec=self.spec,
                 stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
-                pull_expiry_s=self.cfg.pull_expiry_s, inline_work_us=self.cfg.inline_work_us,
+                pull_expiry_s=self.cfg.pull_expiry_s, inline_work_us=self._inline_work_us(),
                 enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
                 sms=partition_sms(self.backend), tracing=self.tracing,

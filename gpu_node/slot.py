@@ -92,6 +92,8 @@ ASK_ROUTER_TIMEOUT_S = 0.25
 ASK_ROUTER_WITHIN_S = 1.0
 # Calls in a row within `inline_work_us` before a slot runs its calls on the event loop.
 INLINE_AFTER = 32
+# `NodeConfig.inline_work_us` on a CPU backend when none is set (a GPU's: 0).
+INLINE_WORK_US_CPU = 50
 
 
 Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
@@ -375,7 +377,7 @@ class Slot(Generating):
         thread until the slot's calls are short again; the loop is held at most one such
         call (and the node's other slots with it)."""
         limit = self.inline_work_us
-        if (self._short_calls >= INLINE_AFTER and work_us <= limit
+        if (limit > 0 and self._short_calls >= INLINE_AFTER and work_us <= limit
                 and not self.runner.faulty):
             result = fn(*args)
         else:

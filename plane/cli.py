@@ -211,16 +211,15 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               help="Serve the --slots over this many processes (<node-id>-p<i>, metrics on "
                    "--metrics-port + i): one process places ~1,500 requests/s. On CUDA, "
                    "with MPS.")
-@click.option("--inline-work-us", type=click.IntRange(0, 10_000), default=50,
-              show_default=True,
+@click.option("--inline-work-us", type=click.IntRange(0, 10_000), default=None,
               help="A slot whose calls all take at most this long runs them on the event loop, "
                    "not its thread (the hop costs ~30 us each way, and the loop is held for "
-                   "the call); 0: always the thread.")
+                   "the call); 0: always the thread. Default: 50 on a CPU, 0 on a GPU.")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
-         freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int) -> None:
+         freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int | None) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b

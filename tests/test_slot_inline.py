@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from gpu_node.compute import SlotRunner
-from gpu_node.slot import INLINE_AFTER
+from gpu_node.slot import INLINE_AFTER, INLINE_WORK_US_CPU
 from plane.contract.messages import FaultCommand, json_encoder
 from tests.plane_fixtures import NAMES, calibrated, client, plane, status
 
@@ -27,15 +29,21 @@ class Where:
         self.threads.append(threading.current_thread().name)
         return self._inner.run_risk(features)
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
+    def probe(self) -> bool:
+        return self._inner.probe()
+
+    def lane_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self._inner.lane_context()
 
 
 async def test_short_calls_run_on_the_loop_and_long_or_faulty_ones_on_the_thread() -> None:
-    async with plane(models=("calibrated",), slots=1, backend="torch",
-                     allow_faults=True) as stack, \
+    # A limit far above a 0 us call, so that a busy host (a call's thread preempted between
+    # its start and its end) does not make a short call look long.
+    async with plane(models=("calibrated",), slots=1, backend="torch", allow_faults=True,
+                     node_overrides={"inline_work_us": 2_000}) as stack, \
             client(stack.url) as nc:
         slot = stack.nodes[0].slots[0]
+        assert slot.inline_work_us == 2_000
         where = Where(slot.runner._inner)
         slot.runner._inner = where
         loop_thread = threading.current_thread().name
@@ -64,3 +72,15 @@ async def test_short_calls_run_on_the_loop_and_long_or_faulty_ones_on_the_thread
         where.threads.clear()
         await call(0)
         assert where.threads == [slot.thread._name]
+
+
+async def test_on_a_cpu_by_default_on_a_gpu_only_when_asked() -> None:
+    """None (the default): 50 us on a CPU backend; a GPU's slots stay on their threads
+    (a hung kernel there must stay one slot's fault), which `_inline_work_us` decides from
+    the backend's partition kind."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack:
+        node = stack.nodes[0]
+        assert node.cfg.inline_work_us is None
+        assert node.slots[0].inline_work_us == INLINE_WORK_US_CPU
+        node.backend.partition = "green-context"  # as a CUDA backend's plan says
+        assert node._inline_work_us() == 0

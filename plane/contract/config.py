@@ -102,8 +102,10 @@ class NodeConfig:
     # next on the event loop, without the hop to its thread and back (~30 us each way on a
     # small host): for short work the hop costs more than the work. The loop is held for the
     # call (the node's other slots wait), so past about the hop's own cost the thread serves
-    # more per second: keep it near that. 0: always the thread.
-    inline_work_us: int = 50
+    # more per second: keep it near that. 0: always the thread. None: per backend, 50 on a
+    # CPU and 0 on a GPU, where a kernel that hangs must stay one slot's fault (on its
+    # thread, the health supervisor withdraws that slot; on the loop it would stop the node).
+    inline_work_us: int | None = None
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0
     # Accept fault-injection commands on `<prefix>.fault.<node>` (tests and drills only).
@@ -117,7 +119,7 @@ class NodeConfig:
         if not self.node_id:
             object.__setattr__(self, "node_id", f"n-{socket.gethostname()[:20]}-{self.model}")
         _token("node", self.node_id)
-        if not 0 <= self.inline_work_us <= 10_000:
+        if self.inline_work_us is not None and not 0 <= self.inline_work_us <= 10_000:
             raise ConfigError("inline_work_us must be between 0 and 10,000 (us)")
         if self.slots is not None and not 1 <= self.slots <= 1024:
             raise ConfigError("--slots must be between 1 and 1024")

@@ -9,7 +9,9 @@ share one queue group: a retry lands on any of them), and this process as the ca
 pulse driver: open loop, latency from each request's scheduled send time, the SDK's retries:
 Retry-After, tickets).
 The capacity is measured first (closed loop, one caller per slot); then 0.9x and 2x of it are
-offered for --duration seconds each. Prints the issue's targets next to what was measured.
+offered for --duration seconds each. Prints the issue's targets next to what was measured,
+and the routers' counters over both loads (refusals by reason, tickets issued and honoured,
+holders parked, the broker's depth refusals, the histogram of holders' lateness).
 With --no-retry the callers never come back (like `hey`, or `plane pulse --no-retry`): what
 counts then is the goodput at 2x against the closed-loop capacity (issue 10: >= 90%).
 """

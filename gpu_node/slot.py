@@ -1,9 +1,11 @@
 """One slot: a share of the device (an SM partition on CUDA) that owns one depth-one subject.
 
 The slot claims its subject with a pull consumer (`max_ack_pending=1`) and one standing pull
-request (gpu_node/pull.py), runs each request on its own thread (gpu_node/slot_thread.py, never
-on the event loop), then acks (which frees the subject), publishes the done-event and answers
-the caller, in that order, so the slot is free before the caller hears back. When a router may
+request (gpu_node/pull.py), runs each request on its own thread (gpu_node/slot_thread.py), or on
+the event loop while its calls are known shorter than the hop to that thread and back
+(`Slot._call`, `NodeConfig.inline_work_us`: a CPU's only, by default), then acks (which frees
+the subject), publishes the done-event and answers the caller, in that order, so the slot is
+free before the caller hears back. When a router may
 already have acted on the request (past its deadline, disconnected, or whenever the node says
 so: draining, replaced, heartbeats lapsed), the slot takes the message through the API instead
 and answers only if the take succeeds (`plane.contract.ownership`). A message left on the

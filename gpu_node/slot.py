@@ -379,8 +379,9 @@ class Slot(Generating):
         thread until the slot's calls are short again; the loop is held at most one such
         call (and the node's other slots with it)."""
         limit = self.inline_work_us
-        if (limit > 0 and self._short_calls >= INLINE_AFTER and work_us <= limit
-                and not self.runner.faulty):
+        if limit <= 0:  # off (a GPU's default): nothing to count
+            return await self.thread.run(fn, *args)
+        if self._short_calls >= INLINE_AFTER and work_us <= limit and not self.runner.faulty:
             result = fn(*args)
         else:
             result = await self.thread.run(fn, *args)

@@ -47,7 +47,7 @@ async def test_the_plane_s_connections_read_headers_with_it() -> None:
     async with EmbeddedNats() as srv:
         nc = await connect(ConnectOptions(url=srv.url, name="headers"))
         try:
-            assert nc._parse_header_lines is parse_header_lines
+            assert nc._parse_header_lines is parse_header_lines  # natsconn.once_up
             got: list[Msg] = []
 
             async def keep(msg: Msg) -> None:

@@ -20,8 +20,7 @@ from nats.aio.client import Client as NATS
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConnectFailed
-from plane.contract.header_lines import use_fast_header_lines
-from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs
+from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs, once_up
 
 log = structlog.get_logger("plane.client")
 
@@ -87,5 +86,4 @@ async def open_connection(opts: ConnectOptions,
             "the credentials", url=opts.url or "",
         ) from None
     connected = True
-    nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
-    return use_fast_header_lines(nc)
+    return once_up(nc)

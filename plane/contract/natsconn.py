@@ -123,7 +123,14 @@ async def connect(opts: ConnectOptions) -> Client:
             f"cannot connect to NATS at {opts.url}: {why}. Check the URL and the credentials "
             "(--user/--password, --token, --creds, --tls-ca)"
         ) from exc
-    nc.options["max_reconnect_attempts"] = -1  # nats-py reads it at each reconnect
+    return once_up(nc)
+
+
+def once_up(nc: Client) -> Client:
+    """What every connection the plane makes (its roles', the SDK's) gets once it is up:
+    reconnect forever from now on (nats-py reads the option at each reconnect), and read
+    header lines at half nats-py's cost (`plane.contract.header_lines`)."""
+    nc.options["max_reconnect_attempts"] = -1
     return use_fast_header_lines(nc)
 
 

@@ -20,6 +20,7 @@ from nats.errors import SlowConsumerError
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError, Unavailable
 from plane.contract.header_lines import use_fast_header_lines
+from plane.contract.soon_flush import use_soon_flush
 
 
 def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:
@@ -128,9 +129,12 @@ async def connect(opts: ConnectOptions) -> Client:
 
 def once_up(nc: Client) -> Client:
     """What every connection the plane makes (its roles', the SDK's) gets once it is up:
-    reconnect forever from now on (nats-py reads the option at each reconnect), and read
-    header lines at half nats-py's cost (`plane.contract.header_lines`)."""
+    reconnect forever from now on (nats-py reads the option at each reconnect), read
+    header lines at half nats-py's cost (`plane.contract.header_lines`), and write what it
+    buffers at the end of the loop's turn instead of through nats-py's flusher task
+    (`plane.contract.soon_flush`)."""
     nc.options["max_reconnect_attempts"] = -1
+    use_soon_flush(nc)
     return use_fast_header_lines(nc)
 
 

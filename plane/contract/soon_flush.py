@@ -1,0 +1,98 @@
+"""Send what a connection has buffered at the end of the loop's turn, without nats-py's flusher.
+
+nats-py buffers every command (`Client._pending`) and has it written by a flusher task: each
+publish whose turn finds that task idle makes a future, puts it on an `asyncio.Queue`, wakes
+the task, which writes, awaits `drain()` and resolves the future. That is two futures and one
+task step per burst of publishes, which the plane pays once or more per request in the router
+and in the node (a slot message; an answer, a done-event, an ack): the same order of cost as
+the socket write itself on this VM.
+
+`use_soon_flush(nc)` replaces that, for one connection, by a plain callback the loop runs at
+the end of its current turn (`loop.call_soon`, scheduled once per turn however many publishes
+the turn makes): it writes the whole buffer in order, in one call, as the flusher would. What
+is unchanged, by handing back to nats-py's own flusher:
+- while the connection is not up (connecting, reconnecting, closed): nats-py's reconnect
+  buffer and its rules;
+- a forced flush (nats-py's pending-size limit), and a flusher task that is gone;
+- while the socket does not take what it is given (the transport holds unsent bytes): the
+  flusher writes and then awaits `drain()`, which is the only back-pressure nats-py has;
+- a transport without a stream writer of its own (WebSocket), and a write that fails
+  (nats-py's error path, `_process_op_err`, handles the connection).
+
+Everything goes through nats-py's one buffer, so the order of commands on the wire is the
+order they were made in, whichever path writes them. Uses nats-py internals (`_pending`,
+`_pending_data_size`, `_transport`, `_flush_queue`, `_flusher_task`, `_flush_pending`, the
+transport's `_io_writer`): nats-py is pinned in pyproject.toml and tests/test_soon_flush.py
+checks what arrives, its order, and the hand-backs, against a real nats-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.aio.client import Client
+
+
+class SoonFlush:
+    """The replacement for one connection's `_flush_pending` (see the module's docstring)."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._nats_flush: Callable[..., Awaitable[Any]] = nc._flush_pending
+        self._scheduled = False
+        self.writes = 0  # buffers written by this path (for tests and benchmarks)
+        self.handed_back = 0  # turns whose buffer went to nats-py's flusher instead
+        self._failing: asyncio.Task[None] | None = None  # nats-py's handling of a failed write
+
+    async def flush_pending(self, force_flush: bool = False) -> Any:
+        nc = self._nc
+        task = nc._flusher_task
+        if force_flush or nc._status != Client.CONNECTED or task is None or task.done():
+            return await self._nats_flush(force_flush)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._write)
+        return None
+
+    def _write(self) -> None:
+        self._scheduled = False
+        nc = self._nc
+        if not nc._pending or nc._status != Client.CONNECTED:
+            return  # written already, or nats-py's reconnect sends it
+        writer = getattr(nc._transport, "_io_writer", None)
+        transport = writer.transport if writer is not None else None
+        if (transport is None or transport.is_closing()
+                or transport.get_write_buffer_size() > 0):
+            self._hand_back()
+            return
+        pending, nc._pending, nc._pending_data_size = nc._pending, [], 0
+        try:
+            transport.writelines(pending)
+        except (OSError, RuntimeError) as exc:
+            # The socket failed under us: put the bytes back (nats-py resends its buffer on
+            # reconnect) and let nats-py's error path handle the connection.
+            nc._pending[:0] = pending
+            nc._pending_data_size += sum(len(p) for p in pending)
+            if self._failing is None or self._failing.done():
+                self._failing = asyncio.ensure_future(nc._process_op_err(exc))
+            return
+        self.writes += 1
+
+    def _hand_back(self) -> None:
+        """Kick nats-py's flusher (it writes, then awaits drain), as nats-py itself would."""
+        self.handed_back += 1
+        queue = self._nc._flush_queue
+        if queue is not None and queue.empty():
+            queue.put_nowait(asyncio.get_running_loop().create_future())
+
+
+def use_soon_flush(nc: Client) -> SoonFlush:
+    """Have `nc` write its buffer at the end of the loop's turn (idempotent)."""
+    current = getattr(nc._flush_pending, "__self__", None)
+    if isinstance(current, SoonFlush):
+        return current
+    soon = SoonFlush(nc)
+    nc._flush_pending = soon.flush_pending  # type: ignore[method-assign]
+    return soon

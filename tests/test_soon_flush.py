@@ -1,0 +1,102 @@
+"""Writing a connection's buffer at the end of the loop's turn (plane/contract/soon_flush.py),
+against a real nats-server: a turn's publishes, nats-py's own and the plane's, arrive in the
+order they were made, in one write; a server that stops reading gets its back-pressure from
+nats-py's flusher again, and loses nothing; a reconnect's buffer is sent as nats-py sends it;
+and every connection the plane makes has it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import nats
+
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.natsconn import close, connect
+from plane.contract.publish import publish
+from plane.contract.soon_flush import SoonFlush, use_soon_flush
+from tests.plane_fixtures import listen, wait_until
+
+
+async def test_a_turns_publishes_arrive_in_order_in_one_write(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        soon = use_soon_flush(nc)
+        assert use_soon_flush(nc) is soon  # installed once
+        got = await listen(nc, "soon.order")
+        await asyncio.sleep(0.05)  # the subscription's own write is behind us
+        writes = soon.writes
+        for i in range(30):  # one turn of the loop: no await that yields in between
+            if i % 2:
+                await nc.publish("soon.order", str(i).encode())
+            else:
+                await publish(nc, "soon.order", str(i).encode(), {"Plane-Request-Id": f"r-{i}"})
+        await wait_until(lambda: len(got) >= 30, 5, "30 messages")
+        assert [int(m.data) for m in got] == list(range(30))
+        assert [m.headers for m in got[::2]] == [{"Plane-Request-Id": f"r-{i}"}
+                                                  for i in range(0, 30, 2)]
+        assert soon.writes == writes + 1
+        assert soon.handed_back == 0
+    finally:
+        await nc.close()
+
+
+async def test_a_server_that_stops_reading_gets_nats_py_back_pressure_and_loses_nothing(
+        ) -> None:
+    async with EmbeddedNats() as srv:
+        reader = await nats.connect(srv.url)
+        writer = await nats.connect(srv.url)
+        try:
+            soon = use_soon_flush(writer)
+            got = await listen(reader, "soon.full")
+            body = b"x" * 60_000
+            assert srv.pid is not None
+            os.kill(srv.pid, signal.SIGSTOP)  # the socket's buffers fill; then ours
+
+            async def flood() -> None:  # ~18 MB: more than loopback's buffers hold
+                for i in range(300):
+                    # (past nats-py's pending limit a publish waits for its flusher, as ever)
+                    await writer.publish("soon.full", body + str(i).encode())
+                    await asyncio.sleep(0)
+
+            flooding = asyncio.create_task(flood())
+            try:
+                await wait_until(lambda: soon.handed_back > 0, 20, "a turn handed back")
+            finally:
+                os.kill(srv.pid, signal.SIGCONT)
+            await asyncio.wait_for(flooding, 30)
+            await wait_until(lambda: len(got) >= 300, 30, "all 300 messages")
+            assert [int(m.data[60_000:]) for m in got] == list(range(300))
+        finally:
+            await writer.close()
+            await reader.close()
+
+
+async def test_published_while_reconnecting_arrives_after_the_reconnect() -> None:
+    async with EmbeddedNats() as srv:
+        nc = await nats.connect(srv.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+        use_soon_flush(nc)
+        try:
+            got = await listen(nc, "soon.later")
+            await srv.stop()
+            await wait_until(lambda: not nc.is_connected, 5, "the client to see the loss")
+            await publish(nc, "soon.later", b"kept", {"Plane-Request-Id": "r-1"})
+            await srv.start()
+            await wait_until(lambda: len(got) >= 1, 10, "the buffered message")
+            await publish(nc, "soon.later", b"after", {"Plane-Request-Id": "r-2"})
+            await wait_until(lambda: len(got) >= 2, 5, "the message after the reconnect")
+            assert [m.data for m in got] == [b"kept", b"after"]
+        finally:
+            await nc.close()
+
+
+async def test_every_connection_the_plane_makes_has_it(nats_server: EmbeddedNats) -> None:
+    nc = await connect(ConnectOptions(url=nats_server.url, name="soon-test"))
+    try:
+        assert isinstance(getattr(nc._flush_pending, "__self__", None), SoonFlush)
+        assert await nc.request("$JS.API.INFO", b"", timeout=5)  # a round trip through it
+    finally:
+        await close(nc)
+

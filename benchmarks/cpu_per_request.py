@@ -88,6 +88,25 @@ def read_cpu(pids: Mapping[str, int]) -> dict[str, int]:
     return {role: tree_ticks(pid) for role, pid in pids.items()}
 
 
+def tree_wakes(pid: int) -> int:
+    """Voluntary context switches of every live thread of `pid` and of its descendants: how
+    often they went to sleep and were woken. On this project's VMs a wake from idle costs
+    more CPU than the work it wakes for (`benchmarks/wake_cost.py`), so at one caller the CPU
+    per request follows this count more than it follows Python."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+            total += sum(tree_wakes(int(c)) for c in (task / "children").read_text().split())
+    return total
+
+
+def read_wakes(pids: Mapping[str, int]) -> dict[str, int]:
+    return {role: tree_wakes(pid) for role, pid in pids.items()}
+
+
 # -- the two paths -------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class System:
@@ -175,6 +194,7 @@ class Measured:
     p99_ms: float
     cpu_ticks: dict[str, int]  # role -> ticks spent over the load
     cpu_us: dict[str, float]  # role -> µs per request it served (see `per_request_us`)
+    wakes: dict[str, float]  # role -> voluntary context switches per request it served
 
     @property
     def ok_per_s(self) -> float:
@@ -185,19 +205,25 @@ class Measured:
         return self.statuses.get("429", 0) / max(1, self.requests)
 
 
-def per_request_us(ticks: Mapping[str, int], statuses: Mapping[str, int],
-                   requests: int) -> dict[str, float]:
-    """CPU µs of each process per request it served: the router per decision (every request
+def per_request(counts: Mapping[str, int], statuses: Mapping[str, int],
+                requests: int) -> dict[str, float]:
+    """`counts` of each process per request it served: the router per decision (every request
     answered), the node per placed request (a 200), the others per request sent."""
     served = {"router": requests - statuses.get(TIMEOUT, 0) - statuses.get(ERROR, 0),
               "node": statuses.get("200", 0)}
-    return {role: t * 1e6 / CLK_TCK / max(1, served.get(role, requests))
-            for role, t in ticks.items()}
+    return {role: n / max(1, served.get(role, requests)) for role, n in counts.items()}
+
+
+def per_request_us(ticks: Mapping[str, int], statuses: Mapping[str, int],
+                   requests: int) -> dict[str, float]:
+    """CPU µs of each process per request it served (see `per_request`)."""
+    return {role: n * 1e6 / CLK_TCK for role, n in per_request(ticks, statuses, requests).items()}
 
 
 async def measure(system: System, body: bytes, load: Load, size: Size) -> Measured:
     async with system.target() as target:
         before = read_cpu(system.pids)
+        woken = read_wakes(system.pids)
         t0 = time.monotonic()
         if load.rate is None:
             outcomes = await closed_loop(target, body, load.callers or 1, size)
@@ -208,13 +234,15 @@ async def measure(system: System, body: bytes, load: Load, size: Size) -> Measur
                 rate=load.rate, duration_s=seconds, concurrency=4096))).outcomes
         elapsed = time.monotonic() - t0
         after = read_cpu(system.pids)
+        wakes = {role: n - woken[role] for role, n in read_wakes(system.pids).items()}
     statuses = dict(Counter(o.attempts.final for o in outcomes))
     ok_us = [o.latency_us for o in outcomes if o.attempts.final == "200"]
     ticks = {role: after[role] - before[role] for role in before}
     return Measured(system=system.name, load=load.name, seconds=elapsed,
                     requests=len(outcomes), statuses=statuses, reasons=dict(target.reasons),
                     p50_ms=quantile(ok_us, 0.50) / 1000, p99_ms=quantile(ok_us, 0.99) / 1000,
-                    cpu_ticks=ticks, cpu_us=per_request_us(ticks, statuses, len(outcomes)))
+                    cpu_ticks=ticks, cpu_us=per_request_us(ticks, statuses, len(outcomes)),
+                    wakes=per_request(wakes, statuses, len(outcomes)))
 
 
 async def idle_cpu(systems: Sequence[System], seconds: float) -> dict[str, dict[str, float]]:
@@ -249,18 +277,25 @@ class BenchConfig:
 class Ratio:
     name: str
     target: float
-    of: Callable[[Measured, Measured], float]  # (floor, plane) -> ratio
+    # (floor, plane) -> (the plane's figure, the floor's); see `of`
+    figures: Callable[[Measured, Measured], tuple[float, float]]
+
+    def of(self, floor: Measured, plane: Measured) -> float | None:
+        """The ratio; None when the floor's figure is 0 (a short run in which the floor's
+        process spent less than one clock tick)."""
+        mine, theirs = self.figures(floor, plane)
+        return mine / theirs if theirs else None
 
 
 RATIOS = (
     Ratio(name="router CPU per decision / echo CPU per request", target=2.0,
-          of=lambda f, p: p.cpu_us["router"] / f.cpu_us["echo"]),
+          figures=lambda f, p: (p.cpu_us["router"], f.cpu_us["echo"])),
     Ratio(name="node CPU per placed request / echo CPU per request", target=3.0,
-          of=lambda f, p: p.cpu_us["node"] / f.cpu_us["echo"]),
+          figures=lambda f, p: (p.cpu_us["node"], f.cpu_us["echo"])),
     Ratio(name="nats-server CPU per request: plane / floor", target=3.0,
-          of=lambda f, p: p.cpu_us["nats-server"] / f.cpu_us["nats-server"]),
-    Ratio(name="p50: plane / floor", target=2.0, of=lambda f, p: p.p50_ms / f.p50_ms),
-    Ratio(name="p99: plane / floor", target=2.5, of=lambda f, p: p.p99_ms / f.p99_ms),
+          figures=lambda f, p: (p.cpu_us["nats-server"], f.cpu_us["nats-server"])),
+    Ratio(name="p50: plane / floor", target=2.0, figures=lambda f, p: (p.p50_ms, f.p50_ms)),
+    Ratio(name="p99: plane / floor", target=2.5, figures=lambda f, p: (p.p99_ms, f.p99_ms)),
 )
 
 
@@ -332,6 +367,14 @@ def print_tables(cfg: BenchConfig, result: Result, console: Console) -> None:
                   f"{m.refused_share:.1%}", f"{m.p50_ms:.3f}", f"{m.p99_ms:.3f}",
                   *(_f(m.cpu_us.get(role)) for role in ("router", "node", "echo", "nats-server")))
     console.print(t)
+    w = Table(title="Wake-ups per request (voluntary context switches, all threads; same "
+                    "denominators)")
+    for col in ("load", "path", "router", "node", "echo", "nats-server"):
+        w.add_column(col, justify="left" if col in ("load", "path") else "right")
+    for m in result.rows:
+        w.add_row(m.load, m.system,
+                  *(_f(m.wakes.get(role)) for role in ("router", "node", "echo", "nats-server")))
+    console.print(w)
     fr = result.false_refusals
     console.print(f"false refusals (the plane, closed loop, one caller per slot): "
                   f"{fr.refused_share:.1%} of {fr.requests} {fr.reasons or ''}")
@@ -345,7 +388,8 @@ def print_tables(cfg: BenchConfig, result: Result, console: Console) -> None:
         cells = []
         for f, p in pairs:
             v = ratio.of(f, p)
-            cells.append(f"[{'green' if v <= ratio.target else 'red'}]{v:.2f}[/]")
+            cells.append("-" if v is None
+                         else f"[{'green' if v <= ratio.target else 'red'}]{v:.2f}[/]")
         r.add_row(ratio.name, f"≤ {ratio.target:g}", *cells)
     console.print(r)
     fewest = min(ticks for m in result.rows for ticks in m.cpu_ticks.values())

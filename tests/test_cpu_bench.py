@@ -1,6 +1,6 @@
 """Smoke test of the CPU-per-request benchmark: both paths start, every load is measured,
-every process's CPU is read, and the JSON comes out. (The real run is 20 s per load and
-path: see docs/perf/README.md.)"""
+every process's CPU and wake-ups are read, and the JSON comes out. (The real run is 20 s per
+load and path: see docs/perf/README.md.)"""
 
 from __future__ import annotations
 
@@ -30,11 +30,15 @@ async def test_cpu_per_request_smoke() -> None:
         roles = {"echo", "nats-server"} if r["system"] == "floor" else {
             "router", "node", "nats-server"}
         assert set(r["cpu_us"]) == roles
+        assert set(r["wakes"]) == roles
     # Read, not just present: 300 requests cost the router CPU between the two reads (a
     # clock tick is 10 ms; it spends some 200 us on each: 6 ticks). The floor's echo and a
     # node at the open load may spend less than a tick.
     for r in rows[1::2]:
         assert r["cpu_ticks"]["router"] > 0, r
+    # ... and each request wakes the echo, or the router, at least now and then (a closed loop
+    # of one caller leaves them idle between requests).
+    assert rows[0]["wakes"]["echo"] > 0.1 and rows[1]["wakes"]["router"] > 0.1, rows[:2]
     assert data["capacity_per_s"] > 0 and 0 <= data["false_refusal_share"] <= 1
     assert {r["name"] for r in data["ratios"]} and all(
         len(r["by_load"]) == 3 for r in data["ratios"])

@@ -35,37 +35,42 @@ def _alive(pid: int) -> bool:
 
 
 async def test_plane_up_serves_and_stops_cleanly_on_sigterm() -> None:
-    proc = subprocess.Popen([PLANE, "up", "--log-level", "warning", "--metrics-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        url = None
-        lines = []
-        t_end = time.monotonic() + 60
-        while time.monotonic() < t_end:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if m := re.search(r"NATS (nats://127\.0\.0\.1:\d+)", line):
-                url = m.group(1)
-            if "Ctrl-C" in line:
-                break
-        assert url, "".join(lines)
-        assert any("req plane.infer.risk" in line for line in lines)
-        children = _children(proc.pid)
-        assert children, "plane up should run nats-server as its child"
-        nc = await nats.connect(url)
-        msg = await nc.request(Names().infer("risk"), json.dumps(
-            {"features": [0.5] * 32}).encode(), timeout=5)
-        assert (msg.headers or {})[Header.STATUS] == "200"
-        await nc.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        for child in children:
-            assert not _alive(child), f"orphan process {child} left running"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # (`with`: the pipes are closed at the end, whatever happened)
+    with subprocess.Popen([PLANE, "up", "--log-level", "warning", "--metrics-port", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            await _serves_and_stops(proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    url = None
+    lines = []
+    t_end = time.monotonic() + 60
+    while time.monotonic() < t_end:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if m := re.search(r"NATS (nats://127\.0\.0\.1:\d+)", line):
+            url = m.group(1)
+        if "Ctrl-C" in line:
+            break
+    assert url, "".join(lines)
+    assert any("req plane.infer.risk" in line for line in lines)
+    children = _children(proc.pid)
+    assert children, "plane up should run nats-server as its child"
+    nc = await nats.connect(url)
+    msg = await nc.request(Names().infer("risk"), json.dumps(
+        {"features": [0.5] * 32}).encode(), timeout=5)
+    assert (msg.headers or {})[Header.STATUS] == "200"
+    await nc.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    for child in children:
+        assert not _alive(child), f"orphan process {child} left running"
 
 
 def test_plane_up_demo_prints_answers_and_refusals() -> None:

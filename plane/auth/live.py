@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-import nats
+from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from plane.auth.store import AuthDir
@@ -43,13 +43,17 @@ async def can_connect(opts: ConnectOptions) -> bool:
     async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per refusal
         pass
 
+    nc = Client()
     try:
-        nc = await nats.connect(opts.url, user=opts.user, password=opts.password,
-                                allow_reconnect=False, max_reconnect_attempts=0,
-                                connect_timeout=2, error_cb=quiet)
+        await nc.connect(opts.url, user=opts.user, password=opts.password,
+                         allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2,
+                         error_cb=quiet)
     except Exception:
         return False
-    await nc.close()
+    finally:
+        # Also after a refusal: with reconnects off, nats-py raises the server's refusal
+        # without closing the connection's socket (a ResourceWarning when it is collected).
+        await nc.close()
     return True
 
 

@@ -100,3 +100,17 @@ async def test_every_connection_the_plane_makes_has_it(nats_server: EmbeddedNats
     finally:
         await close(nc)
 
+
+
+async def test_published_just_before_a_drain_arrives(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    use_soon_flush(nc)
+    other = await nats.connect(nats_server.url)
+    try:
+        got = await listen(other, "soon.drained")
+        await publish(nc, "soon.drained", b"last words", {"Plane-Request-Id": "r-9"})
+        await nc.drain()  # in the same turn: the end-of-turn write finds the drain begun
+        await wait_until(lambda: len(got) >= 1, 5, "the message published before the drain")
+        assert got[0].data == b"last words"
+    finally:
+        await other.close()

@@ -59,8 +59,12 @@ class SoonFlush:
     def _write(self) -> None:
         self._scheduled = False
         nc = self._nc
-        if not nc._pending or nc._status != Client.CONNECTED:
-            return  # written already, or nats-py's reconnect sends it
+        if not nc._pending:
+            return  # written already
+        if nc._status != Client.CONNECTED:
+            if nc.is_draining:  # began since the publish: nats-py's flusher still runs
+                self._hand_back()
+            return  # (not connected: nats-py's reconnect sends its buffer)
         writer = getattr(nc._transport, "_io_writer", None)
         transport = writer.transport if writer is not None else None
         if (transport is None or transport.is_closing()

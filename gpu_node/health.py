@@ -58,9 +58,7 @@ class Supervisor:
     async def run(self) -> None:
         try:
             while not self._stopping:
-                # Look often (a quarter period) so a stuck call is seen when it overruns, not
-                # at the next probe; probes themselves go out once per period.
-                await asyncio.sleep(self._period_s() / CHECKS_PER_PERIOD)
+                await asyncio.sleep(self._next_check_s())
                 for slot in self._slots():
                     await self._tick(slot)
         finally:
@@ -70,6 +68,25 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def _next_check_s(self) -> float:
+        """Look often (a quarter period) while any slot has a call or a probe in progress, so
+        that a stuck call is seen soon after it overruns; with none, sleep until the next
+        probe is due (an idle node wakes for its probes only: on this project's VMs each wake
+        from idle costs ~100-220 us of CPU, `benchmarks/wake_cost.py`). A call that starts
+        meanwhile is seen at that wake, within a period: its misses count the time past its
+        expectation, not the checks, so a hang is withdrawn as soon as before."""
+        period = self._period_s()
+        quarter = period / CHECKS_PER_PERIOD
+        now = time.monotonic()
+        until_due = period
+        for slot in self._slots():
+            st = self.state.get(slot.k)
+            if (st is None or st.probe is not None or slot.current is not None
+                    or slot.runner.call_started_s is not None):
+                return quarter
+            until_due = min(until_due, st.last_probe_s + period - now)
+        return max(quarter, until_due)
 
     async def _tick(self, slot: Slot) -> None:
         st = self.state.setdefault(slot.k, SlotHealth())

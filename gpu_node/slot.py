@@ -512,6 +512,16 @@ class Slot(Generating):
     async def probe(self) -> bool:
         t0 = time.perf_counter_ns()
         expected_s = max(0.005, 4 * self.probe_window.p50_us / 1e6)  # p50: robust to a hang
-        ok = bool(await self.thread.run(self.runner.probe, expected_s))
+        if (self.inline_work_us > 0 and not self.runner.faulty and self.current is None
+                and self.runner.call_started_s is None):
+            # Calls may run on the loop (a CPU backend's) and none runs now, here or on the
+            # slot's thread (the check and the probe are one step of the loop: no request
+            # starts in between): a probe's few µs of the model's work run here, every time.
+            # (An idle slot's calls are never "known short": after an idle spell they run
+            # cold; and the hop to the thread and back cost an idle node more than its
+            # probes' work.)
+            ok = bool(self.runner.probe(expected_s))
+        else:
+            ok = bool(await self.thread.run(self.runner.probe, expected_s))
         self.probe_window.add((time.perf_counter_ns() - t0) // 1000)
         return ok

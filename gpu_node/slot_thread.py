@@ -33,6 +33,11 @@ class SlotThread:
         self._thread: threading.Thread | None = None
         self._closed = False
 
+    @property
+    def started(self) -> bool:
+        """Whether the thread exists yet (it starts with the first call)."""
+        return self._thread is not None
+
     def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """`fn(*args)` on the thread, after the calls before it; its result (or exception)
         on the returned future. A call whose future is cancelled before it starts is

@@ -58,6 +58,12 @@ from plane.router.slot_publish import SlotPublisher, TimedOut
 log = structlog.get_logger("plane.router")
 
 WATCHDOG_PERIOD_S = 0.02
+# With nothing to watch (no placement awaiting its PubAck or done-event, no request in hand,
+# no holder parked, no promise open) the watchdog only looks after nodes' heartbeats (a
+# second's silence), peers and the connection: it wakes this often, and the first slot publish
+# after such a spell wakes it at once. On this project's VMs a timer's wake from idle costs
+# ~220 us of CPU (`benchmarks/wake_cost.py`): 50 a second were an idle router's main cost.
+IDLE_WATCHDOG_PERIOD_S = 0.1
 ASK_NODE_TIMEOUT_S = 0.25
 ASK_NODE_WITHIN_S = 2.0
 # The watchdog judges nodes by their heartbeats only while the router's own loop keeps time:
@@ -114,7 +120,7 @@ class Router(Lifecycle, TaskOwner):
         self._infer: InferEndpoint | None = None
         self._heard = asyncio.Event()  # set by each heartbeat (start-up waits on it)
         # Slot publishes whose PubAck comes to a callback (no task, future or timer each).
-        self.publisher = SlotPublisher(nc, cfg.publish_timeout_s)
+        self.publisher = SlotPublisher(nc, cfg.publish_timeout_s, on_busy=self._rouse_watchdog)
         self.requests = RequestPath(RouterParts(
             nc=nc, cfg=cfg, metrics=self.metrics, admission=self.admission, models=self.models,
             model=self._model, publisher=self.publisher, inflight=self.inflight,
@@ -129,6 +135,8 @@ class Router(Lifecycle, TaskOwner):
         # deaf. The composition root waits on it (see `plane.serve`).
         self.lost = asyncio.Event()
         self.flood_memory = FloodMemory()
+        self._dozing: asyncio.Future[None] | None = None  # the idle watchdog's wait
+        self.watchdog_ticks = 0
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -371,7 +379,8 @@ class Router(Lifecycle, TaskOwner):
         reconnects = self.nc.stats["reconnects"]
         last = time.monotonic()
         while not self._stopping:
-            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            period = await self._pause()
+            self.watchdog_ticks += 1
             if self.nc.is_closed:
                 log.error("connection to NATS closed for good: stopping so that this router "
                           "is restarted", router=self.cfg.router_id,
@@ -382,7 +391,7 @@ class Router(Lifecycle, TaskOwner):
                 reconnects = self.nc.stats["reconnects"]
                 self._spawn(self._reprovision())
             now = time.monotonic()
-            if now - last > WATCHDOG_PERIOD_S + LOOP_LAG_S:
+            if now - last > period + LOOP_LAG_S:
                 self._lagged_s = now
             last = now
             behind = self._behind(now)
@@ -399,6 +408,35 @@ class Router(Lifecycle, TaskOwner):
             self.inflight.tick(now)
             self.flood_memory.observe(self.requests.in_hand() + self._backlog(), now)
             await self.peers.announce_if_due(now)
+
+    def _watching(self) -> bool:
+        """Whether anything needs the watchdog's short period: a placement awaiting its
+        PubAck or its done-event, a request in hand or unread, a holder parked, a promise
+        open."""
+        return bool(self.requests.in_hand() or self.inflight.entries or self._backlog()
+                    or any(len(ms.promises) or self.parking.waiting(m)
+                           for m, ms in self.models.items()))
+
+    async def _pause(self) -> float:
+        """Sleep one watchdog period, the short one while anything is watched, else the idle
+        one, which `_rouse_watchdog` cuts short; the period slept for."""
+        if self._watching():
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            return WATCHDOG_PERIOD_S
+        self._dozing = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(IDLE_WATCHDOG_PERIOD_S):
+                await self._dozing
+        except TimeoutError:
+            pass
+        finally:
+            self._dozing = None
+        return IDLE_WATCHDOG_PERIOD_S
+
+    def _rouse_watchdog(self) -> None:
+        """A slot publish after an idle spell: its deadline is watched from now."""
+        if self._dozing is not None and not self._dozing.done():
+            self._dozing.set_result(None)
 
     def _behind(self, now_s: float) -> bool:
         """Whether this router may not have read the heartbeats that were sent to it: its loop

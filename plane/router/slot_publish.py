@@ -72,9 +72,11 @@ OnOutcome = Callable[[Outcome], Coroutine[Any, Any, None]]
 
 
 class SlotPublisher:
-    def __init__(self, nc: Client, timeout_s: float) -> None:
+    def __init__(self, nc: Client, timeout_s: float,
+                 on_busy: Callable[[], None] | None = None) -> None:
         self._nc = nc
         self._timeout_s = timeout_s
+        self._on_busy = on_busy  # called when a publish finds none pending
         self._prefix = ""
         self._sub: Subscription | None = None
         self._tokens = itertools.count(1)
@@ -107,6 +109,8 @@ class SlotPublisher:
                       then: OnOutcome) -> None:
         """Publish; `then(outcome)` runs when the broker answers (or `expire` gives up)."""
         token = str(next(self._tokens))
+        if not self._pending and self._on_busy is not None:
+            self._on_busy()
         self._pending[token] = (now_s, then)
         self._idle.clear()
         try:

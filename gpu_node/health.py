@@ -82,8 +82,7 @@ class Supervisor:
         until_due = period
         for slot in self._slots():
             st = self.state.get(slot.k)
-            if (st is None or st.probe is not None or slot.current is not None
-                    or slot.runner.call_started_s is not None):
+            if st is None or st.probe is not None or not slot.idle:
                 return quarter
             until_due = min(until_due, st.last_probe_s + period - now)
         return max(quarter, until_due)
@@ -113,8 +112,7 @@ class Supervisor:
             st.passes = 0
         if st.misses > before:
             self._metrics.probe_misses.labels(slot.model, str(slot.k)).inc(st.misses - before)
-        idle = started is None and slot.current is None
-        if st.probe is None and idle and now - st.last_probe_s >= period:
+        if st.probe is None and slot.idle and now - st.last_probe_s >= period:
             st.last_probe_s = now
             st.probe = asyncio.create_task(slot.probe())
         await self._decide(slot, st)

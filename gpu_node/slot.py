@@ -370,6 +370,16 @@ class Slot(Generating):
         finally:
             self._account(started_s)
 
+    @property
+    def idle(self) -> bool:
+        """No request on this slot and no call running for it, here or on its thread."""
+        return self.current is None and self.runner.call_started_s is None
+
+    def _may_run_here(self) -> bool:
+        """Calls may run on the event loop (inline calls on, a CPU's default) and no fault
+        is injected (a hang must not take the loop)."""
+        return self.inline_work_us > 0 and not self.runner.faulty
+
     async def _call(self, work_us: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the slot's thread; or here, on the event loop, while this slot's
         calls are known short: its last `INLINE_AFTER` all took at most `inline_work_us`, the
@@ -381,7 +391,7 @@ class Slot(Generating):
         limit = self.inline_work_us
         if limit <= 0:  # off (a GPU's default): nothing to count
             return await self.thread.run(fn, *args)
-        if self._short_calls >= INLINE_AFTER and work_us <= limit and not self.runner.faulty:
+        if self._short_calls >= INLINE_AFTER and work_us <= limit and self._may_run_here():
             result = fn(*args)
         else:
             result = await self.thread.run(fn, *args)
@@ -512,11 +522,10 @@ class Slot(Generating):
     async def probe(self) -> bool:
         t0 = time.perf_counter_ns()
         expected_s = max(0.005, 4 * self.probe_window.p50_us / 1e6)  # p50: robust to a hang
-        if (self.inline_work_us > 0 and not self.runner.faulty and self.current is None
-                and self.runner.call_started_s is None):
-            # Calls may run on the loop (a CPU backend's) and none runs now, here or on the
-            # slot's thread (the check and the probe are one step of the loop: no request
-            # starts in between): a probe's few µs of the model's work run here, every time.
+        if self._may_run_here() and self.idle:
+            # No call runs now, here or on the slot's thread (the check and the probe are one
+            # step of the loop: no request starts in between): a probe's few µs of the
+            # model's work run here, every time.
             # (An idle slot's calls are never "known short": after an idle spell they run
             # cold; and the hop to the thread and back cost an idle node more than its
             # probes' work.)

@@ -10,7 +10,8 @@ For the node serving `risk` (a request with a `card`)::
         headers[Header.FRESHNESS] = result.freshness.value
 
 `lookup` never raises for a missing or stale card and never outlives the deadline (less
-`reserve_ms`). Its `GuardResult`:
+`reserve_ms`, and less how late the loop's timers have lately fired: `late_ms`). Its
+`GuardResult`:
 
     values      32 floats (zero-padded): the card's features, added elementwise
     freshness   Freshness.FRESH    the newest value passed the check at once
@@ -63,6 +64,7 @@ log = structlog.get_logger("freshness.guard")
 
 FRESHNESS_KEY = config_key("freshness_ms")
 _NEUTRAL = (0.0,) * FEATURES
+_MAX_LATE_MS = 50.0  # past this the host is too loaded for any deadline: degrade, not wait
 
 
 class GuardResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +104,10 @@ class CardFeatureGuard(Lifecycle):
         self._latest: dict[str, CardFeatures] = {}
         self._last_good: dict[str, CardFeatures] = {}
         self._view_ingest_ms = 0.0
+        # How late a timed wait woke past its mark, recently (a decaying max, ms): kept back
+        # from the deadline beside `reserve_ms`. On a loaded host the loop's timers fire
+        # several ms late, and a wait to the last moment then answered after the deadline.
+        self.late_ms = 0.0
         self._changed = asyncio.Event()
         self._settings: LiveSettings | None = None
         self._task: asyncio.Task[None] | None = None
@@ -134,10 +140,12 @@ class CardFeatureGuard(Lifecycle):
     # -- the per-request path --------------------------------------------------------------
     async def lookup(self, card: str, deadline_monotonic_s: float) -> GuardResult:
         """The card's features, checked for freshness; returns by the deadline less
-        `reserve_ms`, whatever happens."""
+        `reserve_ms` and `late_ms`, whatever happens."""
         cfg = self.cfg
         started = time.monotonic()
         waited = False
+        late_ms = self.late_ms  # one figure for the whole lookup: learned at its end
+        woke_late_ms: float | None = None
         while True:
             value = self._latest.get(card)
             lag_ms = value.lag_ms if value is not None else None
@@ -145,7 +153,8 @@ class CardFeatureGuard(Lifecycle):
                 max(_now_ms() - self._view_ingest_ms, 0.0)
                 if cfg.check_age and value is not None else None
             )
-            remaining_ms = (deadline_monotonic_s - time.monotonic()) * 1000 - cfg.reserve_ms
+            now = time.monotonic()
+            remaining_ms = (deadline_monotonic_s - now) * 1000 - cfg.reserve_ms - late_ms
             action = decide(
                 lag_ms=lag_ms, age_ms=age_ms, threshold_ms=self.threshold_ms,
                 remaining_ms=remaining_ms, has_last_good=card in self._last_good,
@@ -155,9 +164,16 @@ class CardFeatureGuard(Lifecycle):
                 break
             waited = True
             changed = self._changed
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(remaining_ms / 1000):
                     await changed.wait()
+            except TimeoutError:
+                late = (time.monotonic() - now) * 1000 - remaining_ms
+                woke_late_ms = max(late, woke_late_ms or 0.0)
+        if woke_late_ms is not None:
+            # A decaying max: a late wake is kept back from the next waits and forgotten
+            # over some tens of timed-out ones (x0.9 each), never past a sane bound.
+            self.late_ms = min(max(woke_late_ms, late_ms * 0.9, 0.0), _MAX_LATE_MS)
         waited_ms = (time.monotonic() - started) * 1000 if waited else 0.0
         if action is Action.USE:
             assert value is not None

@@ -168,6 +168,29 @@ async def test_guard_waits_for_a_fresher_value_within_the_deadline(nc: Client) -
         assert 40 <= r.waited_ms < 1000
 
 
+async def test_a_late_wake_is_kept_back_from_the_next_waits(nc: Client) -> None:
+    kv = await ensure_features_bucket(nc.jetstream(), NAMES)
+    cfg = GuardConfig(on_stale=OnStale.WAIT, check_age=False, reserve_ms=5)
+    async with CardFeatureGuard(nc, NAMES, cfg) as guard:
+        await kv.put("c1", _value("c1", lag_ms=300))  # stale: every lookup waits
+        await _until(lambda: "c1" in guard._latest)
+        assert guard.late_ms == 0
+        # The loop is held for 40 ms just as the wait's timer is due (a loaded host): the
+        # lookup returns late, past the deadline less the reserve.
+        asyncio.get_running_loop().call_later(0.044, time.sleep, 0.04)
+        r = await guard.lookup("c1", _deadline(50))
+        assert r.freshness is Freshness.DEGRADED and r.waited_ms >= 60
+        assert 20 <= guard.late_ms <= 50
+        # The next waits end that much earlier, so the same lateness again still answers
+        # within the deadline; the estimate decays as waits wake on time.
+        kept = guard.late_ms
+        t0 = time.monotonic()
+        await guard.lookup("c1", _deadline(100))
+        took_ms = (time.monotonic() - t0) * 1000
+        assert took_ms <= 100 - 5 - kept + 15, (took_ms, kept, guard.late_ms)
+        assert guard.late_ms < kept
+
+
 async def test_live_threshold_from_plane_config(nc: Client) -> None:
     js = nc.jetstream()
     kv = await ensure_features_bucket(js, NAMES)

@@ -11,8 +11,11 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import faulthandler
 import random
-from collections.abc import AsyncIterator, Iterator
+import sys
+from collections.abc import AsyncIterator, Generator, Iterator
+from typing import TextIO
 
 import nats
 import pytest
@@ -31,6 +34,45 @@ def pytest_report_header() -> str:
 
 def _seed() -> int:
     return int(os.environ.get("PLANE_TEST_SEED", "20261129"))
+
+
+# Past pytest-timeout's own limit (pyproject: 180 s), a last guard that needs no GIL. Its
+# timer is a Python thread: a clean clone's run once hung 10 minutes in a Kafka bridge test
+# with it silent (a C call holding the GIL, most likely librdkafka's), until CI's own limit.
+# faulthandler's watchdog is a C thread: it prints every thread's stack and ends the run.
+HARD_TIMEOUT_S = 300
+
+
+_real_stderr: TextIO = sys.__stderr__ or sys.stderr
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's real stderr, for the hard timeout's dump: pytest captures fd 2 by then (a
+    dump there would be lost with the process), so take a copy while its capture is off."""
+    global _real_stderr
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture()
+    try:
+        _real_stderr = os.fdopen(os.dup(2), "w")
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _real_stderr is not sys.__stderr__:
+        _real_stderr.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    """Every test, its fixtures' set-up and tear-down included, under the hard timeout."""
+    faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True, file=_real_stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

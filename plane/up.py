@@ -5,6 +5,7 @@ compute are in `plane.serve`."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -21,6 +22,7 @@ from plane.auth.store import AuthDir
 from plane.client import Client as PlaneClient
 from plane.client import ClientConfig
 from plane.client.ticket_demo import redeem_one_ticket
+from plane.contract import logs
 from plane.contract.backoff import NO_RETRY
 from plane.contract.config import NodeConfig
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
@@ -42,6 +44,12 @@ def example_body(model: str) -> dict[str, object]:
     if model == "tinylm":
         return {"prompt": "The plane", "max_tokens": 16}
     return {"duration_us": 2000}
+
+
+def say(text: str) -> None:
+    """`text` and its newline to stdout in one write."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def line_buffered_stdout() -> None:
@@ -77,25 +85,33 @@ async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool) -> int:
     """Print where the plane is (the URL first) and how to call it; serve or demo."""
     names = cfg.names
     body = json.dumps(example_body(cfg.models[0]))
-    print(f"plane is up: NATS {stack.url}")
+    lines = [f"plane is up: NATS {stack.url}"]
     if stack.metrics_port:
-        print(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
-    print("call it from any NATS client, for example:")
-    print(f"  nats --server {stack.url} req {names.infer(cfg.models[0])} '{body}' "
-          f"-H {Header.DEADLINE_MS}:50")
-    print(f"  .venv/bin/plane pulse --nats {stack.url} --model {cfg.models[0]} "
-          "--rate 100 --duration 5")
-    print(f"  Python: async with Client.connect({stack.url!r}) as plane: "
-          f"await plane.invoke({cfg.models[0]!r}, {body})")
+        lines.append(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
+    lines += [
+        "call it from any NATS client, for example:",
+        f"  nats --server {stack.url} req {names.infer(cfg.models[0])} '{body}' "
+        f"-H {Header.DEADLINE_MS}:50",
+        f"  .venv/bin/plane pulse --nats {stack.url} --model {cfg.models[0]} "
+        "--rate 100 --duration 5",
+        f"  Python: async with Client.connect({stack.url!r}) as plane: "
+        f"await plane.invoke({cfg.models[0]!r}, {body})",
+    ]
+    # After the start-up's log lines (they go to stderr through a writer thread), in one
+    # write: `print`'s text and its newline are two writes, and with PYTHONUNBUFFERED (as
+    # container images often set it) and both streams on one terminal or file, a log line
+    # landed between them, in the middle of the URL's line.
+    await asyncio.to_thread(logs.wait_written, 1.0)
+    say("\n".join(lines))
     if demo:
         nc = await connect(replace(cfg.connect, url=stack.url, name="plane-demo"))
         try:
             return await demo_calls(nc, names, cfg.models)
         finally:
             await nc.close()
-    print("Ctrl-C stops everything.")
+    say("Ctrl-C stops everything.")
     await stop_event().wait()
-    print("stopping ...")
+    say("stopping ...")
     return 0
 
 
@@ -112,7 +128,7 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
         r = await client.call(model, body, deadline_ms=DEMO_DEADLINE_MS, policy=NO_RETRY)
         ms = (time.perf_counter() - t0) * 1000
         statuses[r.status] += 1
-        print(f"{model:>10}: {r.status} {r.body.decode()} in {ms:.2f} ms "
+        say(f"{model:>10}: {r.status} {r.body.decode()} in {ms:.2f} ms "
               f"(node {r.headers.get(Header.NODE)}, slot {r.headers.get(Header.SLOT)}, "
               f"{r.headers.get(Header.SERVICE_US)} us on the slot)")
         if r.status != Status.OK:
@@ -121,14 +137,14 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
             misses.append(f"{model} answered after its {DEMO_DEADLINE_MS} ms deadline")
     if "calibrated" in models:
         story = await redeem_one_ticket(client)
-        print("\n".join(line.strip() for line in story.render()))
+        say("\n".join(line.strip() for line in story.render()))
         if not story.ok:
             misses.append("the refusal's ticket was not redeemed with a 200")
-    print("answers by status: " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))
+    say("answers by status: " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))
     if misses:
-        print("demo: NOT OK: " + "; ".join(misses))
+        say("demo: NOT OK: " + "; ".join(misses))
         return 1
-    print("demo: OK (every call answered 200 within its deadline"
+    say("demo: OK (every call answered 200 within its deadline"
           + (", a refusal redeemed with its ticket)" if "calibrated" in models else ")"))
     return 0
 

@@ -35,9 +35,12 @@ def _alive(pid: int) -> bool:
 
 
 async def test_plane_up_serves_and_stops_cleanly_on_sigterm() -> None:
+    # Its logs and its banner on one pipe, unbuffered (as a container image often runs it):
+    # the banner comes after the start-up's logs, each of its lines whole.
     # (`with`: the pipes are closed at the end, whatever happened)
-    with subprocess.Popen([PLANE, "up", "--log-level", "warning", "--metrics-port", "0"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen([PLANE, "up", "--log-level", "info", "--metrics-port", "0"],
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
             await _serves_and_stops(proc)
         finally:
@@ -54,12 +57,17 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
     while time.monotonic() < t_end:
         line = proc.stdout.readline()
         lines.append(line)
-        if m := re.search(r"NATS (nats://127\.0\.0\.1:\d+)", line):
+        if m := re.fullmatch(r"plane is up: NATS (nats://127\.0\.0\.1:\d+)\n", line):
             url = m.group(1)
         if "Ctrl-C" in line:
             break
     assert url, "".join(lines)
-    assert any("req plane.infer.risk" in line for line in lines)
+    banner = lines[next(i for i, line in enumerate(lines) if line.startswith("plane is up")):]
+    assert [line.split(":")[0].strip() for line in banner if not line.startswith(" ")] == [
+        "plane is up", "metrics", "call it from any NATS client, for example",
+        "Ctrl-C stops everything."], "".join(lines)
+    assert any("req plane.infer.risk" in line for line in banner)
+    assert any('"router started"' in line for line in lines[:-len(banner)]), "".join(lines)
     children = _children(proc.pid)
     assert children, "plane up should run nats-server as its child"
     nc = await nats.connect(url)

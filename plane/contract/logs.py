@@ -120,6 +120,12 @@ def _stderr_sink(renderer: structlog.types.Processor) -> LineSink:
     return _sink
 
 
+def wait_written(timeout_s: float) -> bool:
+    """Until the log lines queued so far are on stderr (at most `timeout_s`; True if they
+    are): for output to stdout that must come after them, such as `plane up`'s banner."""
+    return _sink.wait_written(timeout_s) if _sink is not None else True
+
+
 def configure(level: str = "info", json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()

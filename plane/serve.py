@@ -58,8 +58,7 @@ async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequen
     """Print every router and node once (and what `metrics_urls` add); exit 0 when a router
     and a node answer and some slot is healthy to a router, else 1. Bounded: a dead server
     or a silent process costs at most about `timeout_s` each for connecting and asking."""
-    from rich.console import Console  # the tables: only here, not for `plane router`
-
+    from plane.observe.console import console  # rich, for the tables: only here
     from plane.observe.planeview import PlaneView, connect_fast
     from plane.observe.top import render, snapshot
 
@@ -79,7 +78,7 @@ async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequen
             del m["buckets"]  # the histogram itself: its p50/p99 are there
         print(json.dumps({"healthy": view.healthy, **body}))
     else:
-        Console().print(render(view))
+        console().print(render(view))
     return 0 if view.healthy else 1
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import socket
 import sys
 import time
@@ -34,8 +35,10 @@ HEALTH_CHECK_S = 5.0  # what a compose health check allows
 
 async def _status(*args: str) -> tuple[int, str, str, float]:
     t0 = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     proc = await asyncio.create_subprocess_exec(
-        PLANE, "status", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        PLANE, "status", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=env)
     out, err = await proc.communicate()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode(), time.monotonic() - t0
@@ -71,8 +74,10 @@ async def test_status_prints_every_router_and_node_and_exits_0() -> None:
     assert m["error"] is None and m["refusals"] >= 1 and m["tickets_issued"] >= 1
     assert m["accepted_p50_ms"] is not None and 20 <= m["accepted_p50_ms"] <= 100
     assert text_code == 0
-    for word in ("routers", "nodes", "router0", "node0-risk", "healthy", "--metrics"):
+    for word in ("routers", "nodes", "router0", "node0-risk", "healthy", "--metrics",
+                 "node0-calibrated", "cycle p50/p99"):
         assert word in text, word
+    assert "…" not in text, text  # into a pipe, no column is cut short
 
 
 async def test_status_of_a_dead_server_is_unhealthy_and_fast() -> None:

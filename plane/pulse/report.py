@@ -13,6 +13,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from plane.observe.console import console as default_console
 from plane.pulse.outcome import TIMEOUT, Outcome
 from plane.pulse.series import per_second, percentile_curve
 from plane.pulse.summary import Summary
@@ -31,7 +32,7 @@ def _pct(v: float | None) -> str:
 
 
 def print_table(summary: Summary, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or default_console()
     s = summary
     t = Table(title=f"pulse: {s.target}  {s.rate:g}/s for {s.duration_s:g}s", show_header=False)
     t.add_column(style="bold")

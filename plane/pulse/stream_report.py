@@ -14,6 +14,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from plane.observe.console import console as default_console
 from plane.pulse.stream_outcome import StreamOutcome
 from plane.pulse.stream_runner import Capacity
 from plane.pulse.stream_series import stream_seconds
@@ -48,7 +49,7 @@ def _counts(d: dict[str, int]) -> str:
 
 def print_stream_table(s: StreamSummary, capacity: Capacity | None = None,
                        console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or default_console()
     t = Table(title=f"pulse streams: {s.target}  {s.rate:g}/s (Poisson) for {s.duration_s:g}s",
               show_header=False)
     t.add_column(style="bold")

@@ -13,7 +13,7 @@ from freshness.metrics import BridgeMetrics
 from plane.contract.config import ConnectOptions
 from plane.contract.lifecycle import cancel_and_wait, stop_event
 from plane.contract.metrics import PlaneMetrics, serve_metrics
-from plane.contract.natsconn import connect
+from plane.contract.natsconn import close, connect
 
 log = structlog.get_logger("freshness.run")
 
@@ -37,4 +37,4 @@ async def run_bridge(
                     await cancel_and_wait(stopped)
                     await cancel_and_wait(running)
     finally:
-        await nc.drain()
+        await close(nc)

@@ -4,6 +4,7 @@ avoidance, deadlines and typed errors, without needing a router."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -176,3 +177,37 @@ async def test_sync_client(router: FakeRouter, nats_server: EmbeddedNats) -> Non
             return r.attempts, r.slot
 
     assert await asyncio.to_thread(blocking) == (2, 3)
+
+
+async def test_leaving_after_the_server_went_away_is_clean() -> None:
+    """The server stops while the caller is connected (`plane pulse` against a `plane up`
+    that was stopped): leaving the `async with` / `with` closes, not raises (nats-py's drain
+    raises ConnectionReconnectingError on a connection that is reconnecting)."""
+    async with EmbeddedNats() as srv:
+        async with Client.connect(srv.url) as plane:
+            await srv.stop()
+            async with asyncio.timeout(5):
+                while plane.nc.is_connected:
+                    await asyncio.sleep(0.01)
+        assert plane.nc.is_closed
+
+    async with EmbeddedNats() as srv:
+        connected, server_gone = threading.Event(), threading.Event()
+
+        def blocking() -> None:
+            with SyncClient(srv.url) as sync_plane:
+                connected.set()
+                assert server_gone.wait(10)
+                nc = sync_plane._client.nc if sync_plane._client is not None else None
+                t_end = time.monotonic() + 5
+                while nc is not None and nc.is_connected:
+                    assert time.monotonic() < t_end
+                    time.sleep(0.01)
+
+        leaving = asyncio.create_task(asyncio.to_thread(blocking))
+        async with asyncio.timeout(10):
+            while not connected.is_set():
+                await asyncio.sleep(0.01)
+        await srv.stop()
+        server_gone.set()
+        await leaving

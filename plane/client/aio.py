@@ -38,6 +38,7 @@ from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.messages import Reason, Status
+from plane.contract.natsconn import close
 from plane.contract.replies import now_ms
 from plane.contract.subjects import Header, Names
 
@@ -109,7 +110,7 @@ class Client:
         try:
             yield cls(nc, config)
         finally:
-            await nc.drain()
+            await close(nc)  # drains; closes when the server is gone (drain would raise)
 
     async def invoke(
         self,

@@ -24,6 +24,7 @@ from plane.client.result import Result
 from plane.client.stream import TokenStream
 from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.contract.messages import Usage
+from plane.contract.natsconn import close as close_connection
 
 T = TypeVar("T")
 
@@ -63,7 +64,7 @@ class SyncClient:
         if loop is None:
             return
         if client is not None:
-            fut = asyncio.run_coroutine_threadsafe(client.nc.drain(), loop)
+            fut = asyncio.run_coroutine_threadsafe(close_connection(client.nc), loop)
             try:
                 fut.result(timeout=_SLACK_S)
             except TimeoutError:

@@ -33,7 +33,7 @@ from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.headers import is_no_responders
 from plane.contract.messages import Reason
-from plane.contract.natsconn import connect
+from plane.contract.natsconn import close, connect
 from plane.contract.replies import now_ms
 from plane.contract.streams import ASKED, Kind, StreamBroken, StreamReader
 from plane.contract.subjects import Header, Names
@@ -144,7 +144,7 @@ class StreamTarget:
                         tb: TracebackType | None) -> None:
         nc, self._nc = self._nc, None
         if nc is not None:
-            await nc.drain()
+            await close(nc)
 
     async def _on_msg(self, msg: Msg) -> None:
         t = time.monotonic()

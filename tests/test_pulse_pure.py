@@ -22,6 +22,7 @@ from plane.pulse import (
 from plane.pulse.series import per_second, percentile_curve
 from plane.pulse.summary import (
     ABSENT,
+    BY_ERRORS,
     BY_GROWTH,
     BY_HINTS,
     BY_NO_ANSWERS,
@@ -113,10 +114,10 @@ def test_too_few_samples_is_no_plateau() -> None:
 # -- verdict ---------------------------------------------------------------------------------
 def _sig(ratio: float | None, plateau: bool = False, refusals: int = 0,
          hinted: float | None = None, first: float = 10.0, last: float = 10.0,
-         dropped: int = 0, timeouts: int = 0) -> Signals:
+         dropped: int = 0, timeouts: int = 0, errors: int = 0) -> Signals:
     return Signals(p99_over_p50=ratio, plateau=plateau, refusals=refusals,
                    retry_after_share=hinted, first_third_p50_ms=first, last_third_p50_ms=last,
-                   dropped=dropped, timeouts=timeouts, requests=1000)
+                   dropped=dropped, timeouts=timeouts, errors=errors, requests=1000)
 
 
 def test_verdict() -> None:
@@ -131,6 +132,11 @@ def test_verdict() -> None:
     assert verdict(_sig(1.2, dropped=5))[::2] == (INCONCLUSIVE, BY_NO_REFUSALS)
     assert verdict(_sig(1.2, timeouts=20))[::2] == (INCONCLUSIVE, BY_NO_REFUSALS)
     assert verdict(_sig(1.2, timeouts=2))[::2] == (NOT_SATURATED, BY_NO_SATURATION)  # 0.2%
+    # The target broke under the run (a plane stopped: what it held timed out, the rest
+    # failed to send): its growth is not a queue's.
+    v, reasons, by = verdict(_sig(1.0, first=20, last=3000, timeouts=597, errors=21))
+    assert (v, by) == (INCONCLUSIVE, BY_ERRORS) and "21 of 1000" in reasons[0]
+    assert verdict(_sig(1.9, first=10, last=400, errors=9))[::2] == (PRESENT, BY_GROWTH)  # 0.9%
 
 
 def test_no_queue_verdict_without_saturation() -> None:

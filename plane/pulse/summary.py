@@ -1,7 +1,9 @@
 """From a run's outcomes to its summary: HDR percentiles, counts, retry figures, the plateau
 and the verdict. Pure functions of the outcomes (no clock, no I/O).
 
-The verdict needs evidence of saturation first: a load that never pushed the target past its
+A run in which the target broke (1% or more of requests failed in transport: refused or lost
+connections, nobody listening) is "inconclusive" whatever else it shows. The verdict needs
+evidence of saturation first: a load that never pushed the target past its
 capacity (no refusals, no latency growth over the run, no drops, no timeouts) cannot show
 whether a queue is there, whatever its p99/p50 (a busy machine's jitter alone gives 1.9).
 Saturated, the marks of a queue (growth, a plateau, p99/p50 over 1.8, refusals without a
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 import msgspec
 from hdrh.histogram import HdrHistogram
 
-from plane.pulse.outcome import TIMEOUT, Outcome
+from plane.pulse.outcome import ERROR, TIMEOUT, Outcome
 from plane.pulse.plateau import detect_plateau
 
 MAX_RATIO = 1.8  # p99/p50 above this: answers wait for each other somewhere
@@ -30,6 +32,9 @@ MIN_HINTED = 0.99  # share of 429s that must carry a Retry-After
 GROWTH_FACTOR = 2.0  # accepted p50 of the last third over the first third: a backlog grows
 GROWTH_MIN_MS = 1.0  # ... and by at least this much (sub-millisecond noise is not growth)
 MIN_TIMEOUT_SHARE = 0.01  # answers that ran out of time: saturation from this share on
+# Requests whose transport failed (connection refused or lost, nobody listening): from this
+# share on the target broke under the run, and its answers say nothing of a queue.
+MIN_ERROR_SHARE = 0.01
 _HIGHEST_US = 3_600_000_000  # an hour: nothing we measure takes longer
 ABSENT, PRESENT, INCONCLUSIVE = "queueing layer absent", "queueing layer present", "inconclusive"
 NOT_SATURATED = "not saturated"
@@ -37,6 +42,7 @@ NOT_SATURATED = "not saturated"
 BY_GROWTH, BY_PLATEAU, BY_RATIO, BY_HINTS = "growth", "plateau", "p99/p50", "retry-after"
 BY_REFUSALS, BY_NO_SATURATION, BY_NO_ANSWERS, BY_NO_REFUSALS = (
     "refusals", "no saturation", "no answers", "no refusals")
+BY_ERRORS = "transport errors"
 
 
 class Signals(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +56,7 @@ class Signals(msgspec.Struct, frozen=True, kw_only=True):
     last_third_p50_ms: float | None = None
     dropped: int = 0  # arrivals over the concurrency cap
     timeouts: int = 0  # final answers that ran out of time (timeout, 504)
+    errors: int = 0  # requests whose transport failed (final "error")
     requests: int = 0
 
     @property
@@ -114,6 +121,13 @@ def _share(num: int, den: int) -> float | None:
 
 def verdict(sig: Signals) -> tuple[str, list[str], str]:
     """(verdict, reasons, decided_by): see the module doc."""
+    if sig.requests and sig.errors / sig.requests >= MIN_ERROR_SHARE:
+        # A plane stopped under the run (or a gateway gone) times out what it held and
+        # fails what came after: "latency grew" then, and it is not a queue's doing.
+        return INCONCLUSIVE, [
+            f"{sig.errors} of {sig.requests} requests failed in transport (connection refused "
+            "or lost, nobody listening): the target broke during the run, so its latency "
+            "says nothing of a queue; run again against a target that stays up"], BY_ERRORS
     saturation: list[str] = []
     if sig.refusals:
         saturation.append(f"{sig.refusals} refusals (429)")
@@ -196,7 +210,8 @@ def summarize(
         p99_over_p50=ratio, plateau=plateau.found, refusals=refusals,
         retry_after_share=retry_after_share, first_third_p50_ms=first, last_third_p50_ms=last,
         dropped=dropped, requests=len(outcomes),
-        timeouts=sum(1 for o in outcomes if o.attempts.final in (TIMEOUT, "504"))))
+        timeouts=sum(1 for o in outcomes if o.attempts.final in (TIMEOUT, "504")),
+        errors=sum(1 for o in outcomes if o.attempts.final == ERROR)))
     return Summary(
         target=target, rate=rate, duration_s=duration_s, concurrency=concurrency,
         deadline_ms=deadline_ms,
@@ -206,7 +221,7 @@ def summarize(
         e2e_p50_ms=_pct_ms(e2e, 50), e2e_p99_ms=_pct_ms(e2e, 99),
         p99_by_window_ms=[_pct_ms(_hist(w), 99) for w in by_window],
         sent=sent,
-        answered=sum(1 for o in outcomes if o.attempts.final not in (TIMEOUT, "error")),
+        answered=sum(1 for o in outcomes if o.attempts.final not in (TIMEOUT, ERROR)),
         dropped=dropped,
         ok_per_s=ok / duration_s if duration_s > 0 else 0.0,
         status_counts=status_counts,

@@ -247,6 +247,33 @@ def test_a_parked_holder_whose_window_closes_gets_a_new_promise() -> None:
     assert a.ticket not in adm.tickets and adm.stats["holder-refused-after-park"] == 1
 
 
+def test_a_parked_holder_refused_at_its_deadline_leaves_no_promise_behind() -> None:
+    """A holder parks until its deadline no longer leaves room for the work; then the budget
+    check refuses it (`deadline`: it will not come back). Its promise must go: left parked
+    in the book, it kept the next holder from a free slot."""
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.010, 0.010)
+    a = adm.decide(ms, ask(0.0, deadline_s=0.030))
+    b = adm.decide(ms, ask(0.0))
+    c = adm.decide(ms, ask(0.0))
+    assert isinstance(a, Refuse) and isinstance(b, Refuse) and isinstance(c, Refuse)
+    assert c.ticket is not None
+    # Both slots are taken again before a's holder is back: it parks, to its deadline at most.
+    busy_until(ms, 0.050, 0.060)
+    parked = adm.decide(ms, Ask(now_s=0.009, deadline_s=0.030, prediction=MS10,
+                                ticket=a.ticket))
+    assert isinstance(parked, Park) and parked.until_s <= 0.030 - 0.011 + 1e-9
+    d = adm.decide(ms, Ask(now_s=parked.until_s + 0.001, deadline_s=0.030, prediction=MS10,
+                           ticket=a.ticket, park_until_s=parked.until_s))
+    assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE and d.ticket is None
+    assert a.ticket not in adm.tickets
+    assert all(p.ticket != a.ticket for p in ms.promises)
+    # A slot frees: the next holder, due first now, takes it at once.
+    ms.slots["n/0"].release(0.050)
+    d = adm.decide(ms, ask(0.050, ticket=b.ticket))
+    assert isinstance(d, Place) and d.redeemed is not None and d.redeemed.ticket == b.ticket
+
+
 def test_promises_stop_at_the_horizon_with_a_deadline_refusal() -> None:
     ms, adm = slots(2), Admission("r")
     busy_until(ms, 0.010, 0.010)

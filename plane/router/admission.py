@@ -318,6 +318,7 @@ class Admission:
         for check in CHECKS:
             refusal = check(ms, ask)
             if refusal is not None:
+                self._drop_holder(ms, ask)
                 return refusal
         self._expire(ms, ask.now_s)
         holder = self._holder(ms, ask)
@@ -412,6 +413,22 @@ class Admission:
             self._count(ms.model, redeemed=True)
         self.stats["ticket-valid"] += 1
         return r
+
+    def _drop_holder(self, ms: ModelSlots, ask: Ask) -> None:
+        """A holder answered by a check (its deadline no longer fits, no healthy slot) is
+        gone for good: its promise goes with it. Left in the book, a parked one (a holder
+        whose park window ran to its deadline) kept the next holders from free slots until
+        it expired, each of them parked to its own deadline and left the same behind: at
+        1.5x overload the accepted p99 went from 1.04x to 2x the p50 (100 ms jobs)."""
+        if ask.ticket is None:
+            return
+        p = self.tickets.get(ask.ticket) or self.foreign.get(ask.ticket)
+        if p is None or not any(q is p for q in ms.promises):
+            return
+        if ask.park_until_s is None:  # it did come back (a parked re-decide counted already)
+            self._count(ms.model, redeemed=True)
+        self.stats["holder-refused-by-check"] += 1
+        self.forget(ms, p)
 
     def _count(self, model: str, *, redeemed: bool) -> None:
         rate = self.redemption.get(model, 1.0)

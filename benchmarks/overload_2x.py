@@ -1,7 +1,7 @@
 """The plane's promise under overload: `plane pulse --retry` at 0.9x and 2x the capacity.
 
     .venv/bin/python benchmarks/overload_2x.py [--duration 60] [--slots 4] [--work-us 20000]
-                                               [--routers 1] [--no-retry]
+                                               [--deadline-ms 1000] [--routers 1] [--no-retry]
 
 One run: an embedded nats-server, `plane up --nats URL --models calibrated --slots N` as its
 own process (router and node), `--routers` - 1 more `plane router` processes (the routers
@@ -45,7 +45,7 @@ DEADLINE_MS = 1000
 
 
 async def capacity(url: ConnectOptions | str, body: bytes, callers: int,
-                   seconds: float) -> float:
+                   seconds: float, deadline_ms: int = DEADLINE_MS) -> float:
     async with Client.connect(url) as c:
         done = 0
         end = time.monotonic() + seconds
@@ -53,7 +53,7 @@ async def capacity(url: ConnectOptions | str, body: bytes, callers: int,
         async def caller() -> None:
             nonlocal done
             while time.monotonic() < end:
-                r = await c.call("calibrated", body, deadline_ms=DEADLINE_MS)
+                r = await c.call("calibrated", body, deadline_ms=deadline_ms)
                 done += r.status == 200
 
         t0 = time.monotonic()
@@ -66,14 +66,15 @@ def pct(values: list[int], p: float) -> float:
     return quantile(values, p / 100) / 1000
 
 
-def figures(outcomes: list[Outcome], seconds: float) -> dict[str, float]:
+def figures(outcomes: list[Outcome], seconds: float,
+            deadline_ms: int = DEADLINE_MS) -> dict[str, float]:
     accepted = [o for o in outcomes if o.attempts.final == "200"]
     refused_first = [o for o in outcomes if o.attempts.statuses[:1] == (429,)]
     retried = [o for o in refused_first if len(o.attempts.statuses) >= 2]
     return {
         "offered": len(outcomes),
         "accepted_per_s": len(accepted) / seconds,
-        "accepted_within_deadline": sum(o.latency_us <= DEADLINE_MS * 1000 for o in accepted)
+        "accepted_within_deadline": sum(o.latency_us <= deadline_ms * 1000 for o in accepted)
         / max(1, len(accepted)),
         "accepted_p50_ms": pct([o.accepted_us for o in accepted], 50),
         "accepted_p99_ms": pct([o.accepted_us for o in accepted], 99),
@@ -119,6 +120,8 @@ async def main() -> None:
     ap.add_argument("--work-us", type=int, default=20_000)
     ap.add_argument("--metrics-port", type=int, default=9791)
     ap.add_argument("--routers", type=int, default=1)
+    ap.add_argument("--deadline-ms", type=int, default=DEADLINE_MS,
+                    help="each request's Plane-Deadline-Ms (retries included)")
     ap.add_argument("--no-retry", action="store_true",
                     help="callers that never come back: goodput against the capacity")
     args = ap.parse_args()
@@ -138,17 +141,18 @@ async def main() -> None:
                 if not line:
                     raise RuntimeError("plane up exited")
             await asyncio.sleep(2.0 if more else 0.0)  # the extra routers see the node's advert
-            cap = await capacity(srv.url, body, args.slots, 10.0)
+            cap = await capacity(srv.url, body, args.slots, 10.0, args.deadline_ms)
             rows = {}
             for factor in (0.9, 2.0):
                 target = NatsTarget(ConnectOptions(url=srv.url, name="overload"),
-                                    model="calibrated", deadline_ms=DEADLINE_MS,
+                                    model="calibrated", deadline_ms=args.deadline_ms,
                                     policy=NO_RETRY if args.no_retry else RetryPolicy())
                 async with target:
                     t0 = time.monotonic()
                     result = await run_load(target, body, LoadConfig(
                         rate=factor * cap, duration_s=args.duration, concurrency=4096))
-                    rows[factor] = figures(result.outcomes, time.monotonic() - t0)
+                    rows[factor] = figures(result.outcomes, time.monotonic() - t0,
+                                           args.deadline_ms)
             text = "\n".join(urllib.request.urlopen(
                 f"http://127.0.0.1:{args.metrics_port + i}/metrics", timeout=5).read().decode()
                 for i in range(args.routers))
@@ -161,7 +165,8 @@ async def main() -> None:
     r09, r2 = rows[0.9], rows[2.0]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {args.slots} slots x {args.work_us} us calibrated, "
-          f"{args.routers} router(s), deadline {DEADLINE_MS} ms, {args.duration:.0f} s per load"
+          f"{args.routers} router(s), deadline {args.deadline_ms} ms, {args.duration:.0f} s per "
+          "load"
           f"{', callers never retry' if args.no_retry else ''}")
     print(f"capacity (closed loop, {args.slots} callers): {cap:.1f} req/s "
           f"(ideal {args.slots / args.work_us * 1e6:.0f})\n")

@@ -274,6 +274,31 @@ def test_a_parked_holder_refused_at_its_deadline_leaves_no_promise_behind() -> N
     assert isinstance(d, Place) and d.redeemed is not None and d.redeemed.ticket == b.ticket
 
 
+def test_no_promise_a_holder_as_late_as_most_would_miss() -> None:
+    """Holders have come back 8 ms after their due time: a promise due closer than that to
+    the last start its deadline allows is refused at once (`deadline`), not made to fail."""
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    now = 0.0
+    for _ in range(20):  # holders that come back 8 ms late (and are placed)
+        r = adm.decide(ms, ask(now))
+        assert isinstance(r, Refuse) and r.ticket is not None
+        back = now + r.retry_after_ms / 1000 + 0.008
+        ms.slots["n/0"].release(back)
+        d = adm.decide(ms, ask(back, ticket=r.ticket))
+        assert isinstance(d, Place)
+        ms.slots["n/0"].occupy(back, "ours", 0.010, 0.011)
+        now = back
+    assert adm.lateness["calibrated"].p99_us >= 8000
+    # The slot frees in 10 ms; the work takes 11 ms at the p99. A 30 ms deadline leaves a
+    # latest start at 19 ms: due at ~9 ms + 8 ms late fits. A 25 ms one does not.
+    ok = adm.decide(ms, ask(now, deadline_s=0.030))
+    assert isinstance(ok, Refuse) and ok.reason == Reason.BUSY and ok.ticket is not None
+    adm.forget(ms, adm.tickets[ok.ticket])
+    late = adm.decide(ms, ask(now, deadline_s=0.025))
+    assert isinstance(late, Refuse) and late.reason == Reason.DEADLINE and late.ticket is None
+
+
 def test_promises_stop_at_the_horizon_with_a_deadline_refusal() -> None:
     ms, adm = slots(2), Admission("r")
     busy_until(ms, 0.010, 0.010)

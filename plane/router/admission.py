@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from plane.contract.budget import Prediction, fits
+from plane.contract.budget import Prediction, ServiceWindow, fits
 from plane.contract.messages import Reason, Status
 from plane.contract.subjects import InvalidToken, check_token
 from plane.router.fairness import OverLimit, OverShare
@@ -68,6 +68,10 @@ LAPSED_MAX = 10_000
 # and dropped: near saturation (3 x 8 ms at 0.9x of the closed-loop capacity) first retries
 # fell from 97% to 35%, newcomers taking the slots the turns counted on.
 PROMISE_MAX_LINKS = 8
+# How late holders come back (`Admission.lateness`): the last LATENESS_WINDOW holders, and
+# before any came back, what the SDK adds to Retry-After (up to 2 ms of jitter) and a trip.
+LATENESS_WINDOW = 128
+LATENESS_PRIOR_US = 3000
 REDEMPTION_WEIGHT = 0.1
 
 
@@ -275,6 +279,9 @@ class Admission:
         # Promises made or gone since the router last looked (it tells the other routers).
         self.notes: list[PromiseChange] = []
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
+        # How late holders come back after their due time, per model (µs, early ones as 0):
+        # a promise is made only if a holder this late still starts in time (`_refuse`).
+        self.lateness: dict[str, ServiceWindow] = {}
 
     def take_notes(self) -> list[PromiseChange]:
         notes, self.notes = self.notes, []
@@ -404,6 +411,7 @@ class Admission:
             return None
         if ask.park_until_s is None:  # first look at this holder (not a parked re-decide)
             self.on_lateness(ms.model, ask.now_s - r.due_s)
+            self._lateness(ms.model).add(int((ask.now_s - r.due_s) * 1e6))
         if r.expires_s < ask.now_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
@@ -413,6 +421,12 @@ class Admission:
             self._count(ms.model, redeemed=True)
         self.stats["ticket-valid"] += 1
         return r
+
+    def _lateness(self, model: str) -> ServiceWindow:
+        if (w := self.lateness.get(model)) is None:
+            w = self.lateness[model] = ServiceWindow(size=LATENESS_WINDOW,
+                                                     prior_us=LATENESS_PRIOR_US)
+        return w
 
     def _drop_holder(self, ms: ModelSlots, ask: Ask) -> None:
         """A holder answered by a check (its deadline no longer fits, no healthy slot) is
@@ -476,7 +490,13 @@ class Admission:
                 f"(earliest free in {wait_ms} ms): go elsewhere now, or come back later",
                 retry_after_ms=wait_ms,
             )
-        if due_s > ask.latest_start_s():
+        # A promise its holder cannot keep is worse than none: one due so near the last
+        # start its deadline allows that a holder as late as most (the p99 of the lateness
+        # seen) misses it is refused at once, `deadline`, as one past it is. (At 100 ms
+        # deadlines, 20 ms jobs, 2x: promises made to the last moment came back late by the
+        # caller's trip and jitter and were refused then, 40% of first retries.)
+        late_s = self._lateness(ms.model).p99_us / 1e6
+        if due_s + late_s > ask.latest_start_s():
             return Refuse(
                 Status.BUSY, Reason.DEADLINE,
                 f"every {ms.model} slot is busy and none frees in time for your deadline "

@@ -129,8 +129,8 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
         ms = (time.perf_counter() - t0) * 1000
         statuses[r.status] += 1
         say(f"{model:>10}: {r.status} {r.body.decode()} in {ms:.2f} ms "
-              f"(node {r.headers.get(Header.NODE)}, slot {r.headers.get(Header.SLOT)}, "
-              f"{r.headers.get(Header.SERVICE_US)} us on the slot)")
+            f"(node {r.headers.get(Header.NODE)}, slot {r.headers.get(Header.SLOT)}, "
+            f"{r.headers.get(Header.SERVICE_US)} us on the slot)")
         if r.status != Status.OK:
             misses.append(f"{model} answered {r.status} ({r.reason})")
         elif ms > DEMO_DEADLINE_MS:
@@ -145,7 +145,7 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
         say("demo: NOT OK: " + "; ".join(misses))
         return 1
     say("demo: OK (every call answered 200 within its deadline"
-          + (", a refusal redeemed with its ticket)" if "calibrated" in models else ")"))
+        + (", a refusal redeemed with its ticket)" if "calibrated" in models else ")"))
     return 0
 
 

@@ -137,6 +137,8 @@ def test_verdict() -> None:
     v, reasons, by = verdict(_sig(1.0, first=20, last=3000, timeouts=597, errors=21))
     assert (v, by) == (INCONCLUSIVE, BY_ERRORS) and "21 of 1000" in reasons[0]
     assert verdict(_sig(1.9, first=10, last=400, errors=9))[::2] == (PRESENT, BY_GROWTH)  # 0.9%
+    v, reasons, by = verdict(_sig(None, errors=1000))  # nothing listening at all
+    assert (v, by) == (INCONCLUSIVE, BY_ERRORS) and "none of the 1000" in reasons[0]
 
 
 def test_no_queue_verdict_without_saturation() -> None:

@@ -121,6 +121,10 @@ def _share(num: int, den: int) -> float | None:
 
 def verdict(sig: Signals) -> tuple[str, list[str], str]:
     """(verdict, reasons, decided_by): see the module doc."""
+    if sig.requests and sig.errors == sig.requests:
+        return INCONCLUSIVE, [
+            f"none of the {sig.requests} requests reached the target (connection refused, "
+            "nobody listening): is it up, and is the URL right?"], BY_ERRORS
     if sig.requests and sig.errors / sig.requests >= MIN_ERROR_SHARE:
         # A plane stopped under the run (or a gateway gone) times out what it held and
         # fails what came after: "latency grew" then, and it is not a queue's doing.

@@ -54,11 +54,21 @@ class Supervisor:
         self._changed = changed
         self.state: dict[int, SlotHealth] = {}
         self._stopping = False
+        # Set when a probe ends: its result is read in the same wake, not a check later (an
+        # idle node woke twice per probe period, once to start its probes and once to read
+        # them).
+        self._probed = asyncio.Event()
+        self.timed_checks = 0  # checks its timer woke it for (a probe's end wakes it too)
 
     async def run(self) -> None:
         try:
             while not self._stopping:
-                await asyncio.sleep(self._next_check_s())
+                try:
+                    async with asyncio.timeout(self._next_check_s()):
+                        await self._probed.wait()
+                except TimeoutError:
+                    self.timed_checks += 1
+                self._probed.clear()
                 for slot in self._slots():
                     await self._tick(slot)
         finally:
@@ -82,7 +92,7 @@ class Supervisor:
         until_due = period
         for slot in self._slots():
             st = self.state.get(slot.k)
-            if st is None or st.probe is not None or not slot.idle:
+            if st is None or (st.probe is not None and not st.probe.done()) or not slot.idle:
                 return quarter
             until_due = min(until_due, st.last_probe_s + period - now)
         return max(quarter, until_due)
@@ -115,6 +125,7 @@ class Supervisor:
         if st.probe is None and slot.idle and now - st.last_probe_s >= period:
             st.last_probe_s = now
             st.probe = asyncio.create_task(slot.probe())
+            st.probe.add_done_callback(lambda _: self._probed.set())
         await self._decide(slot, st)
 
     async def _decide(self, slot: Slot, st: SlotHealth) -> None:

@@ -50,3 +50,13 @@ async def test_an_idle_cpu_nodes_probes_run_on_its_loop() -> None:
                          "three probes on each slot")
         assert not any(s.thread.started for s in slots)
         assert all(s.healthy for s in slots)
+        # One wake of the supervisor per probe period: it reads the probes' results as they
+        # end, not a check later (it woke twice a period).
+        supervisor = stack.nodes[0]._supervisor
+        assert supervisor is not None
+        checks, probes = supervisor.timed_checks, slots[0].probe_window.count
+        await asyncio.sleep(1.0)
+        period_s = stack.nodes[0].cfg.probe_period_ms / 1000
+        assert slots[0].probe_window.count - probes >= 0.5 / period_s  # still probing
+        woke = supervisor.timed_checks - checks
+        assert woke <= 1.0 / period_s + 3, woke

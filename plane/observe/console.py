@@ -1,4 +1,4 @@
-"""The console the commands print their tables to.
+"""The console the commands print their tables to (`plane status`, `top`, `pulse`).
 
 rich lays a table out for the terminal's width, and for 80 columns when stdout is not a
 terminal (a pipe, a file, a CI log): `plane status > status.txt` cut its columns to

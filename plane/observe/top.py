@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from plane.contract.subjects import Names
+from plane.observe.console import console as default_console
 from plane.observe.planeview import (
     MetricsFacts,
     ModelFacts,
@@ -112,7 +113,7 @@ async def run_top(nc: Client, names: Names, metrics_urls: Sequence[str], *,
                   interval_s: float, iterations: int | None = None,
                   console: Console | None = None) -> PlaneView:
     """Refresh until cancelled (Ctrl-C), or `iterations` times; returns the last view."""
-    console = console or Console()
+    console = console or default_console()
     last: dict[str, tuple[float, MetricsFacts]] = {}
     view = PlaneView(routers=[], nodes=[])
     with Live(render(view, live=True), console=console, auto_refresh=False) as screen:

@@ -13,12 +13,13 @@ import sys
 import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 from nats.aio.client import Client
 
 from freshness.guard import guarded_enricher
 from gpu_node.node import Node
-from plane.auth.store import AuthDir
+from plane.auth.store import STATE_FILE, AuthDir
 from plane.client import Client as PlaneClient
 from plane.client import ClientConfig
 from plane.client.ticket_demo import redeem_one_ticket
@@ -77,15 +78,23 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
             cfg = replace(cfg, connect=auth.options("admin", cfg.connect.url, name="plane-up"),
                           roles=auth.roles(), settings=auth.tenant_settings())
         code = await _serve(await started.enter_async_context(
-            PlaneStack(cfg, tracing=Tracing.from_env("plane"))), cfg, demo=demo)
+            PlaneStack(cfg, tracing=Tracing.from_env("plane"))), cfg, demo=demo,
+            credentials=auth.path / STATE_FILE if auth is not None else None)
     return code
 
 
-async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool) -> int:
-    """Print where the plane is (the URL first) and how to call it; serve or demo."""
+async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool,
+                 credentials: Path | None = None) -> int:
+    """Print where the plane is (the URL first) and how to call it; serve or demo.
+    `credentials`: the auth state the server runs with (the calls below need a login)."""
     names = cfg.names
     body = json.dumps(example_body(cfg.models[0]))
     lines = [f"plane is up: NATS {stack.url}"]
+    if credentials is not None:
+        # Where the logins are, not the logins: a banner ends up in logs.
+        lines.append(f"credentials: required; every role's and tenant's user and password are "
+                     f"in {credentials}: add --user and --password to the calls below (a "
+                     f"tenant's to call as that tenant)")
     if stack.metrics_port:
         lines.append(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
     lines += [

@@ -447,6 +447,11 @@ async def test_plane_up_auth_serves_with_the_roles(auth: AuthDir) -> None:
     text = out.decode()
     assert proc.returncode == 0, text
     assert "calibrated: 200" in text and "429" in text
+    # The banner says that its example calls need a login, and where the logins are (not
+    # the logins themselves: a banner ends up in logs).
+    assert f"credentials: required; every role's and tenant's user and password are in " \
+           f"{auth.path / 'auth.json'}" in text, text
+    assert auth.options("admin").password not in text
 
 
 async def test_the_bridge_role_feeds_features_the_node_role_reads(

@@ -207,6 +207,11 @@ async def test_a_cancel_frees_the_slot_within_a_token_step() -> None:
     async with node_only() as (stack, nc, _done):
         gen = stack.nodes[0].slots[0].generator
         assert gen is not None
+        # Once routers surely know the node: a stream fetched before that ends through the
+        # broker and asks its router whether it answered (`plane.contract.ownership`), and
+        # with no router here the first trial's end waited out that question's 1 s.
+        standing = stack.nodes[0].standing
+        await wait_until(lambda: time.monotonic() > standing.settled_s, 5, "the node settled")
         for i in range(5):
             s = await place(nc, body(LONG_PROMPT, 250), f"c-{i}")
             assert await s.next() is Kind.START
@@ -227,10 +232,13 @@ async def test_a_cancel_frees_the_slot_within_a_token_step() -> None:
             assert end.usage.completion_tokens == len(s.text) < 250
         step_ms = gen.mean_step_s * 1000
         assert stack.nodes[0].streams.cancelled == 5
-    print(f"\ncancel -> next stream's start on the slot: {sorted(round(w, 2) for w in waits_ms)} "
+    print(f"\ncancel -> next stream's start on the slot: {[round(w, 2) for w in waits_ms]} "
           f"ms; a token step {step_ms:.3f} ms")
-    # The target is one step + 5 ms; on a shared 2-core test box, the median within twice.
-    assert statistics.median(waits_ms) <= step_ms + 10
+    # Freed at the cancel, not at the stream's end (250 tokens): every wait well under half
+    # of that. The target (one step + 5 ms) is `benchmarks/streams.py`'s to measure; here,
+    # on a shared 2-core box under the whole suite, the median within a few times it.
+    assert max(waits_ms) < 0.5 * 250 * step_ms, waits_ms
+    assert statistics.median(waits_ms) <= step_ms + 25, waits_ms
 
 
 async def test_a_caller_that_stops_reading_stops_its_stream() -> None:

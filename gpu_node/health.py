@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import structlog
 
 from gpu_node.slot import Slot
+from plane.contract.doze import Doze
 from plane.contract.metrics import PlaneMetrics
 
 log = structlog.get_logger("plane.health")
@@ -57,18 +58,14 @@ class Supervisor:
         # Set when a probe ends: its result is read in the same wake, not a check later (an
         # idle node woke twice per probe period, once to start its probes and once to read
         # them).
-        self._probed = asyncio.Event()
+        self._doze = Doze()
         self.timed_checks = 0  # checks its timer woke it for (a probe's end wakes it too)
 
     async def run(self) -> None:
         try:
             while not self._stopping:
-                try:
-                    async with asyncio.timeout(self._next_check_s()):
-                        await self._probed.wait()
-                except TimeoutError:
+                if not await self._doze.sleep(self._next_check_s()):
                     self.timed_checks += 1
-                self._probed.clear()
                 for slot in self._slots():
                     await self._tick(slot)
         finally:
@@ -125,7 +122,7 @@ class Supervisor:
         if st.probe is None and slot.idle and now - st.last_probe_s >= period:
             st.last_probe_s = now
             st.probe = asyncio.create_task(slot.probe())
-            st.probe.add_done_callback(lambda _: self._probed.set())
+            st.probe.add_done_callback(lambda _: self._doze.wake())
         await self._decide(slot, st)
 
     async def _decide(self, slot: Slot, st: SlotHealth) -> None:

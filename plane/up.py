@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import sys
 import time
@@ -48,16 +47,10 @@ def example_body(model: str) -> dict[str, object]:
 
 
 def say(text: str) -> None:
-    """`text` and its newline to stdout in one write."""
+    """`text` and its newline to stdout in one write, flushed: `plane up > log` shows each
+    line as it is said (the URL first), not at exit, and no other line can land inside it."""
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
-
-
-def line_buffered_stdout() -> None:
-    """`plane up > log` shows each line as it is printed (the URL first), not at exit: a
-    redirected stdout is block-buffered by default."""
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(line_buffering=True)
 
 
 async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
@@ -66,7 +59,6 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
     `--nats` URL it runs nats-server itself, on `port` (None: any free port), with
     `auth_dir`'s config when given (`plane auth init`): then each part connects with its
     role, the rest (demo calls) as admin."""
-    line_buffered_stdout()
     auth = AuthDir(auth_dir) if auth_dir is not None else None
     async with contextlib.AsyncExitStack() as started:
         if cfg.connect.url is None:

@@ -26,6 +26,7 @@ from nats.micro.service import Service
 
 from plane.contract import replies
 from plane.contract.config import RouterConfig
+from plane.contract.doze import Doze
 from plane.contract.identity import Heard, Instances
 from plane.contract.lifecycle import Lifecycle, TaskOwner
 from plane.contract.messages import (
@@ -135,7 +136,7 @@ class Router(Lifecycle, TaskOwner):
         # deaf. The composition root waits on it (see `plane.serve`).
         self.lost = asyncio.Event()
         self.flood_memory = FloodMemory()
-        self._dozing: asyncio.Future[None] | None = None  # the idle watchdog's wait
+        self._doze = Doze()  # the idle watchdog's sleep, cut short by a slot publish
         self.watchdog_ticks = 0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -423,20 +424,12 @@ class Router(Lifecycle, TaskOwner):
         if self._watching():
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             return WATCHDOG_PERIOD_S
-        self._dozing = asyncio.get_running_loop().create_future()
-        try:
-            async with asyncio.timeout(IDLE_WATCHDOG_PERIOD_S):
-                await self._dozing
-        except TimeoutError:
-            pass
-        finally:
-            self._dozing = None
+        await self._doze.sleep(IDLE_WATCHDOG_PERIOD_S)
         return IDLE_WATCHDOG_PERIOD_S
 
     def _rouse_watchdog(self) -> None:
         """A slot publish after an idle spell: its deadline is watched from now."""
-        if self._dozing is not None and not self._dozing.done():
-            self._dozing.set_result(None)
+        self._doze.wake()
 
     def _behind(self, now_s: float) -> bool:
         """Whether this router may not have read the heartbeats that were sent to it: its loop

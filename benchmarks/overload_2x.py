@@ -36,6 +36,7 @@ from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.lifecycle import run
 from plane.contract.quantiles import quantile
+from plane.contract.subjects import Names
 from plane.pulse.outcome import Outcome
 from plane.pulse.runner import LoadConfig, run_load
 from plane.pulse.targets import NatsTarget
@@ -120,6 +121,22 @@ def refusal_share_within_1ms(metrics_text: str) -> tuple[float, int]:
     return (bucket("0.001") / total if total else float("nan")), int(total)
 
 
+async def holder_stats(url: str, routers: int) -> dict[str, int]:
+    """The routers' `ticket_stats` (their status subject), summed: what holders found."""
+    import nats
+
+    total: dict[str, int] = {}
+    nc = await nats.connect(url)
+    try:
+        for router_id in (f"router{i}" for i in range(routers)):  # plane up's is router0
+            msg = await nc.request(Names().router_status(router_id), b"", timeout=5)
+            for k, v in json.loads(msg.data)["ticket_stats"].items():
+                total[k] = total.get(k, 0) + v
+    finally:
+        await nc.close()
+    return dict(sorted(total.items()))
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration", type=float, default=60.0)
@@ -160,6 +177,7 @@ async def main() -> None:
                         rate=factor * cap, duration_s=args.duration, concurrency=4096))
                     rows[factor] = figures(result.outcomes, time.monotonic() - t0,
                                            args.deadline_ms)
+            stats = await holder_stats(srv.url, args.routers)
             text = "\n".join(urllib.request.urlopen(
                 f"http://127.0.0.1:{args.metrics_port + i}/metrics", timeout=5).read().decode()
                 for i in range(args.routers))
@@ -187,7 +205,8 @@ async def main() -> None:
               f"{r['accepted_p99_ms']:.1f} | {r['accepted_p99_ms'] / r['accepted_p50_ms']:.2f} "
               f"| {r['refused_first_share']:.1%} | {r['first_retry_success']:.2%} | "
               f"{r['mean_retries_per_refused']:.2f} |")
-    print(f"\nrouter counters over both loads: {counters(text)}\n")
+    print(f"\nrouter counters over both loads: {counters(text)}")
+    print(f"what ticket holders found (routers' status, both loads): {stats}\n")
     if args.no_retry:
         print(f"goodput at 2x: {r2['accepted_per_s'] / cap:.0%} of the capacity")
         for name, ok in [

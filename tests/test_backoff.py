@@ -26,6 +26,16 @@ def test_trusted_retry_after_plus_small_jitter() -> None:
     assert d is not None and 40 <= d < 42
 
 
+def test_a_ticket_is_kept_on_the_millisecond() -> None:
+    """A ticket books this caller's own start: no jitter, whatever the draw (a holder late by
+    the jitter leaves its slot idle); a skewed clock still falls back to backoff."""
+    for u in (0.0, 0.5, 0.999):
+        assert delay(retry_after_ms=40, server_time_ms=NOW, local_time_ms=NOW, u=u,
+                     ticket=True) == 40
+    assert delay(retry_after_ms=40, server_time_ms=NOW + 5000, local_time_ms=NOW, u=0.5,
+                 ticket=True) == 5
+
+
 @pytest.mark.parametrize("server_ms", [NOW + 2001, NOW - 5000, None])
 def test_untrusted_clock_falls_back_to_full_jitter(server_ms: int | None) -> None:
     # attempt 1: uniform in [0, base); attempt 3: [0, base * 4)

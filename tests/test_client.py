@@ -87,10 +87,26 @@ async def test_429_waits_retry_after_and_sends_the_ticket_back(
     r = await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
     assert (time.monotonic() - t0) * 1000 >= 60
     assert r.statuses == (429, 200) and r.refusals == 1 and r.attempts == 2
-    assert 60 <= r.waited_ms < 63
+    assert r.waited_ms == 60  # a ticket is kept on the millisecond: no jitter
     second = router.seen[1]
     assert second[Header.TICKET] == "tk-9" and second[Header.ATTEMPT] == "2"
     assert second[Header.REQUEST_ID] == router.seen[0][Header.REQUEST_ID]
+
+
+async def test_429_without_a_ticket_adds_a_jitter(router: FakeRouter, plane: Client) -> None:
+    """A Retry-After without a ticket is an estimate every caller refused meanwhile got: a
+    jitter keeps them from coming back on the same millisecond."""
+    def script(n: int, h: dict[str, str]) -> Reply:
+        if n > 1:
+            return ok(h)
+        body, headers = busy(h, after_ms=60)
+        del headers[Header.TICKET]
+        return body, headers
+
+    router.script = script
+    r = await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
+    assert r.statuses == (429, 200) and 60 < r.waited_ms < 62  # seed 7's draw is not 0
+    assert Header.TICKET not in router.seen[1]
 
 
 async def test_skewed_server_clock_falls_back_to_backoff(router: FakeRouter, plane: Client) -> None:

@@ -10,9 +10,10 @@ attempt; the client bounds the whole call by `ClientConfig.wait_ms` only in case
 stays silent.
 
 On a 429 it waits as `plane.contract.backoff.retry_delay_ms` says (the server's
-Retry-After-Ms when its clock agrees with ours, else capped exponential backoff with full
-jitter), and sends back the ticket it was given. After a 503 that named a node it asks for
-another (Plane-Avoid-Node). It never sleeps, nor waits for an answer, past the caller's deadline.
+Retry-After-Ms when its clock agrees with ours, exactly when it came with a ticket, else
+capped exponential backoff with full jitter), and sends back the ticket it was given. After
+a 503 that named a node it asks for another (Plane-Avoid-Node). It never sleeps, nor waits
+for an answer, past the caller's deadline.
 """
 
 from __future__ import annotations
@@ -246,6 +247,7 @@ class Client:
             retry_after_ms=result.retry_after_ms if busy else None,
             server_time_ms=header_int(result.headers, Header.SERVER_TIME),
             local_time_ms=now_ms(),
+            ticket=busy and Header.TICKET in result.headers,
         )
 
     async def _attempt(

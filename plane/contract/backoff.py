@@ -6,8 +6,11 @@ only its arguments (the random draw `u` is passed in), so tests can pin every br
 Two regimes:
 
 - The server gave a `Retry-After-Ms` and its clock (`Plane-Server-Time`) agrees with ours
-  within `max_skew_ms`: trust it. Wait exactly that long plus a small jitter, so callers that
-  got successive tickets do not all arrive on the same millisecond.
+  within `max_skew_ms`: trust it. With a ticket, wait exactly that long: a ticket books its
+  own start, holders of successive tickets are due at distinct times, and any jitter would
+  only make them late (their slot idles until they come). Without one (an estimate shared
+  by every caller refused meanwhile), wait that long plus a small jitter, so that they do not
+  all arrive on the same millisecond.
 - Otherwise (no hint, or a server whose clock we cannot trust): capped exponential backoff
   with full jitter, `u * min(cap_ms, base_ms * 2 ** (attempt - 1))`.
 
@@ -27,7 +30,7 @@ class RetryPolicy:
     max_attempts: int = 4  # 1 = never retry
     base_ms: int = 10  # first fallback wait (full jitter: uniform in [0, base_ms))
     cap_ms: int = 1000  # fallback waits never exceed this
-    jitter_ms: int = 2  # added to a trusted Retry-After-Ms, uniform in [0, jitter_ms)
+    jitter_ms: int = 2  # added to a trusted Retry-After-Ms without a ticket, in [0, jitter_ms)
     max_skew_ms: int = 2000  # a server clock further off than this is not trusted
     min_attempt_ms: int = 1  # an attempt with less budget left than this is not worth sending
 
@@ -52,6 +55,7 @@ def retry_delay_ms(
     retry_after_ms: int | None = None,
     server_time_ms: int | None = None,
     local_time_ms: int | None = None,
+    ticket: bool = False,
 ) -> float | None:
     """How long to wait before attempt `attempt + 1`, or None to give up now.
 
@@ -61,6 +65,8 @@ def retry_delay_ms(
     retry_after_ms:  the server's Retry-After-Ms, if it sent one
     server_time_ms:  the server's Plane-Server-Time (epoch ms), if it sent one
     local_time_ms:   our wall clock (epoch ms) when the reply arrived
+    ticket:          the refusal carried a ticket (`Plane-Ticket`): its Retry-After-Ms is
+                     this caller's own booked start, kept without jitter
     """
     if attempt >= policy.max_attempts:
         return None
@@ -73,7 +79,7 @@ def retry_delay_ms(
     )
     if trusted:
         assert retry_after_ms is not None
-        delay = retry_after_ms + u * policy.jitter_ms
+        delay = retry_after_ms + (0.0 if ticket else u * policy.jitter_ms)
     else:
         delay = u * min(policy.cap_ms, policy.base_ms * 2 ** (attempt - 1))
     if delay + policy.min_attempt_ms > remaining_ms:

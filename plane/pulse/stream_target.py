@@ -247,7 +247,7 @@ class StreamTarget:
                     u=self._rng.random(),
                     retry_after_ms=header_int(call.headers, Header.RETRY_AFTER_MS),
                     server_time_ms=header_int(call.headers, Header.SERVER_TIME),
-                    local_time_ms=now_ms())
+                    local_time_ms=now_ms(), ticket=Header.TICKET in call.headers)
             if delay is None:
                 return self._outcome(call, t0=t0, scheduled_s=scheduled_s,
                                      first_sent=first_sent, sent=sent, statuses=statuses,

@@ -145,7 +145,7 @@ class HttpTarget:
                     u=self._rng.random(), retry_after_ms=after_ms,
                     server_time_ms=header_int(rh, SERVER_TIME_HTTP)
                     or header_int(rh, Header.SERVER_TIME),
-                    local_time_ms=now_ms())
+                    local_time_ms=now_ms(), ticket=Header.TICKET in rh)
             if delay is None:
                 return Attempts(statuses=tuple(statuses), final=str(status), hinted=hinted,
                                 last_attempt_us=last_us)

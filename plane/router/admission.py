@@ -69,7 +69,8 @@ LAPSED_MAX = 10_000
 # fell from 97% to 35%, newcomers taking the slots the turns counted on.
 PROMISE_MAX_LINKS = 8
 # How late holders come back (`Admission.lateness`): the last LATENESS_WINDOW holders, and
-# before any came back, what the SDK adds to Retry-After (up to 2 ms of jitter) and a trip.
+# before any came back, a trip, a timer and the 2 ms of jitter a client may add (the SDK adds
+# none to a ticket's Retry-After-Ms).
 LATENESS_WINDOW = 128
 LATENESS_PRIOR_US = 3000
 REDEMPTION_WEIGHT = 0.1

@@ -53,10 +53,14 @@ class ModelSpec:
         if isinstance(req, TinyLMRequest):
             n = len(req.prompt_bytes)
             if n + req.max_tokens > TINYLM_CONTEXT:
+                # "At most 0 tokens" is no advice: a prompt that fills the context (the
+                # bytes count, not the characters: "é" is two) can only be shortened.
+                fix = (f"ask for at most {TINYLM_CONTEXT - n} tokens or shorten the prompt"
+                       if n < TINYLM_CONTEXT else
+                       f"shorten the prompt to at most {TINYLM_CONTEXT - 1} UTF-8 bytes")
                 raise BadRequest(
                     f"invalid tinylm request: the prompt's {n} bytes plus max_tokens "
-                    f"{req.max_tokens} exceed the context of {TINYLM_CONTEXT}; shorten the "
-                    f"prompt or ask for at most {max(0, TINYLM_CONTEXT - n)} tokens")
+                    f"{req.max_tokens} exceed the context of {TINYLM_CONTEXT}; {fix}")
         return req
 
     def work_us(self, req: Any) -> int:

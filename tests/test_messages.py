@@ -81,9 +81,9 @@ def test_a_tinylm_prompt_past_the_context_is_told_what_would_fit() -> None:
     """The context counts UTF-8 bytes (200 "é" are 400): the advice is a number of tokens
     while some fit, and a shorter prompt once the prompt alone fills the context."""
     spec = model_spec("tinylm")
-    with pytest.raises(BadRequest, match="250 bytes plus max_tokens 10 .* at most 6 tokens"):
+    with pytest.raises(BadRequest, match=r"250 bytes plus max_tokens 10 .* at most 6 tokens"):
         spec.decode(msgspec.json.encode({"prompt": "a" * 250, "max_tokens": 10}), None)
-    with pytest.raises(BadRequest, match="400 bytes .* shorten the prompt to at most 255 UTF-8"):
+    with pytest.raises(BadRequest, match=r"400 bytes .* shorten the prompt to at most 255 UTF-8"):
         spec.decode(msgspec.json.encode({"prompt": "é" * 200, "max_tokens": 1}), None)
     assert spec.decode(msgspec.json.encode({"prompt": "é" * 127, "max_tokens": 2}), None)
 

@@ -18,8 +18,8 @@ for _ in $(seq "$rounds"); do
       --duration "$seconds" --slots "$slots" --work-us "$work" 2>&1)
     cap=$(grep '^capacity' <<<"$out" | sed 's/.*: \([0-9.]*\) req.*/\1/')
     grep -E '^\| [02]' <<<"$out" | awk -v t="$tree" -v c="$cap" -F'|' '{
-      printf "%s cap %s |%s| accepted/s %s | p50 %s p99 %s p99/p50 %s | refused first %s | first-retry %s | retries %s\n",
-             t, c, $2, $4, $6, $7, $8, $9, $10, $11}'
+      printf "%s cap %s |%s| accepted/s %s | p50 %s p99 %s p99/p50 %s | refused first %s | first-retry %s | retries %s | whole %s\n",
+             t, c, $2, $4, $6, $7, $8, $9, $10, $11, $12}'
     grep 'what ticket holders found' <<<"$out" | sed "s|^|  $tree |" || true
   done
 done

@@ -344,8 +344,9 @@ class Admission:
                 # where it went).
                 self.forget(ms, holder, tell=False)
             return Place(free + avoided, holder)
-        if holder is None:
-            return self._refuse(ms, ask, None, may_promise, may_park=may_park)
+        if holder is None:  # a newcomer (a parked one looking again waits no more)
+            return self._refuse(ms, ask, None, may_promise,
+                                may_park=may_park and ask.park_until_s is None)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
         if may_park:
             until_s = ask.park_until_s or self._park_until(ms, ask, holder)

@@ -54,13 +54,10 @@ PARK_MAX_SHARE = 1.0
 # average follows the callers there are now. With REDEMPTION_WEIGHT 0.1, seven no-shows in a
 # row stop pinning: under callers that never retry (`hey`), within about half a second.
 MIN_REDEMPTION = 0.5
-# A newcomer that finds every slot busy but one predicted to free (after every open promise)
-# within this share of the p50 service time waits for it (parked, as a holder would) instead
-# of being refused. A refusal nobody redeems (callers that never retry) leaves the slot idle
-# until the next arrival; one that is redeemed costs its caller a trip and leaves the slot
-# idle for as long as the holder is late (at 0.9x, 2 and 5 ms jobs, that idle time kept the
-# plane in its chain of promises: 55-99% of first tries refused, 0.4-65% with the wait). One
-# promise per freeing slot, so at most about one waiter per slot.
+# While promises do not pin (callers do not come back), a newcomer that finds every slot busy
+# but one predicted to free within this share of the p50 service time waits for it (parked,
+# as a holder would) instead of being refused: a refusal nobody redeems leaves the slot idle
+# until the next arrival. One promise per freeing slot, so at most about one waiter per slot.
 NEWCOMER_PARK_SHARE = 0.25
 LAPSED_KEEP_S = 0.5
 LAPSED_MAX = 10_000
@@ -499,7 +496,7 @@ class Admission:
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
                 may_promise: bool = True, *, may_park: bool = False) -> Refuse | Park:
         """Refuse `ask`, with a ticket for the next start the promises leave. `may_park`: a
-        newcomer for whom a slot frees within moments may wait here instead."""
+        newcomer whose caller would not come back may wait here instead."""
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
@@ -533,7 +530,7 @@ class Admission:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
         pinned = self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION
-        if (may_park and holder is None
+        if (may_park and not pinned and holder is None
                 and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6):
             return self._park_newcomer(ms, ask, start_s)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
@@ -556,8 +553,8 @@ class Admission:
         )
 
     def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float) -> Park:
-        """A newcomer, when a slot frees within moments (NEWCOMER_PARK_SHARE): it waits
-        here for that slot, holding it with a promise of its own (kept like a
+        """A newcomer whose caller would not come back, when a slot frees within moments:
+        it waits here for that slot, holding it with a promise of its own (kept like a
         parked holder's: woken by the done-event, refused if the window closes first)."""
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,

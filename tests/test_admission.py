@@ -7,15 +7,7 @@ import pytest
 from plane.contract.budget import Prediction, ServiceWindow, fits, predict
 from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.contract.subjects import Names
-from plane.router.admission import (
-    PARK_MARGIN_S,
-    PROMISE_MAX_LINKS,
-    Admission,
-    Ask,
-    Park,
-    Place,
-    Refuse,
-)
+from plane.router.admission import PROMISE_MAX_LINKS, Admission, Ask, Park, Place, Refuse
 from plane.router.occupancy import ModelSlots
 from plane.router.promises import Promise, next_start, simulate
 
@@ -280,32 +272,6 @@ def test_a_parked_holder_refused_at_its_deadline_leaves_no_promise_behind() -> N
     ms.slots["n/0"].release(0.050)
     d = adm.decide(ms, ask(0.050, ticket=b.ticket))
     assert isinstance(d, Place) and d.redeemed is not None and d.redeemed.ticket == b.ticket
-
-
-def test_the_holder_first_in_line_waits_on_past_its_window() -> None:
-    """A parked holder whose window closes with no slot free waits on when no holder due
-    before it is here, until the earliest busy slot's p99 end: the next slot to free is its
-    own anyway (refused, it went to the back of the chain). One behind it is refused with a
-    new ticket; past every busy slot's p99 end (stalled) the first in line is too."""
-    ms, adm = slots(1), Admission("r")
-    busy_until(ms, 0.010)
-    a, b = adm.decide(ms, ask(0.0)), adm.decide(ms, ask(0.0))
-    assert isinstance(a, Refuse) and isinstance(b, Refuse) and a.ticket and b.ticket
-    ms.slots["n/0"].occupy(0.0, "ours", 0.040, 0.050)  # runs long: p50 end 40, p99 end 50 ms
-    pa = adm.decide(ms, ask(0.010, ticket=a.ticket))
-    pb = adm.decide(ms, ask(0.019, ticket=b.ticket))
-    assert isinstance(pa, Park) and isinstance(pb, Park) and pa.until_s < pb.until_s < 0.040
-    ka = adm.decide(ms, Ask(now_s=pa.until_s, deadline_s=1.0, prediction=MS10,
-                            ticket=a.ticket, park_until_s=pa.until_s))
-    assert isinstance(ka, Park) and ka.until_s == pytest.approx(0.050 + PARK_MARGIN_S)
-    kb = adm.decide(ms, Ask(now_s=pb.until_s, deadline_s=1.0, prediction=MS10,
-                            ticket=b.ticket, park_until_s=pb.until_s))
-    assert isinstance(kb, Refuse) and kb.ticket is not None and kb.ticket != b.ticket
-    late = ka.until_s + 0.001
-    kc = adm.decide(ms, Ask(now_s=late, deadline_s=1.0, prediction=MS10, ticket=a.ticket,
-                            park_until_s=ka.until_s))
-    assert isinstance(kc, Refuse)
-    assert adm.stats["holder-kept-first-in-line"] == 1
 
 
 def test_no_promise_a_holder_as_late_as_most_would_miss() -> None:

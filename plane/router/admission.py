@@ -341,14 +341,11 @@ class Admission:
                 # where it went).
                 self.forget(ms, holder, tell=False)
             return Place(free + avoided, holder)
-        if holder is None:  # a newcomer (a parked one looking again waits no more)
-            return self._refuse(ms, ask, None, may_promise,
-                                may_park=may_park and ask.park_until_s is None)
+        if holder is None:
+            return self._refuse(ms, ask, None, may_promise, may_park=may_park)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
         if may_park:
             until_s = ask.park_until_s or self._park_until(ms, ask, holder)
-            if ask.now_s >= until_s and ask.park_until_s is not None:
-                until_s = self._first_in_line_until(ms, ask, holder)
             if ask.now_s < until_s:
                 # The promise stands while its holder waits for a slot.
                 holder.parked = True
@@ -387,25 +384,6 @@ class Admission:
         longest_s = max(PARK_MIN_S, PARK_MAX_SHARE * p.p50_us / 1e6)
         until_s = _within(now + PARK_MIN_S, now + longest_s, until_s)
         return min(until_s, ask.latest_start_s())
-
-    def _first_in_line_until(self, ms: ModelSlots, ask: Ask, holder: Promise) -> float:
-        """A parked holder whose window closed with no slot free: the one first in line (no
-        holder due before it is here) waits on until the earliest busy slot's p99 end, if
-        its deadline allows; any other is refused (0). Refused, the first in line went to
-        the back of the chain of promises with a new ticket, for a slot that would have been
-        its own at the next done-event anyway (the lot wakes holders in due order): a retry
-        and a whole chain's wait for its caller, nothing gained by anyone behind it."""
-        if any(p.parked and p is not holder and p.due_s < holder.due_s for p in ms.promises):
-            return 0.0
-        now = ask.now_s
-        ends = [v.free_at_s for v in ms.slots.values()
-                if v.healthy and not v.is_free(now) and v.free_at_s > now]
-        if not ends:  # every busy slot past its p99 end: stalled, do not wait on it
-            return 0.0
-        until_s = min(min(ends) + PARK_MARGIN_S, ask.latest_start_s())
-        if until_s > now:
-            self.stats["holder-kept-first-in-line"] += 1
-        return until_s
 
     def redeemed(self, ms: ModelSlots, promise: Promise) -> None:
         """The holder was placed: its promise is kept (and out of the book already)."""

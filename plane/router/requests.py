@@ -518,7 +518,8 @@ class RequestPath:
             now = time.monotonic()
             ask = replace(ask.later(now), park_until_s=decision.until_s,
                           ticket=decision.holder.ticket)  # a parked newcomer's too
-            decision = self.admission.decide(ms, ask, may_promise=may_promise)
+            decision = self.admission.decide(ms, ask, may_park=now < decision.until_s,
+                                             may_promise=may_promise)
         return decision, parked
 
     def _deadline_ms(self, model: str, asked_ms: int | None) -> int:

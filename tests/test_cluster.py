@@ -240,6 +240,12 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
         report = _report(ledger, t_kill, checker, plane_on_victim, new_leader)
         refused_by_broker = stack.metrics.broker_refusals.labels("calibrated")._value.get()
         report += f"\nslot publishes the broker refused (depth one): {refused_by_broker:g}"
+        # What ticket holders found and whether promises pinned slot time (the ledger never
+        # comes back: a 429 that pins is a no-show), per router: to tell a refusal burst
+        # from pinned no-shows apart from one from slots the broker still held.
+        for r in stack.routers:
+            report += (f"\n{r.cfg.router_id}: redemption {r.admission.redemption}, "
+                       f"ticket stats {dict(r.admission.stats)}")
         print(report)
         # Exactly one answer per request: none lost, none twice, all of a known kind. The one
         # exception is a request that was inside the killed server's process at the kill

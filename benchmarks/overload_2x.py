@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from plane.client import Client
@@ -37,6 +38,7 @@ from plane.contract.embedded import EmbeddedNats
 from plane.contract.lifecycle import run
 from plane.contract.quantiles import quantile
 from plane.contract.subjects import Names
+from plane.observe.planeview import collect
 from plane.pulse.outcome import Outcome
 from plane.pulse.runner import LoadConfig, run_load
 from plane.pulse.targets import NatsTarget
@@ -124,19 +126,14 @@ def refusal_share_within_1ms(metrics_text: str) -> tuple[float, int]:
     return (bucket("0.001") / total if total else float("nan")), int(total)
 
 
-async def holder_stats(url: str, routers: int) -> dict[str, int]:
-    """The routers' `ticket_stats` (their status subject), summed: what holders found."""
-    import nats
-
-    total: dict[str, int] = {}
-    nc = await nats.connect(url)
-    try:
-        for router_id in (f"router{i}" for i in range(routers)):  # plane up's is router0
-            msg = await nc.request(Names().router_status(router_id), b"", timeout=5)
-            for k, v in json.loads(msg.data)["ticket_stats"].items():
-                total[k] = total.get(k, 0) + v
-    finally:
-        await nc.close()
+async def holder_stats(url: str) -> dict[str, int]:
+    """The routers' `ticket_stats` (their status, found as `plane status` finds them),
+    summed: what ticket holders found."""
+    async with Client.connect(url) as c:
+        view = await collect(c.nc, Names(), timeout_s=2.0)
+    total: Counter[str] = Counter()
+    for r in view.routers:
+        total.update(r.ticket_stats)
     return dict(sorted(total.items()))
 
 
@@ -180,7 +177,7 @@ async def main() -> None:
                         rate=factor * cap, duration_s=args.duration, concurrency=4096))
                     rows[factor] = figures(result.outcomes, time.monotonic() - t0,
                                            args.deadline_ms)
-            stats = await holder_stats(srv.url, args.routers)
+            stats = await holder_stats(srv.url)
             text = "\n".join(urllib.request.urlopen(
                 f"http://127.0.0.1:{args.metrics_port + i}/metrics", timeout=5).read().decode()
                 for i in range(args.routers))

@@ -65,6 +65,7 @@ async def test_status_prints_every_router_and_node_and_exits_0() -> None:
     assert s["healthy"] is True and not s["problems"]
     (r,) = s["routers"]
     assert r["router"] == "router0" and r["promises_open"] is not None
+    assert r["ticket_stats"] == {}  # tickets issued, but no holder came back with one
     assert r["models"]["calibrated"]["slots"] == 1 and r["models"]["calibrated"]["healthy"] == 1
     assert {n["node"] for n in s["nodes"]} == {"node0-calibrated", "node0-risk"}
     for n in s["nodes"]:

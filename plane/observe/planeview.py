@@ -53,6 +53,7 @@ class RouterFacts(msgspec.Struct, kw_only=True):
     promises_open: int | None = None
     in_flight: int | None = None
     redemption: dict[str, float] = {}
+    ticket_stats: dict[str, int] = {}  # what ticket holders found (parked, refused, late)
 
 
 class NodeFacts(msgspec.Struct, kw_only=True):
@@ -149,7 +150,8 @@ def router_facts(body: dict[str, Any]) -> RouterFacts:
                               cycle_p99_us=v.get("p99_overhead_us"))
                 for m, v in (body.get("models") or {}).items()},
         promises_open=body.get("tickets"), in_flight=body.get("inflight"),
-        redemption=body.get("redemption") or {})
+        redemption=body.get("redemption") or {},
+        ticket_stats=body.get("ticket_stats") or {})
 
 
 def node_facts(body: dict[str, Any]) -> NodeFacts:

@@ -394,3 +394,36 @@ def test_a_newcomer_whose_caller_would_not_come_back_waits_for_a_slot_about_to_f
     ms2, adm2 = slots(1), Admission("r")
     busy_until(ms2, 0.002)
     assert isinstance(adm2.decide(ms2, ask(0.0)), Refuse)
+
+
+def test_promises_nobody_comes_back_for_do_not_refuse_the_next_newcomers() -> None:
+    """Callers that never retry (the cluster test's ledger, `hey`) at 150/s of 3 ms on 6
+    slots: after a 100 ms stall in which every slot was busy and arrivals were refused with
+    promises, the plane serves newcomers again as soon as the slots free. (Each promise used
+    to keep its slot time from newcomers for its whole late tolerance, 50 ms: the refused
+    newcomers' promises pinned more, and the plane refused 40% for half a second.)"""
+    ms, adm = slots(6), Admission("r")
+    work = Prediction(p50_us=3_000, p99_us=4_000)
+    views = list(ms.slots.values())
+    frees: dict[str, float] = {}  # slot -> when its request ends
+    stall_end = 0.100
+    for v in views:
+        v.occupy(0.0, None, stall_end, stall_end)  # the stall: all busy for 100 ms
+    refused_after_stall = placed = 0
+    for i in range(90):  # 0.6 s of arrivals, 150/s (no-shows are counted later)
+        now = i / 150
+        for v in views:
+            if v.key in frees and frees[v.key] <= now:
+                v.release(frees.pop(v.key))
+            elif v.busy and v.request_id is None and now >= stall_end:
+                v.release(stall_end)
+        d = adm.decide(ms, ask(now, pred=work))
+        if isinstance(d, Place):
+            view = d.candidates[0]
+            view.occupy(now, f"q{i}", 0.003, 0.004)
+            frees[view.key] = now + 0.003
+            placed += 1
+        else:
+            assert isinstance(d, Refuse) and d.ticket is not None
+            refused_after_stall += now > stall_end + 0.010
+    assert refused_after_stall == 0, (refused_after_stall, placed, adm.stats)

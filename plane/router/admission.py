@@ -72,6 +72,14 @@ PROMISE_MAX_LINKS = 8
 # before any came back, a trip, a timer and the 2 ms of jitter a client may add (the SDK adds
 # none to a ticket's Retry-After-Ms).
 LATENESS_WINDOW = 128
+# A promise whose holder is later than most (the p99 of the lateness, at least GONE_MIN_S)
+# and not here stops keeping its slot time from newcomers; it stays open until it expires,
+# and a holder that does come then ranks before the newcomers there (it parks if it must).
+# Callers that never retry left every 429's promise holding a slot for its whole late
+# tolerance (50 ms and more) until enough of them lapsed to count as no-shows (half a second
+# later): a few refusals after a hiccup pinned enough slots to refuse the next newcomers,
+# whose promises pinned more (the cluster test, 150/s of 3 ms on 6 slots: 40% refused).
+GONE_MIN_S = 0.002
 LATENESS_PRIOR_US = 3000
 REDEMPTION_WEIGHT = 0.1
 
@@ -335,7 +343,8 @@ class Admission:
         for view in ms.ordered():
             if view.healthy and view.is_free(ask.now_s):
                 (avoided if view.node == ask.avoid_node else free).append(view)
-        if (free or avoided) and not self._would_break_a_promise(ms, ask, holder):
+        if (free or avoided) and not self._would_break_a_promise(ms, ask, holder,
+                                                                 self._gone_s(ms.model)):
             if holder is not None:
                 # Kept: its slot time is this placement now (the router tells the others
                 # where it went).
@@ -355,16 +364,18 @@ class Admission:
         return self._refuse(ms, ask, holder, may_promise)
 
     @staticmethod
-    def _would_break_a_promise(ms: ModelSlots, ask: Ask, holder: Promise | None) -> bool:
+    def _would_break_a_promise(ms: ModelSlots, ask: Ask, holder: Promise | None,
+                               gone_s: float) -> bool:
         """Whether starting this request now makes a promise that ranks before it late.
 
-        A newcomer ranks after every promise still open. A holder ranks after the earlier
-        promises whose holders are here (parked) or not yet due; one that is late and not
-        here does not keep a present holder waiting.
+        A newcomer ranks after the promises whose holders are here (parked) or not later
+        than `gone_s` past their due time (as late as holders come back, `_gone_s`). A
+        holder ranks after the earlier promises whose holders are here or not yet due; one
+        that is late and not here does not keep a present holder waiting.
         """
         now = ask.now_s
         if holder is None:
-            protected = list(ms.promises)
+            protected = [p for p in ms.promises if p.parked or p.due_s + gone_s > now]
             hold_s = ask.prediction.p99_us / 1e6
         else:
             protected = [p for p in ms.promises if p is not holder
@@ -422,6 +433,11 @@ class Admission:
             self._count(ms.model, redeemed=True)
         self.stats["ticket-valid"] += 1
         return r
+
+    def _gone_s(self, model: str) -> float:
+        """How long past its due time a promise whose holder is not here still keeps its slot
+        time from newcomers: as late as holders come back (the p99), at least GONE_MIN_S."""
+        return max(GONE_MIN_S, self._lateness(model).p99_us / 1e6)
 
     def _lateness(self, model: str) -> ServiceWindow:
         if (w := self.lateness.get(model)) is None:

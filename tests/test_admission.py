@@ -2,6 +2,10 @@
 ticket holder gets its slot ahead of newcomers, and a promise that cannot meet the deadline is
 never made."""
 
+import heapq
+import random
+from collections import Counter
+
 import pytest
 
 from plane.contract.budget import Prediction, ServiceWindow, fits, predict
@@ -9,7 +13,7 @@ from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.contract.subjects import Names
 from plane.router.admission import PROMISE_MAX_LINKS, Admission, Ask, Park, Place, Refuse
 from plane.router.occupancy import ModelSlots
-from plane.router.promises import Promise, next_start, simulate
+from plane.router.promises import ON_TIME_SLACK_S, Promise, next_start, simulate, would_delay
 
 NAMES = Names()
 MS10 = Prediction(p50_us=10_000, p99_us=11_000)
@@ -427,3 +431,54 @@ def test_promises_nobody_comes_back_for_do_not_refuse_the_next_newcomers() -> No
             assert isinstance(d, Refuse) and d.ticket is not None
             refused_after_stall += now > stall_end + 0.010
     assert refused_after_stall == 0, (refused_after_stall, placed, adm.stats)
+
+
+def _plain_schedule(free_s: list[float], promises: list[Promise], now_s: float
+                    ) -> dict[str, float]:
+    """The schedule as the module's docstring states it, step by step: the reference."""
+    heap = [max(now_s, t) for t in free_s]
+    heapq.heapify(heap)
+    starts = {}
+    for p in promises:
+        start = max(heapq.heappop(heap), p.start_floor(now_s))
+        starts[p.ticket] = start
+        heapq.heappush(heap, start + p.service_s)
+    return starts
+
+
+def _plain_would_delay(free_s: list[float], promises: list[Promise], now_s: float,
+                       hold_s: float) -> bool:
+    before = _plain_schedule(free_s, promises, now_s)
+    taken = sorted(free_s)
+    taken[0] = now_s + hold_s
+    after = _plain_schedule(taken, promises, now_s)
+    return any(after[p.ticket] > max(before[p.ticket], max(now_s, p.due_s) + ON_TIME_SLACK_S)
+               + 1e-9 for p in promises)
+
+
+def test_the_fast_schedule_agrees_with_the_plain_one() -> None:
+    """`simulate`, `next_start` and `would_delay` (which stops as soon as its answer is known)
+    give what the plain step-by-step schedule gives, over random slots and promises."""
+    rng = random.Random(7)
+    answers = Counter()
+    for _ in range(20_000):
+        now = rng.choice([0.0, 0.003, 0.01])
+        free = [round(rng.uniform(0, 0.03), rng.choice([3, 4, 6]))
+                for _ in range(rng.randint(1, 8))]
+        free[rng.randrange(len(free))] = now - rng.choice([0.0, 0.001])  # one slot idle
+        service = rng.choice([0.001, 0.005, None])
+        promises = [Promise(ticket=str(i), due_s=d, expires_s=1.0, parked=rng.random() < 0.1,
+                            service_s=service or round(rng.uniform(0.0005, 0.01), 4))
+                    for i, d in enumerate(sorted(rng.uniform(0, 0.03)
+                                                 for _ in range(rng.randint(0, 20))))]
+        starts, _ = simulate(free, promises, now)
+        assert starts == _plain_schedule(free, promises, now)
+        ends = sorted(max(now, t) for t in free)
+        for p in promises:
+            heapq.heapreplace(ends, max(ends[0], p.start_floor(now)) + p.service_s)
+        assert next_start(free, promises, now) == ends[0]
+        hold = rng.choice([0.0005, 0.002, 0.011])
+        fast = would_delay(free, promises, now, hold)
+        assert fast == _plain_would_delay(free, promises, now, hold), (free, promises, hold)
+        answers[fast] += 1
+    assert min(answers.values()) > 5_000  # both answers well covered

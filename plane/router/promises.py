@@ -44,28 +44,45 @@ class Promise:
         return now_s if self.parked else max(now_s, self.due_s)
 
 
+def _slots_heap(free_s: Sequence[float], now_s: float) -> list[float]:
+    heap = [t if t > now_s else now_s for t in free_s]
+    heap.sort()  # a sorted list is a heap
+    return heap
+
+
 def simulate(free_s: Sequence[float], promises: Iterable[Promise], now_s: float
              ) -> tuple[dict[str, float], list[float]]:
     """Each promise's predicted start, and each slot's predicted availability after them.
 
     `free_s`: each healthy slot's predicted free time (now when idle); `promises` in due order.
     """
-    heap = [max(now_s, t) for t in free_s]
-    heapq.heapify(heap)
+    heap = _slots_heap(free_s, now_s)
     starts: dict[str, float] = {}
     if not heap:
         return starts, heap
+    replace = heapq.heapreplace  # one C call for the pop and the push
     for p in promises:
-        start = max(heapq.heappop(heap), p.start_floor(now_s))
+        # `start_floor`, inlined: this loop runs for every open promise on most decisions
+        # made under overload (8 x 1 ms at 2x: a third of the router's CPU before).
+        floor = now_s if p.parked or p.due_s < now_s else p.due_s
+        top = heap[0]
+        start = top if top > floor else floor
         starts[p.ticket] = start
-        heapq.heappush(heap, start + p.service_s)
+        replace(heap, start + p.service_s)
     return starts, heap
 
 
 def next_start(free_s: Sequence[float], promises: Iterable[Promise], now_s: float) -> float:
     """When a new promise, made now after every existing one, can start."""
-    _, heap = simulate(free_s, promises, now_s)
-    return heap[0] if heap else now_s
+    heap = _slots_heap(free_s, now_s)
+    if not heap:
+        return now_s
+    replace = heapq.heapreplace
+    for p in promises:
+        floor = now_s if p.parked or p.due_s < now_s else p.due_s
+        top = heap[0]
+        replace(heap, (top if top > floor else floor) + p.service_s)
+    return heap[0]
 
 
 def would_delay(free_s: Sequence[float], protected: Sequence[Promise], now_s: float,
@@ -74,16 +91,35 @@ def would_delay(free_s: Sequence[float], protected: Sequence[Promise], now_s: fl
     `protected` promise start later than it would otherwise and later than it was promised.
 
     `free_s` must contain `now_s` (or earlier) for the idle slot the request would take.
+
+    The two schedules (without and with the request) are run side by side and stop as soon as
+    the answer is known: at the first promise made late, or once they agree again. The
+    schedule with the request never frees a slot earlier than the one without (each step pops
+    the earliest and pushes a monotone function of it), so as sorted lists one dominates the
+    other entry by entry, and equal sums mean equal schedules: every promise after starts at
+    the same time in both.
     """
     if not protected:
         return False
-    before, _ = simulate(free_s, protected, now_s)
-    taken = sorted(free_s)
-    taken[0] = now_s + hold_s  # the earliest entry is an idle slot: the one it takes
-    after, _ = simulate(taken, protected, now_s)
+    before = _slots_heap(free_s, now_s)
+    after = before.copy()
+    after[0] = now_s + hold_s  # the earliest entry is an idle slot: the one it takes
+    heapq.heapify(after)
+    gap = hold_s  # sum(after) - sum(before)
+    eps = 1e-9 * (len(before) + 1)
+    replace = heapq.heapreplace
     for p in protected:
-        kept_by = max(before[p.ticket], max(now_s, p.due_s) + ON_TIME_SLACK_S)
-        if after[p.ticket] > kept_by + 1e-9:
+        if gap <= eps:
+            return False
+        due = p.due_s if p.due_s > now_s else now_s
+        floor = now_s if p.parked else due
+        top_b, top_a = before[0], after[0]
+        b = top_b if top_b > floor else floor
+        a = top_a if top_a > floor else floor
+        replace(before, b + p.service_s)
+        replace(after, a + p.service_s)
+        gap += (a - top_a) - (b - top_b)
+        if a > max(b, due + ON_TIME_SLACK_S) + 1e-9:
             return True
     return False
 

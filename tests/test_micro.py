@@ -9,6 +9,8 @@ import json
 import nats
 import pytest
 
+from plane.contract.messages import Reason, Status
+from plane.contract.replies import error_reply
 from plane.contract.subjects import Header
 from tests.plane_fixtures import NAMES, calibrated, header, plane, status
 
@@ -41,3 +43,16 @@ async def test_srv_stats_counts_inference_requests_and_errors() -> None:
             assert infer_stats["processing_time"] > 0
         finally:
             await nc.close()
+
+
+def test_the_service_error_header_is_one_printable_bounded_line() -> None:
+    """`Nats-Service-Error` carries the refusal's message as one line: control characters
+    become spaces (a newline would end the header), and a long message is cut at 256."""
+    _, plain = error_reply("r-1", Status.BUSY, Reason.BUSY, "all slots are busy: 12 ms")
+    assert plain[Header.NATS_SERVICE_ERROR] == "all slots are busy: 12 ms"
+    body, odd = error_reply("r-2", Status.BAD_REQUEST, Reason.BAD_REQUEST, "bad\r\nfield\tx")
+    assert odd[Header.NATS_SERVICE_ERROR] == "bad  field x"
+    assert json.loads(body)["error"] == "bad\r\nfield\tx"  # the body keeps it as it was
+    _, long = error_reply("r-3", Status.BUSY, Reason.BUSY, "x" * 300)
+    assert len(long[Header.NATS_SERVICE_ERROR]) == 256
+    assert long[Header.NATS_SERVICE_ERROR].endswith("...")

@@ -72,5 +72,7 @@ def error_reply(
 
 def _one_line(text: str, limit: int = 256) -> str:
     """A header value: one line of printable text, bounded."""
-    flat = "".join(c if c.isprintable() else " " for c in text)
+    # The check alone is one C call: every refusal's message passes it (a character at a
+    # time, it was a few per cent of the router's CPU at 2x of 1 ms work).
+    flat = text if text.isprintable() else "".join(c if c.isprintable() else " " for c in text)
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."

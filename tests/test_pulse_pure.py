@@ -3,6 +3,7 @@ the summary's figures, the schedule and the default bodies."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -248,10 +249,21 @@ def test_arrivals_are_evenly_spaced() -> None:
     assert xs[-1] == pytest.approx(2.495)
 
 
+def test_poisson_arrivals_are_chosen_by_the_load_and_repeat_with_a_seed() -> None:
+    even = LoadConfig(rate=200, duration_s=5).offsets_s()
+    assert even == arrival_offsets_s(200, 5)
+    poisson = LoadConfig(rate=200, duration_s=5, arrivals="poisson", seed=3).offsets_s()
+    assert poisson == LoadConfig(rate=200, duration_s=5, arrivals="poisson",
+                                 seed=3).offsets_s()
+    assert len(poisson) == pytest.approx(1000, rel=0.1) and poisson != even
+    gaps = [b - a for a, b in itertools.pairwise(poisson)]
+    assert max(gaps) > 0.01 and min(gaps) < 0.0005  # lulls and bursts (evenly: 0.005 each)
+
+
 @pytest.mark.parametrize("kw", [{"rate": 0}, {"duration_s": -1}, {"concurrency": 0},
-                                {"rate": 0.1, "duration_s": 1}])
-def test_load_config_is_validated(kw: dict[str, float]) -> None:
-    args: dict[str, float] = {"rate": 10, "duration_s": 1, **kw}
+                                {"rate": 0.1, "duration_s": 1}, {"arrivals": "burst"}])
+def test_load_config_is_validated(kw: dict[str, float | str]) -> None:
+    args: dict[str, float | str] = {"rate": 10, "duration_s": 1, **kw}
     with pytest.raises(ConfigError):
         LoadConfig(**args)  # type: ignore[arg-type]
 

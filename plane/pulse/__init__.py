@@ -12,11 +12,11 @@ from plane.pulse.api import Report, pulse
 from plane.pulse.bodies import default_body
 from plane.pulse.outcome import Attempts, Outcome
 from plane.pulse.plateau import Plateau, detect_plateau
-from plane.pulse.runner import LoadConfig, arrival_offsets_s, run_load
+from plane.pulse.runner import LoadConfig, arrival_offsets_s, poisson_offsets_s, run_load
 from plane.pulse.series import Second, per_second, percentile_curve
 from plane.pulse.stream_api import StreamReport, pulse_streams
 from plane.pulse.stream_outcome import StreamOutcome
-from plane.pulse.stream_runner import Capacity, closed_loop, poisson_offsets_s, run_streams
+from plane.pulse.stream_runner import Capacity, closed_loop, run_streams
 from plane.pulse.stream_summary import StreamSummary, summarize_streams
 from plane.pulse.stream_target import StreamSpec, StreamTarget
 from plane.pulse.summary import Signals, Summary, summarize, verdict

@@ -24,5 +24,6 @@ async def pulse(target: Target, body: bytes, load: LoadConfig, *,
     summary = summarize(
         run.outcomes, target=target.name, rate=load.rate, duration_s=load.duration_s,
         concurrency=load.concurrency, deadline_ms=deadline_ms, dropped=run.dropped,
+        arrivals=load.arrivals,
     )
     return Report(run=run, summary=summary)

@@ -43,6 +43,10 @@ def _headers(raw: tuple[str, ...]) -> dict[str, str]:
 @click.option("--rate", type=float, default=100.0, show_default=True, help="Arrivals per second.")
 @click.option("--duration", "duration_s", type=float, default=10.0, show_default=True,
               help="Seconds of arrivals.")
+@click.option("--arrivals", type=click.Choice(["even", "poisson"]), default=None,
+              help="How sends are scheduled: even (one every 1/--rate s, the default) or "
+                   "poisson (independent callers: bursts and lulls at the same mean rate; "
+                   "--seed fixes them). --stream: always poisson.")
 @click.option("--concurrency", type=int, default=512, show_default=True,
               help="Most requests in flight; arrivals beyond are dropped (counted).")
 @click.option("--deadline-ms", type=click.IntRange(1, MAX_DEADLINE_MS), default=None,
@@ -79,11 +83,13 @@ def _headers(raw: tuple[str, ...]) -> dict[str, str]:
 @click.option("--capacity-s", type=float, default=DEFAULT_CAPACITY_S, show_default=True,
               help="--stream --capacity-x: seconds of closed loop.")
 @click.option("--seed", type=int, default=None,
-              help="--stream: seed of the arrivals and the retry jitter (default: random).")
+              help="Seed of the Poisson arrivals (and --stream's retry jitter; default: "
+                   "random).")
 def pulse(nats_url: str | None, user: str | None, password: str | None, token: str | None,
           creds: str | None, tls_ca: str | None, url: str | None, model: str,
           body: str | None, duration_us: int, rate: float, duration_s: float,
-          concurrency: int, deadline_ms: int | None, timeout_ms: int | None, retry: bool,
+          arrivals: str | None, concurrency: int, deadline_ms: int | None,
+          timeout_ms: int | None, retry: bool,
           max_attempts: int, headers: tuple[str, ...], as_json: bool, out_dir: Path | None,
           progress: bool | None, stream: bool, stream_deadline_ms: int | None,
           max_tokens: int, capacity_x: float | None, callers: int, capacity_s: float,
@@ -107,8 +113,12 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
                                  else NO_DEADLINE_WAIT_MS)
         payload = body_from_option(body, model, duration_us, max_tokens)
         policy = RetryPolicy(max_attempts=max_attempts) if retry else NO_RETRY
+        if stream and arrivals == "even":
+            raise ConfigError("--stream sends at Poisson arrivals: leave out --arrivals even")
         load = LoadConfig(rate=rate, duration_s=duration_s, concurrency=concurrency,
-                          progress=sys.stderr.isatty() if progress is None else progress)
+                          progress=sys.stderr.isatty() if progress is None else progress,
+                          arrivals="poisson" if stream or arrivals == "poisson" else "even",
+                          seed=seed)
         if stream and (url is not None or nats_url is None):
             raise ConfigError("--stream reads streams over NATS: give --nats URL (for HTTP "
                               "streams, load the gateway's SSE with another tool)")

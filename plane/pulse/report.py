@@ -34,7 +34,8 @@ def _pct(v: float | None) -> str:
 def print_table(summary: Summary, console: Console | None = None) -> None:
     console = console or default_console()
     s = summary
-    t = Table(title=f"pulse: {s.target}  {s.rate:g}/s for {s.duration_s:g}s", show_header=False)
+    t = Table(title=f"pulse: {s.target}  {s.rate:g}/s ({s.arrivals}) for {s.duration_s:g}s",
+              show_header=False)
     t.add_column(style="bold")
     t.add_column()
     rows = [

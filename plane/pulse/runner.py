@@ -1,19 +1,22 @@
 """The open-loop driver: a constant arrival rate, whatever the target does.
 
-Request i is *scheduled* at `i / rate` seconds after the start and sent then (or at once, if
-the driver is behind: never later on purpose). Its latency runs from the scheduled time, so a
-slow target cannot slow the arrivals and hide its own queue (no coordinated omission). At
-most `concurrency` requests are in flight: an arrival beyond that is counted as dropped, not
-delayed. Every request is a task of one TaskGroup; the run ends when the last one answers.
+Request i is *scheduled* at `i / rate` seconds after the start (`arrivals="poisson"`: at the
+times of a Poisson process of that rate, as independent callers arrive: in bursts and
+lulls) and sent then (or at once, if the driver is behind: never later on purpose). Its
+latency runs from the scheduled time, so a slow target cannot slow the arrivals and hide its
+own queue (no coordinated omission). At most `concurrency` requests are in flight: an
+arrival beyond that is counted as dropped, not delayed. Every request is a task of one
+TaskGroup; the run ends when the last one answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from plane.contract.errors import ConfigError
 from plane.pulse.outcome import Outcome
@@ -27,6 +30,8 @@ class LoadConfig:
     duration_s: float
     concurrency: int = 512  # at most this many in flight; arrivals beyond are dropped
     progress: bool = False  # a rich progress bar on stderr
+    arrivals: Literal["even", "poisson"] = "even"
+    seed: int | None = None  # of the Poisson arrivals (None: random)
 
     def __post_init__(self) -> None:
         if not 0 < self.rate <= 1_000_000:
@@ -37,11 +42,30 @@ class LoadConfig:
             raise ConfigError("--concurrency must be in [1, 100000]")
         if self.rate * self.duration_s < 1:
             raise ConfigError("--rate x --duration must schedule at least one request")
+        if self.arrivals not in ("even", "poisson"):
+            raise ConfigError("--arrivals must be even or poisson")
+
+    def offsets_s(self) -> list[float]:
+        """The scheduled send times, seconds from the start."""
+        if self.arrivals == "poisson":
+            return poisson_offsets_s(self.rate, self.duration_s, random.Random(self.seed))
+        return arrival_offsets_s(self.rate, self.duration_s)
 
 
 def arrival_offsets_s(rate: float, duration_s: float) -> list[float]:
     """Scheduled send times, seconds from the start: evenly spaced at `rate`."""
     return [i / rate for i in range(int(rate * duration_s))]
+
+
+def poisson_offsets_s(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Arrival times in [0, duration_s), seconds from the start: exponential gaps of mean
+    1 / rate."""
+    out: list[float] = []
+    t = rng.expovariate(rate)
+    while t < duration_s:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
 
 
 @dataclass
@@ -73,7 +97,7 @@ class Run:
 
 async def run_load(target: Target, body: bytes, config: LoadConfig) -> Run:
     """Drive `target` open loop with `body` as `config` says; return every outcome."""
-    offsets = arrival_offsets_s(config.rate, config.duration_s)
+    offsets = config.offsets_s()
     live = Live(scheduled=len(offsets))
     run = Run()
     start = time.monotonic()

@@ -19,20 +19,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from plane.contract.errors import ConfigError
-from plane.pulse.runner import Live, LoadConfig, open_loop
+from plane.pulse.runner import Live, LoadConfig, open_loop, poisson_offsets_s
 from plane.pulse.stream_outcome import StreamOutcome
 from plane.pulse.stream_target import StreamTarget
-
-
-def poisson_offsets_s(rate: float, duration_s: float, rng: random.Random) -> list[float]:
-    """Arrival times in [0, duration_s), seconds from the start: exponential gaps of mean
-    1 / rate."""
-    out: list[float] = []
-    t = rng.expovariate(rate)
-    while t < duration_s:
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
 
 
 @dataclass

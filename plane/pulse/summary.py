@@ -98,6 +98,7 @@ class Summary(msgspec.Struct, kw_only=True):
     decided_by: str = ""  # the signal that decided the verdict (BY_*)
     p50_first_third_ms: float | None = None  # accepted p50, first and last third of the run
     p50_last_third_ms: float | None = None
+    arrivals: str = "even"  # how the sends were scheduled (LoadConfig.arrivals)
 
 
 def _hist(values_us: Sequence[int]) -> HdrHistogram:
@@ -186,6 +187,7 @@ def summarize(
     deadline_ms: int | None,
     dropped: int,
     windows: int = 6,
+    arrivals: str = "even",
 ) -> Summary:
     """`deadline_ms` None: pulse sent none (the router's live deadline applied, unknown
     here), so `within_deadline_share` is None too."""
@@ -242,6 +244,7 @@ def summarize(
         verdict=v,
         verdict_reasons=reasons,
         decided_by=decided_by,
+        arrivals=arrivals,
         p50_first_third_ms=first,
         p50_last_third_ms=last,
     )

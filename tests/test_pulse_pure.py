@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+from click.testing import CliRunner
 
 from plane.contract.errors import ConfigError
 from plane.pulse import (
@@ -20,6 +21,7 @@ from plane.pulse import (
     summarize,
     verdict,
 )
+from plane.pulse.cli import pulse
 from plane.pulse.series import per_second, percentile_curve
 from plane.pulse.summary import (
     ABSENT,
@@ -273,3 +275,11 @@ def test_default_bodies() -> None:
     assert json.loads(default_body("calibrated", duration_us=250)) == {"duration_us": 250}
     with pytest.raises(ConfigError):
         default_body("nope")
+
+
+def test_streams_cannot_be_sent_evenly() -> None:
+    """`--stream` always sends at Poisson arrivals: asking for even ones is a usage error that
+    says so, before anything connects."""
+    result = CliRunner().invoke(pulse, ["--nats", "nats://127.0.0.1:1", "--stream",
+                                        "--model", "tinylm", "--arrivals", "even"])
+    assert result.exit_code == 2 and "leave out --arrivals even" in result.output

@@ -92,5 +92,9 @@ async def listen(nc: Client, subject: str) -> list[Msg]:
         seen.append(msg)
 
     await nc.subscribe(subject, cb=keep)
+    # Twice: a plain nats-py connection writes flush()'s PING ahead of the SUB still in its
+    # buffer, so the first PONG can come before the server has the SUB; the second PING goes
+    # out after it. (The plane's own connections keep the order: plane.contract.soon_flush.)
+    await nc.flush()
     await nc.flush()
     return seen

@@ -87,6 +87,11 @@ BAD_HEADERS: list[dict[str, str]] = [
     {Header.AVOID_NODE: "bad.node"},
     {Header.AVOID_NODE: "n" * 65},
     {Header.CONTENT_TYPE: "a" * 200},
+    # The router publishes to a wake inbox: never a wildcard, never a subject outside the
+    # callers' inboxes (a slot's would put an empty message on the slot).
+    *({Header.WAKE: v} for v in (
+        "plane.slot.calibrated.n.0", "_INBOX.*", "_INBOX.>", "_INBOX", "_INBOX.", "_INBOX..a",
+        "_INBOX.a b", "_INBOX.a.", "_INBOX." + "a" * 200, "x_INBOX.a")),
     {f"X-Pad-{i}": "p" * 300 for i in range(MAX_HEADER_BYTES // 300 + 1)},
 ]
 
@@ -103,7 +108,8 @@ async def test_router_refuses_every_bad_caller_header_400_and_echoes_the_valid_i
                 wrong.append((bad if len(str(bad)) < 80 else str(bad)[:80], status(m)))
         assert not wrong, wrong
         m = await ask(nc, {Header.DEADLINE_MS: "600000", Header.ATTEMPT: "2",
-                           Header.AVOID_NODE: "node9", Header.TICKET: "r-x-00000000"})
+                           Header.AVOID_NODE: "node9", Header.TICKET: "r-x-00000000",
+                           Header.WAKE: "_INBOX.Ab-1_z.2"})
         assert status(m) == 200
     assert stack.routers[0].nc.stats["reconnects"] == 0
 

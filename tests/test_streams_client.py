@@ -109,6 +109,54 @@ async def test_a_busy_slot_is_refused_then_retried_with_its_ticket(
     await slow(plane.nc, 0)
 
 
+async def test_a_holder_is_called_on_its_inbox_when_its_slot_frees_early(
+        stack: PlaneStack, plane: Client) -> None:
+    """`Plane-Wake`, read as any NATS client reads it: a ticket's holder that gave an inbox is
+    called there (an empty message with its ticket) when the slot frees before its
+    Retry-After, here a stream cancelled at its start; then the SDK, which does the same by
+    itself, is back long before its Retry-After."""
+    await slow(plane.nc, 3000)  # ~0.3 s for 100 tokens
+    async for _ in plane.stream(MODEL, ask(100), deadline_ms=5000):  # the router learns
+        pass
+    inbox = plane.nc.new_inbox()
+    calls = await listen(plane.nc, inbox)
+    async with plane.stream(MODEL, ask(100), deadline_ms=5000) as holder:
+        assert holder.started
+        refused = await plane.nc.request(
+            NAMES.infer(MODEL), json.dumps(ask(4)).encode(), timeout=5,
+            headers={Header.DEADLINE_MS: "5000", Header.WAKE: inbox})
+        h = refused.headers or {}
+        assert h[Header.STATUS] == "429" and h[Header.TICKET]
+        retry_after_ms = int(h[Header.RETRY_AFTER_MS])
+        assert retry_after_ms >= 150
+        t0 = asyncio.get_running_loop().time()
+    # Leaving the block cancels the stream: its slot frees within a token step.
+    await wait_until(lambda: calls, retry_after_ms / 1000, "the early call")
+    called_after_ms = (asyncio.get_running_loop().time() - t0) * 1000
+    assert called_after_ms < retry_after_ms / 2, (called_after_ms, retry_after_ms)
+    call = calls[0]
+    assert call.data == b"" and (call.headers or {})[Header.TICKET] == h[Header.TICKET]
+    back = await plane.nc.request(NAMES.infer(MODEL), json.dumps(ask(4)).encode(), timeout=5,
+                                  headers={Header.TICKET: h[Header.TICKET]})
+    assert (back.headers or {})[Header.STATUS] == "200"
+    await asyncio.sleep(0.05)
+    assert len(calls) == 1  # one call per promise
+
+    # The SDK: a patient caller refused while a stream runs is back once it is cancelled.
+    requests = await listen(plane.nc, NAMES.infer(MODEL))
+    async with plane.stream(MODEL, ask(100), deadline_ms=5000) as holder:
+        assert holder.started
+        task = asyncio.create_task(plane.call(MODEL, ask(4), deadline_ms=5000))
+        await wait_until(lambda: len(requests) == 2, 5, "the patient caller's first try")
+        await asyncio.sleep(0.02)  # its 429 is back: it waits for its turn
+    result = await asyncio.wait_for(task, 5)
+    assert result.statuses == (429, 200), result.statuses
+    assert plane.calls is not None
+    assert (requests[1].headers or {})[Header.WAKE] == plane.calls.subject
+    assert result.waited_ms < 150, result.waited_ms  # a 100-token stream's Retry-After: ~300
+    await slow(plane.nc, 0)
+
+
 async def test_closing_a_stream_that_waits_to_retry_sends_nothing_more(
         stack: PlaneStack, plane: Client) -> None:
     requests = await listen(plane.nc, NAMES.infer(MODEL))  # a copy of every request

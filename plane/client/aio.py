@@ -11,7 +11,9 @@ stays silent.
 
 On a 429 it waits as `plane.contract.backoff.retry_delay_ms` says (the server's
 Retry-After-Ms when its clock agrees with ours, exactly when it came with a ticket, else
-capped exponential backoff with full jitter), and sends back the ticket it was given. After
+capped exponential backoff with full jitter), and sends back the ticket it was given; a
+holder the router calls early (its inbox, `Plane-Wake`: `plane.client.wake`) comes back
+then. After
 a 503 that named a node it asks for another (Plane-Avoid-Node). It never sleeps, nor waits
 for an answer, past the caller's deadline.
 """
@@ -35,6 +37,7 @@ from plane.client.attempt import attempt_headers_for, encode_payload, local_repl
 from plane.client.connection import CONNECT_ATTEMPTS, open_connection, until_connected
 from plane.client.result import Result, header_int, reply_status
 from plane.client.stream import TokenStream
+from plane.client.wake import EarlyCalls
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.contract.errors import ConfigError
@@ -73,6 +76,9 @@ class ClientConfig:
     # answers within its grace (50 ms) of the deadline; this leaves room for a busy machine.
     stream_margin_ms: int = 1000
     seed: int | None = None  # the jitter's random source; None: seeded from the OS
+    # Give the router an inbox (`Plane-Wake`) where it calls a ticket's holder the moment a
+    # promised slot frees before the Retry-After (`plane.client.wake`).
+    early_calls: bool = True
 
     def __post_init__(self) -> None:
         for model, ms in self.default_deadline_ms.items():
@@ -98,6 +104,7 @@ class Client:
         self.nc = nc
         self.config = config or ClientConfig()
         self._rng = random.Random(self.config.seed)
+        self.calls = EarlyCalls(nc) if self.config.early_calls else None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -189,13 +196,14 @@ class Client:
         waited_ms = 0.0
         hinted = 0
         attempt = first_attempt
+        wake = await self.calls.inbox() if self.calls is not None else None
         while True:
             await until_connected(self.nc, deadline_at)
             remaining_s = deadline_at - time.monotonic()
             attempt_headers = attempt_headers_for(
                 headers, request_id=request_id, attempt=attempt,
                 deadline_ms=max(1, int(remaining_s * 1000)) if send_deadline else None,
-                ticket=ticket, avoid_node=avoid_node, content_type=content_type)
+                ticket=ticket, avoid_node=avoid_node, content_type=content_type, wake=wake)
             sent = time.monotonic()
             reply_body, reply_headers, local = await self._attempt(
                 subject, body, attempt_headers, remaining_s,
@@ -218,13 +226,25 @@ class Client:
                                             deadline_at)
             if delay_ms is None:
                 return result
-            if status == Status.BUSY:
-                ticket = reply_headers.get(Header.TICKET) or ticket
+            given = reply_headers.get(Header.TICKET) if status == Status.BUSY else None
+            if given:
+                ticket = given
             elif status == Status.UNAVAILABLE:
                 avoid_node = reply_headers.get(Header.NODE) or avoid_node
-            await asyncio.sleep(delay_ms / 1000)
-            waited_ms += delay_ms
+            waited_ms += await self.pause(given, delay_ms)
             attempt += 1
+
+    async def pause(self, ticket: str | None, delay_ms: float) -> float:
+        """Wait `delay_ms` before the next attempt, or less when the router calls `ticket`'s
+        holder early (`plane.client.wake`); the ms waited (`delay_ms`, or as long as it took
+        the call to come)."""
+        if ticket is None or self.calls is None:
+            await asyncio.sleep(delay_ms / 1000)
+            return delay_ms
+        began = time.monotonic()
+        if await self.calls.sleep(ticket, delay_ms / 1000):
+            return (time.monotonic() - began) * 1000
+        return delay_ms
 
     def retry_delay_for(
         self, result: Result, policy: RetryPolicy, tries: int, deadline_at: float

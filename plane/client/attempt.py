@@ -24,7 +24,7 @@ def encode_payload(payload: Any) -> bytes:
 def attempt_headers_for(
     headers: Mapping[str, str] | None, *, request_id: str, attempt: int,
     deadline_ms: int | None, ticket: str | None, avoid_node: str | None,
-    content_type: str | None,
+    content_type: str | None, wake: str | None = None,
 ) -> dict[str, str]:
     """The headers of one attempt. The caller's own first (trace context, a tenant the
     gateway names): the plane's, set here, win."""
@@ -39,6 +39,8 @@ def attempt_headers_for(
         out[Header.AVOID_NODE] = avoid_node
     if content_type:
         out[Header.CONTENT_TYPE] = content_type
+    if wake:
+        out[Header.WAKE] = wake
     return out
 
 

@@ -120,6 +120,7 @@ class TokenStream:
         self._stream_at: float | None = None  # monotonic: the whole stream's deadline
         self._begun = False
         self._closed = False  # aclose ran: nothing more is sent or read
+        self._wake: str | None = None  # the client's inbox for early calls (`Plane-Wake`)
         self._start_lock: asyncio.Lock | None = None
 
     # -- what it came to ---------------------------------------------------------------------
@@ -197,6 +198,7 @@ class TokenStream:
         if self._stream_deadline_ms is not None:
             self._stream_at = t0 + self._stream_deadline_ms / 1000
         attempt = self._first_attempt
+        self._wake = await client.calls.inbox() if client.calls is not None else None
         while not self._closed:  # closed while it waited to retry: send nothing more
             await until_connected(client.nc, deadline_at)
             remaining_s = deadline_at - time.monotonic()
@@ -227,14 +229,14 @@ class TokenStream:
                                               attempt - self._first_attempt + 1, deadline_at)
             if delay_ms is None:
                 return
-            if result.status == Status.BUSY:
-                self._ticket = result.headers.get(Header.TICKET) or self._ticket
+            given = result.headers.get(Header.TICKET) if result.status == Status.BUSY else None
+            if given:
+                self._ticket = given
             elif result.status == Status.UNAVAILABLE:
                 self._avoid_node = result.headers.get(Header.NODE) or self._avoid_node
             await self._unsubscribe()
             self.result, self.reader = None, StreamReader()
-            await asyncio.sleep(delay_ms / 1000)
-            self._waited_ms += delay_ms
+            self._waited_ms += await client.pause(given, delay_ms)
             attempt += 1
 
     async def _send(self, attempt: int, remaining_s: float, send_deadline: bool) -> None:
@@ -244,7 +246,8 @@ class TokenStream:
         headers = attempt_headers_for(
             self._headers, request_id=self.request_id, attempt=attempt,
             deadline_ms=max(1, int(remaining_s * 1000)) if send_deadline else None,
-            ticket=self._ticket, avoid_node=self._avoid_node, content_type=self._content_type)
+            ticket=self._ticket, avoid_node=self._avoid_node, content_type=self._content_type,
+            wake=self._wake)
         headers[Header.STREAM] = ASKED
         if self._stream_at is not None:
             left_ms = max(1, int((self._stream_at - time.monotonic()) * 1000))

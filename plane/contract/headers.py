@@ -17,6 +17,9 @@ Limits (also in docs/design.md, "Headers"):
   Plane-Attempt      ASCII decimal, 1..MAX_ATTEMPT
   Plane-Ticket       1..128 visible ASCII characters
   Plane-Avoid-Node   a node name: 1..64 of A-Z a-z 0-9 _ -
+  Plane-Wake         an inbox: `_INBOX.` then dot-separated tokens of A-Z a-z 0-9 _ -, at most
+                     128 characters (the router publishes to it: never a wildcard, never
+                     a subject outside the callers' inboxes, such as a slot's)
   Content-Type       1..128 printable ASCII characters (0x20-0x7E)
   every header       names and values together at most MAX_HEADER_BYTES (UTF-8), so that the
                      router's messages on a caller's behalf stay far under the server's limits
@@ -44,6 +47,7 @@ SHOWN_CHARS = 32  # of a bad value, in an error message: never echo a caller's m
 
 _VISIBLE = re.compile(rf"[\x21-\x7e]{{1,{MAX_ID_CHARS}}}")
 _PRINTABLE = re.compile(rf"[\x20-\x7e]{{1,{MAX_ID_CHARS}}}")
+_WAKE = re.compile(r"_INBOX(?:\.[A-Za-z0-9_-]+)+")
 
 
 def shown(raw: str) -> str:
@@ -82,6 +86,15 @@ class CallerHeaders:
     content_type: str | None = None
     stream: bool = False  # `Plane-Stream: 1`: answer as a stream
     stream_deadline_ms: int | None = None  # budget for the whole stream (streams only)
+    wake: str | None = None  # where the router says a promised slot freed early
+
+
+def _wake(headers: Mapping[str, str]) -> str | None:
+    raw = headers.get(Header.WAKE)
+    if raw is not None and (len(raw) > MAX_ID_CHARS or not _WAKE.fullmatch(raw)):
+        raise ValueError(f"{Header.WAKE} must be an inbox: _INBOX. and dot-separated tokens of "
+                         f"A-Z a-z 0-9 _ -, at most {MAX_ID_CHARS} characters, got {shown(raw)}")
+    return raw
 
 
 def _stream(headers: Mapping[str, str]) -> bool:
@@ -138,6 +151,7 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
             content_type=_text(headers, Header.CONTENT_TYPE, _PRINTABLE),
             stream=_stream(headers),
             stream_deadline_ms=_number(headers, Header.STREAM_DEADLINE_MS, MAX_DEADLINE_MS),
+            wake=_wake(headers),
         )
     except InvalidToken:
         raise BadRequest(f"{Header.AVOID_NODE} must be a node name (1..64 of A-Z a-z 0-9 _ -), "

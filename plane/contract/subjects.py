@@ -49,6 +49,9 @@ class Header:
     SERVICE_US = "Plane-Service-Us"
     FRESHNESS = "Plane-Freshness"
     AVOID_NODE = "Plane-Avoid-Node"  # request: a node that just refused (503); go elsewhere
+    # Request: an inbox of the caller's (`_INBOX.` and tokens) where the router says, with a
+    # message carrying the ticket, that a promised slot freed before the ticket's Retry-After.
+    WAKE = "Plane-Wake"
     # Request: the tenant, as a trusted sender inside the plane's own account says (the HTTP
     # gateway, from its bearer tokens). A tenant's own requests arrive through a service
     # import, and then the server's `Nats-Request-Info` names its account instead.

@@ -38,6 +38,8 @@ class Promise:
     pinned: bool = True  # holds slot time; False: the Retry-After was an estimate only
     parked: bool = False  # its holder is here, waiting for a slot to free
     foreign: bool = False  # made by another router (told on plane.admission.<model>)
+    wake: str | None = None  # the holder's inbox for an early call (`Plane-Wake`)
+    woken: bool = False  # called early: a slot freed for it before its due time
 
     def start_floor(self, now_s: float) -> float:
         """The earliest it can start: its due time, or now for a holder that is here or late."""
@@ -154,6 +156,12 @@ class PromiseBook:
                 del self._dues[i]
                 return True
         return False
+
+    def bring_forward(self, p: Promise, due_s: float) -> None:
+        """`p` is due earlier now (its holder was called early): moved to its new place."""
+        if self.remove(p):
+            p.due_s = due_s
+            self.add(p)
 
     def expire(self, now_s: float) -> list[Promise]:
         """Drop and return the promises whose holders did not come in time."""

@@ -330,7 +330,8 @@ class RequestPath:
             may_promise=promiser == self.cfg.router_id,
             ask=Ask(now_s=now, deadline_s=received + deadline_ms / 1000,
                     prediction=prediction, ticket=caller.ticket, avoid_node=caller.avoid_node,
-                    first_p99_us=first_p99_us, end_deadline_s=end_deadline_s),
+                    first_p99_us=first_p99_us, end_deadline_s=end_deadline_s,
+                    wake=caller.wake),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if not caller.ticket and not forwarded and (refusal := self._tenant_refusal(r, now)):

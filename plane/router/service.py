@@ -42,8 +42,9 @@ from plane.contract.models import MODELS
 from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
+from plane.contract.publish import publish
 from plane.contract.settings import LiveSettings
-from plane.contract.subjects import ROUTER_QUEUE_GROUP
+from plane.contract.subjects import ROUTER_QUEUE_GROUP, Header
 from plane.contract.tracing import Tracing
 from plane.router.admission import Admission
 from plane.router.inflight import InFlight, InFlightBook
@@ -289,7 +290,8 @@ class Router(Lifecycle, TaskOwner):
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
                 view.release(now)
-                self.parking.wake_one(ev.model)
+                if not self.parking.wake_one(ev.model):
+                    await self._call_early(ms, now)
             fl = self.inflight.entries.get(key)
             if fl is not None and fl.request_id == ev.request_id:
                 self._placed_done(ms, fl, ev, received_s(msg, now))
@@ -318,9 +320,17 @@ class Router(Lifecycle, TaskOwner):
         self.requests.ended(fl, 0, 0, 0)  # the watchdog's answer is metered where it is given
         ms = self.models.get(fl.model)
         view = ms.slots.get(fl.key) if ms is not None else None
-        if view is not None and view.request_id == fl.request_id:
-            view.release(time.monotonic())
-            self.parking.wake_one(fl.model)
+        if ms is not None and view is not None and view.request_id == fl.request_id:
+            now = time.monotonic()
+            view.release(now)
+            if not self.parking.wake_one(fl.model):
+                self._spawn(self._call_early(ms, now))
+
+    async def _call_early(self, ms: ModelSlots, now: float) -> None:
+        """A slot freed and no holder waits here: call the holder it goes to, when that one
+        gave an inbox (`Plane-Wake`), so that it comes now rather than at its Retry-After."""
+        if (p := self.admission.to_wake(ms, now)) is not None and p.wake is not None:
+            await publish(self.nc, p.wake, b"", {Header.TICKET: p.ticket})
 
     async def _on_status(self, req: Any) -> None:
         body = {

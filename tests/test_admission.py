@@ -480,6 +480,35 @@ def test_no_call_for_holders_without_an_inbox_or_about_to_come() -> None:
     assert adm3.to_wake(ms3, 0.0) is None
 
 
+def test_a_holder_on_call_is_told_the_late_end_and_called_when_its_slot_frees() -> None:
+    """Long work (100 ms, p99 150 ms) beside a call's trip (2 ms before any was measured): a
+    holder with an inbox is told to come when the work ahead has run to its p99, so that it
+    does not come while that work runs and wait for it; the slot freeing at its mean calls
+    it, and it is placed as it comes, newcomers kept off meanwhile. A holder without an
+    inbox is told the usual time."""
+    long = Prediction(p50_us=100_000, p99_us=150_000)
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.100)
+    plain = adm.decide(ms, ask(0.0, pred=long))
+    assert isinstance(plain, Refuse) and plain.retry_after_ms is not None
+    ms_b, adm_b = slots(1), Admission("r")
+    busy_until(ms_b, 0.100)
+    on_call = adm_b.decide(ms_b, replace(ask(0.0, pred=long), wake="_INBOX.me"))
+    assert isinstance(on_call, Refuse) and on_call.retry_after_ms is not None
+    spread_ms = (long.p99_us - long.expected_us) / 1000
+    assert on_call.retry_after_ms >= 100 + spread_ms - 1 > plain.retry_after_ms
+    assert "or when called" in on_call.message
+    (promise,) = ms_b.promises
+    ms_b.slots["n/0"].release(0.101)  # the work ahead ends at about its mean
+    assert adm_b.to_wake(ms_b, 0.101) is promise and promise.called_s == 0.101
+    assert isinstance(adm_b.decide(ms_b, ask(0.102, pred=long)), Refuse)  # a newcomer
+    back = adm_b.decide(ms_b, ask(0.1025, ticket=on_call.ticket, pred=long))
+    assert isinstance(back, Place) and back.redeemed is promise
+    # Its lateness is counted from the call (1.5 ms), not from the time it was told.
+    assert adm_b.call_trips["calibrated"].count == 1
+    assert 1499 <= adm_b.lateness["calibrated"].p50_us <= 1500  # float seconds to µs
+
+
 def _plain_schedule(free_s: list[float], promises: list[Promise], now_s: float
                     ) -> dict[str, float]:
     """The schedule as the module's docstring states it, step by step: the reference."""

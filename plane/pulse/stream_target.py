@@ -9,7 +9,9 @@ stream has already ended (a second final message, a token after `end`) is counte
 `after_final`: the contract says there are none.
 
 With a retry policy a 429 is retried as the SDK retries a request: at its Retry-After-Ms
-(when the server's clock is trusted), with its `Plane-Ticket`, within the TTFT budget.
+(when the server's clock is trusted), or when the router calls its holder first (the
+inbox sent as `Plane-Wake`, `plane.client.wake`), with its `Plane-Ticket`, within the TTFT
+budget.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from plane.client.result import header_int
+from plane.client.wake import EarlyCalls
 from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
@@ -124,6 +127,8 @@ class StreamTarget:
         self._subject = spec.names.infer(spec.model)  # raises InvalidToken on a bad name
         self._rng = random.Random(seed)
         self._nc: NATS | None = None
+        self._early: EarlyCalls | None = None  # where the router calls holders (Plane-Wake)
+        self._wake = ""
         self._prefix = ""
         self._ids = itertools.count()
         self._calls: dict[str, StreamCall] = {}
@@ -133,6 +138,8 @@ class StreamTarget:
 
     async def __aenter__(self) -> StreamTarget:
         self._nc = await connect(self._opts)
+        self._early = EarlyCalls(self._nc)
+        self._wake = await self._early.inbox()
         self._prefix = self._nc.new_inbox()
         await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_msg,
                                  pending_msgs_limit=_PENDING_MSGS,
@@ -215,6 +222,8 @@ class StreamTarget:
                     max(left, int(headers.get(Header.DEADLINE_MS, "1"))))
             if ticket:
                 headers[Header.TICKET] = ticket
+            if self._wake:
+                headers[Header.WAKE] = self._wake
             sent = time.monotonic()
             try:
                 inbox, call = await self.begin(body, headers)
@@ -252,8 +261,12 @@ class StreamTarget:
                 return self._outcome(call, t0=t0, scheduled_s=scheduled_s,
                                      first_sent=first_sent, sent=sent, statuses=statuses,
                                      reasons=reasons, hinted=hinted)
-            ticket = call.headers.get(Header.TICKET) or ticket
-            await asyncio.sleep(delay / 1000)
+            given = call.headers.get(Header.TICKET)
+            ticket = given or ticket
+            if given and self._early is not None:
+                await self._early.sleep(given, delay / 1000)  # or until called
+            else:
+                await asyncio.sleep(delay / 1000)
 
     def _outcome(self, call: StreamCall, *, t0: float, scheduled_s: float, first_sent: float,
                  sent: float, statuses: list[int], reasons: list[str], hinted: int

@@ -91,6 +91,15 @@ GONE_MIN_S = 0.002
 # answered 85-88% against 93-97% without calls (two interleaved rounds): the calls cost CPU
 # on a saturated host and left freed slots to holders one trip away.
 WAKE_LEAD_S = 0.001
+# A holder with an inbox is put on call (told the p99 end of the work ahead as its
+# Retry-After, and called when a slot frees) when the median trip of a call, from the router
+# to the holder and back, is at most this share of the holder's expected service time: the
+# slot idles for that trip, where a holder told the mean end comes while the work ahead still
+# runs half the time and waits for it, parked, in its own latency (the TTFT of streams: a
+# few ms of waiting beside a first token of 3-6 ms). Before any holder was called, a trip
+# is taken to be CALL_TRIP_PRIOR_US.
+CALL_TRIP_SHARE = 0.1
+CALL_TRIP_PRIOR_US = 2000
 LATENESS_PRIOR_US = 3000
 REDEMPTION_WEIGHT = 0.1
 
@@ -303,6 +312,7 @@ class Admission:
         # How late holders come back after their due time, per model (µs, early ones as 0):
         # a promise is made only if a holder this late still starts in time (`_refuse`).
         self.lateness: dict[str, ServiceWindow] = {}
+        self.call_trips: dict[str, ServiceWindow] = {}  # per model: from a call to the holder
 
     def take_notes(self) -> list[PromiseChange]:
         notes, self.notes = self.notes, []
@@ -381,17 +391,20 @@ class Admission:
         """Whether starting this request now makes a promise that ranks before it late.
 
         A newcomer ranks after the promises whose holders are here (parked) or not later
-        than `gone_s` past their due time (as late as holders come back, `_gone_s`). A
-        holder ranks after the earlier promises whose holders are here or not yet due; one
-        that is late and not here does not keep a present holder waiting.
+        than `gone_s` past their due time or their call (as late as holders come back,
+        `_gone_s`). A holder ranks after the earlier promises whose holders are here, not
+        yet due or called within `gone_s`; one that is late and not here does not keep a
+        present holder waiting.
         """
         now = ask.now_s
         if holder is None:
-            protected = [p for p in ms.promises if p.parked or p.due_s + gone_s > now]
+            protected = [p for p in ms.promises if p.parked or p.due_s + gone_s > now
+                         or p.called_s + gone_s > now]
             hold_s = ask.prediction.p99_us / 1e6
         else:
             protected = [p for p in ms.promises if p is not holder
-                         and p.due_s <= holder.due_s and (p.parked or p.due_s > now)]
+                         and p.due_s <= holder.due_s
+                         and (p.parked or p.due_s > now or p.called_s + gone_s > now)]
             hold_s = ask.prediction.expected_us / 1e6
         # No promise open (the common case below capacity): nothing to simulate.
         return bool(protected) and would_delay(ms.free_times(now), protected, now, hold_s)
@@ -411,18 +424,20 @@ class Admission:
     def to_wake(self, ms: ModelSlots, now_s: float) -> Promise | None:
         """A slot of `ms` just freed and no holder waits here for it: the promise it goes to
         (the first in due order not yet here or called), when its holder gave an inbox and
-        is not due within its service time (WAKE_LEAD_S at least). Made due now, so
-        newcomers leave the slot to it for as long as holders take to come back. None:
-        nobody to call."""
+        is not told to come within WAKE_LEAD_S (one on call, `_on_call`), or within its
+        service time (any other). Made due now at the latest, so newcomers leave the slot to
+        it for as long as holders take to come back. None: nobody to call."""
         for p in ms.promises:
-            if p.parked or p.woken:
+            if p.parked or p.called_s:
                 continue
-            if (p.wake is None or p.foreign
-                    or p.due_s - now_s < max(WAKE_LEAD_S, p.service_s)):
+            told_s = p.told_s or p.due_s
+            lead_s = WAKE_LEAD_S if told_s > p.due_s else max(WAKE_LEAD_S, p.service_s)
+            if p.wake is None or p.foreign or told_s - now_s < lead_s:
                 return None
-            p.woken = True
-            ms.promises.bring_forward(p, now_s)
-            self.stats["holder-woken"] += 1
+            p.called_s = now_s
+            if p.due_s > now_s:
+                ms.promises.bring_forward(p, now_s)
+            self.stats["holder-called"] += 1
             return p
         return None
 
@@ -452,8 +467,11 @@ class Admission:
             self.stats["ticket-unknown"] += 1
             return None
         if ask.park_until_s is None:  # first look at this holder (not a parked re-decide)
-            self.on_lateness(ms.model, ask.now_s - r.due_s)
-            self._lateness(ms.model).add(int((ask.now_s - r.due_s) * 1e6))
+            late_s = ask.now_s - r.back_s  # after its call, or after the time it was told
+            self.on_lateness(ms.model, late_s)
+            self._lateness(ms.model).add(int(late_s * 1e6))
+            if r.called_s:
+                self._call_trip(ms.model).add(int(late_s * 1e6))
         if r.expires_s < ask.now_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
@@ -468,6 +486,18 @@ class Admission:
         """How long past its due time a promise whose holder is not here still keeps its slot
         time from newcomers: as late as holders come back (the p99), at least GONE_MIN_S."""
         return max(GONE_MIN_S, self._lateness(model).p99_us / 1e6)
+
+    def _call_trip(self, model: str) -> ServiceWindow:
+        """How long a called holder takes to come (the call's trip and the caller's)."""
+        if (w := self.call_trips.get(model)) is None:
+            w = self.call_trips[model] = ServiceWindow(size=LATENESS_WINDOW,
+                                                       prior_us=CALL_TRIP_PRIOR_US)
+        return w
+
+    def _on_call(self, model: str, p: Prediction) -> bool:
+        """Whether a holder with an inbox is told a late Retry-After and called when its slot
+        frees: when a call's trip is short beside the work it waits to start."""
+        return self._call_trip(model).p50_us <= CALL_TRIP_SHARE * p.expected_us
 
     def _lateness(self, model: str) -> ServiceWindow:
         if (w := self.lateness.get(model)) is None:
@@ -558,9 +588,18 @@ class Admission:
                 and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6):
             return self._park_newcomer(ms, ask, start_s)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
+        told_ms = wait_ms
+        if pinned and ask.wake is not None and self._on_call(ms.model, p):
+            # On call: told to come when the work ahead has run to its p99 (so that it does
+            # not come while that work still runs and wait for it, in its own latency), and
+            # called as soon as a slot frees for it.
+            late_by_s = (p.p99_us - p.expected_us) / 1e6
+            told_s = min(start_s + late_by_s, ask.latest_start_s() - late_s)
+            told_ms = max(wait_ms, _wait_ms(told_s, now))
+        told_s = now + told_ms / 1000
         promise = Promise(
-            ticket=new_ticket(self._prefix), due_s=due_s,
-            expires_s=due_s + _late_tolerance_s(ask.prediction),
+            ticket=new_ticket(self._prefix), due_s=due_s, told_s=told_s,
+            expires_s=told_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
             issued_s=now, pinned=pinned, wake=ask.wake,
         )
@@ -572,8 +611,9 @@ class Admission:
             self._unpinned[promise.ticket] = (ms.model, promise.expires_s)
         return Refuse(
             Status.BUSY, Reason.BUSY,
-            f"all {ms.model} slots are busy: come back in {wait_ms} ms with this ticket",
-            retry_after_ms=wait_ms, ticket=promise.ticket,
+            f"all {ms.model} slots are busy: come back in {told_ms} ms with this ticket"
+            + (" (or when called)" if told_ms > wait_ms else ""),
+            retry_after_ms=told_ms, ticket=promise.ticket,
         )
 
     def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float) -> Park:

@@ -38,8 +38,14 @@ class Promise:
     pinned: bool = True  # holds slot time; False: the Retry-After was an estimate only
     parked: bool = False  # its holder is here, waiting for a slot to free
     foreign: bool = False  # made by another router (told on plane.admission.<model>)
-    wake: str | None = None  # the holder's inbox for an early call (`Plane-Wake`)
-    woken: bool = False  # called early: a slot freed for it before its due time
+    wake: str | None = None  # the holder's inbox for a call (`Plane-Wake`)
+    told_s: float = 0.0  # when its holder was told to come back (0: at `due_s`)
+    called_s: float = 0.0  # when its holder was called to come now (0: not called)
+
+    @property
+    def back_s(self) -> float:
+        """When its holder is expected back: when it was called, else when it was told."""
+        return self.called_s or self.told_s or self.due_s
 
     def start_floor(self, now_s: float) -> float:
         """The earliest it can start: its due time, or now for a holder that is here or late."""

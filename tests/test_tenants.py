@@ -156,3 +156,38 @@ async def test_a_tenant_limit_set_live_applies_and_lifts() -> None:
                 assert status(m) == 200
         finally:
             await nc.close()
+
+
+async def test_a_caller_across_an_import_is_not_put_on_call(tmp_path: Path) -> None:
+    """`Plane-Wake` names an inbox in the caller's own account, which the router cannot
+    reach across a service import: such a caller is told the usual Retry-After, not one
+    that counts on a call. The same request from inside the plane's account is on call."""
+    conf = tmp_path / "accounts.conf"
+    conf.write_text(ACCOUNTS)
+    async with EmbeddedNats(NatsServerSpec(extra_args=["-c", str(conf)])) as srv:
+        cfg = StackConfig(connect=ConnectOptions(url=srv.url, user="plane",
+                                                 password="plane-secret"),
+                          models=("calibrated",), slots=1, backend="torch")
+        async with PlaneStack(cfg) as stack:
+            heavy = await nats.connect(_user_url(srv.url, "heavy"))
+            light = await nats.connect(_user_url(srv.url, "light"))
+            inside = await nats.connect(_user_url(srv.url, "plane"))
+            try:
+                subject = NAMES.infer("calibrated")
+                running = asyncio.create_task(light.request(
+                    subject, calibrated(400_000), timeout=5,
+                    headers={Header.DEADLINE_MS: "2000"}))
+                await asyncio.sleep(0.1)  # it runs on the only slot
+                messages = {}
+                for who, nc in (("import", heavy), ("inside", inside)):
+                    m = await nc.request(subject, calibrated(300_000), timeout=5, headers={
+                        Header.DEADLINE_MS: "5000", Header.WAKE: nc.new_inbox()})
+                    assert status(m) == 429, (who, m.headers)
+                    messages[who] = json.loads(m.data)["error"]
+                assert "or when called" not in messages["import"], messages
+                assert "or when called" in messages["inside"], messages
+                assert status(await running) == 200
+                assert stack.routers[0].admission.stats["ticket-valid"] == 0
+            finally:
+                for nc in (heavy, light, inside):
+                    await nc.close()

@@ -1,11 +1,11 @@
-"""Early calls: one inbox per client where the router says that a promised slot freed before
-the ticket's Retry-After (`Plane-Wake`, docs/design.md "Retry-After that is worth trusting").
+"""Calls back: one inbox per client where the router calls a ticket's holder (`Plane-Wake`,
+docs/design.md "Retry-After that is worth trusting").
 
-A ticket's Retry-After is the router's prediction of when a slot frees for its holder. A slot
-that frees earlier would idle until the holder's timer fires; with the inbox on its requests,
-the holder is called the moment the slot frees and comes back at once. The Retry-After stays
-the fallback: a call that never comes (the router restarted, a server between us dropped it)
-costs nothing but the early start.
+A holder that sends the inbox is on call: its Retry-After is the late (p99) end of the work
+ahead, its fallback, and the router calls it on the inbox when its slot frees or is about
+to (`plane.router.calls`), timed to the slot's real state rather than to a prediction made
+at refusal time. A call that never comes (the router restarted, the connection dropped)
+costs the wait until the Retry-After.
 
 The call carries only the ticket. It can arrive before its holder starts waiting (the 429 and
 the call come on different subscriptions, each read in its own task): such calls are kept,

@@ -6,8 +6,9 @@ will be free *and not already promised* (see `plane.router.promises`: promises a
 model's slots, not pinned to one); successive refused callers get successive free times. A
 caller back with its ticket takes any free slot unless an earlier promise needs it, and waits
 (is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
-promise would start late for it. A slot that frees before the first holder's due time calls
-that holder when it gave an inbox (`to_wake`). Pure logic: no I/O, monotonic time in.
+promise would start late for it. A holder that gave an inbox is on call: told a late
+Retry-After and called when its slot frees or is about to (`to_wake`, `to_call_ahead`,
+`plane.router.calls`). Pure logic: no I/O, monotonic time in.
 """
 
 from __future__ import annotations
@@ -81,23 +82,23 @@ LATENESS_WINDOW = 128
 # later): a few refusals after a hiccup pinned enough slots to refuse the next newcomers,
 # whose promises pinned more (the cluster test, 150/s of 3 ms on 6 slots: 40% refused).
 GONE_MIN_S = 0.002
-# A holder that gave an inbox (`Plane-Wake`) is called there when a slot frees for it at
-# least its own expected service time (and WAKE_LEAD_S) before its due time: a stream that
-# stopped or was cancelled long before its max_tokens, a request answered at once with an
-# error. Its slot would idle until the holder's timer fired, and no newcomer may take it (the
-# promise keeps it). Sooner than that, the call is not worth its messages: short work is
-# predicted within a fraction of its time, and under Poisson arrivals at 0.9x (4 slots of
-# 1-10 ms, `benchmarks/mixed_work.py`) calling holders whenever a slot freed 1 ms early
-# answered 85-88% against 93-97% without calls (two interleaved rounds): the calls cost CPU
-# on a saturated host and left freed slots to holders one trip away.
+# A holder that gave an inbox (`Plane-Wake`) is on call (`plane.router.calls`): told the p99
+# end of the work ahead as its Retry-After (its fallback), and called when its slot frees or
+# is about to, unless it is told to come within WAKE_LEAD_S anyway. A holder told a
+# predicted time comes while the work ahead still runs about half the time and waits for it,
+# parked, in its own latency, and a slot that frees before the time idles until it comes;
+# and the predictions drift along a chain of promises made back to back (a slip carries down
+# to every later holder, BENCHMARKS.md tenth session). A call is timed to the slot's real
+# state instead. When the median trip of a call (router to holder and back) is at most
+# CALL_TRIP_SHARE of the holder's expected service time, the call goes when the slot frees:
+# the slot idles for a trip, the holder never waits for an overrun (streams: TTFT p99/p50
+# 2.5-2.8 against 4.7-6.7 at 2x, and more tokens/s). Else a trip before the slot's current
+# work is predicted to end: it waits for that work's own error, not for a chain's. Before
+# any holder was called, a trip is taken to be CALL_TRIP_PRIOR_US. Calls only for slots
+# that freed early, with holders told the usual predicted time, were tried first: with 1-10
+# ms work at Poisson arrivals they cost more than they gave (BENCHMARKS.md, thirteenth
+# session).
 WAKE_LEAD_S = 0.001
-# A holder with an inbox is put on call (told the p99 end of the work ahead as its
-# Retry-After, and called when a slot frees) when the median trip of a call, from the router
-# to the holder and back, is at most this share of the holder's expected service time: the
-# slot idles for that trip, where a holder told the mean end comes while the work ahead still
-# runs half the time and waits for it, parked, in its own latency (the TTFT of streams: a
-# few ms of waiting beside a first token of 3-6 ms). Before any holder was called, a trip
-# is taken to be CALL_TRIP_PRIOR_US.
 CALL_TRIP_SHARE = 0.1
 CALL_TRIP_PRIOR_US = 2000
 LATENESS_PRIOR_US = 3000
@@ -424,20 +425,18 @@ class Admission:
     def to_wake(self, ms: ModelSlots, now_s: float) -> Promise | None:
         """A slot of `ms` just freed and no holder waits here for it: the promise it goes to
         (the first in due order not yet here or called), when its holder gave an inbox and
-        is not told to come within WAKE_LEAD_S (one on call, `_on_call`), or within its
-        service time (any other). Made due now at the latest, so newcomers leave the slot to
-        it for as long as holders take to come back. None: nobody to call."""
+        is not told to come within WAKE_LEAD_S anyway. Made due now at the latest, so
+        newcomers leave the slot to it for as long as holders take to come back. None:
+        nobody to call."""
         for p in ms.promises:
             if p.parked or p.called_s:
                 continue
-            told_s = p.told_s or p.due_s
-            lead_s = WAKE_LEAD_S if told_s > p.due_s else max(WAKE_LEAD_S, p.service_s)
-            if p.wake is None or p.foreign or told_s - now_s < lead_s:
+            if p.wake is None or p.foreign or (p.told_s or p.due_s) - now_s < WAKE_LEAD_S:
                 return None
+            self.stats["holder-called"] += 1
             p.called_s = now_s
             if p.due_s > now_s:
                 ms.promises.bring_forward(p, now_s)
-            self.stats["holder-called"] += 1
             return p
         return None
 
@@ -494,10 +493,36 @@ class Admission:
                                                        prior_us=CALL_TRIP_PRIOR_US)
         return w
 
-    def _on_call(self, model: str, p: Prediction) -> bool:
-        """Whether a holder with an inbox is told a late Retry-After and called when its slot
-        frees: when a call's trip is short beside the work it waits to start."""
-        return self._call_trip(model).p50_us <= CALL_TRIP_SHARE * p.expected_us
+    def _call_mode(self, model: str, p: Prediction) -> str | None:
+        """How a holder with an inbox is called (`plane.router.calls`): when its slot frees,
+        if a call's trip is short beside the work it waits to start; else a trip ahead of
+        the slot's predicted end (None: not on call)."""
+        if self._call_trip(model).p50_us <= CALL_TRIP_SHARE * p.expected_us:
+            return "freed"
+        return "ahead"
+
+    def call_trip_s(self, model: str) -> float:
+        return self._call_trip(model).p50_us / 1e6
+
+    @staticmethod
+    def calls_ahead(ms: ModelSlots) -> bool:
+        """Whether a holder waits to be called ahead (open, not here, not called)."""
+        return any(p.ahead and not p.called_s and not p.parked for p in ms.promises)
+
+    def to_call_ahead(self, ms: ModelSlots, now_s: float) -> Promise | None:
+        """A slot's work is about to end: the holder it goes to, when that one waits to be
+        called ahead (the first in due order neither here nor called)."""
+        for p in ms.promises:
+            if p.parked or p.called_s:
+                continue
+            if not p.ahead or p.wake is None or p.foreign:
+                return None
+            self.stats["holder-called-ahead"] += 1
+            p.called_s = now_s
+            if p.due_s > now_s:
+                ms.promises.bring_forward(p, now_s)
+            return p
+        return None
 
     def _lateness(self, model: str) -> ServiceWindow:
         if (w := self.lateness.get(model)) is None:
@@ -589,10 +614,10 @@ class Admission:
             return self._park_newcomer(ms, ask, start_s)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         told_ms = wait_ms
-        if pinned and ask.wake is not None and self._on_call(ms.model, p):
-            # On call: told to come when the work ahead has run to its p99 (so that it does
-            # not come while that work still runs and wait for it, in its own latency), and
-            # called as soon as a slot frees for it.
+        mode = self._call_mode(ms.model, p) if pinned and ask.wake is not None else None
+        if mode is not None:
+            # On call: told to come when the work ahead has run to its p99 (its fallback), and
+            # called when a slot frees for it, or a trip before (`plane.router.calls`).
             late_by_s = (p.p99_us - p.expected_us) / 1e6
             told_s = min(start_s + late_by_s, ask.latest_start_s() - late_s)
             told_ms = max(wait_ms, _wait_ms(told_s, now))
@@ -601,7 +626,7 @@ class Admission:
             ticket=new_ticket(self._prefix), due_s=due_s, told_s=told_s,
             expires_s=told_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
-            issued_s=now, pinned=pinned, wake=ask.wake,
+            issued_s=now, pinned=pinned, wake=ask.wake, ahead=mode == "ahead",
         )
         if promise.pinned:
             ms.promises.add(promise)

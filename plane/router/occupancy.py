@@ -35,6 +35,7 @@ class SlotView:
     expected_free_s: float = 0.0  # the same at the p50 (what promises are timed to)
     request_id: str | None = None  # ours, while busy with a request this router placed
     freed_s: float = -1.0  # when its last done-event came
+    called_for: str | None = None  # the ticket called for the end of its current work
 
     def is_free(self, now_s: float) -> bool:
         """Free to place on. A slot the broker said was taken by someone else (no request id

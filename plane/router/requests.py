@@ -58,6 +58,7 @@ from plane.router.admission import (
     Refuse,
     ticket_owner,
 )
+from plane.router.calls import Calls
 from plane.router.fairness import FairShare
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
@@ -144,6 +145,7 @@ class RouterParts:
     inflight: InFlightBook
     peers: Peers
     parking: ParkingLot
+    calls: Calls
     settings: LiveSettings
     spawn: Callable[[Coroutine[Any, Any, None]], object]
     reprovision: Callable[[], Coroutine[Any, Any, None]]
@@ -170,6 +172,7 @@ class RequestPath:
         self.inflight = parts.inflight
         self.peers = parts.peers
         self.parking = parts.parking
+        self.calls = parts.calls
         self.settings = parts.settings
         self._spawn = parts.spawn
         self._reprovision = parts.reprovision
@@ -331,7 +334,10 @@ class RequestPath:
             ask=Ask(now_s=now, deadline_s=received + deadline_ms / 1000,
                     prediction=prediction, ticket=caller.ticket, avoid_node=caller.avoid_node,
                     first_p99_us=first_p99_us, end_deadline_s=end_deadline_s,
-                    wake=caller.wake),
+                    # A caller across a service import (the server's Nats-Request-Info):
+                    # its inbox is in its own account, out of the router's reach; told the
+                    # usual Retry-After, not one that counts on a call.
+                    wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if not caller.ticket and not forwarded and (refusal := self._tenant_refusal(r, now)):
@@ -664,6 +670,7 @@ class RequestPath:
         now = time.monotonic()
         ask = r.ask
         view.occupy(now, r.rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
+        self.calls.placed(r.ms, view, r.rid, now)
         return self.inflight.track(InFlight(
             request_id=r.rid, model=r.model, reply=r.msg.reply, node=view.node, key=view.key,
             placed_s=now, tenant=r.tenant,

@@ -42,11 +42,11 @@ from plane.contract.models import MODELS
 from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
-from plane.contract.publish import publish
 from plane.contract.settings import LiveSettings
-from plane.contract.subjects import ROUTER_QUEUE_GROUP, Header
+from plane.contract.subjects import ROUTER_QUEUE_GROUP
 from plane.contract.tracing import Tracing
 from plane.router.admission import Admission
+from plane.router.calls import Calls
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.memory import FloodMemory
 from plane.router.micro import InferEndpoint
@@ -110,6 +110,7 @@ class Router(Lifecycle, TaskOwner):
         self.node_seen_s: dict[str, float] = {}
         self.instances = Instances()  # which process speaks for each node id
         self.parking = ParkingLot()  # holders waiting for a slot to free
+        self.calls = Calls(nc, self.admission, self.parking, self._spawn)  # and called back
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
@@ -126,7 +127,8 @@ class Router(Lifecycle, TaskOwner):
         self.requests = RequestPath(RouterParts(
             nc=nc, cfg=cfg, metrics=self.metrics, admission=self.admission, models=self.models,
             model=self._model, publisher=self.publisher, inflight=self.inflight,
-            peers=self.peers, parking=self.parking, settings=self.settings, spawn=self._spawn,
+            peers=self.peers, parking=self.parking, calls=self.calls, settings=self.settings,
+            spawn=self._spawn,
             reprovision=self._reprovision, done_pending=self._done_pending,
             tracing=tracing or Tracing.off()))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
@@ -290,8 +292,7 @@ class Router(Lifecycle, TaskOwner):
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
                 view.release(now)
-                if not self.parking.wake_one(ev.model):
-                    await self._call_early(ms, now)
+                await self.calls.freed(ms, view, now)
             fl = self.inflight.entries.get(key)
             if fl is not None and fl.request_id == ev.request_id:
                 self._placed_done(ms, fl, ev, received_s(msg, now))
@@ -323,14 +324,7 @@ class Router(Lifecycle, TaskOwner):
         if ms is not None and view is not None and view.request_id == fl.request_id:
             now = time.monotonic()
             view.release(now)
-            if not self.parking.wake_one(fl.model):
-                self._spawn(self._call_early(ms, now))
-
-    async def _call_early(self, ms: ModelSlots, now: float) -> None:
-        """A slot freed and no holder waits here: call the holder it goes to, when that one
-        gave an inbox (`Plane-Wake`), so that it comes now rather than at its Retry-After."""
-        if (p := self.admission.to_wake(ms, now)) is not None and p.wake is not None:
-            await publish(self.nc, p.wake, b"", {Header.TICKET: p.ticket})
+            self._spawn(self.calls.freed(ms, view, now))
 
     async def _on_status(self, req: Any) -> None:
         body = {

@@ -93,6 +93,37 @@ async def test_429_waits_retry_after_and_sends_the_ticket_back(
     assert second[Header.REQUEST_ID] == router.seen[0][Header.REQUEST_ID]
 
 
+async def test_a_holder_called_back_comes_at_once_and_only_a_caller_that_retries_is_on_call(
+    router: FakeRouter, plane: Client
+) -> None:
+    """The SDK gives its inbox (`Plane-Wake`) on every attempt another may follow, none on its
+    last or with no retries; a call with its ticket brings it back before its Retry-After."""
+
+    def script(n: int, h: dict[str, str]) -> Reply:
+        if n == 1:
+            asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(
+                router.nc.publish(h[Header.WAKE], b"", headers={Header.TICKET: "tk-call"})))
+            return busy(h, after_ms=2000, ticket="tk-call")
+        return ok(h)
+
+    router.script = script
+    t0 = time.monotonic()
+    r = await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=5000)
+    assert r.statuses == (429, 200) and (time.monotonic() - t0) < 1.0  # not after 2 s
+    assert 40 <= r.waited_ms < 1000 and router.seen[1][Header.TICKET] == "tk-call"
+    assert plane.calls is not None
+    assert router.seen[0][Header.WAKE] == router.seen[1][Header.WAKE] == plane.calls.subject
+    router.seen.clear()
+    router.script = lambda n, h: busy(h, after_ms=1, ticket=f"t{n}")
+    await plane.call("calibrated", {"duration_us": 1}, deadline_ms=2000,
+                     policy=RetryPolicy(max_attempts=2))
+    assert [Header.WAKE in h for h in router.seen] == [True, False]  # none on the last
+    router.seen.clear()
+    await plane.call("calibrated", {"duration_us": 1}, deadline_ms=2000,
+                     policy=RetryPolicy(max_attempts=1))
+    assert [Header.WAKE in h for h in router.seen] == [False]  # never comes back
+
+
 async def test_429_without_a_ticket_adds_a_jitter(router: FakeRouter, plane: Client) -> None:
     """A Retry-After without a ticket is an estimate every caller refused meanwhile got: a
     jitter keeps them from coming back on the same millisecond."""

@@ -12,8 +12,8 @@ stays silent.
 On a 429 it waits as `plane.contract.backoff.retry_delay_ms` says (the server's
 Retry-After-Ms when its clock agrees with ours, exactly when it came with a ticket, else
 capped exponential backoff with full jitter), and sends back the ticket it was given; a
-holder the router calls early (its inbox, `Plane-Wake`: `plane.client.wake`) comes back
-then. After
+holder the router calls back (its inbox, `Plane-Wake`, sent while another attempt may
+follow: `plane.client.wake`) comes back then. After
 a 503 that named a node it asks for another (Plane-Avoid-Node). It never sleeps, nor waits
 for an answer, past the caller's deadline.
 """
@@ -76,8 +76,8 @@ class ClientConfig:
     # answers within its grace (50 ms) of the deadline; this leaves room for a busy machine.
     stream_margin_ms: int = 1000
     seed: int | None = None  # the jitter's random source; None: seeded from the OS
-    # Give the router an inbox (`Plane-Wake`) where it calls a ticket's holder the moment a
-    # promised slot frees before the Retry-After (`plane.client.wake`).
+    # Give the router an inbox (`Plane-Wake`) where it calls a ticket's holder back: on every
+    # attempt that may be followed by another (`plane.client.wake`).
     early_calls: bool = True
 
     def __post_init__(self) -> None:
@@ -196,14 +196,18 @@ class Client:
         waited_ms = 0.0
         hinted = 0
         attempt = first_attempt
-        wake = await self.calls.inbox() if self.calls is not None else None
+        # Only a caller that will come back is put on call (the gateway's, which answers the
+        # 429 itself, is not): its Retry-After counts on the call.
+        wake = (await self.calls.inbox() if self.calls is not None and policy.max_attempts > 1
+                else None)
         while True:
             await until_connected(self.nc, deadline_at)
             remaining_s = deadline_at - time.monotonic()
             attempt_headers = attempt_headers_for(
                 headers, request_id=request_id, attempt=attempt,
                 deadline_ms=max(1, int(remaining_s * 1000)) if send_deadline else None,
-                ticket=ticket, avoid_node=avoid_node, content_type=content_type, wake=wake)
+                ticket=ticket, avoid_node=avoid_node, content_type=content_type,
+                wake=wake if attempt - first_attempt + 1 < policy.max_attempts else None)
             sent = time.monotonic()
             reply_body, reply_headers, local = await self._attempt(
                 subject, body, attempt_headers, remaining_s,

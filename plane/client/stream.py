@@ -198,7 +198,8 @@ class TokenStream:
         if self._stream_deadline_ms is not None:
             self._stream_at = t0 + self._stream_deadline_ms / 1000
         attempt = self._first_attempt
-        self._wake = await client.calls.inbox() if client.calls is not None else None
+        self._wake = (await client.calls.inbox()
+                      if client.calls is not None and self._policy.max_attempts > 1 else None)
         while not self._closed:  # closed while it waited to retry: send nothing more
             await until_connected(client.nc, deadline_at)
             remaining_s = deadline_at - time.monotonic()
@@ -247,7 +248,8 @@ class TokenStream:
             self._headers, request_id=self.request_id, attempt=attempt,
             deadline_ms=max(1, int(remaining_s * 1000)) if send_deadline else None,
             ticket=self._ticket, avoid_node=self._avoid_node, content_type=self._content_type,
-            wake=self._wake)
+            wake=self._wake if attempt - self._first_attempt + 1 < self._policy.max_attempts
+            else None)
         headers[Header.STREAM] = ASKED
         if self._stream_at is not None:
             left_ms = max(1, int((self._stream_at - time.monotonic()) * 1000))

@@ -222,8 +222,8 @@ class StreamTarget:
                     max(left, int(headers.get(Header.DEADLINE_MS, "1"))))
             if ticket:
                 headers[Header.TICKET] = ticket
-            if self._wake:
-                headers[Header.WAKE] = self._wake
+            if self._wake and len(statuses) + 1 < spec.policy.max_attempts:
+                headers[Header.WAKE] = self._wake  # a caller that may come back
             sent = time.monotonic()
             try:
                 inbox, call = await self.begin(body, headers)

@@ -12,7 +12,15 @@ import pytest
 from plane.contract.budget import Prediction, ServiceWindow, fits, predict
 from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.contract.subjects import Names
-from plane.router.admission import PROMISE_MAX_LINKS, Admission, Ask, Park, Place, Refuse
+from plane.router.admission import (
+    CALL_TRIP_MAX_AGE_S,
+    PROMISE_MAX_LINKS,
+    Admission,
+    Ask,
+    Park,
+    Place,
+    Refuse,
+)
 from plane.router.occupancy import ModelSlots
 from plane.router.promises import ON_TIME_SLACK_S, Promise, next_start, simulate, would_delay
 
@@ -462,6 +470,25 @@ def test_a_holder_with_an_inbox_is_called_a_trip_before_its_slot_frees() -> None
     again = adm2.decide(ms2, replace(ask(0.030, ticket=one.ticket),
                                      park_until_s=back.until_s))
     assert isinstance(again, Place) and again.redeemed is called
+
+
+def test_work_shorter_than_two_trips_is_not_put_on_call_and_old_trips_are_forgotten() -> None:
+    """A call's trip (2 ms before any was measured) longer than half the work: the call would
+    bring the holder after the work ahead ended anyway. The holder is told the predicted
+    time, as one without an inbox. Trips measured under a load that passed (5 ms here) age
+    out after CALL_TRIP_MAX_AGE_S, back to the prior."""
+    tiny = Prediction(p50_us=2_000, p99_us=2_500)
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.030)
+    d = adm.decide(ms, replace(ask(0.0, pred=tiny), wake="_INBOX.me"))
+    assert isinstance(d, Refuse) and d.retry_after_ms == 29 and "called" not in d.message
+    assert not adm.calls_ahead(ms)
+    five = Prediction(p50_us=5_000, p99_us=6_000)
+    trips = adm._call_trip("calibrated")
+    for _ in range(10):
+        trips.add(5_000, 0.0)  # slow trips: 5 ms work is not put on call either
+    assert adm._call_mode("calibrated", five, 1.0) is None
+    assert adm._call_mode("calibrated", five, 0.5 + CALL_TRIP_MAX_AGE_S) == "ahead"
 
 
 def test_no_call_for_holders_without_an_inbox() -> None:

@@ -334,6 +334,9 @@ class Router(Lifecycle, TaskOwner):
                     "slots": len(ms.slots), "healthy": ms.healthy_count(),
                     "busy": ms.busy_count(time.monotonic()), "p50_overhead_us": ms.window.p50_us,
                     "p99_overhead_us": ms.window.p99_us,
+                    **({"call_trip_p50_us": trips.p50_us, "call_trip_p99_us": trips.p99_us}
+                       if (trips := self.admission.call_trips.get(m)) is not None
+                       and trips.count else {}),
                     **({"decode_ns_per_token_p50": ms.rates.decode.p50_us,
                         "prefill_ns_per_token_p50": ms.rates.prefill.p50_us,
                         "fill_per_mille_mean": ms.rates.fill.mean_us}

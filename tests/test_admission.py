@@ -459,7 +459,7 @@ def test_a_holder_with_an_inbox_is_called_a_trip_before_its_slot_frees() -> None
     busy_until(ms2, 0.030)
     one = adm2.decide(ms2, replace(ask(0.0), wake="_INBOX.me"))
     assert isinstance(one, Refuse)
-    called = adm2.to_call_ahead(ms2, 0.028)  # the router's timer, a trip before 30 ms
+    called = adm2.slot_for(ms2, 0.028, ahead=True)  # the router's timer: a trip ahead
     assert called is not None and called.ticket == one.ticket and called.wake == "_INBOX.me"
     assert called.due_s == 0.028 and called.called_s == 0.028
     assert not adm2.calls_ahead(ms2)  # nobody left to call
@@ -491,21 +491,31 @@ def test_work_shorter_than_two_trips_is_not_put_on_call_and_old_trips_are_forgot
     assert adm._call_mode("calibrated", five, 0.5 + CALL_TRIP_MAX_AGE_S) == "ahead"
 
 
-def test_no_call_for_holders_without_an_inbox() -> None:
+def test_a_holder_without_an_inbox_keeps_its_turn_and_the_next_slot_calls_the_next() -> None:
+    """The first in line has no inbox: the first slot to free is counted as its (its timer
+    brings it; nobody is called over it), and the second calls the holder after it. (A
+    plane that held the second slot back for the first holder called nobody at all while
+    that one never came back: the Node.js test.)"""
     ms, adm = slots(2), Admission("r")
     busy_until(ms, 0.030, 0.030)
-    plain = adm.decide(ms, ask(0.0))  # no inbox: its timer brings it, nothing else
-    called = adm.decide(ms, replace(ask(0.0), wake="_INBOX.me"))
-    assert isinstance(plain, Refuse) and isinstance(called, Refuse)
-    assert plain.retry_after_ms == 29
-    ms.slots["n/0"].release(0.010)
-    # The first in line has no inbox: nobody is called (the next would go before it).
-    assert adm.to_wake(ms, 0.010) is None and adm.to_call_ahead(ms, 0.010) is None
+    plain = adm.decide(ms, ask(0.0, pred=Prediction(p50_us=30_000, p99_us=31_000)))
+    on_call = adm.decide(ms, replace(ask(0.0, pred=Prediction(p50_us=30_000, p99_us=40_000)),
+                                     wake="_INBOX.me"))
+    assert isinstance(plain, Refuse) and isinstance(on_call, Refuse)
+    assert plain.retry_after_ms == 29 and "called" in on_call.message
+    first, second = list(ms.promises)
+    assert first.ticket == plain.ticket and second.ticket == on_call.ticket
+    assert adm.slot_for(ms, 0.029, ahead=True) is None  # not called ahead: left to the done
+    ms.slots["n/0"].release(0.030)
+    assert adm.slot_for(ms, 0.030) is first and not first.called_s  # its own timer
+    ms.slots["n/1"].release(0.031)
+    assert adm.slot_for(ms, 0.031) is second and second.called_s == 0.031
+    assert adm.slot_for(ms, 0.032) is None  # nobody left
     foreign = Promise(ticket="other-1", due_s=0.050, expires_s=0.1, service_s=0.01,
                       wake="_INBOX.x", ahead=True)
     ms3, adm3 = slots(1), Admission("r")
     adm3.adopt(ms3, foreign)  # another router's: that router calls its holders
-    assert adm3.to_wake(ms3, 0.0) is None and adm3.to_call_ahead(ms3, 0.0) is None
+    assert adm3.slot_for(ms3, 0.0, ahead=True) is foreign and not foreign.called_s
 
 
 def test_a_holder_on_call_is_told_the_late_end_and_called_when_its_slot_frees() -> None:
@@ -528,7 +538,7 @@ def test_a_holder_on_call_is_told_the_late_end_and_called_when_its_slot_frees() 
     assert "or when called" in on_call.message
     (promise,) = ms_b.promises
     ms_b.slots["n/0"].release(0.101)  # the work ahead ends at about its mean
-    assert adm_b.to_wake(ms_b, 0.101) is promise and promise.called_s == 0.101
+    assert adm_b.slot_for(ms_b, 0.101) is promise and promise.called_s == 0.101
     assert isinstance(adm_b.decide(ms_b, ask(0.102, pred=long)), Refuse)  # a newcomer
     back = adm_b.decide(ms_b, ask(0.1025, ticket=on_call.ticket, pred=long))
     assert isinstance(back, Place) and back.redeemed is promise

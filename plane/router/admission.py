@@ -7,7 +7,7 @@ model's slots, not pinned to one); successive refused callers get successive fre
 caller back with its ticket takes any free slot unless an earlier promise needs it, and waits
 (is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
 promise would start late for it. A holder that gave an inbox is on call: told a late
-Retry-After and called when its slot frees or is about to (`to_wake`, `to_call_ahead`,
+Retry-After and called when its slot frees or is about to (`slot_for`,
 `plane.router.calls`). Pure logic: no I/O, monotonic time in.
 """
 
@@ -427,21 +427,28 @@ class Admission:
         until_s = _within(now + PARK_MIN_S, now + longest_s, until_s)
         return min(until_s, ask.latest_start_s())
 
-    def to_wake(self, ms: ModelSlots, now_s: float) -> Promise | None:
-        """A slot of `ms` just freed and no holder waits here for it: the promise it goes to
-        (the first in due order not yet here or called), when its holder gave an inbox and
-        is not told to come within WAKE_LEAD_S anyway. Made due now at the latest, so
-        newcomers leave the slot to it for as long as holders take to come back. None:
-        nobody to call."""
+    def slot_for(self, ms: ModelSlots, now_s: float, *, ahead: bool = False
+                 ) -> Promise | None:
+        """A slot of `ms` just freed and no holder waits here for it (`ahead`: its work is
+        about to end): the promise it goes to, the first in due order neither here nor given
+        a slot already (None: none waits; `ahead`, also when that one is not called ahead,
+        which the slot's done-event then settles). Its holder is called (`called_s`) when it
+        gave an inbox, is ours, and is not told to come within WAKE_LEAD_S anyway: made due
+        now at the latest, so newcomers leave the slot to it for as long as holders take to
+        come back. A holder without an inbox is never skipped: its own timer brings it, and
+        the next freed slot goes to the next promise."""
         for p in ms.promises:
-            if p.parked or p.called_s:
+            if p.parked or p.slotted:
                 continue
-            if p.wake is None or p.foreign or (p.told_s or p.due_s) - now_s < WAKE_LEAD_S:
+            if ahead and not p.ahead:
                 return None
-            self.stats["holder-called"] += 1
-            p.called_s = now_s
-            if p.due_s > now_s:
-                ms.promises.bring_forward(p, now_s)
+            p.slotted = True
+            if p.wake is not None and not p.foreign and (
+                    (p.told_s or p.due_s) - now_s >= WAKE_LEAD_S):
+                self.stats["holder-called-ahead" if ahead else "holder-called"] += 1
+                p.called_s = now_s
+                if p.due_s > now_s:
+                    ms.promises.bring_forward(p, now_s)
             return p
         return None
 
@@ -517,22 +524,7 @@ class Admission:
     @staticmethod
     def calls_ahead(ms: ModelSlots) -> bool:
         """Whether a holder waits to be called ahead (open, not here, not called)."""
-        return any(p.ahead and not p.called_s and not p.parked for p in ms.promises)
-
-    def to_call_ahead(self, ms: ModelSlots, now_s: float) -> Promise | None:
-        """A slot's work is about to end: the holder it goes to, when that one waits to be
-        called ahead (the first in due order neither here nor called)."""
-        for p in ms.promises:
-            if p.parked or p.called_s:
-                continue
-            if not p.ahead or p.wake is None or p.foreign:
-                return None
-            self.stats["holder-called-ahead"] += 1
-            p.called_s = now_s
-            if p.due_s > now_s:
-                ms.promises.bring_forward(p, now_s)
-            return p
-        return None
+        return any(p.ahead and not p.slotted and not p.parked for p in ms.promises)
 
     def _lateness(self, model: str) -> ServiceWindow:
         if (w := self.lateness.get(model)) is None:

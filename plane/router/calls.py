@@ -49,7 +49,7 @@ class Calls:
             called, view.called_for = view.called_for, None
             if called in self._admission.tickets:
                 return  # its holder is on its way (not placed on another slot meanwhile)
-        await self._call(self._admission.to_wake(ms, now))
+        await self._call(self._admission.slot_for(ms, now))
 
     def placed(self, ms: ModelSlots, view: SlotView, request_id: str, now: float) -> None:
         """Work was just placed on `view`: while holders to call ahead are promised, a timer
@@ -64,11 +64,12 @@ class Calls:
     def _ahead(self, ms: ModelSlots, view: SlotView, request_id: str) -> None:
         if view.request_id != request_id or view.called_for is not None:
             return  # freed already (its done-event called), or taken by other work
-        p = self._admission.to_call_ahead(ms, time.monotonic())
+        p = self._admission.slot_for(ms, time.monotonic(), ahead=True)
         if p is not None:
-            view.called_for = p.ticket
-            self._spawn(self._call(p))
+            view.called_for = p.ticket  # this slot's holder: its done-event calls nobody
+            if p.called_s:
+                self._spawn(self._call(p))
 
     async def _call(self, p: Promise | None) -> None:
-        if p is not None and p.wake is not None:
+        if p is not None and p.called_s and p.wake is not None:
             await publish(self._nc, p.wake, b"", {Header.TICKET: p.ticket})

@@ -42,6 +42,7 @@ class Promise:
     told_s: float = 0.0  # when its holder was told to come back (0: at `due_s`)
     called_s: float = 0.0  # when its holder was called to come now (0: not called)
     ahead: bool = False  # called a trip before a slot is predicted to free (`calls`)
+    slotted: bool = False  # a slot freed (or about to) was counted as its (`slot_for`)
 
     @property
     def back_s(self) -> float:

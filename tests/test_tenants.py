@@ -5,9 +5,11 @@ fairly between tenants, and meters what each used."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,53 +86,60 @@ class Call:
             self.statuses[:2] == [429, 200] and self.ticketed[0])
 
 
-async def test_a_heavy_tenant_is_refused_first_and_a_light_one_keeps_its_share(
-        tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def accounts_plane(tmp_path: Path, slots: int) -> AsyncIterator[tuple[str, PlaneStack]]:
+    """A nats-server with the accounts above and a plane in PLANE: (its URL, the plane)."""
     conf = tmp_path / "accounts.conf"
     conf.write_text(ACCOUNTS)
     async with EmbeddedNats(NatsServerSpec(extra_args=["-c", str(conf)])) as srv:
         cfg = StackConfig(connect=ConnectOptions(url=srv.url, user="plane",
                                                  password="plane-secret"),
-                          models=("calibrated",), slots=2, backend="torch")
+                          models=("calibrated",), slots=slots, backend="torch")
         async with PlaneStack(cfg) as stack:
-            heavy = await nats.connect(_user_url(srv.url, "heavy"))
-            light = await nats.connect(_user_url(srv.url, "light"))
-            try:
-                logs: dict[str, list[Call]] = {"HEAVY": [], "LIGHT": []}
-                used: list[int] = []
-                until = time.monotonic() + 6
-                # HEAVY: 6 callers back to back (3x the 2 slots); LIGHT: one caller with a
-                # pause, about a third of one slot.
-                await asyncio.gather(
-                    *(_caller(heavy, until, 0.0, logs["HEAVY"], used) for _ in range(6)),
-                    _caller(light, until, 0.04, logs["LIGHT"], used))
-                heavy_reasons = Counter(r for c in logs["HEAVY"] for r in c.reasons)
-                light_reasons = Counter(r for c in logs["LIGHT"] for r in c.reasons)
-                assert heavy_reasons["tenant-share"] > 0, heavy_reasons
-                assert light_reasons["tenant-share"] == 0, light_reasons
-                # The light tenant is placed at once or on its ticket's retry (the benchmark
-                # holds it to 99%; here a loaded 2-core box runs the servers too).
-                light_ok = sum(c.first_or_ticketed() for c in logs["LIGHT"])
-                assert light_ok >= 0.95 * len(logs["LIGHT"]), (light_ok, len(logs["LIGHT"]),
-                                                                light_reasons)
+            yield srv.url, stack
 
-                # Metering: per tenant, the router's meter agrees with what callers got.
-                router = stack.routers[0]
-                await asyncio.sleep(0.3)  # the last done-events
-                plane_nc = router.nc
-                reply = await plane_nc.request(NAMES.router_meter(router.cfg.router_id), b"",
-                                               timeout=2)
-                meter = json.loads(reply.data)["meter"]
-                by_tenant = {row["tenant"]: row for row in meter}
-                assert set(by_tenant) == {"HEAVY", "LIGHT"}, meter
-                assert by_tenant["HEAVY"]["requests"]["429"] > 0
-                metered_us = sum(row["slot_us"] for row in meter)
-                assert metered_us == pytest.approx(sum(used), rel=0.01)
-                assert by_tenant["LIGHT"]["sm_ms"] == pytest.approx(
-                    by_tenant["LIGHT"]["slot_us"] / 1000, rel=0.01)  # off a GPU: x1
-            finally:
-                await heavy.close()
-                await light.close()
+
+async def test_a_heavy_tenant_is_refused_first_and_a_light_one_keeps_its_share(
+        tmp_path: Path) -> None:
+    async with accounts_plane(tmp_path, slots=2) as (url, stack):
+        heavy = await nats.connect(_user_url(url, "heavy"))
+        light = await nats.connect(_user_url(url, "light"))
+        try:
+            logs: dict[str, list[Call]] = {"HEAVY": [], "LIGHT": []}
+            used: list[int] = []
+            until = time.monotonic() + 6
+            # HEAVY: 6 callers back to back (3x the 2 slots); LIGHT: one caller with a
+            # pause, about a third of one slot.
+            await asyncio.gather(
+                *(_caller(heavy, until, 0.0, logs["HEAVY"], used) for _ in range(6)),
+                _caller(light, until, 0.04, logs["LIGHT"], used))
+            heavy_reasons = Counter(r for c in logs["HEAVY"] for r in c.reasons)
+            light_reasons = Counter(r for c in logs["LIGHT"] for r in c.reasons)
+            assert heavy_reasons["tenant-share"] > 0, heavy_reasons
+            assert light_reasons["tenant-share"] == 0, light_reasons
+            # The light tenant is placed at once or on its ticket's retry (the benchmark
+            # holds it to 99%; here a loaded 2-core box runs the servers too).
+            light_ok = sum(c.first_or_ticketed() for c in logs["LIGHT"])
+            assert light_ok >= 0.95 * len(logs["LIGHT"]), (light_ok, len(logs["LIGHT"]),
+                                                            light_reasons)
+
+            # Metering: per tenant, the router's meter agrees with what callers got.
+            router = stack.routers[0]
+            await asyncio.sleep(0.3)  # the last done-events
+            plane_nc = router.nc
+            reply = await plane_nc.request(NAMES.router_meter(router.cfg.router_id), b"",
+                                           timeout=2)
+            meter = json.loads(reply.data)["meter"]
+            by_tenant = {row["tenant"]: row for row in meter}
+            assert set(by_tenant) == {"HEAVY", "LIGHT"}, meter
+            assert by_tenant["HEAVY"]["requests"]["429"] > 0
+            metered_us = sum(row["slot_us"] for row in meter)
+            assert metered_us == pytest.approx(sum(used), rel=0.01)
+            assert by_tenant["LIGHT"]["sm_ms"] == pytest.approx(
+                by_tenant["LIGHT"]["slot_us"] / 1000, rel=0.01)  # off a GPU: x1
+        finally:
+            await heavy.close()
+            await light.close()
 
 
 async def test_a_tenant_limit_set_live_applies_and_lifts() -> None:
@@ -162,32 +171,26 @@ async def test_a_caller_across_an_import_is_not_put_on_call(tmp_path: Path) -> N
     """`Plane-Wake` names an inbox in the caller's own account, which the router cannot
     reach across a service import: such a caller is told the usual Retry-After, not one
     that counts on a call. The same request from inside the plane's account is on call."""
-    conf = tmp_path / "accounts.conf"
-    conf.write_text(ACCOUNTS)
-    async with EmbeddedNats(NatsServerSpec(extra_args=["-c", str(conf)])) as srv:
-        cfg = StackConfig(connect=ConnectOptions(url=srv.url, user="plane",
-                                                 password="plane-secret"),
-                          models=("calibrated",), slots=1, backend="torch")
-        async with PlaneStack(cfg) as stack:
-            heavy = await nats.connect(_user_url(srv.url, "heavy"))
-            light = await nats.connect(_user_url(srv.url, "light"))
-            inside = await nats.connect(_user_url(srv.url, "plane"))
-            try:
-                subject = NAMES.infer("calibrated")
-                running = asyncio.create_task(light.request(
-                    subject, calibrated(400_000), timeout=5,
-                    headers={Header.DEADLINE_MS: "2000"}))
-                await asyncio.sleep(0.1)  # it runs on the only slot
-                messages = {}
-                for who, nc in (("import", heavy), ("inside", inside)):
-                    m = await nc.request(subject, calibrated(300_000), timeout=5, headers={
-                        Header.DEADLINE_MS: "5000", Header.WAKE: nc.new_inbox()})
-                    assert status(m) == 429, (who, m.headers)
-                    messages[who] = json.loads(m.data)["error"]
-                assert "or when called" not in messages["import"], messages
-                assert "or when called" in messages["inside"], messages
-                assert status(await running) == 200
-                assert stack.routers[0].admission.stats["ticket-valid"] == 0
-            finally:
-                for nc in (heavy, light, inside):
-                    await nc.close()
+    async with accounts_plane(tmp_path, slots=1) as (url, stack):
+        heavy = await nats.connect(_user_url(url, "heavy"))
+        light = await nats.connect(_user_url(url, "light"))
+        inside = await nats.connect(_user_url(url, "plane"))
+        try:
+            subject = NAMES.infer("calibrated")
+            running = asyncio.create_task(light.request(
+                subject, calibrated(400_000), timeout=5,
+                headers={Header.DEADLINE_MS: "2000"}))
+            await asyncio.sleep(0.1)  # it runs on the only slot
+            messages = {}
+            for who, nc in (("import", heavy), ("inside", inside)):
+                m = await nc.request(subject, calibrated(300_000), timeout=5, headers={
+                    Header.DEADLINE_MS: "5000", Header.WAKE: nc.new_inbox()})
+                assert status(m) == 429, (who, m.headers)
+                messages[who] = json.loads(m.data)["error"]
+            assert "or when called" not in messages["import"], messages
+            assert "or when called" in messages["inside"], messages
+            assert status(await running) == 200
+            assert stack.routers[0].admission.stats["ticket-valid"] == 0
+        finally:
+            for nc in (heavy, light, inside):
+                await nc.close()

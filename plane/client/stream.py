@@ -120,7 +120,7 @@ class TokenStream:
         self._stream_at: float | None = None  # monotonic: the whole stream's deadline
         self._begun = False
         self._closed = False  # aclose ran: nothing more is sent or read
-        self._wake: str | None = None  # the client's inbox for early calls (`Plane-Wake`)
+        self._wake: str | None = None  # the client's inbox for calls back (`Plane-Wake`)
         self._start_lock: asyncio.Lock | None = None
 
     # -- what it came to ---------------------------------------------------------------------

@@ -15,7 +15,6 @@ the last EARLY_KEPT of them, and a holder that starts waiting finds its own ther
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import OrderedDict
 
 from nats.aio.client import Client as NATS
@@ -28,7 +27,8 @@ EARLY_KEPT = 256
 
 
 class EarlyCalls:
-    """The client's inbox for early calls, subscribed on first use, and the holders waiting."""
+    """The client's inbox for calls back, subscribed on first use (it lives as long as the
+    connection), and the holders waiting for theirs."""
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
@@ -83,9 +83,3 @@ class EarlyCalls:
         finally:
             if self._waiting.get(ticket) is waiter:
                 del self._waiting[ticket]
-
-    async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):  # the connection may be closed already
-                await self._sub.unsubscribe()
-            self._sub = None

@@ -86,7 +86,7 @@ class CallerHeaders:
     content_type: str | None = None
     stream: bool = False  # `Plane-Stream: 1`: answer as a stream
     stream_deadline_ms: int | None = None  # budget for the whole stream (streams only)
-    wake: str | None = None  # where the router says a promised slot freed early
+    wake: str | None = None  # the caller's inbox, where the router calls a holder back
 
 
 def _wake(headers: Mapping[str, str]) -> str | None:

@@ -4,8 +4,9 @@
 watchdog); `requests` is the path of one request (decide, place, refuse); the rest are its
 parts: `admission` decides (pure), `promises` schedules refusals' tickets (pure),
 `occupancy` is the router's view of the slots, `parking` holds ticket holders until a slot
-frees, `inflight` answers for a node that died or went silent, `peers` keeps several routers
-on one schedule, `slot_publish` carries slot publishes and their PubAcks.
+frees, `calls` calls holders back to a slot that frees, `inflight` answers for a node that
+died or went silent, `peers` keeps several routers on one schedule, `slot_publish` carries
+slot publishes and their PubAcks.
 
 Nothing outside this package imports its parts; the composition root imports `Router`.
 """

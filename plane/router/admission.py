@@ -161,7 +161,7 @@ class Ask:
     # and the whole stream's p99 must fit the stream deadline (`end_deadline_s`, monotonic).
     first_p99_us: int | None = None
     end_deadline_s: float | None = None
-    wake: str | None = None  # the caller's inbox for an early call (`Plane-Wake`)
+    wake: str | None = None  # the caller's inbox for calls back (`Plane-Wake`)
 
     @property
     def remaining_us(self) -> int:

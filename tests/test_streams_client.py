@@ -355,6 +355,35 @@ async def test_nodejs_reads_a_stream_with_a_plain_subscription(stack: PlaneStack
     await slow(plane.nc, 0)
 
 
+async def test_nodejs_is_called_back_when_its_slot_frees(stack: PlaneStack,
+                                                          plane: Client) -> None:
+    """`Plane-Wake` from another ecosystem: a Node.js caller refused while a stream holds the
+    slot gives its inbox, is called there with its ticket as soon as the stream is cancelled
+    (long before its Retry-After), and is placed when it comes back with the ticket."""
+    if shutil.which("node") is None or not (JS_DIR / "node_modules" / "@nats-io").exists():
+        pytest.fail("Node.js client missing: run `make test` (it runs npm ci in tests/js)")
+    await slow(plane.nc, 3000)  # ~0.3 s for 100 tokens
+    async for _ in plane.stream(MODEL, ask(100), deadline_ms=5000):  # the router learns
+        pass
+    async with plane.stream(MODEL, ask(100), deadline_ms=5000) as holder:
+        assert holder.started
+        proc = await asyncio.create_subprocess_exec(
+            "node", str(JS_DIR / "call_back.mjs"), stack.url, MODEL, json.dumps(ask(4)),
+            cwd=JS_DIR, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        refused = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+    # Leaving the block cancels the stream: its slot frees within a token step.
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    called, back = (json.loads(line) for line in out.decode().splitlines() if line.strip())
+    assert refused["status"] == "429" and refused["ticket"], refused
+    assert refused["retryAfterMs"] >= 150, refused
+    assert called["calledWith"] == refused["ticket"], (called, refused)
+    assert called["afterMs"] < refused["retryAfterMs"] / 2, (called, refused)
+    assert back["status"] == "200"
+    await slow(plane.nc, 0)
+
+
 async def run_node_reader(url: str, max_tokens: str, cancel_after: str = "",
                           ) -> list[dict[str, str]]:
     args = [str(JS_DIR / "stream_plane.mjs"), url, PROMPT, max_tokens]

@@ -518,6 +518,31 @@ def test_a_holder_without_an_inbox_keeps_its_turn_and_the_next_slot_calls_the_ne
     assert adm3.slot_for(ms3, 0.0, ahead=True) is foreign and not foreign.called_s
 
 
+def test_a_call_is_told_to_the_other_routers_and_brings_their_copy_forward() -> None:
+    """A called holder may come back through any router: the promiser tells the others its
+    promise is due now, and their copy moves up, so their newcomers leave the slot to it."""
+    ms, adm = slots(1), Admission("a")
+    busy_until(ms, 0.030)
+    d = adm.decide(ms, replace(ask(0.0), wake="_INBOX.me"))
+    assert isinstance(d, Refuse) and d.ticket
+    adm.take_notes()
+    (p,) = ms.promises
+    peer_ms, peer = slots(1), Admission("b")
+    busy_until(peer_ms, 0.030)
+    peer.adopt(peer_ms, Promise(ticket=p.ticket, due_s=p.due_s, expires_s=p.expires_s,
+                                service_s=p.service_s))
+    assert adm.slot_for(ms, 0.020, ahead=True) is p and p.due_s == 0.020
+    (note,) = adm.take_notes()
+    assert note.made and note.promise is p
+    peer.adopt(peer_ms, Promise(ticket=p.ticket, due_s=0.020, expires_s=p.expires_s,
+                                service_s=p.service_s))
+    (copy,) = peer_ms.promises
+    assert copy.foreign and copy.due_s == 0.020 and len(peer.foreign) == 1
+    peer.adopt(peer_ms, Promise(ticket=p.ticket, due_s=0.025, expires_s=p.expires_s,
+                                service_s=p.service_s))  # never moved back
+    assert copy.due_s == 0.020
+
+
 def test_a_holder_on_call_is_told_the_late_end_and_called_when_its_slot_frees() -> None:
     """Long work (100 ms, p99 150 ms) beside a call's trip (2 ms before any was measured): a
     holder with an inbox is told to come when the work ahead has run to its p99, so that it

@@ -325,8 +325,12 @@ class Admission:
         return notes
 
     def adopt(self, ms: ModelSlots, p: Promise) -> None:
-        """Another router made promise `p`: book its slot time here too."""
-        if p.ticket not in self.foreign and p.ticket not in self.tickets:
+        """Another router made promise `p`, or called its holder (due now, told again):
+        book its slot time here too."""
+        if (known := self.foreign.get(p.ticket)) is not None:
+            if p.due_s < known.due_s:  # called: newcomers here leave the slot to it too
+                ms.promises.bring_forward(known, p.due_s)
+        elif p.ticket not in self.tickets:
             p.foreign = True
             self.foreign[p.ticket] = p
             ms.promises.add(p)
@@ -449,6 +453,9 @@ class Admission:
                 p.called_s = now_s
                 if p.due_s > now_s:
                     ms.promises.bring_forward(p, now_s)
+                    # The other routers book it due now too (a called holder may come back
+                    # through any of them).
+                    self.notes.append(PromiseChange(ms.model, p, made=True))
             return p
         return None
 

@@ -34,11 +34,13 @@ from plane.router.promises import Promise
 
 class Calls:
     def __init__(self, nc: Client, admission: Admission, parking: ParkingLot,
-                 spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], object],
+                 tell: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._nc = nc
         self._admission = admission
         self._parking = parking
         self._spawn = spawn
+        self._tell = tell  # the other routers: a called promise is due now
 
     async def freed(self, ms: ModelSlots, view: SlotView | None, now: float) -> None:
         """A slot of `ms` freed (`view`, when known): a holder parked here takes it; else the
@@ -73,3 +75,4 @@ class Calls:
     async def _call(self, p: Promise | None) -> None:
         if p is not None and p.called_s and p.wake is not None:
             await publish(self._nc, p.wake, b"", {Header.TICKET: p.ticket})
+            await self._tell()

@@ -110,8 +110,9 @@ class Router(Lifecycle, TaskOwner):
         self.node_seen_s: dict[str, float] = {}
         self.instances = Instances()  # which process speaks for each node id
         self.parking = ParkingLot()  # holders waiting for a slot to free
-        self.calls = Calls(nc, self.admission, self.parking, self._spawn)  # and called back
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
+        # Holders on call, called back when a slot frees (or is about to).
+        self.calls = Calls(nc, self.admission, self.parking, self._spawn, self.peers.tell)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.router_id)

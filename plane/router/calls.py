@@ -53,19 +53,20 @@ class Calls:
                 return  # its holder is on its way (not placed on another slot meanwhile)
         await self._call(self._admission.slot_for(ms, now))
 
-    def placed(self, ms: ModelSlots, view: SlotView, request_id: str, now: float) -> None:
-        """Work was just placed on `view`: while holders to call ahead are promised, a timer
-        one call's trip before it is predicted to end."""
+    def placed(self, ms: ModelSlots, view: SlotView, now: float) -> None:
+        """Work was just placed on `view` (by this router or, told by `peers`, another):
+        while holders to call ahead are promised, a timer one call's trip before it is
+        predicted to end."""
         view.called_for = None
         if not self._admission.calls_ahead(ms):
             return
         at_s = view.expected_free_s - self._admission.call_trip_s(ms.model)
         asyncio.get_running_loop().call_later(
-            max(0.0, at_s - now), self._ahead, ms, view, request_id)
+            max(0.0, at_s - now), self._ahead, ms, view, view.occupied_s)
 
-    def _ahead(self, ms: ModelSlots, view: SlotView, request_id: str) -> None:
-        if view.request_id != request_id or view.called_for is not None:
-            return  # freed already (its done-event called), or taken by other work
+    def _ahead(self, ms: ModelSlots, view: SlotView, occupied_s: float) -> None:
+        if not view.busy or view.occupied_s != occupied_s or view.called_for is not None:
+            return  # freed already (its done-event called), or taken by other work since
         p = self._admission.slot_for(ms, time.monotonic(), ahead=True)
         if p is not None:
             view.called_for = p.ticket  # this slot's holder: its done-event calls nobody

@@ -670,7 +670,7 @@ class RequestPath:
         now = time.monotonic()
         ask = r.ask
         view.occupy(now, r.rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
-        self.calls.placed(r.ms, view, r.rid, now)
+        self.calls.placed(r.ms, view, now)
         return self.inflight.track(InFlight(
             request_id=r.rid, model=r.model, reply=r.msg.reply, node=view.node, key=view.key,
             placed_s=now, tenant=r.tenant,

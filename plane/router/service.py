@@ -113,6 +113,7 @@ class Router(Lifecycle, TaskOwner):
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
         # Holders on call, called back when a slot frees (or is about to).
         self.calls = Calls(nc, self.admission, self.parking, self._spawn, self.peers.tell)
+        self.peers.on_taken = self.calls.placed
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.router_id)

@@ -242,7 +242,7 @@ class Client:
         """Wait `delay_ms` before the next attempt, or less when the router calls `ticket`'s
         holder early (`plane.client.wake`); the ms waited (`delay_ms`, or as long as it took
         the call to come)."""
-        if ticket is None or self.calls is None:
+        if self.calls is None:
             await asyncio.sleep(delay_ms / 1000)
             return delay_ms
         began = time.monotonic()

@@ -263,10 +263,8 @@ class StreamTarget:
                                      reasons=reasons, hinted=hinted)
             given = call.headers.get(Header.TICKET)
             ticket = given or ticket
-            if given and self._early is not None:
-                await self._early.sleep(given, delay / 1000)  # or until called
-            else:
-                await asyncio.sleep(delay / 1000)
+            assert self._early is not None
+            await self._early.sleep(given, delay / 1000)  # or until called, with a ticket
 
     def _outcome(self, call: StreamCall, *, t0: float, scheduled_s: float, first_sent: float,
                  sent: float, statuses: list[int], reasons: list[str], hinted: int

@@ -142,6 +142,15 @@ def _late_tolerance_s(p: Prediction) -> float:
                    LATE_TOLERANCE_SHARE * p.p50_us / 1e6)
 
 
+def _window(book: dict[str, ServiceWindow], model: str, prior_us: int,
+            max_age_s: float | None = None) -> ServiceWindow:
+    """`book`'s window for `model` (LATENESS_WINDOW samples), made on first use."""
+    if (w := book.get(model)) is None:
+        w = book[model] = ServiceWindow(size=LATENESS_WINDOW, prior_us=prior_us,
+                                        max_age_s=max_age_s)
+    return w
+
+
 def _wait_ms(at_s: float, now_s: float) -> int:
     """Whole milliseconds from `now_s` until `at_s`, at least 1 (1e-6: float noise)."""
     return max(1, math.ceil((at_s - now_s) * 1000 - 1e-6))
@@ -447,8 +456,7 @@ class Admission:
             if ahead and not p.ahead:
                 return None
             p.slotted = True
-            if p.wake is not None and not p.foreign and (
-                    (p.told_s or p.due_s) - now_s >= WAKE_LEAD_S):
+            if p.wake is not None and not p.foreign and p.back_s - now_s >= WAKE_LEAD_S:
                 self.stats["holder-called-ahead" if ahead else "holder-called"] += 1
                 p.called_s = now_s
                 if p.due_s > now_s:
@@ -507,11 +515,7 @@ class Admission:
 
     def _call_trip(self, model: str) -> ServiceWindow:
         """How long a called holder takes to come (the call's trip and the caller's)."""
-        if (w := self.call_trips.get(model)) is None:
-            w = self.call_trips[model] = ServiceWindow(size=LATENESS_WINDOW,
-                                                       prior_us=CALL_TRIP_PRIOR_US,
-                                                       max_age_s=CALL_TRIP_MAX_AGE_S)
-        return w
+        return _window(self.call_trips, model, CALL_TRIP_PRIOR_US, CALL_TRIP_MAX_AGE_S)
 
     def _call_mode(self, model: str, p: Prediction, now_s: float) -> str | None:
         """How a holder with an inbox is called (`plane.router.calls`): when its slot frees,
@@ -530,14 +534,13 @@ class Admission:
 
     @staticmethod
     def calls_ahead(ms: ModelSlots) -> bool:
-        """Whether a holder waits to be called ahead (open, not here, not called)."""
-        return any(p.ahead and not p.slotted and not p.parked for p in ms.promises)
+        """Whether the next slot to free would call its holder ahead: the first promise
+        neither here nor given a slot is one (what `slot_for(ahead=True)` asks; found in a
+        step or two, on every placement)."""
+        return next((p.ahead for p in ms.promises if not (p.parked or p.slotted)), False)
 
     def _lateness(self, model: str) -> ServiceWindow:
-        if (w := self.lateness.get(model)) is None:
-            w = self.lateness[model] = ServiceWindow(size=LATENESS_WINDOW,
-                                                     prior_us=LATENESS_PRIOR_US)
-        return w
+        return _window(self.lateness, model, LATENESS_PRIOR_US)
 
     def _drop_holder(self, ms: ModelSlots, ask: Ask) -> None:
         """A holder answered by a check (its deadline no longer fits, no healthy slot) is

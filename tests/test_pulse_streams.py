@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from plane.contract.backoff import RetryPolicy
 from plane.contract.config import ConnectOptions
@@ -187,6 +188,7 @@ def test_poisson_arrivals() -> None:
 # -- against a stand-in streaming responder on a real nats-server ---------------------------
 TOKENS = 6
 STEP_S = 0.010
+PROBE = "probe"  # the request id of the fixture's reachability probe (answered, not recorded)
 
 
 @pytest.fixture
@@ -225,6 +227,9 @@ async def streamer(nats_server: EmbeddedNats) -> AsyncIterator[dict[str, list[Ms
             await nc.publish(msg.reply, body, headers=eh)
 
         async def on_request(msg: Msg) -> None:
+            if (msg.headers or {}).get(Header.REQUEST_ID) == PROBE:
+                await nc.publish(msg.reply, b"", headers={Header.STATUS: "200"})
+                return
             seen["requests"].append(msg)
             asyncio.get_running_loop().create_task(stream(msg))
 
@@ -235,7 +240,25 @@ async def streamer(nats_server: EmbeddedNats) -> AsyncIterator[dict[str, list[Ms
         await nc.subscribe(NAMES.infer("tinylm"), cb=on_request)
         await nc.subscribe(NAMES.node_cancels("stand-in"), cb=on_cancel)
         await nc.flush()
+        await answered_from_elsewhere(nats_server.url)
         yield seen
+
+
+async def answered_from_elsewhere(url: str) -> None:
+    """Round trips from another connection until the stand-in answers one: a flushed
+    subscription is not always enough, CI once saw the server's no-responders (503) for the
+    very first request of a test on a loaded machine."""
+    async with client(url) as other:
+        for _ in range(50):
+            try:
+                reply = await other.request(NAMES.infer("tinylm"), b"", timeout=2,
+                                            headers={Header.REQUEST_ID: PROBE})
+            except NoRespondersError:
+                reply = None
+            if reply is not None and (reply.headers or {}).get(Header.STATUS) == "200":
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the stand-in never answered a probe")
 
 
 async def test_streams_retried_at_their_ticket(nats_server: EmbeddedNats,

@@ -442,53 +442,51 @@ def test_promises_nobody_comes_back_for_do_not_refuse_the_next_newcomers() -> No
     assert refused_after_stall == 0, (refused_after_stall, placed, adm.stats)
 
 
-def test_a_holder_with_an_inbox_is_called_a_trip_before_its_slot_frees() -> None:
+def test_a_holder_of_short_work_is_told_the_predicted_time_and_called_if_its_slot_frees_early(
+        ) -> None:
     """Short work (10 ms) beside a call's trip (2 ms before any was measured): a holder that
-    gave an inbox is told the p99 end of the work ahead (its fallback) and called a trip
-    before the slot's work is predicted to end; called, it is due at once, newcomers are
-    kept off the slot, and it waits for the slot (parked) and takes it when it frees."""
+    gave an inbox is told the predicted time, as one without (not the p99 end of the work
+    ahead: it is not on call). Its slot frees 9 ms early: it is called, due at once,
+    newcomers are kept off the slot, and it takes the slot when it comes."""
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.030)
-    assert not adm.calls_ahead(ms)
-    first = adm.decide(ms, replace(ask(0.0), wake="_INBOX.me"))
-    second = adm.decide(ms, replace(ask(0.0), wake="_INBOX.me"))
-    assert isinstance(first, Refuse) and isinstance(second, Refuse)
-    assert first.retry_after_ms is not None and first.retry_after_ms > 29  # 29: no inbox
-    assert adm.calls_ahead(ms)
+    one = adm.decide(ms, replace(ask(0.0), wake="_INBOX.me"))
+    assert isinstance(one, Refuse) and one.retry_after_ms == 29 and "called" not in one.message
+    ms.slots["n/0"].release(0.020)
+    called = adm.slot_for(ms, 0.020)
+    assert called is not None and called.ticket == one.ticket and called.wake == "_INBOX.me"
+    assert called.due_s == 0.020 and called.called_s == 0.020
+    assert adm.slot_for(ms, 0.020) is None  # nobody left to call
+    assert isinstance(adm.decide(ms, ask(0.021)), Refuse)  # a newcomer
+    back = adm.decide(ms, ask(0.022, ticket=one.ticket))
+    assert isinstance(back, Place) and back.redeemed is called
+    # Freed within WAKE_LEAD_S of the time it was told: not called, it comes anyway.
     ms2, adm2 = slots(1), Admission("r")
     busy_until(ms2, 0.030)
-    one = adm2.decide(ms2, replace(ask(0.0), wake="_INBOX.me"))
-    assert isinstance(one, Refuse)
-    called = adm2.slot_for(ms2, 0.028, ahead=True)  # the router's timer: a trip ahead
-    assert called is not None and called.ticket == one.ticket and called.wake == "_INBOX.me"
-    assert called.due_s == 0.028 and called.called_s == 0.028
-    assert not adm2.calls_ahead(ms2)  # nobody left to call
-    assert isinstance(adm2.decide(ms2, ask(0.029)), Refuse)  # a newcomer
-    back = adm2.decide(ms2, ask(0.0295, ticket=one.ticket))
-    assert isinstance(back, Park)  # the slot's work runs on to 30 ms
-    ms2.slots["n/0"].release(0.030)
-    again = adm2.decide(ms2, replace(ask(0.030, ticket=one.ticket),
-                                     park_until_s=back.until_s))
-    assert isinstance(again, Place) and again.redeemed is called
+    two = adm2.decide(ms2, replace(ask(0.0), wake="_INBOX.me"))
+    assert isinstance(two, Refuse)
+    ms2.slots["n/0"].release(0.0285)
+    p = adm2.slot_for(ms2, 0.0285)
+    assert p is not None and p.ticket == two.ticket and not p.called_s
 
 
-def test_work_shorter_than_two_trips_is_not_put_on_call_and_old_trips_are_forgotten() -> None:
-    """A call's trip (2 ms before any was measured) longer than half the work: the call would
-    bring the holder after the work ahead ended anyway. The holder is told the predicted
-    time, as one without an inbox. Trips measured under a load that passed (5 ms here) age
-    out after CALL_TRIP_MAX_AGE_S, back to the prior."""
-    tiny = Prediction(p50_us=2_000, p99_us=2_500)
+def test_short_work_is_not_put_on_call_and_old_trips_are_forgotten() -> None:
+    """A holder is on call (told the p99 end of the work ahead) only when a call's trip (2 ms
+    before any was measured) is at most a tenth of its work: 30 ms is, 5 ms is not. Trips
+    measured under a load that passed (5 ms here) age out after CALL_TRIP_MAX_AGE_S, back to
+    the prior."""
+    five = Prediction(p50_us=5_000, p99_us=6_000)
+    thirty = Prediction(p50_us=30_000, p99_us=40_000)
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.030)
-    d = adm.decide(ms, replace(ask(0.0, pred=tiny), wake="_INBOX.me"))
+    d = adm.decide(ms, replace(ask(0.0, pred=five), wake="_INBOX.me"))
     assert isinstance(d, Refuse) and d.retry_after_ms == 29 and "called" not in d.message
-    assert not adm.calls_ahead(ms)
-    five = Prediction(p50_us=5_000, p99_us=6_000)
+    assert adm._on_call("calibrated", thirty, 0.0) and not adm._on_call("calibrated", five, 0.0)
     trips = adm._call_trip("calibrated")
     for _ in range(10):
-        trips.add(5_000, 0.0)  # slow trips: 5 ms work is not put on call either
-    assert adm._call_mode("calibrated", five, 1.0) is None
-    assert adm._call_mode("calibrated", five, 0.5 + CALL_TRIP_MAX_AGE_S) == "ahead"
+        trips.add(5_000, 0.0)  # slow trips: 30 ms work is not put on call either
+    assert not adm._on_call("calibrated", thirty, 1.0)
+    assert adm._on_call("calibrated", thirty, 0.5 + CALL_TRIP_MAX_AGE_S)
 
 
 def test_a_holder_without_an_inbox_keeps_its_turn_and_the_next_slot_calls_the_next() -> None:
@@ -505,17 +503,16 @@ def test_a_holder_without_an_inbox_keeps_its_turn_and_the_next_slot_calls_the_ne
     assert plain.retry_after_ms == 29 and "called" in on_call.message
     first, second = list(ms.promises)
     assert first.ticket == plain.ticket and second.ticket == on_call.ticket
-    assert adm.slot_for(ms, 0.029, ahead=True) is None  # not called ahead: left to the done
     ms.slots["n/0"].release(0.030)
     assert adm.slot_for(ms, 0.030) is first and not first.called_s  # its own timer
     ms.slots["n/1"].release(0.031)
     assert adm.slot_for(ms, 0.031) is second and second.called_s == 0.031
     assert adm.slot_for(ms, 0.032) is None  # nobody left
     foreign = Promise(ticket="other-1", due_s=0.050, expires_s=0.1, service_s=0.01,
-                      wake="_INBOX.x", ahead=True)
+                      wake="_INBOX.x")
     ms3, adm3 = slots(1), Admission("r")
     adm3.adopt(ms3, foreign)  # another router's: that router calls its holders
-    assert adm3.slot_for(ms3, 0.0, ahead=True) is foreign and not foreign.called_s
+    assert adm3.slot_for(ms3, 0.0) is foreign and not foreign.called_s
 
 
 def test_a_call_is_told_to_the_other_routers_and_brings_their_copy_forward() -> None:
@@ -531,7 +528,7 @@ def test_a_call_is_told_to_the_other_routers_and_brings_their_copy_forward() -> 
     busy_until(peer_ms, 0.030)
     peer.adopt(peer_ms, Promise(ticket=p.ticket, due_s=p.due_s, expires_s=p.expires_s,
                                 service_s=p.service_s))
-    assert adm.slot_for(ms, 0.020, ahead=True) is p and p.due_s == 0.020
+    assert adm.slot_for(ms, 0.020) is p and p.due_s == 0.020
     (note,) = adm.take_notes()
     assert note.made and note.promise is p
     peer.adopt(peer_ms, Promise(ticket=p.ticket, due_s=0.020, expires_s=p.expires_s,

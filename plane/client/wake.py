@@ -1,11 +1,11 @@
 """Calls back: one inbox per client where the router calls a ticket's holder (`Plane-Wake`,
 docs/design.md "Retry-After that is worth trusting").
 
-A holder that sends the inbox is on call: its Retry-After is the late (p99) end of the work
-ahead, its fallback, and the router calls it on the inbox when its slot frees or is about
-to (`plane.router.calls`), timed to the slot's real state rather than to a prediction made
-at refusal time. A call that never comes (the router restarted, the connection dropped)
-costs the wait until the Retry-After.
+A holder that sends the inbox is called there when its slot frees before its Retry-After
+(`plane.router.calls`), timed to the slot's real state rather than to a prediction made at
+refusal time; for work long beside a call's trip (streams) it is on call: its Retry-After is
+the late (p99) end of the work ahead, its fallback. A call that never comes (the router
+restarted, the connection dropped) costs the wait until the Retry-After.
 
 The call carries only the ticket. It can arrive before its holder starts waiting (the 429 and
 the call come on different subscriptions, each read in its own task): such calls are kept,

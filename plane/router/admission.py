@@ -6,9 +6,9 @@ will be free *and not already promised* (see `plane.router.promises`: promises a
 model's slots, not pinned to one); successive refused callers get successive free times. A
 caller back with its ticket takes any free slot unless an earlier promise needs it, and waits
 (is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
-promise would start late for it. A holder that gave an inbox is on call: told a late
-Retry-After and called when its slot frees or is about to (`slot_for`,
-`plane.router.calls`). Pure logic: no I/O, monotonic time in.
+promise would start late for it. A holder that gave an inbox is called when its slot frees
+before its Retry-After (`slot_for`, `plane.router.calls`); for work long beside a call's
+trip it is on call, told a late Retry-After. Pure logic: no I/O, monotonic time in.
 """
 
 from __future__ import annotations
@@ -82,28 +82,25 @@ LATENESS_WINDOW = 128
 # later): a few refusals after a hiccup pinned enough slots to refuse the next newcomers,
 # whose promises pinned more (the cluster test, 150/s of 3 ms on 6 slots: 40% refused).
 GONE_MIN_S = 0.002
-# A holder that gave an inbox (`Plane-Wake`) is on call (`plane.router.calls`): told the p99
-# end of the work ahead as its Retry-After (its fallback), and called when its slot frees or
-# is about to, unless it is told to come within WAKE_LEAD_S anyway. A holder told a
-# predicted time comes while the work ahead still runs about half the time and waits for it,
-# parked, in its own latency, and a slot that frees before the time idles until it comes;
-# and the predictions drift along a chain of promises made back to back (a slip carries down
-# to every later holder, BENCHMARKS.md tenth session). A call is timed to the slot's real
-# state instead. When the median trip of a call (router to holder and back) is at most
-# CALL_TRIP_SHARE of the holder's expected service time, the call goes when the slot frees:
+# A holder that gave an inbox (`Plane-Wake`) is on call (`plane.router.calls`) when the median
+# trip of a call (router to holder and back) is at most CALL_TRIP_SHARE of its expected
+# service time (streams, long work): told the p99 end of the work ahead as its Retry-After
+# (its fallback), and called when its slot frees, unless it is told to come within
+# WAKE_LEAD_S anyway. A holder told a predicted time comes while the work ahead still runs
+# about half the time and waits for it, parked, in its own latency, and a slot that frees
+# before the time idles until it comes; a call is timed to the slot's real state instead:
 # the slot idles for a trip, the holder never waits for an overrun (streams: TTFT p99/p50
-# 2.5-2.8 against 4.7-6.7 at 2x, and more tokens/s). Else a trip before the slot's current
-# work is predicted to end: it waits for that work's own error, not for a chain's. Before
-# any holder was called, a trip is taken to be CALL_TRIP_PRIOR_US. Calls only for slots
-# that freed early, with holders told the usual predicted time, were tried first: with 1-10
-# ms work at Poisson arrivals they cost more than they gave (BENCHMARKS.md, thirteenth
-# session).
+# 2.5-2.8 against 4.7-6.7 at 2x, and more tokens/s). Before any holder was called, a trip is
+# taken to be CALL_TRIP_PRIOR_US. A holder of shorter work is told the predicted time (and
+# still called if a slot frees for it WAKE_LEAD_S or more before that time): calls a trip
+# before the slot's current work was predicted to end were built for it and measured worse
+# in a quiet spell (2 and 4 slots x 2 and 5 ms at 2x: first-retry 99.0-99.9%
+# against 99.6-100%, p99/p50 up to 1.9 against 1.5-1.9, fewer answers per second;
+# BENCHMARKS.md, fourteenth session), and calls only for slots that freed early, with holders
+# told the usual time, cost more than they gave with 1-10 ms work at Poisson arrivals
+# (thirteenth session).
 WAKE_LEAD_S = 0.001
 CALL_TRIP_SHARE = 0.1
-# Work shorter than two trips is not put on call: the call would go out as the work is
-# placed and bring the holder after it ends, one more message per holder for nothing (2 x 2
-# ms at 2x: 61-71% of the capacity answered against 71-77% told the predicted time).
-CALL_AHEAD_SHARE = 0.5
 CALL_TRIP_MAX_AGE_S = 2.0  # trips measured under a load that has passed are forgotten
 CALL_TRIP_PRIOR_US = 2000
 LATENESS_PRIOR_US = 3000
@@ -440,24 +437,21 @@ class Admission:
         until_s = _within(now + PARK_MIN_S, now + longest_s, until_s)
         return min(until_s, ask.latest_start_s())
 
-    def slot_for(self, ms: ModelSlots, now_s: float, *, ahead: bool = False
-                 ) -> Promise | None:
-        """A slot of `ms` just freed and no holder waits here for it (`ahead`: its work is
-        about to end): the promise it goes to, the first in due order neither here nor given
-        a slot already (None: none waits; `ahead`, also when that one is not called ahead,
-        which the slot's done-event then settles). Its holder is called (`called_s`) when it
-        gave an inbox, is ours, and is not told to come within WAKE_LEAD_S anyway: made due
-        now at the latest, so newcomers leave the slot to it for as long as holders take to
-        come back. A holder without an inbox is never skipped: its own timer brings it, and
-        the next freed slot goes to the next promise."""
+    def slot_for(self, ms: ModelSlots, now_s: float) -> Promise | None:
+        """A slot of `ms` just freed and no holder waits here for it: the promise it goes
+        to, the first in due order neither here nor given a slot already (None: none waits).
+        Its holder is called (`called_s`) when it gave an inbox, is ours, and is not told to
+        come within WAKE_LEAD_S anyway (on call or not: one told the predicted time is called
+        when a slot frees before it): made due now at the latest, so newcomers leave the
+        slot to it for as long as holders take to come back. A holder without an inbox is
+        never skipped: its own timer brings it, and the next freed slot goes to the next
+        promise."""
         for p in ms.promises:
             if p.parked or p.slotted:
                 continue
-            if ahead and not p.ahead:
-                return None
             p.slotted = True
             if p.wake is not None and not p.foreign and p.back_s - now_s >= WAKE_LEAD_S:
-                self.stats["holder-called-ahead" if ahead else "holder-called"] += 1
+                self.stats["holder-called"] += 1
                 p.called_s = now_s
                 if p.due_s > now_s:
                     ms.promises.bring_forward(p, now_s)
@@ -517,27 +511,12 @@ class Admission:
         """How long a called holder takes to come (the call's trip and the caller's)."""
         return _window(self.call_trips, model, CALL_TRIP_PRIOR_US, CALL_TRIP_MAX_AGE_S)
 
-    def _call_mode(self, model: str, p: Prediction, now_s: float) -> str | None:
-        """How a holder with an inbox is called (`plane.router.calls`): when its slot frees,
-        if a call's trip is short beside the work it waits to start; else a trip ahead of
-        the slot's predicted end, if the trip is not longer than half the work (None: not on
-        call, told the predicted time)."""
+    def _on_call(self, model: str, p: Prediction, now_s: float) -> bool:
+        """Whether a holder with an inbox is put on call (`plane.router.calls`): when a
+        call's trip is short beside the work it waits to start."""
         trips = self._call_trip(model)
         trips.expire(now_s)  # back to the prior once nobody was called for a while
-        trip_us = trips.p50_us
-        if trip_us <= CALL_TRIP_SHARE * p.expected_us:
-            return "freed"
-        return "ahead" if trip_us <= CALL_AHEAD_SHARE * p.expected_us else None
-
-    def call_trip_s(self, model: str) -> float:
-        return self._call_trip(model).p50_us / 1e6
-
-    @staticmethod
-    def calls_ahead(ms: ModelSlots) -> bool:
-        """Whether the next slot to free would call its holder ahead: the first promise
-        neither here nor given a slot is one (what `slot_for(ahead=True)` asks; found in a
-        step or two, on every placement)."""
-        return next((p.ahead for p in ms.promises if not (p.parked or p.slotted)), False)
+        return trips.p50_us <= CALL_TRIP_SHARE * p.expected_us
 
     def _lateness(self, model: str) -> ServiceWindow:
         return _window(self.lateness, model, LATENESS_PRIOR_US)
@@ -626,11 +605,10 @@ class Admission:
             return self._park_newcomer(ms, ask, start_s)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         told_ms = wait_ms
-        mode = (self._call_mode(ms.model, p, now) if pinned and ask.wake is not None
-                else None)
-        if mode is not None:
-            # On call: told to come when the work ahead has run to its p99 (its fallback), and
-            # called when a slot frees for it, or a trip before (`plane.router.calls`).
+        on_call = pinned and ask.wake is not None and self._on_call(ms.model, p, now)
+        if on_call:
+            # Told to come when the work ahead has run to its p99 (its fallback), and called
+            # when a slot frees for it (`plane.router.calls`).
             late_by_s = (p.p99_us - p.expected_us) / 1e6
             told_s = min(start_s + late_by_s, ask.latest_start_s() - late_s)
             told_ms = max(wait_ms, _wait_ms(told_s, now))
@@ -639,7 +617,7 @@ class Admission:
             ticket=new_ticket(self._prefix), due_s=due_s, told_s=told_s,
             expires_s=told_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
-            issued_s=now, pinned=pinned, wake=ask.wake, ahead=mode == "ahead",
+            issued_s=now, pinned=pinned, wake=ask.wake,
         )
         if promise.pinned:
             ms.promises.add(promise)

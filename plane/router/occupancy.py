@@ -35,8 +35,6 @@ class SlotView:
     expected_free_s: float = 0.0  # the same at the p50 (what promises are timed to)
     request_id: str | None = None  # ours, while busy with a request this router placed
     freed_s: float = -1.0  # when its last done-event came
-    called_for: str | None = None  # the ticket called for the end of its current work
-    occupied_s: float = 0.0  # when its current work was placed (ours or another router's)
 
     def is_free(self, now_s: float) -> bool:
         """Free to place on. A slot the broker said was taken by someone else (no request id
@@ -70,7 +68,7 @@ class SlotView:
     def occupy(self, now_s: float, request_id: str | None, expected_s: float,
                p99_s: float) -> None:
         """Busy from now: with our request, or (None) with one the broker says is there."""
-        self.busy, self.request_id, self.occupied_s = True, request_id, now_s
+        self.busy, self.request_id = True, request_id
         self.expected_free_s, self.free_at_s = now_s + expected_s, now_s + p99_s
 
     def release(self, now_s: float, request_id: str | None = None) -> None:

@@ -65,8 +65,6 @@ class Peers:
         self._announced_s = -math.inf
         self.instance = new_instance()
         self._clash_logged_s = -math.inf
-        # Told of each slot another router took (`plane.router.calls` times its calls ahead).
-        self.on_taken: Callable[[ModelSlots, SlotView, float], None] = lambda ms, v, now: None
 
     def promiser(self) -> str:
         """The router that makes promises: the first by id of those heard from lately."""
@@ -147,9 +145,8 @@ class Peers:
                     self.admission.drop(ms, note.ticket)
                 view = ms.slots.get(note.slot)
                 if view is not None and view.request_id is None:
-                    now = time.monotonic()
-                    view.occupy(now, None, note.service_us / 1e6, note.p99_us / 1e6)
-                    self.on_taken(ms, view, now)
+                    view.occupy(time.monotonic(), None, note.service_us / 1e6,
+                                note.p99_us / 1e6)
 
     async def tell(self) -> None:
         """Tell the others the promises made and dropped since we last did."""

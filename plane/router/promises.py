@@ -41,8 +41,7 @@ class Promise:
     wake: str | None = None  # the holder's inbox for a call (`Plane-Wake`)
     told_s: float = 0.0  # when its holder was told to come back (0: at `due_s`)
     called_s: float = 0.0  # when its holder was called to come now (0: not called)
-    ahead: bool = False  # called a trip before a slot is predicted to free (`calls`)
-    slotted: bool = False  # a slot freed (or about to) was counted as its (`slot_for`)
+    slotted: bool = False  # a freed slot was counted as its (`slot_for`)
 
     @property
     def back_s(self) -> float:

@@ -58,7 +58,6 @@ from plane.router.admission import (
     Refuse,
     ticket_owner,
 )
-from plane.router.calls import Calls
 from plane.router.fairness import FairShare
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
@@ -145,7 +144,6 @@ class RouterParts:
     inflight: InFlightBook
     peers: Peers
     parking: ParkingLot
-    calls: Calls
     settings: LiveSettings
     spawn: Callable[[Coroutine[Any, Any, None]], object]
     reprovision: Callable[[], Coroutine[Any, Any, None]]
@@ -172,7 +170,6 @@ class RequestPath:
         self.inflight = parts.inflight
         self.peers = parts.peers
         self.parking = parts.parking
-        self.calls = parts.calls
         self.settings = parts.settings
         self._spawn = parts.spawn
         self._reprovision = parts.reprovision
@@ -670,7 +667,6 @@ class RequestPath:
         now = time.monotonic()
         ask = r.ask
         view.occupy(now, r.rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
-        self.calls.placed(r.ms, view, now)
         return self.inflight.track(InFlight(
             request_id=r.rid, model=r.model, reply=r.msg.reply, node=view.node, key=view.key,
             placed_s=now, tenant=r.tenant,

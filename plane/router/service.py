@@ -111,9 +111,8 @@ class Router(Lifecycle, TaskOwner):
         self.instances = Instances()  # which process speaks for each node id
         self.parking = ParkingLot()  # holders waiting for a slot to free
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
-        # Holders on call, called back when a slot frees (or is about to).
+        # Ticket holders with an inbox, called back when a slot frees for them.
         self.calls = Calls(nc, self.admission, self.parking, self._spawn, self.peers.tell)
-        self.peers.on_taken = self.calls.placed
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.router_id)
@@ -129,7 +128,7 @@ class Router(Lifecycle, TaskOwner):
         self.requests = RequestPath(RouterParts(
             nc=nc, cfg=cfg, metrics=self.metrics, admission=self.admission, models=self.models,
             model=self._model, publisher=self.publisher, inflight=self.inflight,
-            peers=self.peers, parking=self.parking, calls=self.calls, settings=self.settings,
+            peers=self.peers, parking=self.parking, settings=self.settings,
             spawn=self._spawn,
             reprovision=self._reprovision, done_pending=self._done_pending,
             tracing=tracing or Tracing.off()))
@@ -294,7 +293,7 @@ class Router(Lifecycle, TaskOwner):
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
                 view.release(now)
-                await self.calls.freed(ms, view, now)
+                await self.calls.freed(ms, now)
             fl = self.inflight.entries.get(key)
             if fl is not None and fl.request_id == ev.request_id:
                 self._placed_done(ms, fl, ev, received_s(msg, now))
@@ -326,7 +325,7 @@ class Router(Lifecycle, TaskOwner):
         if ms is not None and view is not None and view.request_id == fl.request_id:
             now = time.monotonic()
             view.release(now)
-            self._spawn(self.calls.freed(ms, view, now))
+            self._spawn(self.calls.freed(ms, now))
 
     async def _on_status(self, req: Any) -> None:
         body = {

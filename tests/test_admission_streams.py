@@ -5,6 +5,7 @@ stream's predicted end."""
 
 import asyncio
 import json
+from dataclasses import replace
 
 from plane.contract.budget import PRIOR_DECODE_NS, ServiceWindow, TokenRates
 from plane.contract.messages import Reason, Status
@@ -101,6 +102,25 @@ def test_refused_streams_are_told_when_the_running_stream_ends() -> None:
     whole = r.predict(overhead(500), 10, 100)[0]
     assert waits[0] == 39
     assert waits[1] == 39 + round(whole.expected_us / 1000)
+
+
+def test_a_stream_holder_with_an_inbox_is_on_call_however_short_the_stream() -> None:
+    """A stream of 10 ms beside a call's trip of 2 ms (too long a trip to put 10 ms of other
+    work on call): its holder is on call all the same, since whatever it waits for a slot
+    after it came is in its time to first token. Told the late end of the stream ahead as
+    its fallback; without an inbox, the predicted end."""
+    r = rates(prefill_ns=50_000, decode_ns=100_000)
+    ask = stream_ask(0.0, ttft_s=1.0, stream_s=2.0, r=r, max_tokens=100)
+    assert ask.prediction.expected_us < 10 * 2_000  # not on call were it not a stream
+    told = []
+    for a in (ask, replace(ask, wake="_INBOX.me")):
+        ms, adm = slots(1), Admission("r")
+        busy_until(ms, 0.040)
+        d = adm.decide(ms, a)
+        assert isinstance(d, Refuse) and d.retry_after_ms is not None
+        told.append((d.retry_after_ms, "or when called" in d.message))
+    assert told[0] == (39, False)
+    assert told[1][1] and told[1][0] >= 39 + ask.prediction.expected_us // 1000
 
 
 def test_a_promise_that_cannot_start_in_time_for_the_first_token_is_not_made() -> None:

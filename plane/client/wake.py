@@ -3,8 +3,8 @@ docs/design.md "Retry-After that is worth trusting").
 
 A holder that sends the inbox is called there when its slot frees before its Retry-After
 (`plane.router.calls`), timed to the slot's real state rather than to a prediction made at
-refusal time; for work long beside a call's trip (streams) it is on call: its Retry-After is
-the late (p99) end of the work ahead, its fallback. A call that never comes (the router
+refusal time; for a stream, and work long beside a call's trip, it is on call: its
+Retry-After is a late fallback, well past the predicted end of the work ahead. A call that never comes (the router
 restarted, the connection dropped) costs the wait until the Retry-After.
 
 The call carries only the ticket. It can arrive before its holder starts waiting (the 429 and

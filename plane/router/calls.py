@@ -1,9 +1,9 @@
 """Calling ticket holders back (`Plane-Wake`, docs/design.md "Retry-After that is worth
 trusting"): when a slot frees, the holder it goes to is told on its inbox, and comes one
-trip later, never before the work ahead ends. A holder on call (`Admission._on_call`: work
-long beside a call's trip, streams) was told the p99 end of the work ahead, so it never
-waits out an overrun of that work, parked, in its own latency; one told the predicted time
-(short work) comes earlier when its slot freed early.
+trip later, never before the work ahead ends. A holder on call (a stream, or work long
+beside a call's trip: `Admission.decide`) was told a late fallback, well past the predicted
+end of the work ahead, so it never waits out an overrun of that work, parked, in its own
+latency; one told the predicted time (short work) comes earlier when its slot freed early.
 
 The calls are made in the router that made the promises (it alone holds the inboxes).
 """

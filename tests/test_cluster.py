@@ -51,7 +51,9 @@ WORK_US = 3000
 DEADLINE_MS = 1000
 BEFORE_KILL_S = 2.0
 SETTLED_CALLS, SETTLE_GAP_S = 10, 0.02
-AFTER_KILL_S = 12.0
+# The slot stream's failover here took 4.6-8.1 s (R3 leader election, reconnects): one run in
+# a dozen, with 12 s, still had the last RECOVERED_S seconds' requests refused in part.
+AFTER_KILL_S = 15.0
 # Requests sent in the last RECOVERED_S seconds must include 200s: the plane came back.
 RECOVERED_S = 2.0
 # After the last request: long enough for its deadline, the router's grace and a watchdog

@@ -4,8 +4,9 @@ docs/design.md "Retry-After that is worth trusting").
 A holder that sends the inbox is called there when its slot frees before its Retry-After
 (`plane.router.calls`), timed to the slot's real state rather than to a prediction made at
 refusal time; for a stream, and work long beside a call's trip, it is on call: its
-Retry-After is a late fallback, well past the predicted end of the work ahead. A call that never comes (the router
-restarted, the connection dropped) costs the wait until the Retry-After.
+Retry-After is a late fallback, well past the predicted end of the work ahead. A call that
+never comes (the router restarted, the connection dropped) costs the wait until the
+Retry-After.
 
 The call carries only the ticket. It can arrive before its holder starts waiting (the 429 and
 the call come on different subscriptions, each read in its own task): such calls are kept,

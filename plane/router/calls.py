@@ -25,12 +25,10 @@ from plane.router.promises import Promise
 
 class Calls:
     def __init__(self, nc: Client, admission: Admission, parking: ParkingLot,
-                 spawn: Callable[[Coroutine[Any, Any, None]], object],
                  tell: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._nc = nc
         self._admission = admission
         self._parking = parking
-        self._spawn = spawn
         self._tell = tell  # the other routers: a called promise is due now
 
     async def freed(self, ms: ModelSlots, now: float) -> None:

@@ -112,7 +112,7 @@ class Router(Lifecycle, TaskOwner):
         self.parking = ParkingLot()  # holders waiting for a slot to free
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
         # Ticket holders with an inbox, called back when a slot frees for them.
-        self.calls = Calls(nc, self.admission, self.parking, self._spawn, self.peers.tell)
+        self.calls = Calls(nc, self.admission, self.parking, self.peers.tell)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.router_id)

@@ -24,6 +24,7 @@ from plane.observe.planeview import (
     connect_fast,
     metrics_facts,
     over_interval,
+    router_facts,
 )
 from plane.observe.top import run_top
 from plane.stack import PlaneStack, StackConfig
@@ -178,3 +179,17 @@ def test_metrics_facts_and_rates_between_two_scrapes() -> None:
     assert rate.accepted_p50_ms is None  # no answers in the interval
     assert over_interval(new, None, 0.0).refusals_per_s is None
     assert over_interval(MetricsFacts(url="u", error="down"), old, 1.0).error == "down"
+
+
+def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
+    """A router that called holders lately reports their way back (`plane status --json`
+    shows it); one that did not leaves the fields out, and they read as unknown."""
+    body = {"router": "r0", "models": {
+        "tinylm": {"slots": 1, "healthy": 1, "busy": 1, "p50_overhead_us": 900,
+                   "p99_overhead_us": 1500, "call_trip_p50_us": 700, "call_trip_p99_us": 2100},
+        "calibrated": {"slots": 2, "healthy": 2, "busy": 0}}}
+    r = router_facts(body)
+    called, quiet = r.models["tinylm"], r.models["calibrated"]
+    assert (called.call_trip_p50_us, called.call_trip_p99_us) == (700, 2100)
+    assert called.cycle_p50_us == 900
+    assert quiet.call_trip_p50_us is None and quiet.call_trip_p99_us is None

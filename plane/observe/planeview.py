@@ -45,6 +45,9 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     busy: int = 0
     cycle_p50_us: int | None = None
     cycle_p99_us: int | None = None
+    # A called holder's way back (router to holder and back), once holders were called lately.
+    call_trip_p50_us: int | None = None
+    call_trip_p99_us: int | None = None
 
 
 class RouterFacts(msgspec.Struct, kw_only=True):
@@ -147,7 +150,9 @@ def router_facts(body: dict[str, Any]) -> RouterFacts:
         router=str(body.get("router", "?")),
         models={m: ModelFacts(slots=v.get("slots", 0), healthy=v.get("healthy", 0),
                               busy=v.get("busy", 0), cycle_p50_us=v.get("p50_overhead_us"),
-                              cycle_p99_us=v.get("p99_overhead_us"))
+                              cycle_p99_us=v.get("p99_overhead_us"),
+                              call_trip_p50_us=v.get("call_trip_p50_us"),
+                              call_trip_p99_us=v.get("call_trip_p99_us"))
                 for m, v in (body.get("models") or {}).items()},
         promises_open=body.get("tickets"), in_flight=body.get("inflight"),
         redemption=body.get("redemption") or {},

@@ -543,10 +543,10 @@ def test_a_call_is_told_to_the_other_routers_and_brings_their_copy_forward() -> 
 def test_a_holder_on_call_is_told_the_late_end_and_called_when_its_slot_frees() -> None:
     """Long work (100 ms, p99 150 ms) beside a call's trip (2 ms before any was measured): a
     holder with an inbox is told to come (its fallback) when the work ahead has run on past
-    its predicted end by its spread to the p99 or by as long again, whichever is longer, so
-    that it does not come while that work runs and wait for it; the slot freeing at its mean
-    calls it, and it is placed as it comes, newcomers kept off meanwhile. A holder without an
-    inbox is told the usual time."""
+    its predicted end by the longest of its spread to the p99, its expected time and the
+    wait to that end, so that it does not come while that work runs and wait for it; the
+    slot freeing at its mean calls it, and it is placed as it comes, newcomers kept off
+    meanwhile. A holder without an inbox is told the usual time."""
     long = Prediction(p50_us=100_000, p99_us=150_000)
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.100)
@@ -556,9 +556,18 @@ def test_a_holder_on_call_is_told_the_late_end_and_called_when_its_slot_frees() 
     busy_until(ms_b, 0.100)
     on_call = adm_b.decide(ms_b, replace(ask(0.0, pred=long), wake="_INBOX.me"))
     assert isinstance(on_call, Refuse) and on_call.retry_after_ms is not None
-    late_by_ms = max(long.p99_us - long.expected_us, long.expected_us) / 1000
+    late_by_ms = max(long.p99_us - long.expected_us, long.expected_us, 100_000) / 1000
     assert 100 + late_by_ms - 1 <= on_call.retry_after_ms <= 100 + late_by_ms + 1
     assert on_call.retry_after_ms > plain.retry_after_ms + 99
+    # Second in line, its start 200 ms away: told at least as long again past it (a chain of
+    # predictions slips the more, the longer it is).
+    ms_c, adm_c = slots(1), Admission("r")
+    busy_until(ms_c, 0.100)
+    first, behind = (adm_c.decide(ms_c, replace(ask(0.0, pred=long), wake=f"_INBOX.{i}"))
+                     for i in range(2))
+    assert isinstance(first, Refuse) and first.retry_after_ms == on_call.retry_after_ms
+    assert isinstance(behind, Refuse) and behind.retry_after_ms is not None
+    assert 399 <= behind.retry_after_ms <= 401
     assert "or when called" in on_call.message
     (promise,) = ms_b.promises
     ms_b.slots["n/0"].release(0.101)  # the work ahead ends at about its mean

@@ -87,21 +87,22 @@ GONE_MIN_S = 0.002
 # when the median trip of a call (router to holder and back) is at most CALL_TRIP_SHARE of
 # its expected service time (long work): called when its slot frees, unless it is told to
 # come within WAKE_LEAD_S anyway, and told as its Retry-After (its fallback) the predicted
-# start plus the work's spread to its p99 or its expected time, whichever is longer. A holder
+# start plus the longest of the work's spread to its p99, its expected time and the wait to
+# that start (the further back in line, the more the chain ahead can slip). A holder
 # told a predicted time comes while the work ahead still runs about half the time and waits
 # for it, parked, in its own latency, and a slot that frees before the time idles until it
 # comes; a call is timed to the slot's real state instead: the slot idles for a trip, the
 # holder never waits for an overrun. (Told only the spread to the p99, holders still came
 # while a stream ahead that had slowed down ran on, 5-12% of them: TTFT p99/p50 2.5-5.7 at
-# 2x; with the longer fallback 2.0-2.2, and 4 x 20 ms at 2x p99/p50 1.10 against 1.30;
-# BENCHMARKS.md, fourteenth session.) Before any holder was called, a trip is taken to be
-# CALL_TRIP_PRIOR_US. A holder of shorter work is told the predicted time (and still called
-# if a slot frees for it WAKE_LEAD_S or more before that time): calls a trip before the
-# slot's current work was predicted to end were built for it and measured worse in a quiet
-# spell (2 and 4 slots x 2 and 5 ms at 2x: first-retry 99.0-99.9% against 99.6-100%,
-# p99/p50 up to 2.2 against 1.5-2.0, fewer answers per second; fourteenth session), and
-# calls only for slots that freed early, with holders told the usual time, cost more than
-# they gave with 1-10 ms work at Poisson arrivals (thirteenth session).
+# 2x; with the spread or the expected time 2.0-3.8, and 4 x 20 ms at 2x p99/p50 1.10 against
+# 1.30; with the wait too 1.7-1.9; BENCHMARKS.md, fourteenth session.) Before any holder was
+# called, a trip is taken to be CALL_TRIP_PRIOR_US. A holder of shorter work is told the
+# predicted time (and still called if a slot frees for it WAKE_LEAD_S or more before that
+# time): calls a trip before the slot's current work was predicted to end were built for it
+# and measured worse in a quiet spell (2 and 4 slots x 2 and 5 ms at 2x: first-retry
+# 99.0-99.9% against 99.6-100%, p99/p50 up to 2.2 against 1.5-2.0, fewer answers per second;
+# fourteenth session), and calls only for slots that freed early, with holders told the usual
+# time, cost more than they gave with 1-10 ms work at Poisson arrivals (thirteenth session).
 WAKE_LEAD_S = 0.001
 CALL_TRIP_SHARE = 0.1
 CALL_TRIP_MAX_AGE_S = 2.0  # trips measured under a load that has passed are forgotten
@@ -613,8 +614,11 @@ class Admission:
             ask.first_p99_us is not None or self._on_call(ms.model, p, now))
         if on_call:
             # Called when a slot frees for it (`plane.router.calls`); told to come when the
-            # work ahead has run on well past its prediction (its fallback).
-            late_by_s = max(p.p99_us - p.expected_us, p.expected_us) / 1e6
+            # work ahead has run on well past its prediction (its fallback): the further back
+            # in line, the more a chain of predictions can slip, so at least as long again
+            # as it waits.
+            late_by_s = max((p.p99_us - p.expected_us) / 1e6, p.expected_us / 1e6,
+                            start_s - now)
             told_s = min(start_s + late_by_s, ask.latest_start_s() - late_s)
             told_ms = max(wait_ms, _wait_ms(told_s, now))
         told_s = now + told_ms / 1000

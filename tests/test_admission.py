@@ -471,8 +471,8 @@ def test_a_holder_of_short_work_is_told_the_predicted_time_and_called_if_its_slo
 
 
 def test_short_work_is_not_put_on_call_and_old_trips_are_forgotten() -> None:
-    """A holder is on call (told the p99 end of the work ahead) only when a call's trip (2 ms
-    before any was measured) is at most a tenth of its work: 30 ms is, 5 ms is not. Trips
+    """A holder is on call (told a late fallback) only when a call's trip (2 ms before any
+    was measured) is at most a tenth of its work: 30 ms is, 5 ms is not. Trips
     measured under a load that passed (5 ms here) age out after CALL_TRIP_MAX_AGE_S, back to
     the prior."""
     five = Prediction(p50_us=5_000, p99_us=6_000)
@@ -481,12 +481,16 @@ def test_short_work_is_not_put_on_call_and_old_trips_are_forgotten() -> None:
     busy_until(ms, 0.030)
     d = adm.decide(ms, replace(ask(0.0, pred=five), wake="_INBOX.me"))
     assert isinstance(d, Refuse) and d.retry_after_ms == 29 and "called" not in d.message
-    assert adm._on_call("calibrated", thirty, 0.0) and not adm._on_call("calibrated", five, 0.0)
+    def on_call(pred: Prediction, now: float) -> bool:
+        return adm._on_call("calibrated", replace(ask(now, pred=pred), wake="_INBOX.me"))
+
+    assert on_call(thirty, 0.0) and not on_call(five, 0.0)
+    assert not adm._on_call("calibrated", ask(0.0, pred=thirty))  # no inbox: nobody to call
     trips = adm._call_trip("calibrated")
     for _ in range(10):
         trips.add(5_000, 0.0)  # slow trips: 30 ms work is not put on call either
-    assert not adm._on_call("calibrated", thirty, 1.0)
-    assert adm._on_call("calibrated", thirty, 0.5 + CALL_TRIP_MAX_AGE_S)
+    assert not on_call(thirty, 1.0)
+    assert on_call(thirty, 0.5 + CALL_TRIP_MAX_AGE_S)
 
 
 def test_a_holder_without_an_inbox_keeps_its_turn_and_the_next_slot_calls_the_next() -> None:

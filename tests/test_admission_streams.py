@@ -107,8 +107,8 @@ def test_refused_streams_are_told_when_the_running_stream_ends() -> None:
 def test_a_stream_holder_with_an_inbox_is_on_call_however_short_the_stream() -> None:
     """A stream of 10 ms beside a call's trip of 2 ms (too long a trip to put 10 ms of other
     work on call): its holder is on call all the same, since whatever it waits for a slot
-    after it came is in its time to first token. Told the late end of the stream ahead as
-    its fallback; without an inbox, the predicted end."""
+    after it came is in its time to first token. Told a late fallback, past the predicted
+    end of the stream ahead; without an inbox, that predicted end."""
     r = rates(prefill_ns=50_000, decode_ns=100_000)
     ask = stream_ask(0.0, ttft_s=1.0, stream_s=2.0, r=r, max_tokens=100)
     assert ask.prediction.expected_us < 10 * 2_000  # not on call were it not a stream

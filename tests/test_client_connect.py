@@ -127,3 +127,58 @@ async def test_a_call_made_while_the_server_is_down_sends_the_deadline_it_has_le
         await stand_in.close()
     sent = int(headers[-1][Header.DEADLINE_MS])
     assert sent <= 5000 - OUTAGE_S * 1000, sent
+
+
+async def _stand_in(url: str, seen: list[dict[str, str]]) -> nats.NATS:
+    """A router stand-in: answers every `plane.infer.*` request 200."""
+    nc = await nats.connect(url)
+
+    async def answer(msg: Msg) -> None:
+        h = dict(msg.headers or {})
+        seen.append(h)
+        await nc.publish(msg.reply, b'{"duration_us": 1}',
+                         headers=ok_headers(h.get(Header.REQUEST_ID, "x"), "n1", 0, 1))
+
+    await nc.subscribe(Names().infer_all(), cb=answer)
+    await nc.flush()
+    return nc
+
+
+async def test_a_call_sent_at_the_reconnect_waits_for_the_routers_to_come_back(
+        nats_server: EmbeddedNats) -> None:
+    """The routers reconnect on their own schedule: a call held through an outage and sent as
+    the client's connection came back found no router yet, and failed 503 (CI). Now the SDK
+    sends it again until they are back (within its deadline), and then it is answered."""
+    seen: list[dict[str, str]] = []
+    async with Client.connect(nats_server.url) as plane:
+        await nats_server.stop()
+        async with asyncio.timeout(5):
+            while not plane.nc.is_reconnecting:
+                await asyncio.sleep(0.01)
+        call = asyncio.create_task(
+            plane.call("calibrated", {"duration_us": 1}, deadline_ms=5000))
+        await asyncio.sleep(0.2)
+        await nats_server.start()
+        async with asyncio.timeout(5):
+            while not plane.nc.is_connected:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the call finds nobody meanwhile
+        assert not call.done()
+        stand_in = await _stand_in(nats_server.url, seen)  # a router comes back
+        try:
+            result = await call
+        finally:
+            await stand_in.close()
+    assert result.status == 200, result
+    assert result.statuses[0] == 503 and len(result.statuses) >= 3, result.statuses
+    assert len(seen) == 1, seen
+
+
+async def test_no_router_on_a_steady_connection_is_a_503_at_once(
+        nats_server: EmbeddedNats) -> None:
+    """Without an outage, nobody listening means the plane is not there: one attempt, 503
+    `no-capacity`, at once (not retried for the deadline's length)."""
+    async with Client.connect(nats_server.url) as plane:
+        result = await plane.call("calibrated", {"duration_us": 1}, deadline_ms=5000)
+    assert result.status == 503 and result.statuses == (503,), result
+    assert result.local and "no router listens" in result.body.decode()

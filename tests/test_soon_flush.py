@@ -103,6 +103,29 @@ async def test_every_connection_the_plane_makes_has_it(nats_server: EmbeddedNats
 
 
 
+async def test_a_router_or_node_on_a_connection_of_the_callers_own_gets_it(
+        nats_server: EmbeddedNats) -> None:
+    """Their `start` ends with a flush that must be a barrier for the subscriptions made
+    before it: a router started on a plain `nats.connect()` connection now and then answered
+    the first request sent after its start with no responders (CI, test_abuse_router)."""
+    from gpu_node.node import Node
+    from plane.contract.config import NodeConfig, RouterConfig
+    from plane.router import Router
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        assert not isinstance(getattr(nc._flush_pending, "__self__", None), SoonFlush)
+        Router(nc, RouterConfig(router_id="router-own-nc"))
+        assert isinstance(getattr(nc._flush_pending, "__self__", None), SoonFlush)
+    finally:
+        await nc.close()
+    nc = await nats.connect(nats_server.url)
+    try:
+        Node(nc, NodeConfig(node_id="node-own-nc", model="calibrated", slots=1, backend="torch"))
+        assert isinstance(getattr(nc._flush_pending, "__self__", None), SoonFlush)
+    finally:
+        await nc.close()
+
 async def test_published_just_before_a_drain_arrives(nats_server: EmbeddedNats) -> None:
     nc = await nats.connect(nats_server.url)
     use_soon_flush(nc)

@@ -34,7 +34,12 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
-from plane.client.connection import CONNECT_ATTEMPTS, open_connection, until_connected
+from plane.client.connection import (
+    CONNECT_ATTEMPTS,
+    ROUTERS_BACK_POLL_MS,
+    Comeback,
+    open_connection,
+)
 from plane.client.result import Result, header_int, reply_status
 from plane.client.stream import TokenStream
 from plane.client.wake import EarlyCalls
@@ -105,6 +110,7 @@ class Client:
         self.config = config or ClientConfig()
         self._rng = random.Random(self.config.seed)
         self.calls = EarlyCalls(nc) if self.config.early_calls else None
+        self.comeback = Comeback(nc)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -201,7 +207,7 @@ class Client:
         wake = (await self.calls.inbox() if self.calls is not None and policy.max_attempts > 1
                 else None)
         while True:
-            await until_connected(self.nc, deadline_at)
+            await self.comeback.until_connected(deadline_at)
             remaining_s = deadline_at - time.monotonic()
             attempt_headers = attempt_headers_for(
                 headers, request_id=request_id, attempt=attempt,
@@ -256,7 +262,16 @@ class Client:
         """Whether to try again after `result` (the answer to the `tries`-th attempt), and
         after how long (ms; None: give up). Only a 429 that is not a `deadline` refusal, or a
         503 from the server, is worth another attempt; `deadline_at` is monotonic. Shared by
-        `call` and the streams (`plane.client.stream`), which retry only before a start."""
+        `call` and the streams (`plane.client.stream`), which retry only before a start.
+
+        Also, whatever the policy, an attempt that found no router just after the connection
+        came back is sent again shortly (`Comeback`): it reached nobody, and the routers are
+        likely still reconnecting."""
+        if (result.local and result.status == Status.UNAVAILABLE
+                and result.reason == Reason.NO_CAPACITY
+                and self.comeback.routers_may_be_returning()):
+            left_ms = (deadline_at - time.monotonic()) * 1000
+            return ROUTERS_BACK_POLL_MS if left_ms > ROUTERS_BACK_POLL_MS else None
         retryable = (result.status == Status.BUSY and result.reason != Reason.DEADLINE) or (
             result.status == Status.UNAVAILABLE and not result.local
         )

@@ -12,6 +12,7 @@ long-lived service's client), and an outage is logged once, then at most once pe
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import nats
@@ -31,21 +32,51 @@ CONNECT_TIMEOUT_S = 2.0  # per attempt: a blackholed address fails in a few seco
 RECONNECT_WAIT_S = 0.2
 # While the connection is down, how often a request about to be sent looks whether it is up.
 RECONNECTED_POLL_S = 0.005
+# After the connection comes back, how long a no-responders means "the routers are not back
+# yet" (they reconnect every 0.25 s), and how often the attempt is sent again meanwhile.
+ROUTERS_BACK_S = 2.0
+ROUTERS_BACK_POLL_MS = 20.0
 
 
-async def until_connected(nc: NATS, deadline_at: float) -> None:
-    """Wait while `nc` is reconnecting, at most until `deadline_at` (monotonic).
+class Comeback:
+    """What a client knows of its connection's outages: it waits out one before it sends, and
+    tells a no-responders just after one from a plane that is down.
 
-    A request published while the connection is down waits in nats-py's buffer and goes out
-    at the reconnect with the `Plane-Deadline-Ms` it was given before the wait; the router
-    counts a budget from when it receives a request, so it would give such a request time its
-    caller no longer has (measured: a call held 2 s by a server restart was told to come back
-    after its caller's deadline, and gave up). Held here instead, the attempt is sent with
-    what is left. A property read when connected: nothing on the hot path."""
-    # Polled: nats-py has no awaitable for "reconnected", and its callbacks on a connection
-    # the caller passed in are the caller's.
-    while nc.is_reconnecting and time.monotonic() < deadline_at:  # noqa: ASYNC110
-        await asyncio.sleep(RECONNECTED_POLL_S)
+    When the connection comes back the routers may not have yet: each reconnects on its own
+    schedule (every 0.25 s: `plane.contract.natsconn`; the SDK every `RECONNECT_WAIT_S`), so
+    a call held through a server restart and sent at the reconnect found nobody listening,
+    and failed with a 503 (CI, tests/test_client_connect.py). For `ROUTERS_BACK_S` after this
+    client sees its connection back, "no router listens" is taken for "not back yet" and the
+    attempt is sent again (`Client.retry_delay_for`), within the caller's deadline. nats-py
+    counts reconnects in `nc.stats`; a client idle through an outage learns of it at its next
+    call, which then waits for the routers at most as long."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._reconnects = nc.stats["reconnects"]
+        self._back_s = -math.inf
+
+    async def until_connected(self, deadline_at: float) -> None:
+        """Wait while the connection is reconnecting, at most until `deadline_at` (monotonic).
+
+        A request published while the connection is down waits in nats-py's buffer and goes
+        out at the reconnect with the `Plane-Deadline-Ms` it was given before the wait; the
+        router counts a budget from when it receives a request, so it would give such a
+        request time its caller no longer has (measured: a call held 2 s by a server restart
+        was told to come back after its caller's deadline, and gave up). Held here instead,
+        the attempt is sent with what is left. Two reads when connected: nothing on the hot
+        path."""
+        nc = self._nc
+        # Polled: nats-py has no awaitable for "reconnected", and its callbacks on a
+        # connection the caller passed in are the caller's.
+        while nc.is_reconnecting and time.monotonic() < deadline_at:  # noqa: ASYNC110
+            await asyncio.sleep(RECONNECTED_POLL_S)
+        if (n := nc.stats["reconnects"]) != self._reconnects:
+            self._reconnects, self._back_s = n, time.monotonic()
+
+    def routers_may_be_returning(self) -> bool:
+        """The connection came back lately: a no-responders may be routers not back yet."""
+        return time.monotonic() - self._back_s < ROUTERS_BACK_S
 
 
 async def open_connection(opts: ConnectOptions,

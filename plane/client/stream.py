@@ -43,7 +43,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
-from plane.client.connection import until_connected
 from plane.client.result import Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
@@ -201,7 +200,7 @@ class TokenStream:
         self._wake = (await client.calls.inbox()
                       if client.calls is not None and self._policy.max_attempts > 1 else None)
         while not self._closed:  # closed while it waited to retry: send nothing more
-            await until_connected(client.nc, deadline_at)
+            await client.comeback.until_connected(deadline_at)
             remaining_s = deadline_at - time.monotonic()
             if remaining_s <= 0:
                 self._finish_local(Status.DEADLINE, Reason.DEADLINE,

@@ -43,6 +43,7 @@ from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
 from plane.contract.settings import LiveSettings
+from plane.contract.soon_flush import use_soon_flush
 from plane.contract.subjects import ROUTER_QUEUE_GROUP
 from plane.contract.tracing import Tracing
 from plane.router.admission import Admission
@@ -95,6 +96,11 @@ class Router(Lifecycle, TaskOwner):
         tracing: Tracing | None = None,
     ) -> None:
         super().__init__()
+        # Written as the plane's own connections are (a borrowed one too): then the flush at
+        # the end of `start` is a barrier for the subscriptions made before it. nats-py's own
+        # writes its PING ahead of them, and a request sent right after `start` found no
+        # responder (tests/test_abuse_router.py, in CI).
+        use_soon_flush(nc)
         self.nc = nc
         self.cfg = cfg
         self.metrics = metrics or PlaneMetrics()

@@ -68,8 +68,11 @@ class Comeback:
         path."""
         nc = self._nc
         # Polled: nats-py has no awaitable for "reconnected", and its callbacks on a
-        # connection the caller passed in are the caller's.
-        while nc.is_reconnecting and time.monotonic() < deadline_at:  # noqa: ASYNC110
+        # connection the caller passed in are the caller's. Between two tries it is
+        # "reconnecting", during a try's handshake "connecting" (it counts the reconnect
+        # once the handshake is done): a call that went at "connecting" found no router.
+        while ((nc.is_reconnecting or nc.is_connecting)  # noqa: ASYNC110
+               and time.monotonic() < deadline_at):
             await asyncio.sleep(RECONNECTED_POLL_S)
         if (n := nc.stats["reconnects"]) != self._reconnects:
             self._reconnects, self._back_s = n, time.monotonic()

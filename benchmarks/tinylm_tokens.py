@@ -5,6 +5,7 @@ cost before the first one.
                                                  [--prompt-bytes 16] [--max-tokens 240]
                                                  [--temperature 0.8] [--threads 1] [--kernel]
                                                  [--wait-us 0] [--gap-ms 0]
+                                                 [--warm-every-ms 0]
 
 What runs: `--streams` generations back to back on one slot's state (its buffers made once,
 as a node's slot does), after one warm-up stream that is dropped. Each `step()` is timed on
@@ -17,7 +18,9 @@ learns it from done-events), the prefill (`start`) µs, and tokens/s.
 
 `--wait-us` sleeps that long in each step, as a step that waits on a device does (the host
 part stays the CPU's): with it, the spread left is the host's, not the kernel's. `--gap-ms`
-idles between streams, as a slot between callers does.
+idles between streams, as a slot between callers does; with `--warm-every-ms W` the gap is
+spent as a CPU node's slot spends it (`gpu_node.generation.SlotGenerator.keep_warm`): a
+one-token generation each W ms, so the prefill after it shows what keeping warm buys.
 
 `--kernel` uses the Triton decode-attention kernel: compiled on CUDA, or the CPU
 interpreter under TRITON_INTERPRET=1 (slow: for checking, not timing). Without it, the torch
@@ -38,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.tinylm import END, TinyLM, TinyLMWeights
+from kernels.tinylm import END, GenState, TinyLM, TinyLMWeights
 
 POSITION_BANDS = 4  # per-token percentiles by quarter of the context
 
@@ -56,12 +59,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel", action="store_true", help="the Triton kernel path")
     p.add_argument("--wait-us", type=int, default=0, help="sleep per step (a device's wait)")
     p.add_argument("--gap-ms", type=float, default=0.0, help="idle between streams")
+    p.add_argument("--warm-every-ms", type=float, default=0.0,
+                   help="in each gap, a one-token generation this often (as a CPU slot does)")
     return p.parse_args(argv)
 
 
 def pct(samples_us: np.ndarray) -> str:
     p50, p99 = np.percentile(samples_us, [50, 99])
     return f"p50 {p50:8.1f} us  p99 {p99:8.1f} us  max {samples_us.max():8.1f} us"
+
+
+def idle(lm: TinyLM, state: GenState, gap_s: float, warm_every_s: float) -> None:
+    """Idle `gap_s`; with `warm_every_s`, run the slot's keep-warm generation that often."""
+    end = time.perf_counter() + gap_s
+    while (left := end - time.perf_counter()) > 0:
+        if not warm_every_s or left <= warm_every_s:
+            time.sleep(left)
+            return
+        time.sleep(warm_every_s)
+        lm.start(b"w", 1, state=state)
+        lm.step(state)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             stream_means_us.append(decode_ns / max(1, decode_steps) / 1e3)
             t_all += time.perf_counter_ns() - stream_start
         if args.gap_ms:
-            time.sleep(args.gap_ms / 1e3)
+            idle(lm, state, args.gap_ms / 1e3, args.warm_every_ms / 1e3)
 
     steps, where = np.array(steps_us), np.array(positions)
     path = "kernel" if args.kernel else "torch"
@@ -119,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.__version__}): {args.streams} streams x {args.max_tokens} tokens, prompt "
         f"{args.prompt_bytes} B, temperature {args.temperature}, wait {args.wait_us} us per "
         f"step, {args.gap_ms} ms between streams"
+        + (f", warmed every {args.warm_every_ms} ms" if args.warm_every_ms else "")
     )
     print(f"  per token    {pct(steps)}  ({steps.size} steps)")
     band = context // POSITION_BANDS

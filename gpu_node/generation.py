@@ -38,6 +38,15 @@ FLOOR_STEP_S = 0.005
 PRIOR_STEP_S = {"torch": 0.001, "interpret": 0.05, "triton": 0.001}
 STEP_MARGIN = 4.0  # expectation: this many times the recent mean step
 PREFILL_PER_BYTE_MARGIN_S = 0.0005
+# A CPU slot's model leaves the CPU's caches while the slot idles (the host's other work
+# takes them): a prefill after 30 ms idle took 1.6 ms against 0.9 back to back, and 0.9 again
+# when warmed (`benchmarks/tinylm_tokens.py --max-tokens 64 --gap-ms 30 --warm-every-ms 5`):
+# the spread of time to first token at 0.9x. So for WARM_FOR_S after each generation, the
+# slot's thread runs a one-token generation every WARM_EVERY_S it idles (~0.3 ms: 6% of a
+# core), then stops (an idle plane sleeps). Only the CPU's torch path: a GPU's clocks are the
+# device settings' business, and the interpreter is for checking, not timing.
+WARM_EVERY_S = 0.005
+WARM_FOR_S = 1.0
 
 
 class Stop:
@@ -119,6 +128,10 @@ class SlotGenerator:
         self._lane = lane
         self._text = bytearray(lm.config.context)  # the request's bytes out, reused
         self.mean_step_s = prior_step_s  # of recent generations: what a step is expected to take
+        self._warms = lm.device.type == "cpu" and not lm.use_kernel  # see WARM_EVERY_S
+        self._used_s = 0.0  # monotonic: when the last generation (or warming) ended
+        self._warm_until_s = 0.0
+        self.warmings = 0  # one-token generations run to keep warm (tests, benchmarks)
 
     def warm_up(self) -> None:
         """One short generation, so that compiling (or the interpreter's rewrite) happens
@@ -127,6 +140,27 @@ class SlotGenerator:
             self.lm.start(b"warm up", 2, state=self.state)
             while self.lm.step(self.state) is not None:
                 pass
+
+    def keep_warm(self) -> float | None:
+        """The slot thread's idle hook (`gpu_node.slot_thread`): within WARM_FOR_S of the last
+        generation, one short generation once the slot has idled WARM_EVERY_S; how long to
+        wait before the next (None: not until a generation has run)."""
+        now = time.monotonic()
+        if not self._warms or now >= self._warm_until_s:
+            return None
+        since = now - self._used_s
+        if since < WARM_EVERY_S:
+            return WARM_EVERY_S - since
+        try:
+            with self._lane():
+                self.lm.start(b"w", 1, state=self.state)
+                self.lm.step(self.state)
+        except Exception:  # a broken lane: the next request fails and says so
+            self._warms = False
+            return None
+        self.warmings += 1
+        self._used_s = time.monotonic()
+        return WARM_EVERY_S
 
     def generate(self, req: TinyLMRequest, stop: Stop, deadline_s: float,
                  watch: WatchedRunner, emit: Emit | None = None) -> GenResult:
@@ -173,6 +207,8 @@ class SlotGenerator:
             finish = StreamFinish(s.finish or "stop")
         if produced:
             self.mean_step_s = 0.8 * self.mean_step_s + 0.2 * (t2 - t1) / 1e9 / produced
+        self._used_s = time.monotonic()
+        self._warm_until_s = self._used_s + WARM_FOR_S
         return GenResult(finish=finish, prompt_tokens=len(prompt), tokens=produced,
                          prefill_us=(t1 - t0) // 1000, decode_us=(t2 - t1) // 1000,
                          text=bytes(text[:produced]))

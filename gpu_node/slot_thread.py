@@ -10,6 +10,10 @@ future with one `call_soon_threadsafe`), and about as much again in latency
 
 The thread is a daemon: a call stuck in a driver (a hung kernel, which the health supervisor
 answers for) must not keep the process from exiting.
+
+While it has no call to run, the thread may run an `idle` hook of the slot's (a generating
+slot keeps its model warm: `gpu_node.generation.SlotGenerator.keep_warm`): the hook says how
+long to wait for a call before it runs again, or None to wait for one with no timeout.
 """
 
 from __future__ import annotations
@@ -24,11 +28,15 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+# Run on the thread while it has no call: how long to wait for one before running it again
+# (None: wait until one comes).
+Idle = Callable[[], float | None]
 
 
 class SlotThread:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, idle: Idle | None = None) -> None:
         self._name = name
+        self._idle = idle
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -65,8 +73,18 @@ class SlotThread:
                 job[1].cancel()
         self._jobs.put(None)
 
+    def _next(self) -> _Job | None:
+        """The next call (None: shut down), running the idle hook while there is none."""
+        idle, jobs = self._idle, self._jobs
+        while idle is not None and (wait_s := idle()) is not None:
+            try:
+                return jobs.get(timeout=wait_s)
+            except queue.Empty:
+                continue
+        return jobs.get()
+
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (job := self._next()) is not None:
             loop, fut, fn, args = job
             if fut.cancelled():  # a read of a flag: safe from this thread
                 continue

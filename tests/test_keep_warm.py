@@ -1,0 +1,73 @@
+"""A CPU slot keeps its model warm while it idles (gpu_node/generation.py, WARM_EVERY_S): its
+thread runs a one-token generation now and then, for a while after each real one, and never
+while a call runs; the next generation's text is what it would have been without it; and it
+stops, so that an idle plane sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import pytest
+
+import gpu_node.generation as generation
+from gpu_node.generation import Generation, SlotGenerator, Stop
+from gpu_node.slot_thread import SlotThread
+from plane.contract.messages import TinyLMRequest
+from tests.plane_fixtures import wait_until
+
+
+class _Watch:
+    """What `generate` tells the health supervisor (nothing watches here)."""
+
+    def begin(self, expected_s: float) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(gen: SlotGenerator, req: TinyLMRequest) -> bytes:
+    return gen.generate(req, Stop(), time.monotonic() + 30, _Watch()).text  # type: ignore[arg-type]
+
+
+async def test_the_idle_hook_runs_between_calls_on_the_slots_thread() -> None:
+    ran: list[str] = []
+    left = [5]
+
+    def idle() -> float | None:
+        if left[0] == 0:
+            return None  # then wait for a call with no timeout
+        left[0] -= 1
+        ran.append(threading.current_thread().name)
+        return 0.001
+
+    t = SlotThread("slot-idle-0", idle=idle)
+    assert await t.run(lambda: 1) == 1
+    await wait_until(lambda: left[0] == 0, 5, "the idle hook to run five times")
+    assert set(ran) == {"slot-idle-0"}
+    assert await t.run(lambda: 2) == 2  # a call still runs after the hook said "wait"
+    t.shutdown()
+
+
+async def test_a_cpu_slot_warms_after_a_generation_then_stops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generation, "WARM_FOR_S", 0.3)
+    gen = Generation.for_backend("torch", None, seed=3).make_slot(contextlib.nullcontext)
+    req = TinyLMRequest(prompt="keep me warm", max_tokens=24, temperature=0.8, seed=11)
+    cold = await asyncio.to_thread(_generate, gen, req)
+    t = SlotThread("slot-warm-0", idle=gen.keep_warm)
+    try:
+        assert await t.run(_generate, gen, req) == cold
+        await wait_until(lambda: gen.warmings >= 3, 5, "the slot to warm while it idles")
+        # The state it warms is the slot's own: the next generation must not notice.
+        assert await t.run(_generate, gen, req) == cold
+        await asyncio.sleep(0.4)  # past WARM_FOR_S since the last generation
+        stopped_at = gen.warmings
+        await asyncio.sleep(0.1)
+        assert gen.warmings == stopped_at, "it went on warming an idle slot"
+    finally:
+        t.shutdown()
+

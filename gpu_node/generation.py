@@ -43,10 +43,11 @@ PREFILL_PER_BYTE_MARGIN_S = 0.0005
 # when warmed (`benchmarks/tinylm_tokens.py --max-tokens 64 --gap-ms 30 --warm-every-ms 5`):
 # the spread of time to first token at 0.9x. So for WARM_FOR_S after each generation, the
 # slot's thread runs a one-token generation every WARM_EVERY_S it idles (~0.3 ms: 6% of a
-# core), then stops (an idle plane sleeps). Only the CPU's torch path: a GPU's clocks are the
-# device settings' business, and the interpreter is for checking, not timing.
+# core while it does, at most ~15 ms of CPU per idle spell), then stops (an idle plane
+# sleeps; at 0.9x most gaps between streams are far shorter). Only the CPU's torch path: a
+# GPU's clocks are the device settings' business, the interpreter is for checking.
 WARM_EVERY_S = 0.005
-WARM_FOR_S = 1.0
+WARM_FOR_S = 0.25
 
 
 class Stop:

@@ -208,7 +208,30 @@ async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_
         assert status(gone) == 200
 
 
-async def test_routers_share_their_promises() -> None:
+async def test_a_promiser_that_stops_is_replaced_at_the_first_forward_that_finds_it_gone(
+) -> None:
+    """The next router by id makes the promises from the first request that found the
+    promiser's subject without a responder, not `GONE_S` after its last announcement: each
+    request that needs a promise would otherwise try the gone router first."""
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        x, y = stack.routers
+        assert x.cfg.router_id < y.cfg.router_id
+        await wait_until(lambda: y.peers.promiser() == x.cfg.router_id, 5, "y to hear x")
+        long = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(400_000),
+                                              timeout=5))
+        await wait_until(lambda: slots_running(stack) == 1, 5, "the slot running")
+        await x.stop()
+        refusals = [await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
+                                     calibrated(1000), timeout=5) for _ in range(3)]
+        assert [status(m) for m in refusals] == [429] * 3
+        # Each with a promise of y's own; only the first tried x.
+        assert all((header(m, Header.TICKET) or "").startswith(y.cfg.router_id + "-")
+                   for m in refusals)
+        tried = stack.metrics.registry.get_sample_value("plane_router_forwarded_total", {
+            "model": "calibrated", "why": "promise", "outcome": "owner-gone"})
+        assert tried == 1 and y.peers.promiser() == y.cfg.router_id
+        assert status(await long) == 200
     async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
             client(stack.url) as nc:
         x, y = stack.routers

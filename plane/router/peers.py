@@ -8,6 +8,7 @@ of those alive makes every promise; the others place what fits now and forward t
 (see `Router._forward`). Every router tells the others, on `<prefix>.admission.<model>`, the
 promises it makes and drops and the slots it takes, and books theirs in its own schedule. A
 router that has heard no other for `GONE_S` tells nobody: a plane with one router pays nothing.
+A router that a forward finds gone (no responder on its subject) is dropped at once.
 
 One router per id: a router refuses to start while another live router has its id (their
 tickets and forwarded requests would reach both), and waits for one that is stopping.
@@ -70,6 +71,18 @@ class Peers:
         """The router that makes promises: the first by id of those heard from lately."""
         now = time.monotonic()
         return min([self.router_id, *(r for r, t in self.seen_s.items() if now - t <= GONE_S)])
+
+    def gone(self, router: str) -> None:
+        """Nobody listens on `router`'s own subject (a forward to it found no responder): it
+        stopped or died. Taken for gone now, not `GONE_S` after its last word, so the next
+        router by id makes the promises from the next request on instead of each one first
+        trying a router that is not there. One that was only out of reach for a moment is
+        back with its next announcement (`ANNOUNCE_S`)."""
+        if self.seen_s.pop(router, None) is None:
+            return
+        self._last_heard_s = max(self.seen_s.values(), default=-math.inf)
+        log.warning("a router no longer listens: taken for gone", router=self.router_id,
+                    gone=router, promiser=self.promiser())
 
     async def announce_if_due(self, now_s: float) -> None:
         if now_s - self._announced_s >= ANNOUNCE_S:

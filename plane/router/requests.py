@@ -459,6 +459,7 @@ class RequestPath:
                                            timeout=wait_s, headers=headers)
         except NoRespondersError:
             self.metrics.forwarded.labels(model, why, "owner-gone").inc()
+            self.peers.gone(owner)
             return False
         except (NatsTimeoutError, TimeoutError):
             self.metrics.forwarded.labels(model, why, "no-answer").inc()
@@ -496,6 +497,7 @@ class RequestPath:
                 h = m.headers or {}
                 if first and is_no_responders(h):
                     self.metrics.forwarded.labels(model, why, "owner-gone").inc()
+                    self.peers.gone(owner)
                     return False
                 if first:
                     self.metrics.forwarded.labels(model, why, "relayed").inc()

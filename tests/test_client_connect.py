@@ -19,6 +19,7 @@ from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavai
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.replies import ok_headers
 from plane.contract.subjects import Header, Names
+from tests.plane_fixtures import wait_until
 
 OUTAGE_S = 1.0  # the server is down this long while a call waits
 
@@ -96,42 +97,9 @@ async def test_deadline_is_sent_only_when_asked(nats_server: EmbeddedNats,
     assert deadlines[2] is not None and 1 <= int(deadlines[2]) <= 90
 
 
-async def test_a_call_made_while_the_server_is_down_sends_the_deadline_it_has_left(
-        nats_server: EmbeddedNats) -> None:
-    """A call made during an outage is held by the SDK, not in nats-py's buffer, and goes out
-    at the reconnect with what is left of its deadline: the router counts a budget from when
-    it receives a request, and would otherwise give it time its caller no longer has."""
-    headers: list[dict[str, str]] = []
-    stand_in = await nats.connect(nats_server.url, reconnect_time_wait=0.05,
-                                  max_reconnect_attempts=-1)
-
-    async def answer(msg: Msg) -> None:
-        h = dict(msg.headers or {})
-        headers.append(h)
-        await stand_in.publish(msg.reply, b'{"duration_us": 1}',
-                               headers=ok_headers(h.get(Header.REQUEST_ID, "x"), "n1", 0, 1))
-
-    await stand_in.subscribe(Names().infer_all(), cb=answer)
-    try:
-        async with Client.connect(nats_server.url) as plane:
-            await nats_server.stop()
-            async with asyncio.timeout(5):
-                while not plane.nc.is_reconnecting:
-                    await asyncio.sleep(0.01)
-            call = asyncio.create_task(
-                plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=5000))
-            await asyncio.sleep(OUTAGE_S)
-            await nats_server.start()
-            await call
-    finally:
-        await stand_in.close()
-    sent = int(headers[-1][Header.DEADLINE_MS])
-    assert sent <= 5000 - OUTAGE_S * 1000, sent
-
-
-async def _stand_in(url: str, seen: list[dict[str, str]]) -> nats.NATS:
-    """A router stand-in: answers every `plane.infer.*` request 200."""
-    nc = await nats.connect(url)
+async def _stand_in(url: str, seen: list[dict[str, str]], **connect: object) -> nats.NATS:
+    """A router stand-in: answers every `plane.infer.*` request 200, keeping its headers."""
+    nc = await nats.connect(url, **connect)  # type: ignore[arg-type]
 
     async def answer(msg: Msg) -> None:
         h = dict(msg.headers or {})
@@ -143,6 +111,28 @@ async def _stand_in(url: str, seen: list[dict[str, str]]) -> nats.NATS:
     await nc.flush()
     return nc
 
+async def test_a_call_made_while_the_server_is_down_sends_the_deadline_it_has_left(
+        nats_server: EmbeddedNats) -> None:
+    """A call made during an outage is held by the SDK, not in nats-py's buffer, and goes out
+    at the reconnect with what is left of its deadline: the router counts a budget from when
+    it receives a request, and would otherwise give it time its caller no longer has."""
+    headers: list[dict[str, str]] = []
+    stand_in = await _stand_in(nats_server.url, headers, reconnect_time_wait=0.05,
+                               max_reconnect_attempts=-1)
+    try:
+        async with Client.connect(nats_server.url) as plane:
+            await nats_server.stop()
+            await wait_until(lambda: plane.nc.is_reconnecting, 5, "the client to see it")
+            call = asyncio.create_task(
+                plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=5000))
+            await asyncio.sleep(OUTAGE_S)
+            await nats_server.start()
+            await call
+    finally:
+        await stand_in.close()
+    sent = int(headers[-1][Header.DEADLINE_MS])
+    assert sent <= 5000 - OUTAGE_S * 1000, sent
+
 
 async def test_a_call_sent_at_the_reconnect_waits_for_the_routers_to_come_back(
         nats_server: EmbeddedNats) -> None:
@@ -152,16 +142,12 @@ async def test_a_call_sent_at_the_reconnect_waits_for_the_routers_to_come_back(
     seen: list[dict[str, str]] = []
     async with Client.connect(nats_server.url) as plane:
         await nats_server.stop()
-        async with asyncio.timeout(5):
-            while not plane.nc.is_reconnecting:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: plane.nc.is_reconnecting, 5, "the client to see it")
         call = asyncio.create_task(
             plane.call("calibrated", {"duration_us": 1}, deadline_ms=5000))
         await asyncio.sleep(0.2)
         await nats_server.start()
-        async with asyncio.timeout(5):
-            while not plane.nc.is_connected:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: plane.nc.is_connected, 5, "the client back")
         await asyncio.sleep(0.3)  # the call finds nobody meanwhile
         assert not call.done()
         stand_in = await _stand_in(nats_server.url, seen)  # a router comes back

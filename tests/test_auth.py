@@ -38,10 +38,12 @@ from plane.auth.store import AuthDir
 from plane.client import Client
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
+from plane.contract.errors import ConfigError
 from plane.contract.messages import DoneEvent, FaultCommand, done_decoder, json_encoder
 from plane.contract.natsconn import connect
 from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
+from tests.plane_fixtures import wait_until
 
 __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
 
@@ -168,6 +170,23 @@ def test_init_writes_a_valid_private_config_and_keeps_its_secrets(tmp_path: Path
                          text=True, cwd=ROOT)
     assert bad.returncode == 2 and "invalid tenant name" in bad.stderr
 
+
+def test_a_tenants_limits_default_are_kept_and_read_from_an_older_state(
+        auth: AuthDir) -> None:
+    conf = auth.conf.read_text()
+    assert conf.count("limits: {max_connections: 1000, max_subscriptions: 100000}") == 2
+    auth.add_tenant("acme", max_connections=50)  # one setting changed, the others kept
+    acme = auth.load().tenants["acme"]
+    assert (acme.share, acme.max_rate, acme.max_connections, acme.max_subscriptions) == (
+        2, 500, 50, 100_000)
+    with pytest.raises(ConfigError, match="--max-subscriptions must be"):
+        auth.add_tenant("acme", max_subscriptions=0)
+    # An auth.json written before the limits existed: the defaults.
+    state = json.loads((auth.path / "auth.json").read_text())
+    for t in state["tenants"].values():
+        del t["max_connections"], t["max_subscriptions"]
+    (auth.path / "auth.json").write_text(json.dumps(state))
+    assert auth.load().tenants["acme"].max_connections == 1000
 
 def test_the_allow_lists_follow_the_prefix() -> None:
     perms = {**role_permissions(Names("acme.p")), "tenant": tenant(Names("acme.p"))}
@@ -406,6 +425,31 @@ async def test_a_tenant_added_while_running_is_served_without_a_restart(auth: Au
                                            for nc in plane.stack.clients)
 
 
+async def test_a_tenants_account_limits_bound_its_connections_and_subscriptions(
+        auth: AuthDir) -> None:
+    """One tenant's runaway client (a connection per call, a subscription per call never
+    closed) is stopped by its account's limits, not by the server's, which all share."""
+    auth.add_tenant("beta", max_connections=2, max_subscriptions=3)
+    assert "limits: {max_connections: 2, max_subscriptions: 3}" in auth.conf.read_text()
+    async with secured(auth) as plane:
+        beta = auth.options("beta", plane.url)
+        async with offender(beta) as first, offender(beta):
+            assert not await can_connect(beta), "a third connection was let in"
+            for i in range(3):
+                await first.nc.subscribe(f"_INBOX.limit.{i}")
+            await first.nc.subscribe("_INBOX.limit.3")  # one too many
+            await first.nc.flush()
+
+            def refused_to(what: bytes) -> bool:  # nats-py reports no error for it
+                return any(b"beta/user:beta" in line and what in line
+                           for line in plane.server.log_tail)
+
+            await wait_until(lambda: refused_to(b"maximum subscriptions exceeded"), 5,
+                             "the server to refuse beta's fourth subscription")
+        await still_serving(plane, "acme")  # the default limits leave room for the others
+        await still_serving(plane, "beta")  # and its connections, closed, count no more
+
+
 async def test_add_tenant_says_when_the_running_server_did_not_take_the_config(
         auth: AuthDir) -> None:
     """A server started with a config from before the system account (2026-12-01): a reload
@@ -488,7 +532,6 @@ def test_plane_auth_env_connects_as_a_role(tmp_path: Path,
     """PLANE_AUTH=DIR:ROLE (what compose/ sets on each service) gives that role's user and
     password from DIR; explicit credentials win; a malformed value is a clear error."""
     from plane.cli import make_connect
-    from plane.contract.errors import ConfigError
 
     d = AuthDir(tmp_path / "auth", rounds=4)
     state = d.init("plane")

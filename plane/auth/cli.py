@@ -64,21 +64,28 @@ def init(directory: str, prefix: str, as_json: bool, include_conf: str | None) -
               help="Weight in the fair share of slot time (1..1000; default 1).")
 @click.option("--max-rate", type=int, default=None,
               help="Requests per second the tenant may send, per router (default: no limit).")
+@click.option("--max-connections", type=int, default=None,
+              help="Connections the tenant's account may hold at once (default 1000).")
+@click.option("--max-subscriptions", type=int, default=None,
+              help="Subscriptions over all of them (default 100000).")
 @click.option("--nats", "nats_url", default=None,
               help="A running plane's URL: also put the settings into its PLANE_CONFIG now "
                    "(as the admin role).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the tenant's connection options as one JSON object.")
 def add_tenant(directory: str, name: str, share: int | None, max_rate: int | None,
+               max_connections: int | None, max_subscriptions: int | None,
                nats_url: str | None, as_json: bool) -> None:
     """Add tenant NAME: an account that can only call the plane (`<prefix>.infer.>`, the
     imported service) and read its own replies. A server running DIR/nats.conf reloads it
     at once, with no restart (with --nats URL, checked: the tenant is let in). Again for an
     existing tenant: changes its settings, keeps its password. --share and --max-rate go
     into PLANE_CONFIG (`share.NAME`, `max_rate.NAME`) with --nats URL, and whenever `plane
-    up --auth DIR` starts."""
+    up --auth DIR` starts. --max-connections and --max-subscriptions are the account's
+    limits in nats.conf: the server refuses a connection or a subscription past them."""
     d = AuthDir(directory)
-    d.add_tenant(name, share=share, max_rate=max_rate)
+    d.add_tenant(name, share=share, max_rate=max_rate, max_connections=max_connections,
+                 max_subscriptions=max_subscriptions)
     reloaded = d.reload()
     if nats_url is not None:
         from plane.auth.live import put_tenant_settings, tenant_let_in

@@ -7,7 +7,9 @@
     tenant accounts  no JetStream; one user; import those services with `share: true`, so
                      the router (and a node, for a cancel) sees the server's
                      `Nats-Request-Info` (the requesting account, which a caller cannot
-                     forge: the server overwrites the header)
+                     forge: the server overwrites the header); the account's limits on
+                     connections and subscriptions (`AccountLimits`), so that one tenant's
+                     runaway client cannot take the server's from the others
     SYS              the system account, no users: it exports to the plane's account the
                      advisories of closed connections (`$SYS.ACCOUNT.*.DISCONNECT`), so a
                      node stops a stream whose tenant's connection closed (across an import
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from plane.auth.roles import Permissions, role_permissions, tenant
 from plane.contract.config import MAX_DEADLINE_MS
@@ -44,6 +47,16 @@ from plane.contract.subjects import CLIENT_DISCONNECTS, Names
 SYSTEM_ACCOUNT = "SYS"
 # The longest deadline, plus a minute for the watchdog's answer and the trip back.
 RESPONSE_THRESHOLD_S = MAX_DEADLINE_MS // 1000 + 60
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantAccount:
+    """What nats.conf says of a tenant: its one user's password hash and its account's
+    limits (the server refuses a connection, or a subscription, past them)."""
+
+    password_hash: str
+    max_connections: int
+    max_subscriptions: int
 
 
 def _q(text: str) -> str:
@@ -69,10 +82,10 @@ def _services(names: Names) -> list[tuple[str, str]]:
 
 
 def render(names: Names, plane_account: str, *, roles: Mapping[str, str],
-           tenants: Mapping[str, str], include: str | None = None) -> str:
-    """nats.conf for `roles` (role -> bcrypt hash) and `tenants` (tenant -> bcrypt hash of
-    its one user, named like the tenant); with `include`, on top of that base config (which
-    then says how JetStream stores: a cluster's, compose/nats.conf)."""
+           tenants: Mapping[str, TenantAccount], include: str | None = None) -> str:
+    """nats.conf for `roles` (role -> bcrypt hash) and `tenants` (tenant -> its account;
+    its one user is named like the tenant); with `include`, on top of that base config
+    (which then says how JetStream stores: a cluster's, compose/nats.conf)."""
     perms = role_permissions(names)
     users = ",\n".join(_user(r, h, perms[r], "      ") for r, h in roles.items())
     # The import maps a tenant's reply subject for as long as the threshold (2 min by
@@ -106,13 +119,15 @@ def render(names: Names, plane_account: str, *, roles: Mapping[str, str],
         f"subject: {_q(CLIENT_DISCONNECTS)}}}}}]",
         "  }",
     ]
-    for name, password_hash in sorted(tenants.items()):
+    for name, account in sorted(tenants.items()):
         out += [
             f"  {_q(name)}: {{",
             "    users: [",
-            _user(name, password_hash, tenant(names), "      "),
+            _user(name, account.password_hash, tenant(names), "      "),
             "    ]",
             f"    imports: [{imports}]",
+            f"    limits: {{max_connections: {account.max_connections}, "
+            f"max_subscriptions: {account.max_subscriptions}}}",
             "  }",
         ]
     out.append("}")

@@ -18,11 +18,12 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 
-from plane.auth.conf import render
+from plane.auth.conf import TenantAccount, render
 from plane.auth.roles import ROLES
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
@@ -47,10 +48,25 @@ class Secret(msgspec.Struct, frozen=True, kw_only=True):
     hash: str
 
 
+# A tenant account's limits unless `add-tenant` says otherwise: room for a fleet of callers
+# (each SDK connection holds a few subscriptions, and one per stream it reads), a bound on a
+# runaway one. nats-server's own defaults are 64k connections and no subscription limit.
+DEFAULT_MAX_CONNECTIONS = 1_000
+DEFAULT_MAX_SUBSCRIPTIONS = 100_000
+LIMIT_RANGES = {"max_connections": (1, 1_000_000), "max_subscriptions": (1, 10_000_000)}
+
+
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     login: Secret
     share: int = 1
     max_rate: int | None = None
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
+
+    def account(self) -> TenantAccount:
+        return TenantAccount(password_hash=self.login.hash,
+                             max_connections=self.max_connections,
+                             max_subscriptions=self.max_subscriptions)
 
 
 class AuthState(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,20 +137,23 @@ class AuthDir:
         return state
 
     def add_tenant(self, name: str, *, share: int | None = None,
-                   max_rate: int | None = None) -> Tenant:
-        """Add a tenant (or change its settings; its password stays) and rewrite nats.conf."""
+                   max_rate: int | None = None, max_connections: int | None = None,
+                   max_subscriptions: int | None = None) -> Tenant:
+        """Add a tenant (or change its settings; its password stays) and rewrite nats.conf.
+        A setting not given keeps its value (its default for a new tenant)."""
         if not TOKEN_RE.fullmatch(name) or name in RESERVED:
             raise ConfigError(f"invalid tenant name {name!r}: 1 to 64 characters from A-Z a-z "
                               f"0-9 _ -, none of {', '.join(sorted(RESERVED))}")
         _check_range("share", share)
         _check_range("max_rate", max_rate)
+        _check_range("max_connections", max_connections, LIMIT_RANGES)
+        _check_range("max_subscriptions", max_subscriptions, LIMIT_RANGES)
         state = self.load()
-        had = state.tenants.get(name)
-        tenant = Tenant(
-            login=had.login if had else new_secret(name, self.rounds),
-            share=share if share is not None else (had.share if had else 1),
-            max_rate=max_rate if max_rate is not None else (had.max_rate if had else None),
-        )
+        had = state.tenants.get(name) or Tenant(login=new_secret(name, self.rounds))
+        given = {"share": share, "max_rate": max_rate, "max_connections": max_connections,
+                 "max_subscriptions": max_subscriptions}
+        tenant = msgspec.structs.replace(
+            had, **{k: v for k, v in given.items() if v is not None})
         self._write(msgspec.structs.replace(state, tenants={**state.tenants, name: tenant}))
         return tenant
 
@@ -193,15 +212,16 @@ class AuthDir:
         _write_private(self.path / STATE_FILE, msgspec.json.format(msgspec.json.encode(state)))
         text = render(state.names, PLANE_ACCOUNT,
                       roles={r: s.hash for r, s in state.roles.items()},
-                      tenants={t: v.login.hash for t, v in state.tenants.items()},
+                      tenants={t: v.account() for t, v in state.tenants.items()},
                       include=state.include)
         _write_private(self.conf, text.encode())
 
 
-def _check_range(key: str, value: int | None) -> None:
+def _check_range(key: str, value: int | None,
+                 ranges: Mapping[str, tuple[int, int]] = RANGES) -> None:
     if value is None:
         return
-    low, high = RANGES[key]
+    low, high = ranges[key]
     if not low <= value <= high:
         raise ConfigError(f"--{key.replace('_', '-')} must be {low}..{high}")
 

@@ -218,12 +218,14 @@ async def test_a_promiser_that_stops_is_replaced_at_the_first_forward_that_finds
         x, y = stack.routers
         assert x.cfg.router_id < y.cfg.router_id
         await wait_until(lambda: y.peers.promiser() == x.cfg.router_id, 5, "y to hear x")
-        long = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(400_000),
-                                              timeout=5))
+        # Long enough that x's stop and the three calls below end well before it does.
+        long = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(1_500_000),
+                                              timeout=8, headers={Header.DEADLINE_MS: "5000"}))
         await wait_until(lambda: slots_running(stack) == 1, 5, "the slot running")
         await x.stop()
         refusals = [await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
-                                     calibrated(1000), timeout=5) for _ in range(3)]
+                                     calibrated(1000), timeout=5,
+                                     headers={Header.DEADLINE_MS: "5000"}) for _ in range(3)]
         assert [status(m) for m in refusals] == [429] * 3
         # Each with a promise of y's own; only the first tried x.
         assert all((header(m, Header.TICKET) or "").startswith(y.cfg.router_id + "-")

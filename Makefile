@@ -21,7 +21,7 @@ up: setup
 test: setup system js
 	.venv/bin/ruff check plane gpu_node kernels freshness tests benchmarks scripts examples
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q || { echo "the last test started: $$(cat .pytest_cache/current-test 2>/dev/null)"; exit 1; }
 
 lint: setup
 	.venv/bin/ruff check plane gpu_node kernels freshness tests benchmarks scripts examples

@@ -11,10 +11,12 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import contextlib
 import faulthandler
 import random
 import sys
 from collections.abc import AsyncIterator, Generator, Iterator
+from pathlib import Path
 from typing import TextIO
 
 import nats
@@ -65,9 +67,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _real_stderr.close()
 
 
+# The test running now, by id: the hard timeout's dump names threads, not the test, and the
+# progress line of `pytest -q` is lost with the process; `make test` prints this file when
+# the run fails (a hang in a Kafka test's consumer close was seen once more, 2026-12-03).
+CURRENT_TEST = Path(__file__).resolve().parent.parent / ".pytest_cache" / "current-test"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     """Every test, its fixtures' set-up and tear-down included, under the hard timeout."""
+    with contextlib.suppress(OSError):
+        CURRENT_TEST.parent.mkdir(exist_ok=True)
+        CURRENT_TEST.write_text(item.nodeid + "\n")
     faulthandler.dump_traceback_later(HARD_TIMEOUT_S, exit=True, file=_real_stderr)
     try:
         yield

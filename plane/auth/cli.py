@@ -9,7 +9,12 @@ import json
 import click
 
 from plane.auth.roles import ROLES
-from plane.auth.store import AuthDir, AuthState
+from plane.auth.store import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_SUBSCRIPTIONS,
+    AuthDir,
+    AuthState,
+)
 
 
 def options_json(d: AuthDir, state: AuthState, *who: str) -> str:
@@ -65,9 +70,10 @@ def init(directory: str, prefix: str, as_json: bool, include_conf: str | None) -
 @click.option("--max-rate", type=int, default=None,
               help="Requests per second the tenant may send, per router (default: no limit).")
 @click.option("--max-connections", type=int, default=None,
-              help="Connections the tenant's account may hold at once (default 1000).")
+              help="Connections the tenant's account may hold at once "
+                   f"(default {DEFAULT_MAX_CONNECTIONS}).")
 @click.option("--max-subscriptions", type=int, default=None,
-              help="Subscriptions over all of them (default 100000).")
+              help=f"Subscriptions over all of them (default {DEFAULT_MAX_SUBSCRIPTIONS}).")
 @click.option("--nats", "nats_url", default=None,
               help="A running plane's URL: also put the settings into its PLANE_CONFIG now "
                    "(as the admin role).")

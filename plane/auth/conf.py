@@ -8,7 +8,7 @@
                      the router (and a node, for a cancel) sees the server's
                      `Nats-Request-Info` (the requesting account, which a caller cannot
                      forge: the server overwrites the header); the account's limits on
-                     connections and subscriptions (`AccountLimits`), so that one tenant's
+                     connections and subscriptions (`TenantAccount`), so that one tenant's
                      runaway client cannot take the server's from the others
     SYS              the system account, no users: it exports to the plane's account the
                      advisories of closed connections (`$SYS.ACCOUNT.*.DISCONNECT`), so a

@@ -77,8 +77,7 @@ def idle(lm: TinyLM, state: GenState, gap_s: float, warm_every_s: float) -> None
             time.sleep(left)
             return
         time.sleep(warm_every_s)
-        lm.start(b"w", 1, state=state)
-        lm.step(state)
+        lm.warm(state)
 
 
 def main(argv: list[str] | None = None) -> int:

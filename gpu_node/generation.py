@@ -154,8 +154,7 @@ class SlotGenerator:
             return WARM_EVERY_S - since
         try:
             with self._lane():
-                self.lm.start(b"w", 1, state=self.state)
-                self.lm.step(self.state)
+                self.lm.warm(self.state)
         except Exception:  # a broken lane: the next request fails and says so
             self._warms = False
             return None

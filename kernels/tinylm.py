@@ -261,6 +261,14 @@ class TinyLM:
         self._prefill(s, [END, *prompt])
         return s
 
+    def warm(self, state: GenState) -> None:
+        """A one-token generation on `state` that nobody reads: the model's weights and the
+        slot's buffers back in the caches after an idle spell (what a CPU slot runs while it
+        idles, `gpu_node.generation.SlotGenerator.keep_warm`). `state` is the next request's
+        to reset (`start`)."""
+        self.start(b"w", 1, state=state)
+        self.step(state)
+
     def step(self, state: GenState) -> int | None:
         """The next byte of the stream, or None once it has ended (`state.finish` says why).
 

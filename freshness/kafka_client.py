@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import structlog
@@ -46,6 +47,8 @@ _LIBRDKAFKA_LOG_LEVEL = 4
 # Consumer lag is computed at most this often (a Python loop over the partitions, on the
 # consumer's thread: done on every fetch it held the interpreter lock for nothing).
 LAG_EVERY_S = 0.5
+# Leaving the group (`leave_group`): how long one poll waits for the revoke to come.
+LEAVE_POLL_S = 0.05
 
 TopicPart = tuple[str, int]
 
@@ -164,7 +167,8 @@ class KafkaSource:
         if not idle:
             log.warning("Kafka consumer still busy at close: left open (the group takes its "
                         "partitions back when the session times out)", waited_s=bound_s)
-        elif not await in_daemon_thread(consumer.close, bound_s, "kafka-consumer-close"):
+        elif not await in_daemon_thread(partial(leave_group, consumer, bound_s), bound_s,
+                                        "kafka-consumer-close"):
             log.warning("Kafka consumer did not close in time: the group takes its partitions "
                         "back when the session times out", waited_s=bound_s,
                         kafka=self.cfg.kafka_bootstrap)
@@ -278,6 +282,27 @@ class KafkaSource:
     def _on_error(self, err: KafkaError) -> None:
         log.warning("Kafka client error", error=err.str(), code=err.name(),
                     fatal=err.fatal(), kafka=self.cfg.kafka_bootstrap)
+
+
+def leave_group(consumer: Consumer, within_s: float) -> None:
+    """Give the partitions back while the group still runs, then close.
+
+    librdkafka's `close()` revokes what is still assigned and has the rebalance callback
+    unassign it; confluent-kafka makes that unassign (`rd_kafka_assign`, and
+    `rd_kafka_rebalance_protocol` before it) holding the GIL, and inside a close either can
+    wait forever for a group that is already shutting down (librdkafka issues 4041 and 4884):
+    the whole process stops, not just this thread (seen as a test run frozen in
+    `consumer.close()`). Unsubscribed first, the revoke comes through `poll` and its unassign is
+    answered by a live group; `close()` then has nothing to revoke. Records a poll returns
+    meanwhile are dropped: never committed, the partitions' next owner reads them."""
+    until = time.monotonic() + within_s / 2
+    try:
+        consumer.unsubscribe()
+        while consumer.assignment() and time.monotonic() < until:
+            consumer.poll(LEAVE_POLL_S)
+    except (KafkaException, RuntimeError) as exc:  # close() still runs (and says why)
+        log.warning("Kafka group not left before close", error=str(exc))
+    consumer.close()
 
 
 async def in_daemon_thread(fn: Callable[[], object], timeout_s: float, name: str) -> bool:

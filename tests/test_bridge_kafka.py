@@ -29,7 +29,7 @@ from nats.aio.client import Client
 
 from freshness.bridge import KAFKA_DEAD_REASON, KAFKA_DEAD_SOURCE, KafkaBridge
 from freshness.config import BridgeConfig
-from freshness.kafka_client import consumer_config, new_client
+from freshness.kafka_client import consumer_config, leave_group, new_client
 from freshness.kafka_config import KafkaSecurity, SaslMechanism, SecurityProtocol, StartFrom
 from freshness.records import (
     KAFKA_HEADER_PREFIX,
@@ -237,7 +237,7 @@ def _consume_all(bootstrap: str, topic: str, n: int) -> list[tuple[bytes | None,
             if len(out) >= n:
                 break
     finally:
-        consumer.close()
+        leave_group(consumer, 10.0)  # not a bare close(): see leave_group
     return out  # type: ignore[return-value]
 
 
@@ -259,6 +259,46 @@ async def test_dead_letters_also_go_to_a_kafka_topic(
     assert got[0][2][KAFKA_DEAD_REASON].startswith(b"not JSON")
     assert got[0][2][KAFKA_DEAD_SOURCE] == f"{topic}:0:1".encode()
     assert got[1][2][KAFKA_DEAD_REASON].startswith(b"invalid")
+
+
+class _ClosingSpy(Consumer):  # type: ignore[misc]
+    """A consumer that notes when its `close()` has begun."""
+
+    closing = False
+
+    def close(self) -> None:
+        self.closing = True
+        super().close()
+
+
+async def test_a_consumer_gives_its_partitions_back_before_it_closes(
+    tansu: EmbeddedTansu, kafka_topic
+) -> None:
+    """librdkafka's close() revokes what is still assigned, and confluent-kafka's unassign
+    there holds the GIL and can wait forever on a group already shutting down (a frozen
+    process). `leave_group` has the revoke served by a poll while the group still runs."""
+    topic = await kafka_topic("left", partitions=2)
+    await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(10)])
+    revoked: list[tuple[list[int], bool]] = []
+    consumer = _ClosingSpy({"bootstrap.servers": tansu.bootstrap, "group.id": "leaver",
+                            "auto.offset.reset": "earliest", "session.timeout.ms": 2400,
+                            "heartbeat.interval.ms": 400})
+    consumer.subscribe([topic], on_revoke=lambda c, parts: revoked.append(
+        ([tp.partition for tp in parts], c.closing)))
+
+    def assigned() -> list[int]:
+        for _ in range(300):
+            consumer.poll(0.05)
+            if consumer.assignment():
+                break
+        return sorted(tp.partition for tp in consumer.assignment())
+
+    assert await asyncio.to_thread(assigned) == [0, 1]
+    await asyncio.to_thread(leave_group, consumer, 10.0)
+    assert revoked == [([0, 1], False)]  # revoked once, before close() began
+    assert consumer.closing
+    with pytest.raises(RuntimeError):  # and closed
+        consumer.assignment()
 
 
 async def test_consumer_lag_per_partition(

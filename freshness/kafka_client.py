@@ -48,7 +48,7 @@ _LIBRDKAFKA_LOG_LEVEL = 4
 # consumer's thread: done on every fetch it held the interpreter lock for nothing).
 LAG_EVERY_S = 0.5
 # Leaving the group (`leave_group`): how long one poll waits for the revoke to come.
-LEAVE_POLL_S = 0.05
+LEAVE_POLL_S = 0.01
 
 TopicPart = tuple[str, int]
 

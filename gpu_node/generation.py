@@ -130,6 +130,9 @@ class SlotGenerator:
         self._text = bytearray(lm.config.context)  # the request's bytes out, reused
         self.mean_step_s = prior_step_s  # of recent generations: what a step is expected to take
         self._warms = lm.device.type == "cpu" and not lm.use_kernel  # see WARM_EVERY_S
+        # A token is handed on before the decode that feeds it back where that decode runs
+        # on this thread (CPU, the interpreter), after it where it is only queued (CUDA).
+        self._emit_first = lm.device.type != "cuda"
         self._used_s = 0.0  # monotonic: when the last generation (or warming) ended
         self._warm_until_s = 0.0
         self.warmings = 0  # one-token generations run to keep warm (tests, benchmarks)
@@ -191,13 +194,16 @@ class SlotGenerator:
                         finish = StreamFinish.DEADLINE
                         break
                     watch.begin(expected_s)
-                    token = lm.step(s)
+                    token = lm.next_token(s)
                     if token is None:
                         break
                     text[produced] = token
                     produced += 1
-                    if emit is not None:
-                        emit(token)
+                    if emit is not None and self._emit_first:
+                        emit(token)  # out before its decode, a whole step on a CPU
+                    lm.advance(s, token)
+                    if emit is not None and not self._emit_first:
+                        emit(token)  # once the decode is queued: the device never waits on it
                     if s.finish is not None:
                         break
         finally:

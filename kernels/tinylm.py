@@ -274,7 +274,18 @@ class TinyLM:
 
         Samples from the last logits; unless that token ends the stream, decodes it so the
         next call has logits ready. Blocks until the device has finished (one small copy).
+        The same as `next_token` then `advance`, the two halves a streaming caller uses.
         """
+        token = self.next_token(state)
+        if token is not None:
+            self.advance(state, token)
+        return token
+
+    def next_token(self, state: GenState) -> int | None:
+        """The first half of `step`: the next byte, sampled from the last logits, before the
+        model is fed it (None once the stream has ended). A caller that streams can send it
+        on while `advance` computes the logits for the one after: on a CPU, where that decode
+        is a whole step, each token goes out a step sooner."""
         s = state
         if s.finish is not None:
             return None
@@ -285,9 +296,13 @@ class TinyLM:
         s.produced += 1
         if s.produced == s.max_tokens:
             s.finish = "length"  # the last token is never fed back: no decode step for it
-        else:
-            self.decode(s, token)
         return token
+
+    def advance(self, state: GenState, token: int) -> None:
+        """The second half of `step`: feed `token` (just from `next_token`) to the model,
+        unless the stream ended with it. On CUDA this only queues the decode."""
+        if state.finish is None:
+            self.decode(state, token)
 
     # ----------------------------------------------------------------------------------------
     # The model

@@ -130,9 +130,13 @@ class SlotGenerator:
         self._text = bytearray(lm.config.context)  # the request's bytes out, reused
         self.mean_step_s = prior_step_s  # of recent generations: what a step is expected to take
         self._warms = lm.device.type == "cpu" and not lm.use_kernel  # see WARM_EVERY_S
-        # A token is handed on before the decode that feeds it back where that decode runs
-        # on this thread (CPU, the interpreter), after it where it is only queued (CUDA).
-        self._emit_first = lm.device.type != "cuda"
+        # The first token is handed on before the decode that feeds it back where that decode
+        # runs on this thread (CPU, the interpreter): a step sooner to the caller's first
+        # token. Not the later ones: they go out gathered (TOKEN_GAP_S) whatever their order,
+        # and the event loop's work for each, done while the decode runs, stretched the
+        # decode: stream TPOT p99/p50 1.91 against 1.45 at 0.9x (benchmarks/streams.py, five
+        # pairs). On CUDA the decode is only queued: the token goes after it.
+        self._first_early = lm.device.type != "cuda"
         self._used_s = 0.0  # monotonic: when the last generation (or warming) ended
         self._warm_until_s = 0.0
         self.warmings = 0  # one-token generations run to keep warm (tests, benchmarks)
@@ -199,11 +203,12 @@ class SlotGenerator:
                         break
                     text[produced] = token
                     produced += 1
-                    if emit is not None and self._emit_first:
+                    early = produced == 1 and self._first_early
+                    if emit is not None and early:
                         emit(token)  # out before its decode, a whole step on a CPU
                     lm.advance(s, token)
-                    if emit is not None and not self._emit_first:
-                        emit(token)  # once the decode is queued: the device never waits on it
+                    if emit is not None and not early:
+                        emit(token)
                     if s.finish is not None:
                         break
         finally:

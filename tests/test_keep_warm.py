@@ -52,10 +52,11 @@ async def test_the_idle_hook_runs_between_calls_on_the_slots_thread() -> None:
     t.shutdown()
 
 
-def test_a_cpu_slot_hands_each_token_on_before_feeding_it_back() -> None:
+def test_a_cpu_slot_hands_the_first_token_on_before_feeding_it_back() -> None:
     """On a CPU the decode that feeds a token back is a whole step of the slot's thread: the
-    token goes to the stream (`emit`) before it, a step sooner (time to first token, and
-    cancel -> the next stream's first token), and the text is the model's own."""
+    first token goes to the stream (`emit`) before it, a step sooner (time to first token,
+    and cancel -> the next stream's first token); the others after theirs (see
+    SlotGenerator); the text is the model's own."""
     lm = Generation.for_backend("torch", None, seed=3)
     gen = lm.make_slot(contextlib.nullcontext)
     req = TinyLMRequest(prompt="abc", max_tokens=16)
@@ -66,8 +67,10 @@ def test_a_cpu_slot_hands_each_token_on_before_feeding_it_back() -> None:
     assert result.text == bytes(iter(lambda: lm.lm.step(s), None))  # `step`'s text
     assert bytes(t for t, _ in at_emit) == result.text and len(at_emit) == 16
     prefilled = len(b"abc") + 1  # END begins every sequence
-    # Token i is handed on while the model still stands where it will be fed back in.
-    assert [pos for _, pos in at_emit] == [prefilled + i for i in range(16)]
+    # The first while the model still stands where it will be fed back in; each later one
+    # once fed back (the last never is: nothing comes after it).
+    assert [pos for _, pos in at_emit] == (
+        [prefilled] + [prefilled + i + 1 for i in range(1, 15)] + [prefilled + 15])
 
 
 async def test_a_cpu_slot_warms_after_a_generation_then_stops(

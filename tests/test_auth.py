@@ -38,7 +38,7 @@ from plane.auth.store import AuthDir
 from plane.client import Client
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
-from plane.contract.errors import ConfigError
+from plane.contract.errors import ConfigError, ConnectionClosed
 from plane.contract.messages import DoneEvent, FaultCommand, done_decoder, json_encoder
 from plane.contract.natsconn import connect
 from plane.contract.subjects import Header, Names
@@ -448,6 +448,25 @@ async def test_a_tenants_account_limits_bound_its_connections_and_subscriptions(
                              "the server to refuse beta's fourth subscription")
         await still_serving(plane, "acme")  # the default limits leave room for the others
         await still_serving(plane, "beta")  # and its connections, closed, count no more
+
+
+async def test_an_sdk_client_past_its_accounts_subscription_limit_says_so(
+        auth: AuthDir) -> None:
+    """nats-py closes a connection the server sent "maximum subscriptions exceeded" and tells
+    no error callback: the call in flight, and every one after, says so rather than "no
+    answer"."""
+    auth.add_tenant("gamma", max_subscriptions=1)  # a call takes two: its inbox, its wake
+    async with secured(auth) as plane:
+        async with Client.connect(auth.options("gamma", plane.url)) as c:
+            with pytest.raises(ConnectionClosed, match="maximum subscriptions exceeded") as e:
+                await c.invoke("calibrated", {"duration_us": 1000}, deadline_ms=1000)
+            assert "plane auth add-tenant" in str(e.value)
+            assert e.value.why == "nats: maximum subscriptions exceeded"
+            with pytest.raises(ConnectionClosed, match="maximum subscriptions exceeded"):
+                await c.invoke("calibrated", {"duration_us": 1000}, deadline_ms=1000)
+            with pytest.raises(ConnectionClosed, match="maximum subscriptions exceeded"):
+                await c.stream("tinylm", {"prompt": "hi", "max_tokens": 4}).start()
+        await still_serving(plane, "acme")
 
 
 async def test_add_tenant_says_when_the_running_server_did_not_take_the_config(

@@ -19,7 +19,9 @@ user=..., password=...))`). Errors are those of `plane.contract.errors`: `Reject
 `retry_after_ms` and `reason`),
 `BadRequest` (400/413), `DeadlineExceeded` (504 or no answer in time; also a `TimeoutError`),
 `Unavailable` (503, or nobody listening), `ConnectFailed` (an `Unavailable`: no NATS server
-at the URL, with `url`). Each carries `attempts` and `request_id`.
+at the URL, with `url`), `ConnectionClosed` (an `Unavailable`: this client's connection is
+closed, with `why`, e.g. the account's subscription limit). Each carries `attempts` and
+`request_id`.
 """
 
 from plane.client.aio import Client, ClientConfig
@@ -32,6 +34,7 @@ from plane.contract.config import ConnectOptions
 from plane.contract.errors import (
     BadRequest,
     ConnectFailed,
+    ConnectionClosed,
     DeadlineExceeded,
     PlaneError,
     Rejected,
@@ -45,6 +48,7 @@ __all__ = [
     "ClientConfig",
     "ConnectFailed",
     "ConnectOptions",
+    "ConnectionClosed",
     "DeadlineExceeded",
     "PlaneError",
     "Rejected",

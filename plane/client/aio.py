@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
@@ -38,6 +38,7 @@ from plane.client.connection import (
     CONNECT_ATTEMPTS,
     ROUTERS_BACK_POLL_MS,
     Comeback,
+    closed_error,
     open_connection,
 )
 from plane.client.result import Result, header_int, reply_status
@@ -202,6 +203,8 @@ class Client:
         waited_ms = 0.0
         hinted = 0
         attempt = first_attempt
+        if self.nc.is_closed:
+            raise closed_error(self.nc)
         # Only a caller that will come back is put on call (the gateway's, which answers the
         # 429 itself, is not): its Retry-After counts on the call.
         wake = (await self.calls.inbox() if self.calls is not None and policy.max_attempts > 1
@@ -299,7 +302,11 @@ class Client:
             return b, h, True
         try:
             msg = await self.nc.request(subject, body, timeout=timeout_s, headers=headers)
+        except ConnectionClosedError:
+            raise closed_error(self.nc) from None
         except NatsTimeout:
+            if self.nc.is_closed:  # closed while it waited: say why, not "no answer"
+                raise closed_error(self.nc) from None
             b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer)
             return b, h, True
         except NoRespondersError:

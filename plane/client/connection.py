@@ -20,7 +20,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from plane.contract.config import ConnectOptions
-from plane.contract.errors import ConnectFailed
+from plane.contract.errors import ConnectFailed, ConnectionClosed
 from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs, once_up
 
 log = structlog.get_logger("plane.client")
@@ -80,6 +80,19 @@ class Comeback:
     def routers_may_be_returning(self) -> bool:
         """The connection came back lately: a no-responders may be routers not back yet."""
         return time.monotonic() - self._back_s < ROUTERS_BACK_S
+
+
+def closed_error(nc: NATS) -> ConnectionClosed:
+    """What a call on a closed connection raises: why it closed, when nats-py knows. nats-py
+    closes the connection itself on most of the server's errors (`-ERR`), among them an
+    account's "maximum subscriptions exceeded", and tells no error callback."""
+    err = nc.last_error
+    why = str(err) if err is not None else ""
+    limit = ("; the account's limit (its operator raises it: `plane auth add-tenant NAME "
+             "--max-subscriptions N --max-connections N`)" if "maximum" in why else "")
+    said = f": {why}" if why else ""
+    return ConnectionClosed(f"the connection to the plane is closed{said}{limit}; open a new "
+                            "client", why=why)
 
 
 async def open_connection(opts: ConnectOptions,

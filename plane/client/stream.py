@@ -43,6 +43,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
+from plane.client.connection import closed_error
 from plane.client.result import Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
@@ -189,6 +190,8 @@ class TokenStream:
 
     async def _start(self) -> None:
         client = self._client
+        if client.nc.is_closed:
+            raise closed_error(client.nc)
         send_deadline = self._deadline_ms is not None
         t0 = time.monotonic()
         budget_ms = self._deadline_ms if self._deadline_ms is not None else client.config.wait_ms
@@ -346,6 +349,10 @@ class TokenStream:
         self._finish(int(status), body, headers, local=True)
 
     async def _end_silent(self, what: str) -> None:
+        if self._client.nc.is_closed:  # closed under it: say why, not "no message"
+            self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY,
+                               str(closed_error(self._client.nc)))
+            return
         where = f" (node {self.start_headers.get(Header.NODE)})" if self.started else ""
         self._finish_local(Status.DEADLINE, Reason.DEADLINE,
                            f"{what}{where}: no message in time from the plane; cancelled")

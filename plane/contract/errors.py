@@ -76,6 +76,16 @@ class ConnectFailed(Unavailable):
         self.url = url
 
 
+class ConnectionClosed(Unavailable):
+    """This client's connection to the plane is closed, by `close()` or by nats-py after an
+    error the server sent (`why`, e.g. the account's subscription limit): open a new client
+    (a closed one never reopens)."""
+
+    def __init__(self, message: str, *, why: str = "", **kw: Unpack[ErrorContext]) -> None:
+        super().__init__(message, **kw)
+        self.why = why
+
+
 class MissingExtra(PlaneError, ImportError):
     """A command needs an optional part of the package that is not installed (`extra`, the
     missing `module`): install it as the message says."""

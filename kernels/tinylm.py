@@ -284,8 +284,9 @@ class TinyLM:
     def next_token(self, state: GenState) -> int | None:
         """The first half of `step`: the next byte, sampled from the last logits, before the
         model is fed it (None once the stream has ended). A caller that streams can send it
-        on while `advance` computes the logits for the one after: on a CPU, where that decode
-        is a whole step, each token goes out a step sooner."""
+        on before `advance` computes the logits for the one after: on a CPU, where that decode
+        is a whole step, a step sooner (a slot does so with a stream's first token:
+        gpu_node.generation.SlotGenerator)."""
         s = state
         if s.finish is not None:
             return None

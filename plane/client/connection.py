@@ -89,7 +89,8 @@ def closed_error(nc: NATS) -> ConnectionClosed:
     err = nc.last_error
     why = str(err) if err is not None else ""
     limit = ("; the account's limit (its operator raises it: `plane auth add-tenant NAME "
-             "--max-subscriptions N --max-connections N`)" if "maximum" in why else "")
+             "--max-subscriptions N --max-connections N`)"
+             if "maximum subscriptions" in why or "maximum connections" in why else "")
     said = f": {why}" if why else ""
     return ConnectionClosed(f"the connection to the plane is closed{said}{limit}; open a new "
                             "client", why=why)

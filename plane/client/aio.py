@@ -203,7 +203,7 @@ class Client:
         waited_ms = 0.0
         hinted = 0
         attempt = first_attempt
-        if self.nc.is_closed:
+        if self.nc.is_closed:  # before the wake inbox's subscribe (then: until_connected)
             raise closed_error(self.nc)
         # Only a caller that will come back is put on call (the gateway's, which answers the
         # 429 itself, is not): its Retry-After counts on the call.

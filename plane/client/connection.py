@@ -64,9 +64,12 @@ class Comeback:
         router counts a budget from when it receives a request, so it would give such a
         request time its caller no longer has (measured: a call held 2 s by a server restart
         was told to come back after its caller's deadline, and gave up). Held here instead,
-        the attempt is sent with what is left. Two reads when connected: nothing on the hot
-        path."""
+        the attempt is sent with what is left. Raises `ConnectionClosed` on a closed
+        connection (why it closed: `closed_error`). Three reads when connected: nothing on
+        the hot path."""
         nc = self._nc
+        if nc.is_closed:
+            raise closed_error(nc)
         # Polled: nats-py has no awaitable for "reconnected", and its callbacks on a
         # connection the caller passed in are the caller's. Between two tries it is
         # "reconnecting", during a try's handshake "connecting" (it counts the reconnect

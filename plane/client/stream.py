@@ -190,7 +190,7 @@ class TokenStream:
 
     async def _start(self) -> None:
         client = self._client
-        if client.nc.is_closed:
+        if client.nc.is_closed:  # before the wake inbox's subscribe (then: until_connected)
             raise closed_error(client.nc)
         send_deadline = self._deadline_ms is not None
         t0 = time.monotonic()

@@ -17,6 +17,8 @@ from nats.aio.msg import Msg
 
 from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
 from plane.contract.embedded import EmbeddedNats
+from plane.contract.errors import ConnectionClosed
+from plane.contract.streams import start_headers, token_headers
 from plane.contract.replies import ok_headers
 from plane.contract.subjects import Header, Names
 from tests.plane_fixtures import wait_until
@@ -168,3 +170,42 @@ async def test_no_router_on_a_steady_connection_is_a_503_at_once(
         result = await plane.call("calibrated", {"duration_us": 1}, deadline_ms=5000)
     assert result.status == 503 and result.statuses == (503,), result
     assert result.local and "no router listens" in result.body.decode()
+
+
+async def test_a_connection_closed_under_a_call_and_a_stream_ends_them_at_once(
+        nats_server: EmbeddedNats) -> None:
+    """nats-py resolves nothing pending when its connection closes (it closes on its own on
+    most of the server's errors): a call in flight, and a stream between two tokens, raise
+    `ConnectionClosed` then, not after their minute-long deadlines. A scripted responder
+    answers a stream's start and one token, and a call never."""
+    peer = await nats.connect(nats_server.url)
+    names = Names()
+    got: list[str] = []
+
+    async def answer(msg: Msg) -> None:
+        got.append(msg.subject)
+        rid = (msg.headers or {})[Header.REQUEST_ID]
+        if Header.STREAM in (msg.headers or {}) and msg.reply:
+            await peer.publish(msg.reply, b"", headers=start_headers(rid, "n1", 0,
+                                                                     names.cancel("n1", 0)))
+            await peer.publish(msg.reply, b"a", headers=token_headers(rid, 1))
+
+    await peer.subscribe(names.infer_all(), cb=answer)
+    try:
+        async with Client.connect(nats_server.url) as plane:
+            call = asyncio.create_task(
+                plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=60_000))
+            stream = plane.stream("tinylm", {"prompt": "hi", "max_tokens": 4},
+                                  deadline_ms=60_000, stream_deadline_ms=60_000)
+            pieces = stream.__aiter__()
+            assert await pieces.__anext__() == "a"
+            await wait_until(lambda: len(got) == 2, 5, "the call to reach the responder")
+            await plane.nc.close()
+            async with asyncio.timeout(10):  # each would wait a minute, unanswered
+                with pytest.raises(ConnectionClosed):
+                    await call
+                with pytest.raises(Unavailable, match="the connection to the plane is closed"):
+                    await pieces.__anext__()
+            assert stream.status == 503 and stream.result is not None and stream.result.local
+    finally:
+        await peer.close()

@@ -38,6 +38,7 @@ from plane.client.connection import (
     CONNECT_ATTEMPTS,
     ROUTERS_BACK_POLL_MS,
     Comeback,
+    OnClose,
     closed_error,
     open_connection,
 )
@@ -112,6 +113,9 @@ class Client:
         self._rng = random.Random(self.config.seed)
         self.calls = EarlyCalls(nc) if self.config.early_calls else None
         self.comeback = Comeback(nc)
+        self.on_close = OnClose(nc)
+        if self.calls is not None:
+            self.on_close.add(self.calls, self.calls.wake_all)
 
     @classmethod
     @contextlib.asynccontextmanager

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 
 import nats
 import structlog
 from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConnectFailed, ConnectionClosed
@@ -83,6 +85,46 @@ class Comeback:
     def routers_may_be_returning(self) -> bool:
         """The connection came back lately: a no-responders may be routers not back yet."""
         return time.monotonic() - self._back_s < ROUTERS_BACK_S
+
+
+class OnClose:
+    """Ends at once whatever of a client waits on a connection that closes.
+
+    nats-py closes a connection on its own on most of the server's errors (an account's
+    "maximum subscriptions exceeded" among them) and resolves nothing that waits on it: a call
+    in flight waited out its whole deadline before it said `ConnectionClosed`, a stream its
+    next token's, a refused call its Retry-After. Here the connection's close fails every
+    request nats-py holds open (its `_resp_map`, nats-py pinned in pyproject.toml: the
+    caller's `_attempt` turns that into `closed_error`) and calls every waker registered
+    (a stream's inbox queue, a holder's wait for its call back). nats-py has one close
+    callback per connection, maybe the owner's: ours runs first, then theirs."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._wakers: dict[object, Callable[[], None]] = {}
+        theirs = nc._closed_cb
+
+        async def closed() -> None:
+            self.end_all()
+            if theirs is not None:
+                await theirs()
+
+        nc._closed_cb = closed
+
+    def add(self, key: object, wake: Callable[[], None]) -> None:
+        """Call `wake` if the connection closes before `discard(key)`."""
+        self._wakers[key] = wake
+
+    def discard(self, key: object) -> None:
+        self._wakers.pop(key, None)
+
+    def end_all(self) -> None:
+        for future in list(self._nc._resp_map.values()):
+            if not future.done():
+                future.set_exception(ConnectionClosedError())
+        wakers, self._wakers = self._wakers, {}
+        for wake in wakers.values():
+            wake()
 
 
 def closed_error(nc: NATS) -> ConnectionClosed:

@@ -265,6 +265,8 @@ class TokenStream:
 
         inbox = nc.new_inbox()
         self._sub = await nc.subscribe(inbox, cb=on_message)
+        # A close ends the wait for the next message at once (`_end_silent` says why).
+        self._client.on_close.add(self, lambda: queue.put_nowait(None))
         if self._closed:  # closed while it subscribed
             await self._unsubscribe()
             return
@@ -386,6 +388,7 @@ class TokenStream:
         await self._unsubscribe()
 
     async def _unsubscribe(self) -> None:
+        self._client.on_close.discard(self)
         sub, self._sub = self._sub, None
         if sub is not None:
             try:

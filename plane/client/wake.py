@@ -64,6 +64,12 @@ class EarlyCalls:
         while len(self._early) > EARLY_KEPT:
             self._early.popitem(last=False)
 
+    def wake_all(self) -> None:
+        """End every holder's wait now (the connection closed: no call can come)."""
+        for waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def sleep(self, ticket: str | None, delay_s: float) -> bool:
         """Wait `delay_s`, or less when the router calls `ticket`'s holder first; True when
         it did."""

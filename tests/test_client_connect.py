@@ -18,8 +18,8 @@ from nats.aio.msg import Msg
 from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConnectionClosed
-from plane.contract.streams import start_headers, token_headers
 from plane.contract.replies import ok_headers
+from plane.contract.streams import start_headers, token_headers
 from plane.contract.subjects import Header, Names
 from tests.plane_fixtures import wait_until
 

@@ -18,7 +18,8 @@ from nats.aio.msg import Msg
 from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConnectionClosed
-from plane.contract.replies import ok_headers
+from plane.contract.messages import Reason, Status
+from plane.contract.replies import error_reply, ok_headers
 from plane.contract.streams import start_headers, token_headers
 from plane.contract.subjects import Header, Names
 from tests.plane_fixtures import wait_until
@@ -207,5 +208,38 @@ async def test_a_connection_closed_under_a_call_and_a_stream_ends_them_at_once(
                 with pytest.raises(Unavailable, match="the connection to the plane is closed"):
                     await pieces.__anext__()
             assert stream.status == 503 and stream.result is not None and stream.result.local
+    finally:
+        await peer.close()
+
+
+async def test_a_connection_closed_while_a_refused_call_waits_ends_it_at_once(
+        nats_server: EmbeddedNats) -> None:
+    """A call refused with a long Retry-After and no ticket (nothing can call it back early)
+    waits out the Retry-After before it tries again; a close meanwhile ends that wait at once:
+    the next attempt could only fail."""
+    peer = await nats.connect(nats_server.url)
+    refused: list[str] = []
+
+    async def refuse(msg: Msg) -> None:
+        rid = (msg.headers or {})[Header.REQUEST_ID]
+        body, headers = error_reply(rid, Status.BUSY, Reason.BUSY, "busy",
+                                    retry_after_ms=30_000)
+        refused.append(rid)
+        await peer.publish(msg.reply, body, headers=headers)
+
+    await peer.subscribe(Names().infer_all(), cb=refuse)
+    try:
+        async with Client.connect(nats_server.url) as plane:
+            call = asyncio.create_task(
+                plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=60_000))
+            await wait_until(lambda: len(refused) == 1, 5, "the call to be refused")
+            await asyncio.sleep(0.1)  # into its 30 s pause
+            began = time.monotonic()
+            await plane.nc.close()
+            async with asyncio.timeout(10):  # the pause alone is 30 s
+                with pytest.raises(ConnectionClosed):
+                    await call
+            assert time.monotonic() - began < 10
+            assert len(refused) == 1
     finally:
         await peer.close()

@@ -255,13 +255,13 @@ class Client:
         """Wait `delay_ms` before the next attempt, or less when the router calls `ticket`'s
         holder early (`plane.client.wake`); the ms waited (`delay_ms`, or as long as it took
         the call to come)."""
-        if self.calls is None:
-            await asyncio.sleep(delay_ms / 1000)
-            return delay_ms
         began = time.monotonic()
-        if await self.calls.sleep(ticket, delay_ms / 1000):
-            return (time.monotonic() - began) * 1000
-        return delay_ms
+        if self.calls is None or ticket is None or not self.calls.subject:
+            # No call can come: only a close (the next attempt would fail) ends it early.
+            ended = await self.on_close.sleep(delay_ms / 1000)
+        else:
+            ended = await self.calls.sleep(ticket, delay_ms / 1000)
+        return (time.monotonic() - began) * 1000 if ended else delay_ms
 
     def retry_delay_for(
         self, result: Result, policy: RetryPolicy, tries: int, deadline_at: float

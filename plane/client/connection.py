@@ -102,6 +102,7 @@ class OnClose:
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
         self._wakers: dict[object, Callable[[], None]] = {}
+        self._closed = asyncio.Event()  # binds to the loop at its first wait
         theirs = nc._closed_cb
 
         async def closed() -> None:
@@ -118,7 +119,20 @@ class OnClose:
     def discard(self, key: object) -> None:
         self._wakers.pop(key, None)
 
+    async def sleep(self, delay_s: float) -> bool:
+        """Wait `delay_s`, or less if the connection closes first (True then): a pause
+        before a retry that could only fail."""
+        if self._closed.is_set() or self._nc.is_closed:
+            return True
+        try:
+            async with asyncio.timeout(delay_s):
+                await self._closed.wait()
+            return True
+        except TimeoutError:
+            return False
+
     def end_all(self) -> None:
+        self._closed.set()
         for future in list(self._nc._resp_map.values()):
             if not future.done():
                 future.set_exception(ConnectionClosedError())

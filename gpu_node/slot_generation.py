@@ -109,7 +109,8 @@ class Generating:
 
     async def _stream(self, cur: Current, req: TinyLMRequest, t0: int) -> None:
         """`start`, the tokens as the slot's thread makes them (one generation loop there,
-        not one thread call per token), then the final `end`."""
+        not one thread call per token), then the final `end`. A stop the loop decides (a
+        cancel, a caller gone) ends the stream at once, before the thread sees it."""
         run, meters = cur.stream, self.stream_meters
         assert run is not None and meters is not None  # streams run on generating slots only
         cur.stop = run.stop
@@ -120,11 +121,14 @@ class Generating:
         start.update(trace_headers(h))
         await publish(self.nc, cur.reply, b"", start, reply=self.stream_reply)
         pipe = TokenPipe(loop)
+        run.wake = pipe.ready.set
         timer = loop.call_later(EXTEND_ACK_S, self._extend_due, run, pipe)
         started_s = self._busy_from()
         fut = self.thread.run(self._stream_thread, req, run.stop,
                               self._deadline_s(run.deadline_at_ms), pipe)
         error = ""
+        result: GenResult | None = None
+        stopped = False  # by the loop: ended here, the thread's last step still running
         try:
             while True:
                 await pipe.ready.wait()
@@ -143,18 +147,25 @@ class Generating:
                     timer = loop.call_later(EXTEND_ACK_S, self._extend_due, run, pipe)
                 if over:
                     break
-            try:
-                result: GenResult | None = await fut
-            except Exception as exc:
-                self.failures += 1  # the supervisor counts it as a missed probe
-                result = None
-                log.warning("stream failed", slot=self.k, request_id=cur.request_id,
-                            error=repr(exc))
-                error = f"slot {self.node}/{self.k} failed mid-stream: {exc}; retry elsewhere"
+                if run.stop.reason is StreamFinish.CANCELLED:
+                    stopped = True
+                    break
+            if stopped:
+                fut.add_done_callback(self._stopped_generation_done)
+                cur.work_us = int((time.perf_counter() - started_s) * 1e6)  # so far
+            else:
+                try:
+                    result = await fut
+                except Exception as exc:
+                    self.failures += 1  # the supervisor counts it as a missed probe
+                    log.warning("stream failed", slot=self.k, request_id=cur.request_id,
+                                error=repr(exc))
+                    error = f"slot {self.node}/{self.k} failed mid-stream: {exc}; retry elsewhere"
         except BaseException:  # withdrawn (abandon answers), or we cannot publish: stop it
             run.cancel(StreamFinish.ERROR)
             raise
         finally:
+            run.wake = None
             timer.cancel()
             self._account(started_s)
         if cur.answered:  # abandoned while it ran
@@ -165,30 +176,41 @@ class Generating:
             self.window.add(service_us - result.work_us)
         if not await self._claim_answer(cur):
             return
-        await self._end_stream(cur, result, error, service_us)
+        finish = StreamFinish.CANCELLED if stopped else (
+            result.finish if result is not None else None)
+        await self._end_stream(cur, finish, error, service_us)
+
+    def _stopped_generation_done(self, fut: asyncio.Future[GenResult]) -> None:
+        """The thread's side of a stream the loop already ended: only a failure matters."""
+        if fut.cancelled():
+            return
+        if (exc := fut.exception()) is not None:
+            self.failures += 1  # the supervisor counts it as a missed probe
+            log.warning("stopped stream's last step failed", slot=self.k, error=repr(exc))
 
     def _extend_due(self, run: StreamRun, pipe: TokenPipe) -> None:
         run.extend_due = True
         pipe.ready.set()
 
-    async def _end_stream(self, cur: Current, result: GenResult | None, error: str,
+    async def _end_stream(self, cur: Current, finish: StreamFinish | None, error: str,
                           service_us: int) -> None:
         """The stream's `end` (the caller's to answer is ours: `_claim_answer` said so):
-        200 stop/length/cancelled, 504 at the stream deadline, 503 when the slot failed."""
+        200 stop/length/cancelled, 504 at the stream deadline, 503 when the slot failed
+        (`finish` None)."""
         run = cur.stream
         assert run is not None
         usage = self._usage(run.prompt_tokens, run.sent, service_us)
-        if result is None:
+        if finish is None:
             status = Status.UNAVAILABLE
             end = StreamEnd(finish_reason=StreamFinish.ERROR, usage=usage, error=error,
                             reason=Reason.UNHEALTHY)
-        elif result.finish is StreamFinish.DEADLINE:
+        elif finish is StreamFinish.DEADLINE:
             status = Status.DEADLINE
-            end = StreamEnd(finish_reason=result.finish, usage=usage, reason=Reason.DEADLINE,
+            end = StreamEnd(finish_reason=finish, usage=usage, reason=Reason.DEADLINE,
                             error=f"the stream deadline passed after {run.sent} tokens")
         else:
             status = Status.OK
-            end = StreamEnd(finish_reason=result.finish, usage=usage)
+            end = StreamEnd(finish_reason=finish, usage=usage)
         body, headers = streams.end_message(cur.request_id, run.seq + 1, status, end, service_us,
                                             node=self.node)
         run.seq += 1

@@ -15,8 +15,11 @@ A stream ends early when:
   caller's inbox any more;
 - its caller's connection closes, for a tenant's stream across an import (where no
   no-responders status comes back): the server's advisory names the connection.
-Each only sets the stream's `Stop.reason`, which the generation thread reads before its next
-step.
+Each sets the stream's `Stop.reason`, which the generation thread reads before its next
+step, and wakes the stream on the loop, which ends it at once (`end`, then the done-event):
+the slot is free for the router as soon as the node hears the cancel, not a step (and a wait
+for a CPU) later. The generation's last step runs out on the slot's thread meanwhile, and
+the next request's work queues behind it there: the slot never computes two at once.
 """
 
 from __future__ import annotations
@@ -122,10 +125,15 @@ class StreamRun:
     first_s: float = 0.0  # monotonic, when the first token message went out
     last_s: float = 0.0  # ... and the last
     first_tokens: int = 0  # tokens in that first message
+    # Wakes the loop's side of the stream (its `TokenPipe`): a stop decided on the loop ends
+    # the stream there at once, without waiting for the thread to see it.
+    wake: Callable[[], None] | None = None
 
     def cancel(self, why: StreamFinish) -> None:
         if self.stop.reason is None:
             self.stop.reason = why
+            if self.wake is not None:
+                self.wake()
 
 
 class StreamingSlot(Protocol):

@@ -241,6 +241,43 @@ async def test_a_cancel_frees_the_slot_within_a_token_step() -> None:
     assert statistics.median(waits_ms) <= step_ms + 25, waits_ms
 
 
+async def test_a_cancel_ends_the_stream_before_the_step_under_way_and_the_next_waits_for_it(
+) -> None:
+    """A cancel ends the stream (its `end`, its done-event) as soon as the node hears it, not
+    when the generation's step under way is over: with 120 ms steps, well before. The next
+    request on the slot then waits for that step on the slot's thread (no two computations at
+    once) and generates exactly what it would alone."""
+    step_s = 0.12  # under the supervisor's 200 ms of overrun: slow, not hung
+    async with node_only() as (stack, nc, done):
+        standing = stack.nodes[0].standing
+        await wait_until(lambda: time.monotonic() > standing.settled_s, 5, "the node settled")
+        await fault(nc, "slow", int(step_s * 1e6))
+        s = await place(nc, body(LONG_PROMPT, 250), "early-1", stream_ms=30_000)
+        assert await s.next(timeout_s=10) is Kind.START
+        assert await s.next(timeout_s=10) is Kind.TOKEN, (s.reader.end, s.reader.final_headers)
+        token_at = time.monotonic()  # the next (slow) step has begun on the slot's thread
+        cancel = s.reader.cancel_subject
+        assert cancel is not None
+        await nc.publish(cancel, b"", headers={Header.REQUEST_ID: "early-1"})
+        cancelled_at = time.monotonic()
+        await fault(nc, "none")  # the step under way sleeps on; the next request's do not
+        await s.to_end()
+        ended_after_s = s.at_s[-1] - cancelled_at
+        assert s.reader.status == 200 and s.reader.end is not None
+        assert s.reader.end.finish_reason == StreamFinish.CANCELLED
+        assert s.reader.end.usage.completion_tokens == len(s.text)
+        assert any(e.request_id == "early-1" and e.status == 200 for e in done)
+        nxt = await place(nc, body("hello", 4), "early-2")
+        await nxt.to_end(timeout_s=10)
+        assert nxt.reader.status == 200 and nxt.text == direct("hello", 4)
+        first_token_s = next(at for m, at in zip(nxt.msgs, nxt.at_s, strict=True)
+                             if (m.headers or {}).get(Header.STREAM) == Kind.TOKEN) - token_at
+    # The end came before the step under way was over (most of a step to run at the cancel);
+    # the next stream's first token after it.
+    assert ended_after_s < step_s / 2, ended_after_s
+    assert first_token_s >= step_s * 0.9, first_token_s
+
+
 async def test_a_caller_that_stops_reading_stops_its_stream() -> None:
     async with node_only() as (stack, nc, done):
         await fault(nc, "slow", 2000)  # 2 ms a token: the stream would take 0.5 s

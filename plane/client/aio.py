@@ -20,7 +20,6 @@ for an answer, past the caller's deadline.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import time

@@ -60,6 +60,19 @@ class Stop:
         self.reason: StreamFinish | None = None
 
 
+class Progress:
+    """Written by the generation thread, read by the event loop: how far a generation got, so
+    that a stream the loop ends before the thread returns still reports its phases (the router
+    learns its per-token rates, and how much of max_tokens streams use, from them). Each is
+    one assignment (atomic under the GIL); `done` pairs the tokens with their decode time."""
+
+    __slots__ = ("done", "prefill_us")
+
+    def __init__(self) -> None:
+        self.prefill_us = 0  # 0: the prefill has not finished
+        self.done = (0, 0)  # (tokens produced, µs of token steps for them)
+
+
 @dataclass(frozen=True, slots=True)
 class GenResult:
     finish: StreamFinish  # stop | length | cancelled | deadline
@@ -170,11 +183,12 @@ class SlotGenerator:
         return WARM_EVERY_S
 
     def generate(self, req: TinyLMRequest, stop: Stop, deadline_s: float,
-                 watch: WatchedRunner, emit: Emit | None = None) -> GenResult:
+                 watch: WatchedRunner, emit: Emit | None = None,
+                 progress: Progress | None = None) -> GenResult:
         """Run `req` to its end on this (the slot's) thread: prefill, then token
         steps until the model stops, max_tokens, `stop.reason` or the monotonic `deadline_s`.
         Each step is announced to `watch` (health: a step that hangs is a miss; injected
-        faults), and each token handed to `emit`."""
+        faults), each token handed to `emit`, and how far it got kept in `progress`."""
         lm, s, text = self.lm, self.state, self._text
         prompt = req.prompt_bytes
         produced = 0
@@ -189,6 +203,8 @@ class SlotGenerator:
                     watch.begin(max(FLOOR_STEP_S, len(prompt) * PREFILL_PER_BYTE_MARGIN_S))
                     lm.start(prompt, req.max_tokens, req.temperature, req.seed, state=s)
                 t1 = time.perf_counter_ns()
+                if progress is not None and finish is None:  # the prefill ran
+                    progress.prefill_us = max(1, (t1 - t0) // 1000)
                 expected_s = max(FLOOR_STEP_S, STEP_MARGIN * self.mean_step_s)
                 while finish is None:
                     if stop.reason is not None:
@@ -207,6 +223,8 @@ class SlotGenerator:
                     if emit is not None and early:
                         emit(token)  # out before its decode, a whole step on a CPU
                     lm.advance(s, token)
+                    if progress is not None:
+                        progress.done = (produced, (time.perf_counter_ns() - t1) // 1000)
                     if emit is not None and not early:
                         emit(token)
                     if s.finish is not None:

@@ -19,7 +19,7 @@ from nats.aio.client import Client
 
 from gpu_node.current import Current
 from gpu_node.faults import WatchedRunner
-from gpu_node.generation import GenResult, SlotGenerator, Stop
+from gpu_node.generation import GenResult, Progress, SlotGenerator, Stop
 from gpu_node.slot_thread import SlotThread
 from gpu_node.streaming import EXTEND_ACK_S, StreamMeters, StreamRun, TokenPipe
 from plane.contract import replies, streams
@@ -99,11 +99,12 @@ class Generating:
                      sm_ms=slot_us * self.sms / 1000)
 
     def _stream_thread(self, req: TinyLMRequest, stop: Stop, deadline_s: float,
-                       pipe: TokenPipe) -> GenResult:
+                       pipe: TokenPipe, progress: Progress) -> GenResult:
         """On the slot's thread: the whole generation, each token into `pipe`."""
         assert self.generator is not None
         try:
-            return self.generator.generate(req, stop, deadline_s, self.runner, pipe.put)
+            return self.generator.generate(req, stop, deadline_s, self.runner, pipe.put,
+                                           progress)
         finally:
             pipe.close()
 
@@ -124,8 +125,9 @@ class Generating:
         run.wake = pipe.ready.set
         timer = loop.call_later(EXTEND_ACK_S, self._extend_due, run, pipe)
         started_s = self._busy_from()
+        progress = Progress()
         fut = self.thread.run(self._stream_thread, req, run.stop,
-                              self._deadline_s(run.deadline_at_ms), pipe)
+                              self._deadline_s(run.deadline_at_ms), pipe, progress)
         error = ""
         result: GenResult | None = None
         stopped = False  # by the loop: ended here, the thread's last step still running
@@ -153,6 +155,12 @@ class Generating:
             if stopped:
                 fut.add_done_callback(self._stopped_generation_done)
                 cur.work_us = int((time.perf_counter() - started_s) * 1e6)  # so far
+                if progress.prefill_us:  # its phases so far, for the router to learn from
+                    tokens, decode_us = progress.done
+                    cur.gen = GenResult(finish=StreamFinish.CANCELLED,
+                                        prompt_tokens=len(req.prompt_bytes), tokens=tokens,
+                                        prefill_us=progress.prefill_us, decode_us=decode_us,
+                                        text=b"")
             else:
                 try:
                     result = await fut

@@ -255,7 +255,13 @@ async def test_a_cancel_ends_the_stream_before_the_step_under_way_and_the_next_w
         s = await place(nc, body(LONG_PROMPT, 250), "early-1", stream_ms=30_000)
         assert await s.next(timeout_s=10) is Kind.START
         assert await s.next(timeout_s=10) is Kind.TOKEN, (s.reader.end, s.reader.final_headers)
-        token_at = time.monotonic()  # the next (slow) step has begun on the slot's thread
+        # Cancel inside a slow step: once one more has begun on the slot's thread (each step
+        # stamps its start), it sleeps on for most of 120 ms.
+        runner = stack.nodes[0].slots[0].runner
+        seen = runner.call_started_s
+        await wait_until(lambda: runner.call_started_s != seen, 2, "the next step's start")
+        token_at = runner.call_started_s
+        assert token_at is not None
         cancel = s.reader.cancel_subject
         assert cancel is not None
         await nc.publish(cancel, b"", headers={Header.REQUEST_ID: "early-1"})
@@ -276,7 +282,7 @@ async def test_a_cancel_ends_the_stream_before_the_step_under_way_and_the_next_w
         first_token_s = next(at for m, at in zip(nxt.msgs, nxt.at_s, strict=True)
                              if (m.headers or {}).get(Header.STREAM) == Kind.TOKEN) - token_at
     # The end came before the step under way was over (most of a step to run at the cancel);
-    # the next stream's first token after it.
+    # the next stream's first token after it (from that step's start).
     assert ended_after_s < step_s / 2, ended_after_s
     assert first_token_s >= step_s * 0.9, first_token_s
 

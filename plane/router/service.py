@@ -309,20 +309,24 @@ class Router(Lifecycle, TaskOwner):
         """A done-event for a request this router placed: meter it, and learn its cycle."""
         if ev.status != NOT_ANSWERED and not fl.resolving:
             self.requests.ended(fl, ev.status, ev.service_us, ev.sms)
-        # A 200 whose done-event comes after the request's answer-by was held up on its way
-        # (its node's server died: the event waited out the failover in the node's reconnect
-        # buffer), not on the slot, which the node freed within the deadline: such a sample
-        # (seconds) would refuse every request `deadline` for the window's age.
-        if (ev.status == int(Status.OK) and now - self._lagged_s > LAG_QUIET_S
-                and now <= fl.answer_by_s):
-            # The slot's whole cycle as this router sees it (publish -> done-event), not only
-            # the node's service time: that is when the slot is free again, and what promises
-            # must be spaced by.
+        if ev.status != int(Status.OK):
+            return
+        if ev.tokens or ev.prompt_tokens:
+            # A generation: its per-token rates, timed by the node on the slot's thread, so
+            # they hold whatever our own loop was doing (a lag here made a stream that ran
+            # right after a router's start teach nothing: CI, test_streams_client).
+            ms.rates.learn(ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us,
+                           fl.max_tokens)
+        # The slot's whole cycle as this router sees it (publish -> done-event), not only the
+        # node's service time: that is when the slot is free again, and what promises must be
+        # spaced by. Not while our loop lags (it would measure the lag), nor from a 200 whose
+        # done-event came after the request's answer-by: that one was held up on its way (its
+        # node's server died: the event waited out the failover in the node's reconnect
+        # buffer), not on the slot, and such a sample (seconds) would refuse every request
+        # `deadline` for the window's age.
+        if now - self._lagged_s > LAG_QUIET_S and now <= fl.answer_by_s:
             cycle_us = int((now - fl.placed_s) * 1e6)
             ms.window.add(cycle_us - ev.work_us, now)
-            if ev.tokens or ev.prompt_tokens:  # a generation: its per-token rates
-                ms.rates.learn(ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us,
-                               fl.max_tokens)
 
     def _freed(self, fl: InFlight) -> None:
         self.requests.ended(fl, 0, 0, 0)  # the watchdog's answer is metered where it is given

@@ -72,6 +72,35 @@ async def test_a_promise_made_elsewhere_is_booked_here_and_dropped_when_kept() -
     assert not list(ms.promises) and "router0-7" not in p.admission.foreign
 
 
+async def test_a_gone_makers_holder_on_call_is_called_by_the_next_promiser_only() -> None:
+    """The maker's note carries its holder's inbox and when it was told to come back. While
+    the maker is heard from, it calls its holders and the others only book the slot for them;
+    once it is gone, the router that makes the promises now calls them when their slot frees
+    (told a late fallback, uncalled they came back late), and a third router does not."""
+    due_ms = int(time.time() * 1000) + 20
+    made = PromiseMade(router="router0", model="calibrated", ticket="router0-7", due_ms=due_ms,
+                       expires_ms=due_ms + 2_000, service_us=20_000, wake="_INBOX.holder",
+                       told_ms=due_ms + 1_000)
+    called: dict[str, bool] = {}
+    for me in ("router1", "router2"):
+        p, models = peers(me)
+        p.admission.called_elsewhere = p.calls_elsewhere  # as the router wires it
+        await p.on_note(note(Presence(router="router1", instance="r1")))  # r2 hears r1
+        await p.on_note(note(made))
+        ms = models["calibrated"]
+        [promise] = list(ms.promises)
+        assert promise.foreign and promise.maker == "router0"
+        assert promise.wake == "_INBOX.holder"
+        assert 0.9 < promise.told_s - time.monotonic() < 1.1
+        assert p.admission.slot_for(ms, time.monotonic()) is promise
+        assert not promise.called_s  # router0 is there: it calls its holder itself
+        promise.slotted = False
+        p.seen_s["router0"] -= 10  # not heard from for longer than GONE_S
+        assert p.admission.slot_for(ms, time.monotonic()) is promise
+        called[me] = bool(promise.called_s)
+    assert called == {"router1": True, "router2": False}
+
+
 async def test_two_routers_with_one_id_are_reported() -> None:
     p, _ = peers("router0")
     with structlog.testing.capture_logs() as logs:
@@ -87,9 +116,34 @@ def test_notes_are_a_tagged_union_on_the_wire() -> None:
     for n in (Presence(router="r", instance="i"),
               PromiseMade(router="r", model="m", ticket="t", due_ms=1, expires_ms=2,
                           service_us=3),
+              PromiseMade(router="r", model="m", ticket="t", due_ms=1, expires_ms=2,
+                          service_us=3, wake="_INBOX.x", told_ms=4),
               PromiseGone(router="r", model="m", ticket="t"),
               SlotTaken(router="r", model="m", slot="n/0", service_us=1, p99_us=2)):
         wire = msgpack_encoder.encode(n)
         assert admission_note_decoder.decode(wire) == n
     with pytest.raises(msgspec.ValidationError):
         admission_note_decoder.decode(msgpack_encoder.encode(["nope", "r", ""]))
+
+
+def test_a_promise_note_with_an_inbox_reads_on_a_router_that_predates_it_and_back() -> None:
+    """`wake` and `told_ms` trail the note with defaults: a router without them reads a new
+    note (the fields it knows), and a new router reads an old one (no inbox: not called)."""
+
+    class OldMade(msgspec.Struct, frozen=True, array_like=True, tag="made"):
+        """The note as routers before `wake` sent it: its fields in their wire order."""
+
+        model: str
+        ticket: str
+        due_ms: int
+        expires_ms: int
+        service_us: int
+        router: str
+        instance: str = ""
+
+    new = PromiseMade(router="r", model="m", ticket="t", due_ms=1, expires_ms=2, service_us=3,
+                      wake="_INBOX.x", told_ms=4)
+    old = msgspec.msgpack.decode(msgpack_encoder.encode(new), type=OldMade)
+    assert (old.ticket, old.due_ms, old.service_us, old.router) == ("t", 1, 3, "r")
+    back = admission_note_decoder.decode(msgpack_encoder.encode(old))
+    assert isinstance(back, PromiseMade) and back.wake is None and back.told_ms == 0

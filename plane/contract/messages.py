@@ -179,14 +179,26 @@ class PeerNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     instance: str = ""
 
 
-class PromiseMade(PeerNote, frozen=True, tag="made"):
-    """A promise (ticket) made: its slot time is booked by every router."""
+class _PromiseTerms(PeerNote, frozen=True):
+    """A promise's first fields, in their wire order (before the note's `router`, `instance`)."""
 
     model: str
     ticket: str
     due_ms: int
     expires_ms: int
     service_us: int
+
+
+class PromiseMade(_PromiseTerms, frozen=True, kw_only=True, tag="made"):
+    """A promise (ticket) made: its slot time is booked by every router. `wake` (its holder's
+    inbox, `Plane-Wake`) and `told_ms` (when it was told to come back: 0, at `due_ms`) let
+    another router call the holder if the maker is gone. They trail the array, after
+    `router` and `instance` (msgspec puts keyword-only fields last, a base's first: hence the
+    base class), so a router that predates them reads the note without them, and a newer one
+    reads an older note."""
+
+    wake: str | None = None
+    told_ms: int = 0
 
 
 class PromiseGone(PeerNote, frozen=True, tag="gone"):

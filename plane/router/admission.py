@@ -322,6 +322,9 @@ class Admission:
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
+        # Whether another router calls the holders of a promise the given router made: the
+        # maker while it is alive; once it is gone, the promiser (`Peers.calls_elsewhere`).
+        self.called_elsewhere: Callable[[str], bool] = lambda maker: True
         # Promises made or gone since the router last looked (it tells the other routers).
         self.notes: list[PromiseChange] = []
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
@@ -444,17 +447,19 @@ class Admission:
     def slot_for(self, ms: ModelSlots, now_s: float) -> Promise | None:
         """A slot of `ms` just freed and no holder waits here for it: the promise it goes
         to, the first in due order neither here nor given a slot already (None: none waits).
-        Its holder is called (`called_s`) when it gave an inbox, is ours, and is not told to
-        come within WAKE_LEAD_S anyway (on call or not: one told the predicted time is called
-        when a slot frees before it): made due now at the latest, so newcomers leave the
-        slot to it for as long as holders take to come back. A holder without an inbox is
+        Its holder is called (`called_s`) when it gave an inbox, is ours (or its maker is
+        gone and this router makes the promises now: nobody else would call it), and is not
+        told to come within WAKE_LEAD_S anyway (on call or not: one told the predicted time
+        is called when a slot frees before it): made due now at the latest, so newcomers
+        leave the slot to it for as long as holders take to come back. A holder without an inbox is
         never skipped: its own timer brings it, and the next freed slot goes to the next
         promise."""
         for p in ms.promises:
             if p.parked or p.slotted:
                 continue
             p.slotted = True
-            if p.wake is not None and not p.foreign and p.back_s - now_s >= WAKE_LEAD_S:
+            if (p.wake is not None and (not p.foreign or not self.called_elsewhere(p.maker))
+                    and p.back_s - now_s >= WAKE_LEAD_S):
                 self.stats["holder-called"] += 1
                 p.called_s = now_s
                 if p.due_s > now_s:

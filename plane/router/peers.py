@@ -72,6 +72,14 @@ class Peers:
         now = time.monotonic()
         return min([self.router_id, *(r for r, t in self.seen_s.items() if now - t <= GONE_S)])
 
+    def calls_elsewhere(self, maker: str) -> bool:
+        """Whether another router calls the holders of `maker`'s promises (`Plane-Wake`): the
+        maker while it is heard from; once it is gone, the promiser, unless that is us. (A
+        gone maker's holders were told a late fallback: uncalled, they came back late.)"""
+        if time.monotonic() - self.seen_s.get(maker, -math.inf) <= GONE_S:
+            return True
+        return self.promiser() != self.router_id
+
     def gone(self, router: str) -> None:
         """Nobody listens on `router`'s own subject (a forward to it found no responder): it
         stopped or died. Taken for gone now, not `GONE_S` after its last word, so the next
@@ -149,7 +157,9 @@ class Peers:
                 self.admission.adopt(self._model(note.model), Promise(
                     ticket=note.ticket, due_s=note.due_ms / 1000 + mono_of,
                     expires_s=note.expires_ms / 1000 + mono_of,
-                    service_s=note.service_us / 1e6))
+                    service_s=note.service_us / 1e6, wake=note.wake,
+                    told_s=note.told_ms / 1000 + mono_of if note.told_ms else 0.0,
+                    maker=note.router))
             case PromiseGone() if note.model in MODELS:
                 self.admission.drop(self._model(note.model), note.ticket)
             case SlotTaken() if note.model in MODELS:
@@ -173,7 +183,9 @@ class Peers:
                 router=self.router_id, model=n.model, ticket=p.ticket,
                 due_ms=int((p.due_s + wall_of) * 1000),
                 expires_ms=int((p.expires_s + wall_of) * 1000),
-                service_us=int(p.service_s * 1e6)) if n.made else PromiseGone(
+                service_us=int(p.service_s * 1e6), wake=p.wake,
+                told_ms=int((p.told_s + wall_of) * 1000) if p.told_s else 0) if n.made
+                else PromiseGone(
                 router=self.router_id, model=n.model, ticket=p.ticket))
 
     async def tell_taken(self, model: str, view: SlotView, place: Place, ask: Ask) -> None:

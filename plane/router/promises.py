@@ -38,6 +38,7 @@ class Promise:
     pinned: bool = True  # holds slot time; False: the Retry-After was an estimate only
     parked: bool = False  # its holder is here, waiting for a slot to free
     foreign: bool = False  # made by another router (told on plane.admission.<model>)
+    maker: str = ""  # ... that router
     wake: str | None = None  # the holder's inbox for a call (`Plane-Wake`)
     told_s: float = 0.0  # when its holder was told to come back (0: at `due_s`)
     called_s: float = 0.0  # when its holder was called to come now (0: not called)

@@ -117,6 +117,7 @@ class Router(Lifecycle, TaskOwner):
         self.instances = Instances()  # which process speaks for each node id
         self.parking = ParkingLot()  # holders waiting for a slot to free
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
+        self.admission.called_elsewhere = self.peers.calls_elsewhere
         # Ticket holders with an inbox, called back when a slot frees for them.
         self.calls = Calls(nc, self.admission, self.parking, self.peers.tell)
         self.settings = LiveSettings(cfg.names)

@@ -5,7 +5,8 @@ beside a call's trip: `Admission.decide`) was told a late fallback, well past th
 end of the work ahead, so it never waits out an overrun of that work, parked, in its own
 latency; one told the predicted time (short work) comes earlier when its slot freed early.
 
-The calls are made in the router that made the promises (it alone holds the inboxes).
+The calls are made in the router that made the promises; when it is gone, in the router that
+makes them in its place (the notes carry the inboxes: `Admission.called_elsewhere`).
 """
 
 from __future__ import annotations

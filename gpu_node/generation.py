@@ -72,6 +72,15 @@ class Progress:
         self.prefill_us = 0  # 0: the prefill has not finished
         self.done = (0, 0)  # (tokens produced, µs of token steps for them)
 
+    def so_far(self, finish: StreamFinish, prompt_tokens: int) -> GenResult | None:
+        """The generation's phases as far as it got (None before its prefill finished), as
+        the result it will not return in time (no text: the caller has what was sent)."""
+        if not self.prefill_us:
+            return None
+        tokens, decode_us = self.done
+        return GenResult(finish=finish, prompt_tokens=prompt_tokens, tokens=tokens,
+                         prefill_us=self.prefill_us, decode_us=decode_us, text=b"")
+
 
 @dataclass(frozen=True, slots=True)
 class GenResult:

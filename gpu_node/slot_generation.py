@@ -155,12 +155,8 @@ class Generating:
             if stopped:
                 fut.add_done_callback(self._stopped_generation_done)
                 cur.work_us = int((time.perf_counter() - started_s) * 1e6)  # so far
-                if progress.prefill_us:  # its phases so far, for the router to learn from
-                    tokens, decode_us = progress.done
-                    cur.gen = GenResult(finish=StreamFinish.CANCELLED,
-                                        prompt_tokens=len(req.prompt_bytes), tokens=tokens,
-                                        prefill_us=progress.prefill_us, decode_us=decode_us,
-                                        text=b"")
+                # Its phases so far, for the router to learn its rates from.
+                cur.gen = progress.so_far(StreamFinish.CANCELLED, len(req.prompt_bytes))
             else:
                 try:
                     result = await fut

@@ -451,9 +451,9 @@ class Admission:
         gone and this router makes the promises now: nobody else would call it), and is not
         told to come within WAKE_LEAD_S anyway (on call or not: one told the predicted time
         is called when a slot frees before it): made due now at the latest, so newcomers
-        leave the slot to it for as long as holders take to come back. A holder without an inbox is
-        never skipped: its own timer brings it, and the next freed slot goes to the next
-        promise."""
+        leave the slot to it for as long as holders take to come back. A holder without an
+        inbox is never skipped: its own timer brings it, and the next freed slot goes to the
+        next promise."""
         for p in ms.promises:
             if p.parked or p.slotted:
                 continue

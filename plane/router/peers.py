@@ -70,15 +70,17 @@ class Peers:
     def promiser(self) -> str:
         """The router that makes promises: the first by id of those heard from lately."""
         now = time.monotonic()
-        return min([self.router_id, *(r for r, t in self.seen_s.items() if now - t <= GONE_S)])
+        return min([self.router_id, *(r for r in self.seen_s if self._heard(r, now))])
+
+    def _heard(self, router: str, now: float) -> bool:
+        """Another router heard from within `GONE_S`."""
+        return now - self.seen_s.get(router, -math.inf) <= GONE_S
 
     def calls_elsewhere(self, maker: str) -> bool:
         """Whether another router calls the holders of `maker`'s promises (`Plane-Wake`): the
         maker while it is heard from; once it is gone, the promiser, unless that is us. (A
         gone maker's holders were told a late fallback: uncalled, they came back late.)"""
-        if time.monotonic() - self.seen_s.get(maker, -math.inf) <= GONE_S:
-            return True
-        return self.promiser() != self.router_id
+        return self._heard(maker, time.monotonic()) or self.promiser() != self.router_id
 
     def gone(self, router: str) -> None:
         """Nobody listens on `router`'s own subject (a forward to it found no responder): it

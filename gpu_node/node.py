@@ -249,7 +249,7 @@ class Node(Lifecycle, TaskOwner):
             slot = Slot(
                 k=k, runner=WatchedRunner(runner), nc=self.nc, js=self.js,
                 names=self.names, node=self.cfg.node_id, spec=self.spec,
-                stream=self.names.slot_stream_for(self.cfg.node_id), metrics=self.metrics,
+                metrics=self.metrics,
                 pull_expiry_s=self.cfg.pull_expiry_s, inline_work_us=self._inline_work_us(),
                 enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
@@ -306,7 +306,7 @@ class Node(Lifecycle, TaskOwner):
             partition=self.backend.partition, at_ms=replies.now_ms(),
             slots=[
                 SlotAdvert(
-                    k=s.k, subject=s.subject,
+                    k=s.k, subject=s.subject, stream=s.stream,
                     healthy=s.claimed and s.healthy and s.withdrawn_for is None,
                     p50_us=s.window.p50_us, p99_us=s.window.p99_us,
                 )

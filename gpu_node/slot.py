@@ -68,6 +68,7 @@ from plane.contract.ownership import (
     placement_id,
     take,
 )
+from plane.contract.provision import stream_of_subject
 from plane.contract.publish import publish
 from plane.contract.recent import RecentIds
 from plane.contract.subjects import Header, InvalidToken, Names, check_token
@@ -104,7 +105,7 @@ Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
 class Slot(Generating):
     def __init__(
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
-        node: str, spec: ModelSpec, stream: str, metrics: PlaneMetrics, pull_expiry_s: float,
+        node: str, spec: ModelSpec, metrics: PlaneMetrics, pull_expiry_s: float,
         inline_work_us: int = 0, enrich: Enrich | None = None, answered: RecentIds | None = None,
         must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
         generator: SlotGenerator | None = None, stream_reply: str = "",
@@ -116,7 +117,7 @@ class Slot(Generating):
         self.subject = names.slot(self.model, node, k)
         self.consumer = names.slot_consumer(self.model, node, k)
         self.done_subject = names.done(self.model, node, k)
-        self.stream = stream
+        self.stream = ""  # the slot stream that holds our subject: the broker says (claim)
         self.metrics = metrics
         self.pull_expiry_s = pull_expiry_s
         self.inline_work_us = inline_work_us
@@ -161,6 +162,7 @@ class Slot(Generating):
         fresh consumer, and start fetching."""
         if self._claimed:
             return
+        self.stream = await stream_of_subject(self.js, self.subject)
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(self.stream, self.consumer)
         await self.sweep("left by an earlier process of this slot")

@@ -162,7 +162,7 @@ async def test_b_a_new_process_with_the_id_answers_what_the_stalled_one_left() -
                 js = nc.jetstream()
 
                 async def old_holds_two() -> bool:  # each of its slots has fetched one
-                    infos = [await js.consumer_info(NAMES.slot_stream_for("n1"),
+                    infos = [await js.consumer_info(NAMES.slots_stream,
                                                     NAMES.slot_consumer("calibrated", "n1", k))
                              for k in (0, 1)]
                     return all(info.num_ack_pending == 1 for info in infos)

@@ -50,7 +50,7 @@ async def test_node_killed_mid_request() -> None:
                 js = nc.jetstream()
 
                 async def victim_runs_two() -> bool:  # each victim slot has fetched one
-                    infos = [await js.consumer_info(NAMES.slot_stream_for("victim"),
+                    infos = [await js.consumer_info(NAMES.slots_stream,
                                                     NAMES.slot_consumer("calibrated", "victim", k))
                              for k in (0, 1)]
                     return all(info.num_ack_pending == 1 for info in infos)
@@ -169,7 +169,7 @@ async def test_a_message_that_lands_after_its_router_answered_it_is_not_answered
         now = time.monotonic()
         fl = InFlight(request_id="late-1", model="calibrated", reply=f"{inbox}.late-1",
                       node=view.node, key=view.key, placed_s=now, tenant="default",
-                      subject=view.subject, stream=NAMES.slot_stream_for(view.node),
+                      subject=view.subject, stream=view.stream,
                       deadline_s=now + 0.05, answer_by_s=now + 0.1, attempt="1")
         router.inflight.placed(router.inflight.track(fl), None)  # its PubAck never came
         await wait_until(lambda: answers["late-1"], 5, "the router's 504")

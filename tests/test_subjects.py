@@ -23,7 +23,7 @@ from plane.contract.subjects import (
 DESIGN = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
 
 # The placeholders of the design page's subject table, and the values the builders get.
-ARGS = {"model": "risk", "node": "n1", "k": "3", "id": "r1", "stream": "tx"}
+ARGS = {"model": "risk", "node": "n1", "k": "3", "id": "r1", "stream": "tx", "i": "2"}
 
 # (builder, its arguments (None: a property), the name as docs/design.md writes it)
 Case = tuple[str, tuple[object, ...] | None, str]
@@ -47,7 +47,7 @@ DOCUMENTED: list[Case] = [
     ("fault", ("n1",), "plane.fault.<node>"),
     ("cancel", ("n1", 3), "plane.cancel.<node>.<k>"),
     ("slots_stream", None, "PLANE_SLOTS"),
-    ("slot_stream_for", ("n1",), "PLANE_SLOTS"),  # one shared stream today (design.md)
+    ("slot_shard_stream", (2,), "PLANE_SLOTS_<i>"),
     ("nodes_bucket", None, "PLANE_NODES"),
     ("config_bucket", None, "PLANE_CONFIG"),
     ("features_bucket", None, "PLANE_FEATURES"),
@@ -74,6 +74,8 @@ WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
      [N.router_infer("r2", "risk"), N.router_status("r1"), N.infer("risk")]),
     ("slots_all", (), [N.slot("risk", "n1", 0), N.slot("calibrated", "n2", 7)],
      [N.done("risk", "n1", 0)]),
+    ("slots_numbered", (3,), [N.slot("risk", "n1", 3), N.slot("calibrated", "n2", 3)],
+     [N.slot("risk", "n1", 13), N.slot("risk", "n1", 33), N.done("risk", "n1", 3)]),
     ("node_slots", ("n1",), [N.slot("risk", "n1", 0), N.slot("calibrated", "n1", 12)],
      [N.slot("risk", "n2", 0), N.done("risk", "n1", 0)]),
     ("done_all", (), [N.done("risk", "n1", 0)], [N.slot("risk", "n1", 0)]),
@@ -89,7 +91,7 @@ WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
     ("scored_all", (), [N.scored("tx")], [N.events("tx"), N.dead_letter("tx")]),
 ]
 
-OTHER_TESTS = {"infer_model_of"}  # tested below on its own
+OTHER_TESTS = {"infer_model_of", "slot_streams"}  # tested below on their own
 
 
 def fill(template: str, prefix: str = "plane") -> str:
@@ -163,6 +165,12 @@ def test_infer_model_of_inverts_both_request_subjects() -> None:
         assert n.infer_model_of(n.router_infer("r1", "risk")) == "risk"
         # A raw, invalid model part comes back as sent, for the caller to refuse with a 400.
         assert n.infer_model_of(f"{n.prefix}.infer.a.b") == "a.b"
+
+
+def test_slot_streams_are_the_shared_one_and_every_shard() -> None:
+    n = Names("acme.eu")
+    assert n.slot_streams() == ("ACME_EU_SLOTS", *(f"ACME_EU_SLOTS_{i}" for i in range(5)))
+    assert n.slot_shard_stream(4) in n.slot_streams()
 
 
 def test_prefix_with_dots_gives_upper_snake_streams_and_dashed_services() -> None:

@@ -53,7 +53,8 @@ def _provision(n: Names) -> list[str]:
     """What `plane.contract.provision.ensure_all` asks: every router and node provisions at
     start."""
     kv_nodes, kv_config = _kv_stream(n.nodes_bucket), _kv_stream(n.config_bucket)
-    return [f"$JS.API.STREAM.{verb}.{n.slots_stream}" for verb in ("CREATE", "INFO", "UPDATE")] + [
+    return [f"$JS.API.STREAM.{verb}.{slots}" for slots in n.slot_streams()
+            for verb in ("CREATE", "INFO", "UPDATE")] + [
         f"$JS.API.STREAM.{verb}.{stream}"
         for stream in (kv_nodes, kv_config) for verb in ("CREATE", "INFO")]
 
@@ -71,8 +72,8 @@ def _kv_stream(bucket: str) -> str:
 
 def _take(n: Names) -> list[str]:
     """Read and take (delete) a slot message: `plane.contract.ownership.take`, sweeps, watchdog."""
-    return [f"$JS.API.STREAM.MSG.GET.{n.slots_stream}",
-            f"$JS.API.STREAM.MSG.DELETE.{n.slots_stream}"]
+    return [f"$JS.API.STREAM.MSG.{verb}.{slots}" for slots in n.slot_streams()
+            for verb in ("GET", "DELETE")]
 
 
 def router(n: Names) -> Permissions:
@@ -99,7 +100,7 @@ def router(n: Names) -> Permissions:
 
 def node(n: Names) -> Permissions:
     p = n.prefix
-    slots = n.slots_stream
+    slots = n.slot_streams()
     features = _kv_stream(n.features_bucket)
     return Permissions(
         publish=(
@@ -110,9 +111,10 @@ def node(n: Names) -> Permissions:
             INBOX, SERVICE_REPLIES,  # answers to callers, micro and `answered` replies
             f"$KV.{n.nodes_bucket}.>",  # adverts
             *_provision(n), *_take(n),
-            *_api("CONSUMER.CREATE", slots), *_api("CONSUMER.DURABLE.CREATE", slots),
-            *_api("CONSUMER.DELETE", slots), *_api("CONSUMER.INFO", slots),
-            *_api("CONSUMER.MSG.NEXT", slots), f"$JS.ACK.{slots}.>",
+            "$JS.API.STREAM.NAMES",  # which slot stream holds a slot (at each claim)
+            *_api("CONSUMER.CREATE", *slots), *_api("CONSUMER.DURABLE.CREATE", *slots),
+            *_api("CONSUMER.DELETE", *slots), *_api("CONSUMER.INFO", *slots),
+            *_api("CONSUMER.MSG.NEXT", *slots), *[f"$JS.ACK.{s}.>" for s in slots],
             # the freshness guard on risk nodes: reads (watches) the features bucket
             f"$JS.API.STREAM.CREATE.{features}", f"$JS.API.STREAM.INFO.{features}",
             *_watch(n.config_bucket, n.features_bucket),

@@ -16,6 +16,7 @@ BACKENDS = ("auto", "torch", "interpret", "triton")
 FALLBACK_DEADLINE_MS = 1000
 MAX_DEADLINE_MS = 600_000
 MAX_BODY_BYTES = 64 * 1024
+MAX_SLOTS = 1024  # per node: the slot streams' shards list each slot number (provision)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,8 +122,8 @@ class NodeConfig:
         _token("node", self.node_id)
         if self.inline_work_us is not None and not 0 <= self.inline_work_us <= 10_000:
             raise ConfigError("inline_work_us must be between 0 and 10,000 (us)")
-        if self.slots is not None and not 1 <= self.slots <= 1024:
-            raise ConfigError("--slots must be between 1 and 1024")
+        if self.slots is not None and not 1 <= self.slots <= MAX_SLOTS:
+            raise ConfigError(f"--slots must be between 1 and {MAX_SLOTS}")
         if self.backend not in BACKENDS:
             raise ConfigError("--backend must be one of auto, torch, interpret, triton")
         if self.sms_per_slot is not None and self.sms_per_slot < 1:

@@ -134,6 +134,9 @@ class SlotAdvert(msgspec.Struct, frozen=True, kw_only=True):
     healthy: bool = True
     p50_us: int = 0
     p99_us: int = 0
+    # The slot stream that holds `subject` (a cluster spreads slots over several); "" from a
+    # node older than the field, whose slots are in the shared stream.
+    stream: str = ""
 
 
 class NodeAdvert(msgspec.Struct, frozen=True, kw_only=True):

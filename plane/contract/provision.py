@@ -18,10 +18,13 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from plane.contract.subjects import Names
+from plane.contract.config import MAX_SLOTS
+from plane.contract.subjects import MAX_SLOT_SHARDS, Names
 
 log = structlog.get_logger("plane.contract.provision")
 
+# nats-server's error code for a stream whose subjects another stream holds.
+SUBJECTS_OVERLAP = 10065
 # A slot message never lives longer than this (the per-message TTL is the deadline; this is
 # the backstop for a message published without one).
 SLOT_MAX_AGE_S = 600.0
@@ -33,33 +36,67 @@ class ProvisionPlan:
     replicas: int = 1
     slots_storage: StorageType = StorageType.MEMORY
     advert_ttl_s: float = 5.0
+    # How many streams the slots are spread over; None: one on a single server, one per
+    # replica in a cluster (see `slot_shards`).
+    slot_shards: int | None = None
 
 
-def slot_stream_config(plan: ProvisionPlan, node: str | None = None) -> StreamConfig:
-    """The depth-one stream: WorkQueue, one message per subject, refuse the second."""
+def slot_shards(plan: ProvisionPlan) -> int:
+    """One slot stream on a single server. In a cluster, one per replica: each stream has
+    its own leader (JetStream elects them apart), so a dead server stops the slots of the
+    streams it led, for the 4-9 s of their elections, not every slot of the plane (one shared
+    stream led from it was a 6-7 s outage of the whole plane: `tests/test_cluster.py`)."""
+    if plan.slot_shards is not None:
+        if not 1 <= plan.slot_shards <= MAX_SLOT_SHARDS:
+            raise ValueError(f"slot_shards must be between 1 and {MAX_SLOT_SHARDS}")
+        return plan.slot_shards
+    return 1 if plan.replicas <= 1 else min(plan.replicas, MAX_SLOT_SHARDS)
+
+
+def slot_stream_configs(plan: ProvisionPlan) -> list[StreamConfig]:
+    """The depth-one streams: WorkQueue, one message per subject, refuse the second.
+
+    One stream `<PREFIX>_SLOTS` holds every slot subject, or shard i (`<PREFIX>_SLOTS_<i>`)
+    holds slot k of every node where k mod shards = i: a subject token cannot be matched in
+    part, so each shard lists its slot numbers (up to `MAX_SLOTS`). By slot number, not by
+    node, so that each node (and each model, even with one node) keeps slots in every shard
+    while one shard's leader is being elected. Routers and nodes never compute which stream
+    holds a slot: a node asks the broker (`stream_of_subject`) and advertises it."""
     n = plan.names
-    subjects = [n.slots_all()] if node is None else [n.node_slots(node)]
-    return StreamConfig(
-        name=n.slots_stream if node is None else n.slot_stream_for(node),
-        subjects=subjects,
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=plan.slots_storage,
-        max_msgs_per_subject=1,
-        discard=DiscardPolicy.NEW,
-        discard_new_per_subject=True,
-        allow_msg_ttl=True,
-        max_age=SLOT_MAX_AGE_S,
-        num_replicas=plan.replicas,
-    )
+    shards = slot_shards(plan)
+    if shards == 1:
+        layout = [(n.slots_stream, [n.slots_all()])]
+    else:
+        layout = [(n.slot_shard_stream(i), [n.slots_numbered(k)
+                                            for k in range(i, MAX_SLOTS, shards)])
+                  for i in range(shards)]
+    return [
+        StreamConfig(
+            name=name,
+            subjects=subjects,
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=plan.slots_storage,
+            max_msgs_per_subject=1,
+            discard=DiscardPolicy.NEW,
+            discard_new_per_subject=True,
+            allow_msg_ttl=True,
+            max_age=SLOT_MAX_AGE_S,
+            num_replicas=plan.replicas,
+        )
+        for name, subjects in layout
+    ]
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> bool:
     """Create the stream; if it exists with another config, raise its replicas to ours but
     never lower them (a single-replica process must not downgrade a cluster's stream), and
-    leave the rest as the first creator set it."""
+    leave the rest as the first creator set it. False when another stream already holds its
+    subjects (the layout is someone else's: leave it)."""
     try:
         await js.add_stream(cfg)
-    except BadRequestError:
+    except BadRequestError as exc:
+        if exc.err_code == SUBJECTS_OVERLAP:
+            return False
         assert cfg.name is not None
         have = (await js.stream_info(cfg.name)).config
         if (cfg.num_replicas or 1) > (have.num_replicas or 1):
@@ -67,10 +104,26 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
             await js.update_stream(have)
         elif (cfg.num_replicas or 1) < (have.num_replicas or 1):
             log.info("stream keeps its replicas", stream=cfg.name, replicas=have.num_replicas)
+    return True
 
 
 async def ensure_slot_stream(js: JetStreamContext, plan: ProvisionPlan) -> None:
-    await _ensure_stream(js, slot_stream_config(plan))
+    """The slot streams as the plan lays them out, unless the broker holds the slot subjects
+    in another layout already (the first creator's stands: the shared stream of an older
+    version, or another shard count); nodes find theirs by subject either way."""
+    for cfg in slot_stream_configs(plan):
+        if not await _ensure_stream(js, cfg):
+            log.info("slot streams keep their layout", wanted=cfg.name)
+            return
+
+
+async def stream_of_subject(js: JetStreamContext, subject: str) -> str:
+    """The slot stream that holds `subject`, as the broker says."""
+    try:
+        return await js.find_stream_name_by_subject(subject)
+    except NotFoundError:
+        raise NotFoundError(description=f"no stream holds {subject}: provision the plane's "
+                            "streams (every plane command does at start)") from None
 
 
 async def ensure_buckets(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValue, KeyValue]:

@@ -17,6 +17,9 @@ ROUTER_QUEUE_GROUP = "plane-routers"
 # plane's account imports it from the system account: a node stops the streams of a tenant
 # whose connection went (inside the plane's account the no-responders status does that).
 CLIENT_DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"
+# A cluster spreads its slots over at most this many streams (JetStream's largest replica
+# count, and so its largest useful cluster for one stream's peers; `plane.contract.provision`).
+MAX_SLOT_SHARDS = 5
 
 
 class InvalidToken(ValueError):
@@ -147,6 +150,10 @@ class Names:
     def slots_all(self) -> str:
         return f"{self.prefix}.slot.>"
 
+    def slots_numbered(self, k: int) -> str:
+        """Slot k of every model and node (a shard of the slot streams lists these)."""
+        return f"{self.prefix}.slot.*.*.{int(k)}"
+
     def node_slots(self, node: str) -> str:
         return f"{self.prefix}.slot.*.{node}.*"
 
@@ -223,14 +230,16 @@ class Names:
     def slots_stream(self) -> str:
         return f"{self._upper}_SLOTS"
 
-    def slot_stream_for(self, node: str) -> str:
-        """The stream that holds `node`'s slot subjects.
+    def slot_shard_stream(self, i: int) -> str:
+        """Shard `i` of the slot streams a cluster spreads its slots over
+        (`plane.contract.provision`: slot k lives in shard k mod shards)."""
+        return f"{self._upper}_SLOTS_{int(i)}"
 
-        The one place that decides the slot-stream layout: one shared stream today. To move
-        to one stream per node (`<PREFIX>_SLOTS_<node>`), change this function and
-        `plane.contract.provision.ensure_slot_stream`; router and node only call these.
-        """
-        return self.slots_stream
+    def slot_streams(self) -> tuple[str, ...]:
+        """Every name a slot stream may have: the shared one and each possible shard (what
+        the roles allow, and what a router accepts from a node's advert)."""
+        return (self.slots_stream,
+                *(self.slot_shard_stream(i) for i in range(MAX_SLOT_SHARDS)))
 
     @property
     def events_stream(self) -> str:

@@ -7,11 +7,11 @@ Pure bookkeeping, no I/O; times are monotonic seconds passed in by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plane.contract.budget import ServiceWindow, TokenRates
 from plane.contract.messages import NodeAdvert
+from plane.contract.subjects import Names
 from plane.router.promises import PromiseBook
 
 # The router's cycle samples age out after this long (see `ServiceWindow.max_age_s`): an
@@ -29,6 +29,7 @@ class SlotView:
     node: str
     k: int
     subject: str
+    stream: str = ""  # the slot stream that holds `subject` (the node's advert says)
     healthy: bool = True
     busy: bool = False
     free_at_s: float = 0.0  # predicted free time while busy, at the p99 (conservative)
@@ -89,17 +90,23 @@ class ModelSlots:
     promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
     rates: TokenRates = field(default_factory=TokenRates)  # a generating model's, learned
 
-    def apply_advert(self, advert: NodeAdvert,
-                     slot_subject: Callable[[str, str, int], str]) -> list[str]:
+    def apply_advert(self, advert: NodeAdvert, names: Names) -> list[str]:
         """Book a node's advert. A slot is placed on at the subject the plane's names give it
-        (`slot_subject(model, node, k)`), never at one an advert names: a slot whose advert
-        says otherwise is ignored, and its subject returned (a router must not publish where
-        any client tells it to, `$JS.API...` say)."""
+        (`names.slot(model, node, k)`), never at one an advert names, and taken from one of
+        the plane's slot streams only: a slot whose advert says otherwise is ignored, and
+        what it named returned (a router must not publish, or delete, where any client tells
+        it to, `$JS.API...` say). A node older than the advert's `stream` is in the shared
+        stream."""
         present = set()
         rejected: list[str] = []
+        streams = names.slot_streams()
         for s in advert.slots:
-            if s.subject != slot_subject(advert.model, advert.node, s.k):
+            if s.subject != names.slot(advert.model, advert.node, s.k):
                 rejected.append(s.subject)
+                continue
+            stream = s.stream or names.slots_stream
+            if stream not in streams:
+                rejected.append(stream)
                 continue
             key = slot_key(advert.node, s.k)
             present.add(key)
@@ -109,6 +116,7 @@ class ModelSlots:
                 self.slots[key] = view
             view.healthy = s.healthy
             view.subject = s.subject
+            view.stream = stream
         for key in [k for k, v in self.slots.items() if v.node == advert.node]:
             if key not in present:
                 del self.slots[key]

@@ -84,6 +84,10 @@ log = structlog.get_logger("plane.router.requests")
 # Without this, callers = slots in a closed loop saw 28-46% false 429s.
 BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)
 SETTLE_WITHIN_S = 0.010
+# A slot stream that answered no-responders is passed over this long, then tried again (a
+# cluster's leader election takes 4-9 s; one publish per stream per period finds it back).
+SILENT_STREAM_S = 0.25
+NO_STREAM = "no JetStream slot stream answers: is the broker up?"
 TENANT_LIMITS = ("max_rate.", "max_slots.")  # the live settings of a tenant's own limits
 # Requests handled back to back on the subscription's task before it lets the loop turn.
 YIELD_EVERY = 32
@@ -128,6 +132,7 @@ class Placing:
     i: int = 0
     fl: InFlight | None = None
     settles: int = 0
+    passed_silent: bool = False  # a candidate's stream had no leader (`NoStream`)
 
 
 @dataclass(slots=True)
@@ -193,6 +198,9 @@ class RequestPath:
         # settings' listener, not looked up per request.
         self._limits_set = False
         settings.on_change(self._setting_changed)
+        # Slot streams that answered a publish with no-responders (no leader: a cluster
+        # electing one), until when they are passed over (`_try_candidate`).
+        self._silent: dict[str, float] = {}
         # Told of each error the router answers (status, text): the micro endpoint's count.
         self.errored: Callable[[int, str], None] = lambda status, text: None
 
@@ -581,7 +589,15 @@ class RequestPath:
     async def _try_candidate(self, p: Placing) -> None:
         """Publish onto the next candidate slot; the broker's answer comes to `_placed`."""
         r = p.routing
+        now = time.monotonic()
+        while p.i < len(p.place.candidates) and self._is_silent(
+                p.place.candidates[p.i].stream, now):
+            p.i, p.passed_silent = p.i + 1, True
         if p.i >= len(p.place.candidates):
+            if p.passed_silent:  # the free slots' streams have no leader: as `NoStream`
+                p.fl = None  # the last one tried is untracked already
+                await self._unplaced(p, NO_STREAM)
+                return
             # Every candidate was taken under us (another router): refuse with a ticket now.
             refusal = self.admission.after_lost_race(r.ms, r.ask, time.monotonic())
             await self._refuse(r.msg, r.rid, r.model, refusal, r.tenant)
@@ -591,6 +607,15 @@ class RequestPath:
         # Track before publishing: the node's done-event can arrive before our PubAck.
         p.fl = self._track(view, r, p.headers[Header.ATTEMPT])
         await self._send(p)
+
+    def _is_silent(self, stream: str, now_s: float) -> bool:
+        until = self._silent.get(stream)
+        if until is None:
+            return False
+        if now_s < until:
+            return True
+        del self._silent[stream]  # probe it again
+        return False
 
     async def _send(self, p: Placing) -> None:
         view = p.place.candidates[p.i]
@@ -645,7 +670,12 @@ class RequestPath:
                 await self._unplaced(p, f"the broker refused: {exc}")
             case NoStream():
                 self._spawn(self._reprovision())
-                await self._unplaced(p, "no JetStream slot stream answers: is the broker up?")
+                # No stream listens on the subject: the slot's stream has no leader (a cluster
+                # electing one, 4-9 s) or is gone. Slots in another stream may be free.
+                self._silent[view.stream] = time.monotonic() + SILENT_STREAM_S
+                self._untrack(view, fl)
+                p.i, p.settles, p.fl, p.passed_silent = p.i + 1, 0, None, True
+                await self._try_candidate(p)
 
     @staticmethod
     def _settling(p: Placing, view: SlotView) -> bool:
@@ -655,9 +685,9 @@ class RequestPath:
         return p.settles < len(BROKER_SETTLE_S)
 
     async def _unplaced(self, p: Placing, why: str) -> None:
-        r, view = p.routing, p.place.candidates[p.i]
+        r = p.routing
         if p.fl is not None:
-            self._untrack(view, p.fl)
+            self._untrack(p.place.candidates[p.i], p.fl)
         await self._refuse(r.msg, r.rid, r.model, refusals.unplaceable(why), r.tenant)
         await self._decided(r, "refused")
 
@@ -672,7 +702,7 @@ class RequestPath:
         return self.inflight.track(InFlight(
             request_id=r.rid, model=r.model, reply=r.msg.reply, node=view.node, key=view.key,
             placed_s=now, tenant=r.tenant,
-            subject=view.subject, stream=self.cfg.names.slot_stream_for(view.node),
+            subject=view.subject, stream=view.stream,
             deadline_s=ask.deadline_s,
             # The router owns the deadline of what it placed: a stream's whole one.
             answer_by_s=(ask.end_deadline_s or ask.deadline_s) + self.cfg.deadline_grace_ms / 1000,

@@ -282,9 +282,9 @@ class Router(Lifecycle, TaskOwner):
         for advert in hb.adverts:
             if advert.model not in MODELS or advert.node != hb.node:
                 continue  # router state only for the plane's models and the sender's own slots
-            for subject in self._model(advert.model).apply_advert(advert, self.names.slot):
-                log.warning("slot advert ignored: its subject is not the slot's",
-                            node=advert.node, subject=subject[:120])
+            for named in self._model(advert.model).apply_advert(advert, self.names):
+                log.warning("slot advert ignored: its subject or stream is not the plane's",
+                            node=advert.node, named=named[:120])
         self._gauge_slots()
         self._heard.set()
 

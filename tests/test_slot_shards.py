@@ -1,0 +1,90 @@
+"""Slots spread over several streams (a cluster's layout, `plane.contract.provision`), on one
+real server: slot k in shard k mod shards, depth one in each, nodes and routers using the
+stream the broker names, and a router passing over a stream that answers no-responders (a
+cluster electing its leader: here, one deleted) for a slot in another.
+
+The failover itself, with a killed server, is `tests/test_cluster.py`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client
+from nats.js.errors import APIError, NotFoundError
+
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.provision import (
+    ProvisionPlan,
+    ensure_all,
+    ensure_slot_stream,
+    stream_of_subject,
+)
+from plane.contract.subjects import Header
+from tests.plane_fixtures import NAMES, calibrated, plane
+
+SHARDS = 3
+MODEL = "calibrated"
+
+
+async def sharded(nc: Client) -> None:
+    await ensure_all(nc.jetstream(), ProvisionPlan(names=NAMES, slot_shards=SHARDS))
+
+
+async def test_slot_k_lives_in_shard_k_mod_shards_with_depth_one(nc: Client) -> None:
+    await sharded(nc)
+    js = nc.jetstream()
+    for k in (0, 1, 2, 3, 7, 1023):
+        subject = NAMES.slot(MODEL, "n1", k)
+        assert await stream_of_subject(js, subject) == NAMES.slot_shard_stream(k % SHARDS)
+    subject = NAMES.slot(MODEL, "n1", 4)
+    await js.publish(subject, b"first")
+    with pytest.raises(APIError, match="maximum messages per subject"):
+        await js.publish(subject, b"second")
+    # A process whose plan is the shared stream (one server, or an older version) leaves the
+    # layout as the first creator set it.
+    await ensure_slot_stream(js, ProvisionPlan(names=NAMES))
+    with pytest.raises(NotFoundError):
+        await js.stream_info(NAMES.slots_stream)
+    assert await stream_of_subject(js, subject) == NAMES.slot_shard_stream(1)
+
+
+async def test_a_slot_number_past_the_layout_is_an_error_that_says_what_to_do(nc: Client) -> None:
+    await sharded(nc)
+    with pytest.raises(NotFoundError, match="provision the plane's streams"):
+        await stream_of_subject(nc.jetstream(), NAMES.slot(MODEL, "n1", 1024))
+
+
+async def test_nodes_and_routers_use_the_stream_the_broker_names(
+        nats_server: EmbeddedNats, nc: Client) -> None:
+    await sharded(nc)
+    async with plane(nats_server.url, models=(MODEL,), slots=SHARDS) as stack:
+        node = stack.nodes[0]
+        assert [s.stream for s in node.slots] == [NAMES.slot_shard_stream(k)
+                                                  for k in range(SHARDS)]
+        views = stack.routers[0].models[MODEL].slots.values()
+        assert sorted(v.stream for v in views) == sorted(s.stream for s in node.slots)
+        replies = await asyncio.gather(*(
+            nc.request(NAMES.infer(MODEL), calibrated(20_000), timeout=5,
+                       headers={Header.DEADLINE_MS: "2000"}) for _ in range(SHARDS)))
+        assert [(r.headers or {}).get(Header.STATUS) for r in replies] == ["200"] * SHARDS
+        assert {(r.headers or {}).get(Header.SLOT) for r in replies} == {
+            str(k) for k in range(SHARDS)}
+
+
+async def test_a_silent_slot_stream_is_passed_over_for_a_slot_in_another(
+        nats_server: EmbeddedNats, nc: Client) -> None:
+    await sharded(nc)
+    async with plane(nats_server.url, models=(MODEL,), slots=SHARDS) as stack:
+        router = stack.routers[0]
+        await nc.jetstream().delete_stream(NAMES.slot_shard_stream(0))  # slot 0's: silent now
+        statuses = []
+        for _ in range(20):
+            reply = await nc.request(NAMES.infer(MODEL), calibrated(1000), timeout=5,
+                                     headers={Header.DEADLINE_MS: "2000"})
+            statuses.append(((reply.headers or {}).get(Header.STATUS),
+                             (reply.headers or {}).get(Header.SLOT)))
+        # Every call served, none on slot 0, and the router tried slot 0 and heard nothing.
+        assert {s for s, _ in statuses} == {"200"}, statuses
+        assert {k for _, k in statuses} == {"1", "2"}, statuses
+        assert NAMES.slot_shard_stream(0) in router.requests._silent

@@ -32,7 +32,7 @@ def slots(n: int, healthy: bool = True) -> ModelSlots:
     ms = ModelSlots(model="calibrated")
     ms.apply_advert(NodeAdvert(node="n", model="calibrated", backend="torch", at_ms=0, slots=[
         SlotAdvert(k=k, subject=NAMES.slot("calibrated", "n", k), healthy=healthy)
-        for k in range(n)]), NAMES)
+        for k in range(n)]), NAMES, 0.0)
     return ms
 
 
@@ -131,7 +131,7 @@ def test_avoided_node_goes_last() -> None:
     ms = slots(1)
     ms.apply_advert(NodeAdvert(node="m", model="calibrated", backend="torch", at_ms=0,
                                slots=[SlotAdvert(k=0, subject=NAMES.slot("calibrated", "m", 0))]),
-                    NAMES)
+                    NAMES, 0.0)
     d = Admission("r").decide(ms, Ask(now_s=0, deadline_s=1, prediction=MS10, avoid_node="n"))
     assert isinstance(d, Place) and d.candidates[0].node == "m" and d.candidates[-1].node == "n"
 

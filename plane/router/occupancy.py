@@ -36,6 +36,9 @@ class SlotView:
     expected_free_s: float = 0.0  # the same at the p50 (what promises are timed to)
     request_id: str | None = None  # ours, while busy with a request this router placed
     freed_s: float = -1.0  # when its last done-event came
+    # Its stream answered a publish with no-responders (no leader): unhealthy until a node
+    # advert after this (`ModelSlots.silence`).
+    silent_until_s: float = 0.0
 
     def is_free(self, now_s: float) -> bool:
         """Free to place on. A slot the broker said was taken by someone else (no request id
@@ -90,7 +93,7 @@ class ModelSlots:
     promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
     rates: TokenRates = field(default_factory=TokenRates)  # a generating model's, learned
 
-    def apply_advert(self, advert: NodeAdvert, names: Names) -> list[str]:
+    def apply_advert(self, advert: NodeAdvert, names: Names, now_s: float) -> list[str]:
         """Book a node's advert. A slot is placed on at the subject the plane's names give it
         (`names.slot(model, node, k)`), never at one an advert names, and taken from one of
         the plane's slot streams only: a slot whose advert says otherwise is ignored, and
@@ -114,13 +117,26 @@ class ModelSlots:
             if view is None:
                 view = SlotView(key=key, node=advert.node, k=s.k, subject=s.subject)
                 self.slots[key] = view
-            view.healthy = s.healthy
+            view.healthy = s.healthy and now_s >= view.silent_until_s
             view.subject = s.subject
             view.stream = stream
         for key in [k for k, v in self.slots.items() if v.node == advert.node]:
             if key not in present:
                 del self.slots[key]
         return rejected
+
+    def silence(self, stream: str, until_s: float) -> int:
+        """The slots in `stream` are unhealthy until the first advert after `until_s`: a
+        publish there found no stream (a cluster electing its leader, 4-9 s); the node,
+        which still advertises them, cannot tell. Admission places on, and promises, the
+        others meanwhile; the next advert after `until_s` lets a request try it again. How
+        many slots it silenced."""
+        n = 0
+        for v in self.slots.values():
+            if v.stream == stream:
+                v.healthy, v.silent_until_s = False, until_s
+                n += 1
+        return n
 
     def remove_node(self, node: str) -> list[SlotView]:
         gone = [v for v in self.slots.values() if v.node == node]

@@ -84,8 +84,9 @@ log = structlog.get_logger("plane.router.requests")
 # Without this, callers = slots in a closed loop saw 28-46% false 429s.
 BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)
 SETTLE_WITHIN_S = 0.010
-# A slot stream that answered no-responders is passed over this long, then tried again (a
-# cluster's leader election takes 4-9 s; one publish per stream per period finds it back).
+# A slot stream that answered no-responders: its slots are unhealthy this long, and until the
+# next advert after it (a cluster's leader election takes 4-9 s; one publish per stream per
+# period, ~0.25-0.5 s with adverts every 250 ms, finds it back).
 SILENT_STREAM_S = 0.25
 NO_STREAM = "no JetStream slot stream answers: is the broker up?"
 TENANT_LIMITS = ("max_rate.", "max_slots.")  # the live settings of a tenant's own limits
@@ -198,9 +199,6 @@ class RequestPath:
         # settings' listener, not looked up per request.
         self._limits_set = False
         settings.on_change(self._setting_changed)
-        # Slot streams that answered a publish with no-responders (no leader: a cluster
-        # electing one), until when they are passed over (`_try_candidate`).
-        self._silent: dict[str, float] = {}
         # Told of each error the router answers (status, text): the micro endpoint's count.
         self.errored: Callable[[int, str], None] = lambda status, text: None
 
@@ -589,10 +587,11 @@ class RequestPath:
     async def _try_candidate(self, p: Placing) -> None:
         """Publish onto the next candidate slot; the broker's answer comes to `_placed`."""
         r = p.routing
-        now = time.monotonic()
-        while p.i < len(p.place.candidates) and self._is_silent(
-                p.place.candidates[p.i].stream, now):
-            p.i, p.passed_silent = p.i + 1, True
+        if p.passed_silent:  # candidates chosen before their stream fell silent: pass them
+            now = time.monotonic()
+            while (p.i < len(p.place.candidates)
+                   and p.place.candidates[p.i].silent_until_s > now):
+                p.i += 1
         if p.i >= len(p.place.candidates):
             if p.passed_silent:  # the free slots' streams have no leader: as `NoStream`
                 p.fl = None  # the last one tried is untracked already
@@ -607,15 +606,6 @@ class RequestPath:
         # Track before publishing: the node's done-event can arrive before our PubAck.
         p.fl = self._track(view, r, p.headers[Header.ATTEMPT])
         await self._send(p)
-
-    def _is_silent(self, stream: str, now_s: float) -> bool:
-        until = self._silent.get(stream)
-        if until is None:
-            return False
-        if now_s < until:
-            return True
-        del self._silent[stream]  # probe it again
-        return False
 
     async def _send(self, p: Placing) -> None:
         view = p.place.candidates[p.i]
@@ -672,10 +662,16 @@ class RequestPath:
                 self._spawn(self._reprovision())
                 # No stream listens on the subject: the slot's stream has no leader (a cluster
                 # electing one, 4-9 s) or is gone. Slots in another stream may be free.
-                self._silent[view.stream] = time.monotonic() + SILENT_STREAM_S
+                self._silence(view.stream)
                 self._untrack(view, fl)
                 p.i, p.settles, p.fl, p.passed_silent = p.i + 1, 0, None, True
                 await self._try_candidate(p)
+
+    def _silence(self, stream: str) -> None:
+        until_s = time.monotonic() + SILENT_STREAM_S
+        n = sum(ms.silence(stream, until_s) for ms in self._models.values())
+        log.warning("slot stream silent: its slots pass", stream=stream, slots=n,
+                    for_s=SILENT_STREAM_S)
 
     @staticmethod
     def _settling(p: Placing, view: SlotView) -> bool:

@@ -282,7 +282,7 @@ class Router(Lifecycle, TaskOwner):
         for advert in hb.adverts:
             if advert.model not in MODELS or advert.node != hb.node:
                 continue  # router state only for the plane's models and the sender's own slots
-            for named in self._model(advert.model).apply_advert(advert, self.names):
+            for named in self._model(advert.model).apply_advert(advert, self.names, now):
                 log.warning("slot advert ignored: its subject or stream is not the plane's",
                             node=advert.node, named=named[:120])
         self._gauge_slots()

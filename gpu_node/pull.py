@@ -14,9 +14,13 @@ expired, 409 a conflict such as the consumer deleted or a leader change, 503 no 
 ends the pull it names, and only the current pull's end asks for a new one. A pull renews
 at `RENEW_AT` of its expiry (before the broker ends it: no gap without a pull), when its
 batch is spent, and at once after a reconnect (`renew`): a restarted or failed-over broker
-keeps no waiting pulls. A renewal overlaps the last fifth of its predecessor's life, so two
-stand at once for a while (three at most, when a reconnect renews as well), within the
-consumer's `max_waiting` of 4.
+keeps no waiting pulls. A pull also asks for JetStream's idle heartbeats (status 100 while it
+delivers nothing): one that hears nothing for `SILENT_BEATS` of them is renewed, for a pull
+can end silently: its consumer's leader died with its server (a cluster), and the consumer's
+new leader knows no waiting pulls, so the slot heard nothing until its next renewal (up to
+`RENEW_AT` of the expiry) while routers placed on it. A renewal overlaps the last fifth of
+its predecessor's life, so two stand at once for a while (three at most, when a reconnect
+renews as well), within the consumer's `max_waiting` of 4.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ log = structlog.get_logger("plane.slot")
 BATCH = 10_000
 # A pull renews when this share of its expiry has passed.
 RENEW_AT = 0.8
+# The idle heartbeat asked for: this share of the expiry (the broker takes at most half),
+# at most MAX_HEARTBEAT_S; a pull silent for SILENT_BEATS of them is renewed.
+HEARTBEAT_SHARE = 0.25
+MAX_HEARTBEAT_S = 1.0
+SILENT_BEATS = 2.5
 # After a status that ends the current pull with an error (409, 503), wait this long before
 # the next: a deleted consumer would otherwise be asked again in a tight loop.
 ERROR_BACKOFF_S = 0.1
@@ -44,11 +53,16 @@ ERROR_BACKOFF_S = 0.1
 
 class StandingPull:
     def __init__(self, nc: Client, stream: str, consumer: str, *, expires_s: float,
-                 api_prefix: str = "$JS.API") -> None:
+                 api_prefix: str = "$JS.API", heartbeat_s: float | None = None) -> None:
         self._nc = nc
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._expires_s = expires_s
-        self._request = json.dumps({"batch": BATCH, "expires": int(expires_s * 1e9)}).encode()
+        beat_s = heartbeat_s or min(MAX_HEARTBEAT_S, HEARTBEAT_SHARE * expires_s)
+        self._silent_s = SILENT_BEATS * beat_s
+        self._request = json.dumps({"batch": BATCH, "expires": int(expires_s * 1e9),
+                                    "idle_heartbeat": int(beat_s * 1e9)}).encode()
+        self._heard_s = 0.0  # monotonic: the current pull's last word (or its issue)
+        self.silences = 0  # pulls renewed because they fell silent
         self._tokens = itertools.count(1)
         self._prefix = ""
         self._sub: Subscription | None = None
@@ -103,16 +117,25 @@ class StandingPull:
     async def _issue(self) -> None:
         self._current = f"{self._prefix}.{next(self._tokens)}"
         self._delivered = 0
-        self._issued_s = time.monotonic()
+        self._issued_s = self._heard_s = time.monotonic()
         await self._nc.publish(self._next_subject, self._request, reply=self._current)
 
     async def _keep(self) -> None:
         """Renew the current pull before it expires, or when asked (`renew`, a status)."""
         while True:
-            due_s = self._issued_s + RENEW_AT * self._expires_s - time.monotonic()
+            due_s = min(self._issued_s + RENEW_AT * self._expires_s,
+                        self._heard_s + self._silent_s) - time.monotonic()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, due_s)):
                     await self._renewed.wait()
+            if not self._renewed.is_set():
+                now = time.monotonic()
+                if now >= self._heard_s + self._silent_s:
+                    self.silences += 1
+                    log.warning("pull silent: asked again", subject=self._next_subject,
+                                silent_s=round(now - self._heard_s, 3))
+                elif now < self._issued_s + RENEW_AT * self._expires_s:
+                    continue  # heard from lately, and not due: wait on
             if self._renewed.is_set() and self.errors:
                 await asyncio.sleep(ERROR_BACKOFF_S)
             self._renewed.clear()
@@ -132,12 +155,16 @@ class StandingPull:
             self.errors = 0
             self._messages.put_nowait(msg)
             if msg.subject == self._current:
+                self._heard_s = time.monotonic()
                 self._delivered += 1
                 if self._delivered >= BATCH:
                     self._renewed.set()
             return
-        if status == "100" or msg.subject != self._current:
-            return  # a heartbeat, or the end of a pull already renewed
+        if msg.subject != self._current:
+            return  # the end of (or a heartbeat on) a pull already renewed
+        if status == "100":
+            self._heard_s = time.monotonic()  # idle heartbeat: the pull still stands
+            return
         if status != "408":  # 408: expired (a stalled loop renewed late); anything else: why
             self.errors += 1
             if self.errors in (1, 10) or self.errors % 100 == 0:

@@ -5,6 +5,7 @@ consumer was deleted and made again, and says on stop what it delivered that nob
 from __future__ import annotations
 
 import asyncio
+import json
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -111,3 +112,51 @@ async def test_stop_says_how_many_delivered_messages_nobody_took(nc: Client) -> 
     assert await pull.stop() == 1
     # Still on the subject, unacked: the slot answers it (Slot.sweep).
     assert (await nc.jetstream().get_last_msg(STREAM, SUBJECT)).data == b"untaken"
+
+
+async def test_an_idle_pull_hears_the_brokers_heartbeats_and_stands(nc: Client) -> None:
+    await _setup(nc)
+    requests = await _count_pull_requests(nc)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30, heartbeat_s=0.1)
+    await pull.start()
+    await asyncio.sleep(1.0)  # ten heartbeats: none missed, nothing renewed
+    await nc.flush()
+    assert len(requests) == 1 and pull.silences == 0
+    # A message taken and held unacked (a slot running a long request or stream): the
+    # broker keeps beating for the pull, which stands for the next message.
+    await nc.jetstream().publish(SUBJECT, b"long")
+    held = await asyncio.wait_for(pull.next(), 5)
+    await asyncio.sleep(1.0)
+    assert len(requests) == 1 and pull.silences == 0
+    await held.ack()
+    await nc.jetstream().publish(SUBJECT, b"next")
+    assert await _take(pull, 1) == [b"next"]
+    await pull.stop()
+
+
+async def test_a_pull_that_falls_silent_is_asked_again(nc: Client) -> None:
+    """A pull the broker forgot without a word (its consumer's leader died with its server,
+    in a cluster): played here by a relay in front of the JetStream API that sends the first
+    pull on with a short expiry and a reply subject nobody reads, the later ones as they are."""
+    await _setup(nc)
+    relayed: list[Msg] = []
+
+    async def relay(msg: Msg) -> None:
+        relayed.append(msg)
+        body, reply = msg.data, msg.reply
+        if len(relayed) == 1:  # lost: its heartbeats go nowhere, and it ends at once
+            body = json.dumps({**json.loads(body), "expires": 100_000_000}).encode()
+            reply = nc.new_inbox()
+        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}", body, reply=reply)
+
+    await nc.subscribe(f"$JS.relay.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}", cb=relay)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30, heartbeat_s=0.1,
+                        api_prefix="$JS.relay.API")
+    await pull.start()
+    # Renewed after 2.5 heartbeats of silence, not at 80% of its 30 s expiry.
+    await wait_until(lambda: len(relayed) >= 2, 2, "the silent pull to be asked again")
+    assert pull.silences >= 1
+    await _standing(nc)
+    await nc.jetstream().publish(SUBJECT, b"after")
+    assert await _take(pull, 1) == [b"after"]
+    await pull.stop()

@@ -42,6 +42,7 @@ from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_bi
 from plane.contract.errors import ConfigError, ConnectionClosed
 from plane.contract.messages import DoneEvent, FaultCommand, done_decoder, json_encoder
 from plane.contract.natsconn import connect
+from plane.contract.provision import ProvisionPlan, ensure_all
 from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import wait_until
@@ -81,8 +82,18 @@ class Secured:
 
 
 @asynccontextmanager
-async def secured(auth: AuthDir, **kw: object) -> AsyncIterator[Secured]:
+async def secured(auth: AuthDir, *, slot_shards: int | None = None,
+                  **kw: object) -> AsyncIterator[Secured]:
+    """A plane under the roles; `slot_shards`: its slot streams laid out as a cluster's,
+    provisioned by admin first (the plane's processes find them by subject)."""
     async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        if slot_shards is not None:
+            nc = await connect(auth.options("admin", server.url))
+            try:
+                await ensure_all(nc.jetstream(), ProvisionPlan(names=NAMES,
+                                                               slot_shards=slot_shards))
+            finally:
+                await nc.close()
         kw = {"models": ("calibrated",), "slots": 2, **kw}
         cfg = StackConfig(connect=auth.options("admin", server.url), roles=auth.roles(),
                           settings=auth.tenant_settings(), **kw)  # type: ignore[arg-type]
@@ -341,11 +352,16 @@ await nc.close();
 """
 
 
-async def test_failures_are_answered_under_the_roles(auth: AuthDir) -> None:
+@pytest.mark.parametrize("slot_shards", [None, 2], ids=["shared", "sharded"])
+async def test_failures_are_answered_under_the_roles(auth: AuthDir,
+                                                     slot_shards: int | None) -> None:
     """A hung slot (admin's fault drill): the node takes the message and answers the tenant
     503 through the import's reply subject; the slot is withdrawn, reclaimed (its consumer
-    deleted and made again, its subject swept) and serves again. Nothing refused."""
-    async with secured(auth, slots=1, allow_faults=True) as plane:
+    deleted and made again, its subject swept) and serves again. Nothing refused, with one
+    slot stream or a cluster's shards (`JS.STREAM.NAMES`, the shards' own names)."""
+    async with secured(auth, slots=1, allow_faults=True, slot_shards=slot_shards) as plane:
+        want = NAMES.slots_stream if slot_shards is None else NAMES.slot_shard_stream(0)
+        assert plane.stack.nodes[0].slots[0].stream == want
         admin = await connect(auth.options("admin", plane.url))
         acme = await connect(auth.options("acme", plane.url))
         try:

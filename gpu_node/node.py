@@ -255,6 +255,7 @@ class Node(Lifecycle, TaskOwner):
                 answered=self.answered, must_take=self.must_take,
                 sms=partition_sms(self.backend), tracing=self.tracing,
                 generator=generator, stream_reply=self.streams.reply_subject(k),
+                changed=self.changed,
             )
             self.slots.append(slot)
             await slot.claim()
@@ -307,7 +308,7 @@ class Node(Lifecycle, TaskOwner):
             slots=[
                 SlotAdvert(
                     k=s.k, subject=s.subject, stream=s.stream,
-                    healthy=s.claimed and s.healthy and s.withdrawn_for is None,
+                    healthy=s.claimed and s.healthy and s.withdrawn_for is None and s.reaches,
                     p50_us=s.window.p50_us, p99_us=s.window.p99_us,
                 )
                 for s in self.slots

@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import json
 import time
+from collections.abc import Callable
 
 import structlog
 from nats.aio.client import Client
@@ -53,7 +54,8 @@ ERROR_BACKOFF_S = 0.1
 
 class StandingPull:
     def __init__(self, nc: Client, stream: str, consumer: str, *, expires_s: float,
-                 api_prefix: str = "$JS.API", heartbeat_s: float | None = None) -> None:
+                 api_prefix: str = "$JS.API", heartbeat_s: float | None = None,
+                 on_reach: Callable[[bool], None] | None = None) -> None:
         self._nc = nc
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._expires_s = expires_s
@@ -63,6 +65,12 @@ class StandingPull:
                                     "idle_heartbeat": int(beat_s * 1e9)}).encode()
         self._heard_s = 0.0  # monotonic: the current pull's last word (or its issue)
         self.silences = 0  # pulls renewed because they fell silent
+        # Whether the consumer takes our pulls: False from a pull ended by no-responders (no
+        # consumer leader: a cluster electing one, 4-9 s) or by the consumer's deletion, True
+        # again at the next delivery or heartbeat. `on_reach` hears each change (the slot
+        # advertises itself unhealthy meanwhile: routers would place where nothing fetches).
+        self.reaches = True
+        self._on_reach = on_reach
         self._tokens = itertools.count(1)
         self._prefix = ""
         self._sub: Subscription | None = None
@@ -148,27 +156,38 @@ class StandingPull:
                 log.warning("pull request not sent", subject=self._next_subject, error=repr(exc))
                 await asyncio.sleep(ERROR_BACKOFF_S)
 
+    def _reached(self, ok: bool) -> None:
+        if ok != self.reaches:
+            self.reaches = ok
+            if self._on_reach is not None:
+                self._on_reach(ok)
+
     async def _on_msg(self, msg: Msg) -> None:
         h = msg.headers
         status = h.get("Status") if h else None
         if not status:
             self.errors = 0
             self._messages.put_nowait(msg)
+            self._reached(True)  # on any of our pulls: the consumer delivers
             if msg.subject == self._current:
                 self._heard_s = time.monotonic()
                 self._delivered += 1
                 if self._delivered >= BATCH:
                     self._renewed.set()
             return
-        if msg.subject != self._current:
-            return  # the end of (or a heartbeat on) a pull already renewed
-        if status == "100":
-            self._heard_s = time.monotonic()  # idle heartbeat: the pull still stands
+        if status == "100":  # idle heartbeat: a pull stands at the consumer
+            self._reached(True)
+            if msg.subject == self._current:
+                self._heard_s = time.monotonic()
             return
+        if msg.subject != self._current:
+            return  # the end of a pull already renewed
+        description = h.get("Description", "") if h else ""
+        if status == "503" or (status == "409" and "Deleted" in description):
+            self._reached(False)
         if status != "408":  # 408: expired (a stalled loop renewed late); anything else: why
             self.errors += 1
             if self.errors in (1, 10) or self.errors % 100 == 0:
                 log.warning("pull ended by the broker", subject=self._next_subject,
-                            status=status, description=h.get("Description", "") if h else "",
-                            times=self.errors)
+                            status=status, description=description, times=self.errors)
         self._renewed.set()

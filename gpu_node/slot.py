@@ -88,6 +88,10 @@ ACK_WAIT_S = 30.0
 # Depth one leaves at most one message on a subject; in a cluster a few more have been seen
 # (nats-server #6245): a sweep takes at most this many.
 SWEEP_MAX = 4
+# A slot whose consumer does not take its pulls is looked at this often: made again if the
+# broker says it is gone (deleted, or lost with a restarted broker), else waited for (a
+# cluster electing its leader).
+UNREACHED_CHECK_S = 1.0
 # A node that took a message after its deadline asks its router whether it answered it
 # already (`_router_answered`): each try this long, for at most this long in all (its router
 # may be failing over with the broker).
@@ -109,6 +113,7 @@ class Slot(Generating):
         inline_work_us: int = 0, enrich: Enrich | None = None, answered: RecentIds | None = None,
         must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
         generator: SlotGenerator | None = None, stream_reply: str = "",
+        changed: Callable[[], None] | None = None,
     ) -> None:
         self.k = k
         self.runner = runner
@@ -128,6 +133,7 @@ class Slot(Generating):
         self.tracing = tracing or Tracing.off()
         self.generator = generator  # tinylm: this slot's generation state
         self.stream_reply = stream_reply  # stream messages' reply subject (see streaming.py)
+        self._changed = changed or (lambda: None)  # what routers must hear: adverts now
         # Label children only where streams run: no zero series for other models.
         self.stream_meters = StreamMeters(metrics, spec.name) if generator is not None else None
         self.thread = SlotThread(f"slot-{self.model}-{k}",
@@ -140,6 +146,7 @@ class Slot(Generating):
         self.current: Current | None = None
         self._task: asyncio.Task[None] | None = None
         self._pull: StandingPull | None = None  # while claimed
+        self._unreached: asyncio.Task[None] | None = None  # `_reclaim_if_lost`, while running
         self._claimed = False
         self._label = (self.model, str(k))
         # Metric children resolved once: the per-request path does no label lookups.
@@ -157,6 +164,34 @@ class Slot(Generating):
     def claimed(self) -> bool:
         return self._claimed
 
+    @property
+    def reaches(self) -> bool:
+        """Whether its consumer takes its pulls (`StandingPull.reaches`): advertised healthy
+        only then, so routers place nothing where nothing fetches (a cluster electing the
+        consumer's leader)."""
+        return self._pull is None or self._pull.reaches
+
+    def _pull_reaches(self, ok: bool) -> None:
+        log.warning("slot consumer answers again" if ok else "slot consumer unreachable",
+                    model=self.model, slot=self.k, stream=self.stream)
+        self._changed()
+        if not ok and (self._unreached is None or self._unreached.done()):
+            self._unreached = asyncio.create_task(self._reclaim_if_lost(),
+                                                  name=f"unreached-{self.model}-{self.k}")
+
+    async def _reclaim_if_lost(self) -> None:
+        """While the consumer does not take our pulls: if the broker says it is gone, claim
+        the slot again (a fresh consumer); if it cannot say, or it exists (no leader yet),
+        wait: the pull's renewals find it when it answers."""
+        while self._claimed and not self.reaches:
+            await asyncio.sleep(UNREACHED_CHECK_S)
+            if self._claimed and not self.reaches and not await self.consumer_alive():
+                log.warning("consumer lost: re-claiming slot", slot=self.k)
+                await self.withdraw("consumer lost", wait_s=1.0)
+                await self.claim()
+                self._changed()
+                return
+
     async def claim(self) -> None:
         """Take the subject: answer whatever an earlier life left on it (see `sweep`), bind a
         fresh consumer, and start fetching."""
@@ -171,7 +206,8 @@ class Slot(Generating):
             ack_policy=AckPolicy.EXPLICIT, max_ack_pending=1, ack_wait=ACK_WAIT_S,
             inactive_threshold=CONSUMER_INACTIVE_S, mem_storage=True, max_waiting=4,
         ))
-        pull = StandingPull(self.nc, self.stream, self.consumer, expires_s=self.pull_expiry_s)
+        pull = StandingPull(self.nc, self.stream, self.consumer, expires_s=self.pull_expiry_s,
+                            on_reach=self._pull_reaches)
         await pull.start()
         self._pull = pull
         self._claimed = True
@@ -268,6 +304,8 @@ class Slot(Generating):
             return True  # cannot tell: keep it; a failing fetch will show
 
     async def close(self) -> None:
+        if self._unreached is not None:
+            await cancel_and_wait(self._unreached)
         self.thread.shutdown()
 
     # -- data path --------------------------------------------------------------------------

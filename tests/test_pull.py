@@ -93,15 +93,20 @@ async def test_the_pull_is_renewed_before_it_expires(nc: Client) -> None:
 
 
 async def test_a_consumer_deleted_and_made_again_is_pulled_again(nc: Client) -> None:
-    pull = await _started(nc)
+    await _setup(nc)
+    reached: list[bool] = []
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30, on_reach=reached.append)
+    await pull.start()
     js = nc.jetstream()
     await _standing(nc)  # else the delete may come before the pull
     await js.delete_consumer(STREAM, CONSUMER)  # the broker ends the pull: 409
     await wait_until(lambda: pull.errors, 5, "the broker to end the pull")
+    assert not pull.reaches and reached == [False]  # and the renewals find no consumer (503)
     await _consumer(nc)
     await js.publish(SUBJECT, b"after")
     assert await _take(pull, 1) == [b"after"]
     assert pull.errors == 0
+    assert pull.reaches and reached == [False, True]
     await pull.stop()
 
 

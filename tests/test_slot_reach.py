@@ -1,0 +1,41 @@
+"""A slot whose consumer does not take its pulls (`gpu_node.pull.StandingPull.reaches`), on a
+real server: the node advertises it unhealthy at once, so routers place on its other slots,
+and claims it again when the broker says the consumer is gone. (In a cluster the same holds
+while a dead server's consumer leader is elected again: the consumer exists, the node waits.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.subjects import Header
+from tests.plane_fixtures import NAMES, calibrated, plane, wait_until
+
+MODEL, NODE = "calibrated", "node0-calibrated"
+
+
+async def test_a_slot_whose_consumer_is_deleted_is_unhealthy_until_claimed_again(
+        nats_server: EmbeddedNats, nc: Client) -> None:
+    async with plane(nats_server.url, models=(MODEL,), slots=2) as stack:
+        slot = stack.nodes[0].slots[0]
+        view = stack.routers[0].models[MODEL].slots[f"{NODE}/0"]
+        first = slot.consumer
+        await nc.jetstream().delete_consumer(slot.stream, slot.consumer)  # behind its back
+        await wait_until(lambda: not view.healthy, 5, "the router to hear slot 0 unhealthy")
+        assert not slot.reaches
+        # Meanwhile every call goes to slot 1, none is left on slot 0 to time out.
+        for _ in range(5):
+            reply = await nc.request(NAMES.infer(MODEL), calibrated(1000), timeout=5,
+                                     headers={Header.DEADLINE_MS: "2000"})
+            assert (reply.headers or {}).get(Header.STATUS) == "200"
+            assert (reply.headers or {}).get(Header.SLOT) == "1"
+        # The node finds the consumer gone and claims the slot again: it serves.
+        await wait_until(lambda: slot.reaches and view.healthy, 10, "slot 0 claimed again")
+        info = await nc.jetstream().consumer_info(slot.stream, first)
+        assert info.config.durable_name == first
+        replies = await asyncio.gather(*(
+            nc.request(NAMES.infer(MODEL), calibrated(20_000), timeout=5,
+                       headers={Header.DEADLINE_MS: "2000"}) for _ in range(2)))
+        assert sorted((r.headers or {}).get(Header.SLOT) for r in replies) == ["0", "1"]

@@ -39,7 +39,7 @@ from nats.js.errors import Error as JsError
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.processes import free_port
-from plane.contract.provision import ProvisionPlan, ensure_all
+from plane.contract.provision import ProvisionPlan, ensure_all, stream_of_subject
 from plane.contract.subjects import Header
 from plane.stack import PlaneStack, StackConfig
 from tests.ledger import Ledger
@@ -75,9 +75,10 @@ MAX_LOST_AT_KILL = 5
 
 
 @asynccontextmanager
-async def cluster() -> AsyncIterator[list[EmbeddedNats]]:
+async def cluster(plan: ProvisionPlan | None = None) -> AsyncIterator[list[EmbeddedNats]]:
     """Three servers, routes to each other, distinct names and stores; yields once JetStream
-    has a meta leader and the plane's streams exist with three replicas."""
+    has a meta leader and the plane's streams exist as `plan` lays them out (by default,
+    three replicas)."""
     cluster_ports = [free_port() for _ in range(SERVERS)]
     servers = [
         EmbeddedNats(NatsServerSpec(
@@ -88,13 +89,15 @@ async def cluster() -> AsyncIterator[list[EmbeddedNats]]:
     ]
     try:
         await asyncio.gather(*(s.start() for s in servers))
-        await provision_when_ready(",".join(s.url for s in servers))
+        await provision_when_ready(",".join(s.url for s in servers),
+                                   plan or ProvisionPlan(names=NAMES, replicas=REPLICAS))
         yield servers
     finally:
         await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
 
 
-async def provision_when_ready(url: str, timeout_s: float = 30.0) -> None:
+async def provision_when_ready(url: str, plan: ProvisionPlan,
+                               timeout_s: float = 30.0) -> None:
     """Create the streams and buckets (R3) once there is a meta leader; until then JetStream
     answers 'temporarily unavailable' or times out, so retry."""
     nc = await nats.connect(url.split(","))
@@ -104,7 +107,7 @@ async def provision_when_ready(url: str, timeout_s: float = 30.0) -> None:
             while True:
                 try:
                     await js.account_info()
-                    await ensure_all(js, ProvisionPlan(names=NAMES, replicas=REPLICAS))
+                    await ensure_all(js, plan)
                     return
                 except (NatsError, JsError, TimeoutError):
                     await asyncio.sleep(0.2)
@@ -307,6 +310,19 @@ async def test_cluster_keeps_one_answer_per_request_and_depth_one_when_a_server_
         assert len(reconnected) == len(stack.clients), report
         assert all(port_of(u) != port_of(victim.url) for u in reconnected), report
         assert new_leader != victim.spec.server_name, report
+
+
+async def test_a_shared_slot_stream_made_first_keeps_its_layout_and_gets_three_replicas() -> None:
+    """A process without `--replicas` (or an older version) made the shared slot stream with
+    one replica: a cluster's processes leave the layout (nodes find their slots in it) and
+    raise its replicas to theirs, as for any of the plane's streams."""
+    async with cluster(ProvisionPlan(names=NAMES)) as servers, _client(servers[0].url) as nc:
+        js = nc.jetstream(timeout=5.0)
+        await ensure_all(js, ProvisionPlan(names=NAMES, replicas=REPLICAS))
+        info = await js.stream_info(NAMES.slots_stream)
+        assert info.config.num_replicas == REPLICAS
+        slot = NAMES.slot("calibrated", "n1", 1)
+        assert await stream_of_subject(js, slot) == NAMES.slots_stream
 
 
 @asynccontextmanager

@@ -88,32 +88,43 @@ def slot_stream_configs(plan: ProvisionPlan) -> list[StreamConfig]:
 
 
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> bool:
-    """Create the stream; if it exists with another config, raise its replicas to ours but
-    never lower them (a single-replica process must not downgrade a cluster's stream), and
-    leave the rest as the first creator set it. False when another stream already holds its
-    subjects (the layout is someone else's: leave it)."""
+    """Create the stream; if it exists with another config, raise its replicas to ours (see
+    `_raise_replicas`) and leave the rest as the first creator set it. False when another
+    stream already holds its subjects (the layout is someone else's: leave it)."""
     try:
         await js.add_stream(cfg)
     except BadRequestError as exc:
         if exc.err_code == SUBJECTS_OVERLAP:
             return False
         assert cfg.name is not None
-        have = (await js.stream_info(cfg.name)).config
-        if (cfg.num_replicas or 1) > (have.num_replicas or 1):
-            have.num_replicas = cfg.num_replicas
-            await js.update_stream(have)
-        elif (cfg.num_replicas or 1) < (have.num_replicas or 1):
-            log.info("stream keeps its replicas", stream=cfg.name, replicas=have.num_replicas)
+        await _raise_replicas(js, (await js.stream_info(cfg.name)).config, cfg.num_replicas or 1)
     return True
+
+
+async def _raise_replicas(js: JetStreamContext, have: StreamConfig, replicas: int) -> None:
+    """Raise a stream's replicas to `replicas`, never lower them (a single-replica process
+    must not downgrade a cluster's stream)."""
+    if replicas > (have.num_replicas or 1):
+        have.num_replicas = replicas
+        await js.update_stream(have)
+    elif replicas < (have.num_replicas or 1):
+        log.info("stream keeps its replicas", stream=have.name, replicas=have.num_replicas)
 
 
 async def ensure_slot_stream(js: JetStreamContext, plan: ProvisionPlan) -> None:
     """The slot streams as the plan lays them out, unless the broker holds the slot subjects
-    in another layout already (the first creator's stands: the shared stream of an older
-    version, or another shard count); nodes find theirs by subject either way."""
+    in another layout already: the first creator's stands (the shared stream of an older
+    version or of a process started without `--replicas`, another shard count), with its
+    replicas raised to ours as for any stream; nodes find theirs by subject either way."""
     for cfg in slot_stream_configs(plan):
         if not await _ensure_stream(js, cfg):
             log.info("slot streams keep their layout", wanted=cfg.name)
+            for name in plan.names.slot_streams():
+                try:
+                    have = (await js.stream_info(name)).config
+                except NotFoundError:
+                    continue
+                await _raise_replicas(js, have, plan.replicas)
             return
 
 

@@ -174,6 +174,7 @@ class Slot(Generating):
     def _pull_reaches(self, ok: bool) -> None:
         log.warning("slot consumer answers again" if ok else "slot consumer unreachable",
                     model=self.model, slot=self.k, stream=self.stream)
+        self.metrics.slot_healthy.labels(*self._label).set(int(ok and self._claimed))
         self._changed()
         if not ok and (self._unreached is None or self._unreached.done()):
             self._unreached = asyncio.create_task(self._reclaim_if_lost(),

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.js.errors import APIError, NotFoundError
 
 from plane.contract.embedded import EmbeddedNats
+from plane.contract.messages import Heartbeat, NodeAdvert, SlotAdvert, json_encoder
 from plane.contract.provision import (
     ProvisionPlan,
     ensure_all,
@@ -21,10 +22,10 @@ from plane.contract.provision import (
     stream_of_subject,
 )
 from plane.contract.subjects import Header
-from tests.plane_fixtures import NAMES, calibrated, plane
+from tests.plane_fixtures import NAMES, calibrated, plane, wait_until
 
 SHARDS = 3
-MODEL = "calibrated"
+MODEL, GHOST = "calibrated", "ghost"
 
 
 async def sharded(nc: Client) -> None:
@@ -74,18 +75,41 @@ async def test_nodes_and_routers_use_the_stream_the_broker_names(
 
 async def test_a_silent_slot_stream_is_passed_over_for_a_slot_in_another(
         nats_server: EmbeddedNats, nc: Client) -> None:
+    """A slot stream with no leader answers a publish with no-responders. A real node hears
+    of it from its own pull (a slot advertised unhealthy: `tests/test_slot_reach.py`), but in
+    a cluster only seconds later; here a node that has not heard yet is played by heartbeats
+    advertising slot 0 of node `ghost`, in the shard deleted under it."""
     await sharded(nc)
     async with plane(nats_server.url, models=(MODEL,), slots=SHARDS) as stack:
         router = stack.routers[0]
-        await nc.jetstream().delete_stream(NAMES.slot_shard_stream(0))  # slot 0's: silent now
-        statuses = []
-        for _ in range(20):
-            reply = await nc.request(NAMES.infer(MODEL), calibrated(1000), timeout=5,
-                                     headers={Header.DEADLINE_MS: "2000"})
-            statuses.append(((reply.headers or {}).get(Header.STATUS),
-                             (reply.headers or {}).get(Header.SLOT)))
-        # Every call served, none on slot 0, and the router tried slot 0 and heard nothing.
+        advert = NodeAdvert(node=GHOST, model=MODEL, backend="torch", at_ms=0, slots=[
+            SlotAdvert(k=0, subject=NAMES.slot(MODEL, GHOST, 0),
+                       stream=NAMES.slot_shard_stream(0))])
+        beat = json_encoder.encode(Heartbeat(node=GHOST, at_ms=0, adverts=[advert],
+                                             instance="ghost", started_ms=1))
+        stop = asyncio.Event()
+
+        async def heartbeats() -> None:
+            while not stop.is_set():
+                await nc.publish(NAMES.health(GHOST), beat)
+                await asyncio.sleep(0.1)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(heartbeats())
+            await wait_until(lambda: f"{GHOST}/0" in router.models[MODEL].slots, 5,
+                             "the router to hear the ghost's slot")
+            await nc.jetstream().delete_stream(NAMES.slot_shard_stream(0))  # silent now
+            statuses = []
+            for _ in range(20):
+                reply = await nc.request(NAMES.infer(MODEL), calibrated(1000), timeout=5,
+                                         headers={Header.DEADLINE_MS: "2000"})
+                statuses.append(((reply.headers or {}).get(Header.STATUS),
+                                 (reply.headers or {}).get(Header.SLOT)))
+            stop.set()
+        # Every call served on a slot of the other shards; the router tried the ghost's slot,
+        # found no stream, and passed it over.
         assert {s for s, _ in statuses} == {"200"}, statuses
-        assert {k for _, k in statuses} == {"1", "2"}, statuses
-        view = next(v for v in router.models[MODEL].slots.values() if v.k == 0)
-        assert view.silent_until_s > 0  # the router tried slot 0 and heard nothing
+        assert {k for _, k in statuses} <= {"1", "2"}, statuses
+        assert router.models[MODEL].slots[f"{GHOST}/0"].silent_until_s > 0
+        silences = stack.metrics.stream_silences.labels(NAMES.slot_shard_stream(0))
+        assert silences._value.get() >= 1

@@ -60,6 +60,10 @@ class PlaneMetrics:
         self.broker_refusals = Counter(
             "plane_broker_slot_refusals", "Slot publishes refused by the broker (depth one)",
             ["model"], registry=r)
+        self.stream_silences = Counter(
+            "plane_slot_stream_silences", "Slot publishes no stream answered (no leader: a "
+            "cluster electing one); the stream's slots pass for a while", ["stream"],
+            registry=r)
         self.slots_known = Gauge(
             "plane_slots", "Slots known to the router", ["model", "state"], registry=r)
         self.promises_open = Gauge(

@@ -670,6 +670,7 @@ class RequestPath:
     def _silence(self, stream: str) -> None:
         until_s = time.monotonic() + SILENT_STREAM_S
         n = sum(ms.silence(stream, until_s) for ms in self._models.values())
+        self.metrics.stream_silences.labels(stream).inc()
         log.warning("slot stream silent: its slots pass", stream=stream, slots=n,
                     for_s=SILENT_STREAM_S)
 

@@ -325,6 +325,34 @@ async def test_a_shared_slot_stream_made_first_keeps_its_layout_and_gets_three_r
         assert await stream_of_subject(js, slot) == NAMES.slots_stream
 
 
+async def test_a_router_keeps_slot_leaders_apart_and_consumers_with_their_streams() -> None:
+    """Every slot stream led from one server (a failover can leave them so): a router moves
+    them apart and leads each slot's consumer from its stream's server, so that the next dead
+    server stops a third of the slots, not all (`plane.contract.slot_leaders`)."""
+    async with cluster() as servers, _client(servers[0].url) as nc:
+        one = servers[0].spec.server_name or ""
+        for stream in SHARDS:
+            await move_slot_leader(nc, stream, one)
+        cfg = StackConfig(connect=ConnectOptions(url=",".join(s.url for s in servers)),
+                          models=("calibrated",), slots=3, replicas=REPLICAS)
+        async with PlaneStack(cfg):
+            js = nc.jetstream(timeout=5.0)
+
+            async def apart() -> bool:
+                leaders = {s: await slot_stream_leader(nc, s) for s in SHARDS}
+                if len(set(leaders.values())) != len(SHARDS):
+                    return False
+                led = [(s, c.cluster.leader if c.cluster else None)
+                       for s in SHARDS for c in await js.consumers_info(s)]
+                return all(leader == leaders[s] for s, leader in led)
+
+            async with asyncio.timeout(30):  # a router looks every 10 s
+                while not await apart():
+                    await asyncio.sleep(0.5)
+            consumers = [c for s in SHARDS for c in await js.consumers_info(s)]
+            assert len(consumers) == 3  # one slot per shard
+
+
 @asynccontextmanager
 async def _client(url: str) -> AsyncIterator[Client]:
     nc = await nats.connect(url, allow_reconnect=False)

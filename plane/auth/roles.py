@@ -89,6 +89,10 @@ def router(n: Names) -> Permissions:
             # ask each for its status (reads only).
             "$SRV.PING.>", "$SRV.INFO.>", f"{p}.node.*.status",
             *_provision(n), *_take(n), *_watch(n.config_bucket, n.nodes_bucket),
+            # keeps a cluster's slot leaders apart (`plane.contract.slot_leaders`)
+            *[f"$JS.API.STREAM.LEADER.STEPDOWN.{s}" for s in n.slot_streams()],
+            *[f"$JS.API.CONSUMER.LIST.{s}" for s in n.slot_streams()],
+            *[f"$JS.API.CONSUMER.LEADER.STEPDOWN.{s}.>" for s in n.slot_streams()],
         ),
         subscribe=(
             n.infer_all(),  # the queue group plane-routers

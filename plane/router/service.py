@@ -28,7 +28,7 @@ from plane.contract import replies
 from plane.contract.config import RouterConfig
 from plane.contract.doze import Doze
 from plane.contract.identity import Heard, Instances
-from plane.contract.lifecycle import Lifecycle, TaskOwner
+from plane.contract.lifecycle import Lifecycle, TaskOwner, cancel_and_wait
 from plane.contract.messages import (
     DoneEvent,
     Reason,
@@ -43,6 +43,7 @@ from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
 from plane.contract.settings import LiveSettings
+from plane.contract.slot_leaders import keep_apart
 from plane.contract.soon_flush import use_soon_flush
 from plane.contract.subjects import ROUTER_QUEUE_GROUP
 from plane.contract.tracing import Tracing
@@ -78,6 +79,8 @@ LAG_QUIET_S = 1.0
 BEHIND_PATIENCE = 5
 # How long a starting router waits to hear the advertised nodes before it takes requests.
 LEARN_SLOTS_S = 1.0
+# How often a router in a cluster looks at where the slot streams are led from.
+SPREAD_LEADERS_S = 10.0
 # Room for headers in every message the router sends on a caller's behalf: the caller's own
 # (bounded, see plane.contract.headers), ours, and the reply subject (the server's
 # max_control_line).
@@ -148,6 +151,7 @@ class Router(Lifecycle, TaskOwner):
         self.lost = asyncio.Event()
         self.flood_memory = FloodMemory()
         self._doze = Doze()  # the idle watchdog's sleep, cut short by a slot publish
+        self._leaders: asyncio.Task[None] | None = None  # `_spread_leaders`, in a cluster
         self.watchdog_ticks = 0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -173,6 +177,8 @@ class Router(Lifecycle, TaskOwner):
                                                   cb=self._on_answered_query))
         await self.publisher.start()
         self._spawn(self._watchdog())
+        if self._plan.replicas > 1:  # a cluster's slot streams: their leaders kept apart
+            self._leaders = asyncio.create_task(self._spread_leaders(), name="slot-leaders")
         await self._learn_slots(nodes_kv)
         self._service = await add_service(
             self.nc, name=n.router_service, version="0.1.0",
@@ -223,6 +229,8 @@ class Router(Lifecycle, TaskOwner):
         if not self._started or self._stopping:
             return
         self._stopping = True
+        if self._leaders is not None:
+            await cancel_and_wait(self._leaders)
         # Drain, not unsubscribe, the subjects that bring requests: nats-py discards what a
         # subscription has read but not yet handed to us when it unsubscribes, and a request
         # already delivered to this router is answered by no one else (the soak lost one
@@ -391,6 +399,17 @@ class Router(Lifecycle, TaskOwner):
             self.instances.forget(node)
             self.inflight.node_dead(node, why)
         self._gauge_slots()
+
+    async def _spread_leaders(self) -> None:
+        """Now and then, the slot streams' leaders apart and each consumer led from its
+        stream's (`plane.contract.slot_leaders`): after a failover moved leaders together,
+        the next dead server would stop more slots than its share. The router that makes
+        promises does it (two would step the same leader down twice)."""
+        while True:
+            if self.peers.promiser() == self.cfg.router_id:
+                with contextlib.suppress(Exception):
+                    await keep_apart(self.nc, self.js, self.names)
+            await asyncio.sleep(SPREAD_LEADERS_S)
 
     async def _watchdog(self) -> None:
         """Dead nodes (no heartbeat) and requests past their deadline with no done-event:

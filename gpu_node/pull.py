@@ -183,6 +183,9 @@ class StandingPull:
         if msg.subject != self._current:
             return  # the end of a pull already renewed
         description = h.get("Description", "") if h else ""
+        if status == "409" and description == "Leadership Change":
+            self._renewed.set()  # moved to another server (a step-down): ask it at once
+            return
         if status == "503" or (status == "409" and "Deleted" in description):
             self._reached(False)
         if status != "408":  # 408: expired (a stalled loop renewed late); anything else: why

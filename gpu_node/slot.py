@@ -188,7 +188,7 @@ class Slot(Generating):
             await asyncio.sleep(UNREACHED_CHECK_S)
             if self._claimed and not self.reaches and not await self.consumer_alive():
                 log.warning("consumer lost: re-claiming slot", slot=self.k)
-                await self.withdraw("consumer lost", wait_s=1.0)
+                await self.withdraw("consumer-lost", wait_s=1.0)
                 await self.claim()
                 self._changed()
                 return

@@ -335,7 +335,7 @@ async def test_a_router_keeps_slot_leaders_apart_and_consumers_with_their_stream
             await move_slot_leader(nc, stream, one)
         cfg = StackConfig(connect=ConnectOptions(url=",".join(s.url for s in servers)),
                           models=("calibrated",), slots=3, replicas=REPLICAS)
-        async with PlaneStack(cfg):
+        async with PlaneStack(cfg) as stack:
             js = nc.jetstream(timeout=5.0)
 
             async def apart() -> bool:
@@ -351,6 +351,15 @@ async def test_a_router_keeps_slot_leaders_apart_and_consumers_with_their_stream
                     await asyncio.sleep(0.5)
             consumers = [c for s in SHARDS for c in await js.consumers_info(s)]
             assert len(consumers) == 3  # one slot per shard
+            # A moved consumer's standing pull heard "409 Leadership Change" and asked the
+            # new leader at once: not an error (no back-off), and every slot serves.
+            pulls = [s._pull for s in stack.nodes[0].slots]
+            assert all(p is not None and p.errors == 0 for p in pulls)
+            replies = await asyncio.gather(*(
+                nc.request(NAMES.infer("calibrated"), calibrated(20_000), timeout=5,
+                           headers={Header.DEADLINE_MS: "2000"}) for _ in range(3)))
+            assert sorted((r.headers or {}).get(Header.SLOT) or "" for r in replies) == \
+                ["0", "1", "2"]
 
 
 @asynccontextmanager

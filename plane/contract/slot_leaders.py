@@ -40,7 +40,7 @@ async def keep_apart(nc: Client, js: JetStreamContext, names: Names) -> int:
     """Spread the slot streams' leaders, then lead each consumer from its stream's; how many
     step-downs were asked."""
     led: dict[str, str] = {}  # stream -> its leader
-    live: set[str] = set()  # servers that may lead: leaders and current replicas
+    peers: dict[str, set[str]] = {}  # stream -> the servers that may lead it: live, current
     for name in names.slot_streams():
         try:
             cluster = (await js.stream_info(name)).cluster
@@ -49,10 +49,9 @@ async def keep_apart(nc: Client, js: JetStreamContext, names: Names) -> int:
         if cluster is None or not cluster.leader:
             continue
         led[name] = cluster.leader
-        live.add(cluster.leader)
-        live.update(p.name for p in cluster.replicas or []
-                    if p.name and p.current and not p.offline)
-    moved = await _spread(nc, led, live) if len(led) > 1 else 0
+        peers[name] = {cluster.leader} | {p.name for p in cluster.replicas or []
+                                          if p.name and p.current and not p.offline}
+    moved = await _spread(nc, led, peers) if len(led) > 1 else 0
     for stream, leader in led.items():
         try:
             consumers = await js.consumers_info(stream)
@@ -65,13 +64,14 @@ async def keep_apart(nc: Client, js: JetStreamContext, names: Names) -> int:
     return moved
 
 
-async def _spread(nc: Client, led: dict[str, str], live: set[str]) -> int:
-    """Move stream leaders off servers that lead two while one leads none; updates `led`."""
-    leads = Counter({server: 0 for server in live})
+async def _spread(nc: Client, led: dict[str, str], peers: dict[str, set[str]]) -> int:
+    """Move stream leaders off servers that lead two to a peer of theirs that leads none;
+    updates `led`."""
+    leads = Counter({server: 0 for server in set().union(*peers.values())})
     leads.update(led.values())
     moved = 0
     for name, leader in list(led.items()):
-        idle = sorted(s for s, n in leads.items() if n == 0)
+        idle = sorted(s for s in peers[name] if leads[s] == 0)
         if leads[leader] < 2 or not idle:
             continue
         if await _step_down(nc, f"{API}.STREAM.LEADER.STEPDOWN.{name}", idle[0]):

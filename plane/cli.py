@@ -133,7 +133,8 @@ metrics_host_option = click.option(
     help="Address the metrics server binds (0.0.0.0 in a container Prometheus scrapes).")
 replicas_option = click.option(
     "--replicas", type=click.IntRange(1, 5), default=1, show_default=True,
-    help="JetStream replicas for the streams and buckets this process creates (3 in a cluster).")
+    help="JetStream replicas for the streams and buckets this process creates (3 in a cluster; "
+         "above 1, the slots are spread over one stream per replica).")
 log_option = click.option("--log-level", default="info", show_default=True,
                           type=click.Choice(["debug", "info", "warning", "error"]))
 

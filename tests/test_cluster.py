@@ -41,6 +41,7 @@ from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.processes import free_port
 from plane.contract.provision import ProvisionPlan, ensure_all, stream_of_subject
 from plane.contract.subjects import Header
+from plane.observe.planeview import collect
 from plane.stack import PlaneStack, StackConfig
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated
@@ -364,6 +365,11 @@ async def test_a_router_keeps_slot_leaders_apart_and_consumers_with_their_stream
                            headers={Header.DEADLINE_MS: "2000"}) for _ in range(3)))
             assert sorted((r.headers or {}).get(Header.SLOT) or "" for r in replies) == \
                 ["0", "1", "2"]
+            # `plane status` shows the layout: three streams, three leaders, all replicas current.
+            view = await collect(nc, NAMES)
+            assert sorted(f.stream for f in view.slot_streams) == SHARDS
+            assert len({f.leader for f in view.slot_streams}) == len(SHARDS)
+            assert all(f.current == f.replicas == REPLICAS for f in view.slot_streams)
 
 
 @asynccontextmanager

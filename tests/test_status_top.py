@@ -72,12 +72,14 @@ async def test_status_prints_every_router_and_node_and_exits_0() -> None:
     for n in s["nodes"]:
         assert n["slots"] == 1 and n["healthy"] == 1 and n["busy"] == 0
         assert n["gpu_util_pct"] is None  # no GPU here: nothing made up
+    (slots,) = s["slot_streams"]  # one server: the one shared stream
+    assert slots["stream"] == "PLANE_SLOTS" and slots["messages"] == 0
     (m,) = s["metrics"]
     assert m["error"] is None and m["refusals"] >= 1 and m["tickets_issued"] >= 1
     assert m["accepted_p50_ms"] is not None and 20 <= m["accepted_p50_ms"] <= 100
     assert text_code == 0
     for word in ("routers", "nodes", "router0", "node0-risk", "healthy", "--metrics",
-                 "node0-calibrated", "cycle p50/p99"):
+                 "node0-calibrated", "cycle p50/p99", "slot streams", "PLANE_SLOTS"):
         assert word in text, word
     assert "…" not in text, text  # into a pipe, no column is cut short
 

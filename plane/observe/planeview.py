@@ -12,6 +12,7 @@ The facts and where each comes from:
 | slots, healthy, busy, backend (node's own) | node status |
 | GPU utilisation | node status (its last NVML reading), else `plane_gpu_utilization_ratio` |
 | refusals, first-retry success (tickets honoured / issued), accepted p50/p99 | `--metrics` |
+| slot streams: messages, leader, replicas current/all (a cluster's) | `$JS.API.STREAM.INFO` |
 
 Everything here is bounded in time: a dead server or a silent process costs at most
 `timeout_s`, never a hang (a compose health check allows 5 s).
@@ -29,6 +30,7 @@ from typing import Any
 import msgspec
 import nats
 from nats.aio.client import Client
+from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from plane.contract.config import ConnectOptions
@@ -69,6 +71,17 @@ class NodeFacts(msgspec.Struct, kw_only=True):
     gpu_util_pct: float | None = None
 
 
+class SlotStreamFacts(msgspec.Struct, kw_only=True):
+    """One slot stream as the broker says (`plane.contract.provision`: one on a server, one
+    per replica in a cluster, each with its leader)."""
+
+    stream: str
+    messages: int  # requests on slots now (each slot holds one at most)
+    leader: str | None = None  # a cluster's; None on a single server
+    replicas: int = 1
+    current: int = 1  # replicas up to date, the leader included
+
+
 class MetricsFacts(msgspec.Struct, kw_only=True):
     """One /metrics endpoint, totals since its process started (rates: `plane top`)."""
 
@@ -89,6 +102,7 @@ class MetricsFacts(msgspec.Struct, kw_only=True):
 class PlaneView(msgspec.Struct, kw_only=True):
     routers: list[RouterFacts]
     nodes: list[NodeFacts]
+    slot_streams: list[SlotStreamFacts] = []
     metrics: list[MetricsFacts] = []
     problems: list[str] = []
     took_ms: float = 0.0
@@ -187,7 +201,9 @@ async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0) -> PlaneV
             problems.append(f"{subject}: no answer ({type(exc).__name__})")
             return kind, None
 
-    answers = await asyncio.gather(*(ask(str(k), s) for k, s in wanted if s is not None))
+    answers, streams = await asyncio.gather(
+        asyncio.gather(*(ask(str(k), s) for k, s in wanted if s is not None)),
+        _slot_streams(nc, names, timeout_s / 2, problems))
     routers = sorted((router_facts(b) for k, b in answers
                       if b is not None and k == names.router_service), key=lambda r: r.router)
     nodes = sorted((node_facts(b) for k, b in answers
@@ -196,8 +212,36 @@ async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0) -> PlaneV
         problems.append("no router answers (plane router, or plane up)")
     if not nodes:
         problems.append("no node answers (plane node, or plane up)")
-    return PlaneView(routers=routers, nodes=nodes, problems=problems,
+    return PlaneView(routers=routers, nodes=nodes, slot_streams=streams, problems=problems,
                      took_ms=(time.monotonic() - t0) * 1000)
+
+
+async def _slot_streams(nc: Client, names: Names, timeout_s: float,
+                        problems: list[str]) -> list[SlotStreamFacts]:
+    """The slot streams that exist; one that does not answer (no leader: a cluster electing
+    one) is a problem named."""
+    js = nc.jetstream(timeout=timeout_s)
+
+    async def one(name: str) -> SlotStreamFacts | None:
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            return None
+        except Exception as exc:
+            problems.append(f"slot stream {name}: no answer ({type(exc).__name__}): "
+                            "no leader (a cluster electing one)?")
+            return None
+        c = info.cluster
+        if c is None or not c.replicas:
+            return SlotStreamFacts(stream=name, messages=info.state.messages,
+                                   leader=c.leader if c else None)
+        return SlotStreamFacts(stream=name, messages=info.state.messages, leader=c.leader,
+                               replicas=1 + len(c.replicas),
+                               current=int(bool(c.leader)) + sum(1 for p in c.replicas
+                                                                 if p.current))
+
+    found = await asyncio.gather(*(one(n) for n in names.slot_streams()))
+    return [f for f in found if f is not None]
 
 
 # -- Prometheus endpoints ----------------------------------------------------------------------

@@ -65,6 +65,15 @@ def nodes_table(view: PlaneView) -> Table:
     return t
 
 
+def slot_streams_table(view: PlaneView) -> Table:
+    t = Table(title="slot streams", title_justify="left")
+    for col in ("stream", "requests on slots", "leader", "replicas current/all"):
+        t.add_column(col, justify="left" if col in ("stream", "leader") else "right")
+    for s in view.slot_streams:
+        t.add_row(s.stream, str(s.messages), s.leader or "-", f"{s.current}/{s.replicas}")
+    return t
+
+
 def metrics_table(metrics: Sequence[MetricsFacts], *, live: bool) -> Table:
     t = Table(title="metrics" + (" (over the last interval)" if live else " (since start)"),
               title_justify="left")
@@ -84,6 +93,8 @@ def metrics_table(metrics: Sequence[MetricsFacts], *, live: bool) -> Table:
 
 def render(view: PlaneView, *, live: bool = False) -> Group:
     parts: list[Table | Text] = [routers_table(view), nodes_table(view)]
+    if view.slot_streams:
+        parts.append(slot_streams_table(view))
     if view.metrics:
         parts.append(metrics_table(view.metrics, live=live))
         parts.append(Text("first-retry success: tickets honoured / tickets issued (a caller "

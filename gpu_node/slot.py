@@ -186,12 +186,18 @@ class Slot(Generating):
         wait: the pull's renewals find it when it answers."""
         while self._claimed and not self.reaches:
             await asyncio.sleep(UNREACHED_CHECK_S)
-            if self._claimed and not self.reaches and not await self.consumer_alive():
-                log.warning("consumer lost: re-claiming slot", slot=self.k)
-                await self.withdraw("consumer-lost", wait_s=1.0)
-                await self.claim()
-                self._changed()
-                return
+            if not self._claimed or self.reaches or await self.consumer_alive():
+                continue
+            log.warning("consumer lost: re-claiming slot", slot=self.k)
+            await self.withdraw("consumer-lost", wait_s=1.0)
+            while not self._claimed:  # a withdrawal for another cause cancels this task
+                try:
+                    await self.claim()
+                except Exception as exc:  # the broker cannot make it yet (an election)
+                    log.warning("slot not claimed: trying again", slot=self.k, error=repr(exc))
+                    await asyncio.sleep(UNREACHED_CHECK_S)
+            self._changed()
+            return
 
     async def claim(self) -> None:
         """Take the subject: answer whatever an earlier life left on it (see `sweep`), bind a
@@ -219,6 +225,8 @@ class Slot(Generating):
     async def withdraw(self, cause: str, *, wait_s: float = 0.0) -> None:
         """Stop claiming. A request running now is finished (within `wait_s`) or answered 503;
         one the standing pull delivered and the slot did not start is answered 503 too."""
+        if self._unreached is not None and self._unreached is not asyncio.current_task():
+            await cancel_and_wait(self._unreached)  # another cause owns the slot's comeback
         if not self._claimed:
             self.withdrawn_for = self.withdrawn_for or cause
             return

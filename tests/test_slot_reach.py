@@ -10,6 +10,7 @@ import asyncio
 from nats.aio.client import Client
 
 from plane.contract.embedded import EmbeddedNats
+from plane.contract.provision import ProvisionPlan, ensure_all
 from plane.contract.subjects import Header
 from tests.plane_fixtures import NAMES, calibrated, plane, wait_until
 
@@ -35,6 +36,28 @@ async def test_a_slot_whose_consumer_is_deleted_is_unhealthy_until_claimed_again
         await wait_until(lambda: slot.reaches and view.healthy, 10, "slot 0 claimed again")
         info = await nc.jetstream().consumer_info(slot.stream, first)
         assert info.config.durable_name == first
+        replies = await asyncio.gather(*(
+            nc.request(NAMES.infer(MODEL), calibrated(20_000), timeout=5,
+                       headers={Header.DEADLINE_MS: "2000"}) for _ in range(2)))
+        assert sorted((r.headers or {}).get(Header.SLOT) for r in replies) == ["0", "1"]
+
+
+async def test_a_slot_whose_stream_is_gone_is_claimed_again_once_it_is_back(
+        nats_server: EmbeddedNats, nc: Client) -> None:
+    """The consumer and its stream both gone (a shard deleted by an operator, or lost): the
+    claim fails while no stream holds the subject, and is tried again until one does."""
+    plan = ProvisionPlan(names=NAMES, slot_shards=2)
+    await ensure_all(nc.jetstream(), plan)
+    async with plane(nats_server.url, models=(MODEL,), slots=2) as stack:
+        slot = stack.nodes[0].slots[0]
+        assert slot.stream == NAMES.slot_shard_stream(0)
+        await nc.jetstream().delete_stream(slot.stream)
+        await wait_until(lambda: not slot.claimed, 5, "slot 0 withdrawn, its consumer gone")
+        await asyncio.sleep(1.5)  # claims fail meanwhile: no stream holds the subject
+        assert not slot.claimed and slot.withdrawn_for == "consumer-lost"
+        await ensure_all(nc.jetstream(), plan)  # the shard is back
+        view = stack.routers[0].models[MODEL].slots[f"{NODE}/0"]
+        await wait_until(lambda: slot.claimed and view.healthy, 10, "slot 0 claimed again")
         replies = await asyncio.gather(*(
             nc.request(NAMES.infer(MODEL), calibrated(20_000), timeout=5,
                        headers={Header.DEADLINE_MS: "2000"}) for _ in range(2)))

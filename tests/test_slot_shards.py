@@ -8,6 +8,8 @@ The failover itself, with a killed server, is `tests/test_cluster.py`."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from nats.aio.client import Client
@@ -22,10 +24,11 @@ from plane.contract.provision import (
     stream_of_subject,
 )
 from plane.contract.subjects import Header
+from plane.router.service import Router
 from tests.plane_fixtures import NAMES, calibrated, plane, wait_until
 
 SHARDS = 3
-MODEL, GHOST = "calibrated", "ghost"
+MODEL, GHOST, NODE = "calibrated", "ghost", "node0-calibrated"
 
 
 async def sharded(nc: Client) -> None:
@@ -73,31 +76,38 @@ async def test_nodes_and_routers_use_the_stream_the_broker_names(
             str(k) for k in range(SHARDS)}
 
 
+@asynccontextmanager
+async def ghost(nc: Client, router: Router) -> AsyncIterator[None]:
+    """Heartbeats advertising slot 0 of node `ghost`, in shard 0: a node whose stream fell
+    silent and that has not heard yet (a real node hears it from its own pull, in a cluster
+    only seconds later: `tests/test_slot_reach.py`)."""
+    advert = NodeAdvert(node=GHOST, model=MODEL, backend="torch", at_ms=0, slots=[
+        SlotAdvert(k=0, subject=NAMES.slot(MODEL, GHOST, 0), stream=NAMES.slot_shard_stream(0))])
+    beat = json_encoder.encode(Heartbeat(node=GHOST, at_ms=0, adverts=[advert],
+                                         instance="ghost", started_ms=1))
+    stop = asyncio.Event()
+
+    async def heartbeats() -> None:
+        while not stop.is_set():
+            await nc.publish(NAMES.health(GHOST), beat)
+            await asyncio.sleep(0.1)
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(heartbeats())
+        await wait_until(lambda: f"{GHOST}/0" in router.models[MODEL].slots, 5,
+                         "the router to hear the ghost's slot")
+        try:
+            yield
+        finally:
+            stop.set()
+
+
 async def test_a_silent_slot_stream_is_passed_over_for_a_slot_in_another(
         nats_server: EmbeddedNats, nc: Client) -> None:
-    """A slot stream with no leader answers a publish with no-responders. A real node hears
-    of it from its own pull (a slot advertised unhealthy: `tests/test_slot_reach.py`), but in
-    a cluster only seconds later; here a node that has not heard yet is played by heartbeats
-    advertising slot 0 of node `ghost`, in the shard deleted under it."""
     await sharded(nc)
     async with plane(nats_server.url, models=(MODEL,), slots=SHARDS) as stack:
         router = stack.routers[0]
-        advert = NodeAdvert(node=GHOST, model=MODEL, backend="torch", at_ms=0, slots=[
-            SlotAdvert(k=0, subject=NAMES.slot(MODEL, GHOST, 0),
-                       stream=NAMES.slot_shard_stream(0))])
-        beat = json_encoder.encode(Heartbeat(node=GHOST, at_ms=0, adverts=[advert],
-                                             instance="ghost", started_ms=1))
-        stop = asyncio.Event()
-
-        async def heartbeats() -> None:
-            while not stop.is_set():
-                await nc.publish(NAMES.health(GHOST), beat)
-                await asyncio.sleep(0.1)
-
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(heartbeats())
-            await wait_until(lambda: f"{GHOST}/0" in router.models[MODEL].slots, 5,
-                             "the router to hear the ghost's slot")
+        async with ghost(nc, router):
             await nc.jetstream().delete_stream(NAMES.slot_shard_stream(0))  # silent now
             statuses = []
             for _ in range(20):
@@ -105,7 +115,6 @@ async def test_a_silent_slot_stream_is_passed_over_for_a_slot_in_another(
                                          headers={Header.DEADLINE_MS: "2000"})
                 statuses.append(((reply.headers or {}).get(Header.STATUS),
                                  (reply.headers or {}).get(Header.SLOT)))
-            stop.set()
         # Every call served on a slot of the other shards; the router tried the ghost's slot,
         # found no stream, and passed it over.
         assert {s for s, _ in statuses} == {"200"}, statuses
@@ -113,3 +122,28 @@ async def test_a_silent_slot_stream_is_passed_over_for_a_slot_in_another(
         assert router.models[MODEL].slots[f"{GHOST}/0"].silent_until_s > 0
         silences = stack.metrics.stream_silences.labels(NAMES.slot_shard_stream(0))
         assert silences._value.get() >= 1
+
+
+async def test_a_silent_stream_with_the_others_busy_is_a_ticket_not_a_503(
+        nats_server: EmbeddedNats, nc: Client) -> None:
+    """The one free slot's stream is silent and the other slots are busy: the caller gets
+    a 429 with a ticket on those (they free soon), not a 503 for the silent one."""
+    await ensure_all(nc.jetstream(), ProvisionPlan(names=NAMES, slot_shards=2))
+    async with plane(nats_server.url, models=(MODEL,), slots=2) as stack:
+        router = stack.routers[0]
+        async with ghost(nc, router):
+            await nc.jetstream().delete_stream(NAMES.slot_shard_stream(0))  # slot 0's too
+            view = router.models[MODEL].slots[f"{NODE}/0"]
+            await wait_until(lambda: not view.healthy, 5, "the node's slot 0 unhealthy")
+            busy = asyncio.ensure_future(nc.request(
+                NAMES.infer(MODEL), calibrated(300_000), timeout=5,
+                headers={Header.DEADLINE_MS: "2000"}))  # on slot 1, the only one left
+            await wait_until(lambda: stack.nodes[0].slots[1].current is not None, 5,
+                             "slot 1 busy")
+            reply = await nc.request(NAMES.infer(MODEL), calibrated(1000), timeout=5,
+                                     headers={Header.DEADLINE_MS: "2000"})
+            h = reply.headers or {}
+            assert h.get(Header.STATUS) == "429", reply.data
+            assert h.get(Header.TICKET) and int(h[Header.RETRY_AFTER_MS]) > 0
+            assert router.models[MODEL].slots[f"{GHOST}/0"].silent_until_s > 0
+            assert (await busy).headers.get(Header.STATUS) == "200"  # type: ignore[union-attr]

@@ -593,11 +593,12 @@ class RequestPath:
                    and p.place.candidates[p.i].silent_until_s > now):
                 p.i += 1
         if p.i >= len(p.place.candidates):
-            if p.passed_silent:  # the free slots' streams have no leader: as `NoStream`
+            if p.passed_silent and r.ms.healthy_count() == 0:  # every stream silent
                 p.fl = None  # the last one tried is untracked already
                 await self._unplaced(p, NO_STREAM)
                 return
-            # Every candidate was taken under us (another router): refuse with a ticket now.
+            # Every candidate was taken under us (another router), or its stream fell silent
+            # while slots in others are busy: refuse with a ticket on those now.
             refusal = self.admission.after_lost_race(r.ms, r.ask, time.monotonic())
             await self._refuse(r.msg, r.rid, r.model, refusal, r.tenant)
             await self._decided(r, "refused")

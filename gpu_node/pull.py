@@ -168,7 +168,8 @@ class StandingPull:
         if not status:
             self.errors = 0
             self._messages.put_nowait(msg)
-            self._reached(True)  # on any of our pulls: the consumer delivers
+            if not self.reaches:  # on any of our pulls: the consumer delivers
+                self._reached(True)
             if msg.subject == self._current:
                 self._heard_s = time.monotonic()
                 self._delivered += 1

@@ -122,6 +122,28 @@ def test_no_healthy_slot_is_503() -> None:
     assert d.reason == Reason.NO_CAPACITY
 
 
+def test_slots_whose_streams_are_silent_are_passed_over_and_said_so() -> None:
+    """A slot stream that answered no publish (no leader): its slots are not placed on until
+    an advert after the silence; when every slot is silent, the 503 says why."""
+    ms = slots(2)
+    ms.slots["n/0"].stream = "PLANE_SLOTS_0"
+    ms.slots["n/1"].stream = "PLANE_SLOTS_1"
+    assert ms.silence("PLANE_SLOTS_0", until_s=1.0) == 1
+    d = Admission("r").decide(ms, Ask(now_s=0, deadline_s=1, prediction=MS10))
+    assert isinstance(d, Place) and [v.k for v in d.candidates] == [1]
+    ms.silence("PLANE_SLOTS_1", until_s=1.0)
+    d = Admission("r").decide(ms, Ask(now_s=0, deadline_s=1, prediction=MS10))
+    assert isinstance(d, Refuse) and d.status is Status.UNAVAILABLE
+    assert d.reason is Reason.UNHEALTHY and "answer no publish" in d.message
+    advert = NodeAdvert(node="n", model="calibrated", backend="torch", at_ms=0, slots=[
+        SlotAdvert(k=k, subject=NAMES.slot("calibrated", "n", k), stream=f"PLANE_SLOTS_{k}")
+        for k in range(2)])
+    ms.apply_advert(advert, NAMES, 0.5)  # within the silence: still passed over
+    assert ms.healthy_count() == 0 and ms.silent_count() == 2
+    ms.apply_advert(advert, NAMES, 1.0)  # after it: tried again
+    assert ms.healthy_count() == 2 and ms.silent_count() == 0
+
+
 def test_work_longer_than_the_deadline_is_refused_at_once() -> None:
     d = Admission("r").decide(slots(2), ask(0.0, deadline_s=0.005))
     assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE and "raise" in d.message

@@ -119,7 +119,6 @@ async def test_a_silent_slot_stream_is_passed_over_for_a_slot_in_another(
         # found no stream, and passed it over.
         assert {s for s, _ in statuses} == {"200"}, statuses
         assert {k for _, k in statuses} <= {"1", "2"}, statuses
-        assert router.models[MODEL].slots[f"{GHOST}/0"].silent_until_s > 0
         silences = stack.metrics.stream_silences.labels(NAMES.slot_shard_stream(0))
         assert silences._value.get() >= 1
 
@@ -145,6 +144,7 @@ async def test_a_silent_stream_with_the_others_busy_is_a_ticket_not_a_503(
             h = reply.headers or {}
             assert h.get(Header.STATUS) == "429", reply.data
             assert h.get(Header.TICKET) and int(h[Header.RETRY_AFTER_MS]) > 0
-            assert router.models[MODEL].slots[f"{GHOST}/0"].silent_until_s > 0
+            silences = stack.metrics.stream_silences.labels(NAMES.slot_shard_stream(0))
+            assert silences._value.get() >= 1  # the ghost's slot was tried and passed over
             done = await busy
             assert (done.headers or {}).get(Header.STATUS) == "200"

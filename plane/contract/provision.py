@@ -14,6 +14,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamInfo,
 )
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
@@ -119,13 +120,28 @@ async def ensure_slot_stream(js: JetStreamContext, plan: ProvisionPlan) -> None:
     for cfg in slot_stream_configs(plan):
         if not await _ensure_stream(js, cfg):
             log.info("slot streams keep their layout", wanted=cfg.name)
-            for name in plan.names.slot_streams():
-                try:
-                    have = (await js.stream_info(name)).config
-                except NotFoundError:
-                    continue
-                await _raise_replicas(js, have, plan.replicas)
+            for _, info in await slot_stream_infos(js, plan.names):
+                if isinstance(info, Exception):
+                    raise info
+                await _raise_replicas(js, info.config, plan.replicas)
             return
+
+
+async def slot_stream_infos(js: JetStreamContext,
+                            names: Names) -> list[tuple[str, StreamInfo | Exception]]:
+    """Each of the plane's slot streams that exists, asked at once: its info, or what asking
+    raised (in a cluster, most often no leader yet). One that does not exist (another layout,
+    a shard count below the most) is left out."""
+    async def one(name: str) -> tuple[str, StreamInfo | Exception] | None:
+        try:
+            return name, await js.stream_info(name)
+        except NotFoundError:
+            return None
+        except Exception as exc:
+            return name, exc
+
+    found = await asyncio.gather(*(one(n) for n in names.slot_streams()))
+    return [f for f in found if f is not None]
 
 
 async def stream_of_subject(js: JetStreamContext, subject: str) -> str:

@@ -28,6 +28,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import Error as JsError
 
+from plane.contract.provision import slot_stream_infos
 from plane.contract.subjects import Names
 
 log = structlog.get_logger("plane.contract.slot_leaders")
@@ -41,13 +42,10 @@ async def keep_apart(nc: Client, js: JetStreamContext, names: Names) -> int:
     step-downs were asked."""
     led: dict[str, str] = {}  # stream -> its leader
     peers: dict[str, set[str]] = {}  # stream -> the servers that may lead it: live, current
-    for name in names.slot_streams():
-        try:
-            cluster = (await js.stream_info(name)).cluster
-        except (JsError, NatsError, TimeoutError):
-            continue  # not there (another layout), or electing: next time
+    for name, info in await slot_stream_infos(js, names):
+        cluster = None if isinstance(info, Exception) else info.cluster
         if cluster is None or not cluster.leader:
-            continue
+            continue  # a single server, or electing: next time
         led[name] = cluster.leader
         peers[name] = {cluster.leader} | {p.name for p in cluster.replicas or []
                                           if p.name and p.current and not p.offline}

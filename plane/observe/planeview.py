@@ -30,12 +30,12 @@ from typing import Any
 import msgspec
 import nats
 from nats.aio.client import Client
-from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import Unavailable
 from plane.contract.natsconn import connect_kwargs
+from plane.contract.provision import slot_stream_infos
 from plane.contract.subjects import Names
 
 QUIET_S = 0.15  # discovery ends this long after the last service answered
@@ -220,28 +220,22 @@ async def _slot_streams(nc: Client, names: Names, timeout_s: float,
                         problems: list[str]) -> list[SlotStreamFacts]:
     """The slot streams that exist; one that does not answer (no leader: a cluster electing
     one) is a problem named."""
-    js = nc.jetstream(timeout=timeout_s)
-
-    async def one(name: str) -> SlotStreamFacts | None:
-        try:
-            info = await js.stream_info(name)
-        except NotFoundError:
-            return None
-        except Exception as exc:
-            problems.append(f"slot stream {name}: no answer ({type(exc).__name__}): "
+    facts = []
+    for name, info in await slot_stream_infos(nc.jetstream(timeout=timeout_s), names):
+        if isinstance(info, Exception):
+            problems.append(f"slot stream {name}: no answer ({type(info).__name__}): "
                             "no leader (a cluster electing one)?")
-            return None
+            continue
         c = info.cluster
         if c is None or not c.replicas:
-            return SlotStreamFacts(stream=name, messages=info.state.messages,
-                                   leader=c.leader if c else None)
-        return SlotStreamFacts(stream=name, messages=info.state.messages, leader=c.leader,
-                               replicas=1 + len(c.replicas),
-                               current=int(bool(c.leader)) + sum(1 for p in c.replicas
-                                                                 if p.current))
-
-    found = await asyncio.gather(*(one(n) for n in names.slot_streams()))
-    return [f for f in found if f is not None]
+            facts.append(SlotStreamFacts(stream=name, messages=info.state.messages,
+                                         leader=c.leader if c else None))
+            continue
+        facts.append(SlotStreamFacts(
+            stream=name, messages=info.state.messages, leader=c.leader,
+            replicas=1 + len(c.replicas),
+            current=int(bool(c.leader)) + sum(1 for p in c.replicas if p.current)))
+    return facts
 
 
 # -- Prometheus endpoints ----------------------------------------------------------------------

@@ -277,6 +277,12 @@ Check = Callable[[ModelSlots, Ask], Refuse | None]
 
 def check_capacity(ms: ModelSlots, ask: Ask) -> Refuse | None:
     if ms.healthy_count() == 0:
+        if ms.silent_count():
+            return Refuse(
+                Status.UNAVAILABLE, Reason.UNHEALTHY,
+                f"the slot streams of model {ms.model!r} answer no publish (no leader: a "
+                "cluster electing one takes 4-9 s; or lost, and being made again): retry in "
+                "a second", retry_after_ms=1000)
         return Refuse(
             Status.UNAVAILABLE, Reason.NO_CAPACITY,
             f"no healthy slot serves model {ms.model!r} right now", retry_after_ms=1000,

@@ -37,7 +37,7 @@ class SlotView:
     request_id: str | None = None  # ours, while busy with a request this router placed
     freed_s: float = -1.0  # when its last done-event came
     # Its stream answered a publish with no-responders (no leader): unhealthy until a node
-    # advert after this (`ModelSlots.silence`).
+    # advert after this (`ModelSlots.silence`); 0.0 when not silenced.
     silent_until_s: float = 0.0
 
     def is_free(self, now_s: float) -> bool:
@@ -117,7 +117,9 @@ class ModelSlots:
             if view is None:
                 view = SlotView(key=key, node=advert.node, k=s.k, subject=s.subject)
                 self.slots[key] = view
-            view.healthy = s.healthy and now_s >= view.silent_until_s
+            if view.silent_until_s and now_s >= view.silent_until_s:
+                view.silent_until_s = 0.0  # its stream may answer again: a request tries it
+            view.healthy = s.healthy and not view.silent_until_s
             view.subject = s.subject
             view.stream = stream
         for key in [k for k, v in self.slots.items() if v.node == advert.node]:
@@ -147,6 +149,10 @@ class ModelSlots:
     def free_times(self, now_s: float) -> list[float]:
         """Each healthy slot's predicted free time: what promises are scheduled on."""
         return [v.free_time(now_s) for v in self.slots.values() if v.healthy]
+
+    def silent_count(self) -> int:
+        """Slots passed over because their stream answered no publish (`silence`)."""
+        return sum(1 for v in self.slots.values() if v.silent_until_s)
 
     def healthy_count(self) -> int:
         return sum(1 for v in self.slots.values() if v.healthy)

@@ -88,7 +88,6 @@ SETTLE_WITHIN_S = 0.010
 # next advert after it (a cluster's leader election takes 4-9 s; one publish per stream per
 # period, ~0.25-0.5 s with adverts every 250 ms, finds it back).
 SILENT_STREAM_S = 0.25
-NO_STREAM = "no JetStream slot stream answers: is the broker up?"
 TENANT_LIMITS = ("max_rate.", "max_slots.")  # the live settings of a tenant's own limits
 # Requests handled back to back on the subscription's task before it lets the loop turn.
 YIELD_EVERY = 32
@@ -593,12 +592,9 @@ class RequestPath:
                    and p.place.candidates[p.i].silent_until_s > now):
                 p.i += 1
         if p.i >= len(p.place.candidates):
-            if p.passed_silent and r.ms.healthy_count() == 0:  # every stream silent
-                p.fl = None  # the last one tried is untracked already
-                await self._unplaced(p, NO_STREAM)
-                return
-            # Every candidate was taken under us (another router), or its stream fell silent
-            # while slots in others are busy: refuse with a ticket on those now.
+            # Every candidate was taken under us (another router), or its stream fell silent:
+            # decide again on the slots left (a ticket on the busy ones, most often; a 503
+            # when every slot's stream is silent: `admission.check_capacity`).
             refusal = self.admission.after_lost_race(r.ms, r.ask, time.monotonic())
             await self._refuse(r.msg, r.rid, r.model, refusal, r.tenant)
             await self._decided(r, "refused")
@@ -665,7 +661,7 @@ class RequestPath:
                 # electing one, 4-9 s) or is gone. Slots in another stream may be free.
                 self._silence(view.stream)
                 self._untrack(view, fl)
-                p.i, p.settles, p.fl, p.passed_silent = p.i + 1, 0, None, True
+                p.i, p.settles, p.passed_silent = p.i + 1, 0, True
                 await self._try_candidate(p)
 
     def _silence(self, stream: str) -> None:
@@ -683,9 +679,9 @@ class RequestPath:
         return p.settles < len(BROKER_SETTLE_S)
 
     async def _unplaced(self, p: Placing, why: str) -> None:
-        r = p.routing
+        r, view = p.routing, p.place.candidates[p.i]
         if p.fl is not None:
-            self._untrack(p.place.candidates[p.i], p.fl)
+            self._untrack(view, p.fl)
         await self._refuse(r.msg, r.rid, r.model, refusals.unplaceable(why), r.tenant)
         await self._decided(r, "refused")
 

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats
 import pytest
@@ -36,6 +37,7 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.js.errors import Error as JsError
 
+from plane.auth.store import AuthDir
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.processes import free_port
@@ -76,32 +78,44 @@ MAX_LOST_AT_KILL = 5
 
 
 @asynccontextmanager
-async def cluster(plan: ProvisionPlan | None = None) -> AsyncIterator[list[EmbeddedNats]]:
+async def cluster(plan: ProvisionPlan | None = None,
+                  auth: AuthDir | None = None) -> AsyncIterator[list[EmbeddedNats]]:
     """Three servers, routes to each other, distinct names and stores; yields once JetStream
     has a meta leader and the plane's streams exist as `plan` lays them out (by default,
-    three replicas)."""
+    three replicas). With `auth`, every server runs its nats.conf (the roles) and the
+    streams are made as its admin."""
     cluster_ports = [free_port() for _ in range(SERVERS)]
     servers = [
         EmbeddedNats(NatsServerSpec(
             server_name=f"n{i}", cluster_name="plane-test", cluster_port=cluster_ports[i],
             routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+            extra_args=["-c", str(auth.conf)] if auth is not None else [],
         ))
         for i in range(SERVERS)
     ]
     try:
         await asyncio.gather(*(s.start() for s in servers))
         await provision_when_ready(",".join(s.url for s in servers),
-                                   plan or ProvisionPlan(names=NAMES, replicas=REPLICAS))
+                                   plan or ProvisionPlan(names=NAMES, replicas=REPLICAS),
+                                   auth=auth)
         yield servers
     finally:
         await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
 
 
-async def provision_when_ready(url: str, plan: ProvisionPlan,
-                               timeout_s: float = 30.0) -> None:
+def _login(auth: AuthDir | None) -> dict[str, str]:
+    """nats.connect's user and password: the admin's under `auth`, none without."""
+    if auth is None:
+        return {}
+    opts = auth.options("admin")
+    return {"user": opts.user or "", "password": opts.password or ""}
+
+
+async def provision_when_ready(url: str, plan: ProvisionPlan, timeout_s: float = 30.0, *,
+                               auth: AuthDir | None = None) -> None:
     """Create the streams and buckets (R3) once there is a meta leader; until then JetStream
     answers 'temporarily unavailable' or times out, so retry."""
-    nc = await nats.connect(url.split(","))
+    nc = await nats.connect(url.split(","), **_login(auth))
     try:
         js = nc.jetstream(timeout=2.0)
         async with asyncio.timeout(timeout_s):
@@ -330,15 +344,29 @@ async def test_a_shared_slot_stream_made_first_keeps_its_layout_and_gets_three_r
         assert await stream_of_subject(js, slot) == NAMES.slots_stream
 
 
-async def test_a_router_keeps_slot_leaders_apart_and_consumers_with_their_streams() -> None:
+@pytest.fixture
+def roles(tmp_path: Path) -> AuthDir:
+    d = AuthDir(tmp_path / "auth", rounds=4)  # the cheapest bcrypt cost: tests connect a lot
+    d.init()
+    return d
+
+
+@pytest.mark.parametrize("secured", [False, True], ids=["open", "under-the-roles"])
+async def test_a_router_keeps_slot_leaders_apart_and_consumers_with_their_streams(
+        secured: bool, roles: AuthDir) -> None:
     """Every slot stream led from one server (a failover can leave them so): a router moves
     them apart and leads each slot's consumer from its stream's server, so that the next dead
-    server stops a third of the slots, not all (`plane.contract.slot_leaders`)."""
-    async with cluster() as servers, _client(servers[0].url) as nc:
+    server stops a third of the slots, not all (`plane.contract.slot_leaders`). Under the
+    roles too: the router's and the node's allow lists carry what this takes (the leader
+    step-downs, the consumer lists, the stream names), and no server logs a violation."""
+    auth = roles if secured else None
+    async with cluster(auth=auth) as servers, _client(servers[0].url, auth) as nc:
         one = servers[0].spec.server_name or ""
         for stream in SHARDS:
             await move_slot_leader(nc, stream, one)
-        cfg = StackConfig(connect=ConnectOptions(url=",".join(s.url for s in servers)),
+        url = ",".join(s.url for s in servers)
+        cfg = StackConfig(connect=roles.options("admin", url) if auth else ConnectOptions(url=url),
+                          roles=roles.roles() if auth else {},
                           models=("calibrated",), slots=3, replicas=REPLICAS)
         async with PlaneStack(cfg) as stack:
             js = nc.jetstream(timeout=5.0)
@@ -370,11 +398,13 @@ async def test_a_router_keeps_slot_leaders_apart_and_consumers_with_their_stream
             assert sorted(f.stream for f in view.slot_streams) == SHARDS
             assert len({f.leader for f in view.slot_streams}) == len(SHARDS)
             assert all(f.current == f.replicas == REPLICAS for f in view.slot_streams)
+        violations = [line for s in servers for line in s.log_tail if b"Violation" in line]
+        assert violations == []
 
 
 @asynccontextmanager
-async def _client(url: str) -> AsyncIterator[Client]:
-    nc = await nats.connect(url, allow_reconnect=False)
+async def _client(url: str, auth: AuthDir | None = None) -> AsyncIterator[Client]:
+    nc = await nats.connect(url, allow_reconnect=False, **_login(auth))
     try:
         yield nc
     finally:

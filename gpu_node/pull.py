@@ -63,7 +63,7 @@ class StandingPull:
         self._silent_s = SILENT_BEATS * beat_s
         self._request = json.dumps({"batch": BATCH, "expires": int(expires_s * 1e9),
                                     "idle_heartbeat": int(beat_s * 1e9)}).encode()
-        self._heard_s = 0.0  # monotonic: the current pull's last word (or its issue)
+        self._heard_s = 0.0  # monotonic: a delivery or heartbeat on any pull (or the last issue)
         self.silences = 0  # pulls renewed because they fell silent
         # Whether the consumer takes our pulls: False from a pull ended by no-responders (no
         # consumer leader: a cluster electing one, 4-9 s) or by the consumer's deletion, True
@@ -168,18 +168,22 @@ class StandingPull:
         if not status:
             self.errors = 0
             self._messages.put_nowait(msg)
-            if not self.reaches:  # on any of our pulls: the consumer delivers
+            # On any of our pulls: the consumer delivers, so its leader holds our pulls (the
+            # current one too: they die together). The broker serves the oldest pull first,
+            # so after a renewal the one before delivers until its expiry while the current
+            # hears nothing, not even heartbeats (they beat only while nothing is delivered):
+            # counting the current pull's words alone took a busy slot's pull for silent.
+            self._heard_s = time.monotonic()
+            if not self.reaches:
                 self._reached(True)
             if msg.subject == self._current:
-                self._heard_s = time.monotonic()
                 self._delivered += 1
                 if self._delivered >= BATCH:
                     self._renewed.set()
             return
         if status == "100":  # idle heartbeat: a pull stands at the consumer
             self._reached(True)
-            if msg.subject == self._current:
-                self._heard_s = time.monotonic()
+            self._heard_s = time.monotonic()
             return
         if msg.subject != self._current:
             return  # the end of a pull already renewed

@@ -165,3 +165,26 @@ async def test_a_pull_that_falls_silent_is_asked_again(nc: Client) -> None:
     await nc.jetstream().publish(SUBJECT, b"after")
     assert await _take(pull, 1) == [b"after"]
     await pull.stop()
+
+
+async def test_a_busy_pull_delivering_on_the_one_before_is_not_silent(nc: Client) -> None:
+    """After a renewal the broker delivers on the older pull until it expires, and beats for
+    neither while it delivers: a busy slot heard nothing on its newest pull and renewed it
+    as silent every 2.5 heartbeats, forever (each renewal made a newer pull the broker
+    serves last). A delivery on any of our pulls is a word from the consumer."""
+    await _setup(nc)
+    requests = await _count_pull_requests(nc)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=2.0, heartbeat_s=0.1)
+    await pull.start()
+    await _standing(nc)
+    pull.renew()  # as after a reconnect: the first pull still stands, and is served first
+    await wait_until(lambda: len(requests) >= 2, 2, "the renewal")
+    js = nc.jetstream()
+    end = asyncio.get_running_loop().time() + 1.5  # past the first pull's expiry
+    n = 0
+    while asyncio.get_running_loop().time() < end:
+        await js.publish(SUBJECT, str(n).encode())
+        assert await _take(pull, 1) == [str(n).encode()]
+        n += 1
+    assert pull.silences == 0, (pull.silences, n)
+    await pull.stop()

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+import gpu_node.pull as pull_module
 from gpu_node.pull import StandingPull
 from tests.plane_fixtures import listen, wait_until
 
@@ -167,24 +169,39 @@ async def test_a_pull_that_falls_silent_is_asked_again(nc: Client) -> None:
     await pull.stop()
 
 
-async def test_a_busy_pull_delivering_on_the_one_before_is_not_silent(nc: Client) -> None:
-    """After a renewal the broker delivers on the older pull until it expires, and beats for
-    neither while it delivers: a busy slot heard nothing on its newest pull and renewed it
-    as silent every 2.5 heartbeats, forever (each renewal made a newer pull the broker
-    serves last). A delivery on any of our pulls is a word from the consumer."""
+async def test_a_busy_pull_is_not_taken_for_silent(nc: Client) -> None:
+    """A delivered message carries the slot's subject, not the pull's inbox, and the broker
+    sends no heartbeats while it delivers: a busy slot whose pull counted only words on its
+    inbox renewed it as silent every 2.5 heartbeats, for as long as it stayed busy."""
     await _setup(nc)
     requests = await _count_pull_requests(nc)
-    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=2.0, heartbeat_s=0.1)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30, heartbeat_s=0.1)
     await pull.start()
     await _standing(nc)
-    pull.renew()  # as after a reconnect: the first pull still stands, and is served first
-    await wait_until(lambda: len(requests) >= 2, 2, "the renewal")
     js = nc.jetstream()
-    end = asyncio.get_running_loop().time() + 1.5  # past the first pull's expiry
+    end = asyncio.get_running_loop().time() + 1.0  # ten heartbeats' time, busy throughout
     n = 0
     while asyncio.get_running_loop().time() < end:
         await js.publish(SUBJECT, str(n).encode())
         assert await _take(pull, 1) == [str(n).encode()]
         n += 1
-    assert pull.silences == 0, (pull.silences, n)
+    await nc.flush()
+    assert pull.silences == 0 and len(requests) == 1, (pull.silences, len(requests), n)
+    await pull.stop()
+
+
+async def test_a_pull_whose_batch_is_spent_is_renewed(nc: Client,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull delivers at most its batch; the next is asked when it is spent, not at 80% of
+    its expiry (here 24 s: the messages after the fifth would wait that long)."""
+    monkeypatch.setattr(pull_module, "BATCH", 5)
+    await _setup(nc)
+    requests = await _count_pull_requests(nc)
+    pull = await _started(nc, setup=False)
+    js = nc.jetstream()
+    for i in range(12):
+        await js.publish(SUBJECT, str(i).encode())
+    assert await _take(pull, 12) == [str(i).encode() for i in range(12)]
+    await nc.flush()
+    assert len(requests) == 3
     await pull.stop()

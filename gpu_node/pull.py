@@ -8,10 +8,11 @@ consumer has `max_ack_pending=1`, so the broker delivers one message at a time h
 a pull's batch is: one pull of `BATCH` messages, renewed before it expires, delivers every
 request while the slot is claimed, and each message costs only its own delivery.
 
-Each pull has its own reply subject (`<inbox>.<n>`), so what comes back says which pull it
-belongs to: a message is handed on whichever pull delivered it; a status (408 the pull
-expired, 409 a conflict such as the consumer deleted or a leader change, 503 no consumer)
-ends the pull it names, and only the current pull's end asks for a new one. A pull renews
+Each pull has its own reply subject (`<inbox>.<n>`), so a status says which pull it belongs
+to (408 the pull expired, 409 a conflict such as the consumer deleted or a leader change, 503
+no consumer, 100 a heartbeat): it ends the pull it names, and only the current pull's end asks
+for a new one. A delivered message carries the slot's own subject, not the inbox: it is handed
+on whichever pull delivered it, and proves that the consumer holds our pulls. A pull renews
 at `RENEW_AT` of its expiry (before the broker ends it: no gap without a pull), when its
 batch is spent, and at once after a reconnect (`renew`): a restarted or failed-over broker
 keeps no waiting pulls. A pull also asks for JetStream's idle heartbeats (status 100 while it
@@ -75,7 +76,7 @@ class StandingPull:
         self._prefix = ""
         self._sub: Subscription | None = None
         self._current = ""  # the token of the newest pull
-        self._delivered = 0  # messages the current pull delivered
+        self._delivered = 0  # messages delivered since the current pull was issued
         self._issued_s = 0.0  # monotonic, the current pull
         self._renewed = asyncio.Event()
         self._messages: asyncio.Queue[Msg] = asyncio.Queue()
@@ -168,18 +169,17 @@ class StandingPull:
         if not status:
             self.errors = 0
             self._messages.put_nowait(msg)
-            # On any of our pulls: the consumer delivers, so its leader holds our pulls (the
-            # current one too: they die together). The broker serves the oldest pull first,
-            # so after a renewal the one before delivers until its expiry while the current
-            # hears nothing, not even heartbeats (they beat only while nothing is delivered):
-            # counting the current pull's words alone took a busy slot's pull for silent.
+            # A delivery carries the slot's subject, not the pull's inbox: which pull it
+            # came on is not known, and need not be. The consumer delivers, so its leader
+            # holds our pulls (the current one too: they die together); and while it
+            # delivers it sends no heartbeats. Counting only the current pull's words took
+            # every busy slot's pull for silent.
             self._heard_s = time.monotonic()
             if not self.reaches:
                 self._reached(True)
-            if msg.subject == self._current:
-                self._delivered += 1
-                if self._delivered >= BATCH:
-                    self._renewed.set()
+            self._delivered += 1  # since the current pull's issue: its batch, at most
+            if self._delivered >= BATCH:
+                self._renewed.set()
             return
         if status == "100":  # idle heartbeat: a pull stands at the consumer
             self._reached(True)

@@ -51,6 +51,11 @@ SILENT_BEATS = 2.5
 # After a status that ends the current pull with an error (409, 503), wait this long before
 # the next: a deleted consumer would otherwise be asked again in a tight loop.
 ERROR_BACKOFF_S = 0.1
+# A consumer moved to another server (409 "Leadership Change": a step-down, the router's
+# `keep_apart` or an operator's) has no leader for a moment: a pull asked at once may hear
+# 503. For this long after a move that is the move, not an outage: asked again after the
+# back-off, the slot still advertised as reached, no error counted.
+MOVE_GRACE_S = 2.0
 
 
 class StandingPull:
@@ -82,6 +87,8 @@ class StandingPull:
         self._messages: asyncio.Queue[Msg] = asyncio.Queue()
         self._keeper: asyncio.Task[None] | None = None
         self.errors = 0  # statuses that ended a pull with an error, in a row
+        self._moved_s = -MOVE_GRACE_S  # monotonic: the consumer's last leader change
+        self._back_off = False  # the next pull waits ERROR_BACKOFF_S (no error counted)
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -145,9 +152,10 @@ class StandingPull:
                                 silent_s=round(now - self._heard_s, 3))
                 elif now < self._issued_s + RENEW_AT * self._expires_s:
                     continue  # heard from lately, and not due: wait on
-            if self._renewed.is_set() and self.errors:
+            if self._renewed.is_set() and (self.errors or self._back_off):
                 await asyncio.sleep(ERROR_BACKOFF_S)
             self._renewed.clear()
+            self._back_off = False
             if not self._nc.is_connected:
                 await asyncio.sleep(ERROR_BACKOFF_S)
                 continue
@@ -184,12 +192,19 @@ class StandingPull:
         if status == "100":  # idle heartbeat: a pull stands at the consumer
             self._reached(True)
             self._heard_s = time.monotonic()
+            if msg.subject == self._current:
+                self.errors = 0  # the current pull stands: whatever ended the last is over
             return
         if msg.subject != self._current:
             return  # the end of a pull already renewed
         description = h.get("Description", "") if h else ""
         if status == "409" and description == "Leadership Change":
+            self._moved_s = time.monotonic()
             self._renewed.set()  # moved to another server (a step-down): ask it at once
+            return
+        if status == "503" and time.monotonic() - self._moved_s < MOVE_GRACE_S:
+            self._back_off = True  # its new leader is not up yet: again shortly
+            self._renewed.set()
             return
         if status == "503" or (status == "409" and "Deleted" in description):
             self._reached(False)

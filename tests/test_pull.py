@@ -206,3 +206,36 @@ async def test_a_pull_whose_batch_is_spent_is_renewed(nc: Client,
     # Asked again on each fifth delivery, not after the spent pull fell silent.
     assert len(requests) == 3 and pull.silences == 0, (len(requests), pull.silences)
     await pull.stop()
+
+
+async def test_a_503_just_after_a_leader_move_is_the_move_not_an_outage(nc: Client) -> None:
+    """A step-down ends the consumer's pulls with 409 "Leadership Change"; asked again at
+    once, the pull can reach the consumer before its new leader is up and hear 503. That is
+    the move (the router's `keep_apart` makes them): asked again after a back-off, the slot
+    still reached and no error counted. A 503 with no move before it is an outage."""
+    answers: list[tuple[str, str] | None] = [("409", "Leadership Change"), ("503", ""), None]
+    asked: list[Msg] = []
+    reach: list[bool] = []
+    api = "$JS.fake.API"
+
+    async def fake_api(msg: Msg) -> None:  # statuses as the broker sends them, on the inbox
+        asked.append(msg)
+        if answers and (status := answers.pop(0)) is not None:
+            await nc.publish(msg.reply, b"", headers={"Status": status[0],
+                                                      "Description": status[1]})
+
+    await nc.subscribe(f"{api}.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}", cb=fake_api)
+    pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30, api_prefix=api,
+                        on_reach=reach.append)
+    await pull.start()
+    await wait_until(lambda: len(asked) >= 3, 2, "the pull asked again after the 503")
+    assert pull.errors == 0 and pull.reaches and reach == []
+    await pull.stop()
+
+    answers[:] = [("503", ""), None]  # no move before it: the consumer is out of reach
+    outage = StandingPull(nc, STREAM, CONSUMER, expires_s=30, api_prefix=api,
+                          on_reach=reach.append)
+    await outage.start()
+    await wait_until(lambda: not outage.reaches, 2, "the slot out of reach")
+    assert outage.errors == 1 and reach == [False]
+    await outage.stop()

@@ -21,7 +21,12 @@ plane made to refused callers, who never come back for them, lapse meanwhile):
   the router still counts busy although its caller has had its answer);
 - open loop (pulse's driver, latency from each request's scheduled send time) at 0.9x the
   plane's capacity measured in the load before (its 200s per second), the same rate offered
-  to the floor.
+  to the floor;
+- refusals: every slot of the plane held by back-to-back long calls (`HOLD_US`, sent apart
+  and not counted), and one closed-loop caller per slot, every one of whose requests is
+  refused 429: a refusal is a decision too, and under overload most decisions are refusals.
+  The floor runs the same closed loop. Its latencies are those of the 429s (a refusal's
+  round trip against the echo's); the node places nothing, so it has no figure there.
 
 The ratios, against their targets: router CPU per decision / echo CPU per request (<= 2),
 node CPU per placed request (a 200) / echo (<= 3), nats-server CPU per plane request / per
@@ -65,6 +70,9 @@ BIN = Path(sys.executable).parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 FLOOR_SUBJECT = "bench.echo"
 MODEL = "calibrated"
+# The refusals load: each slot held by calls this long, with a deadline to match.
+HOLD_US = 10_000_000
+HOLD_DEADLINE_MS = 30_000
 
 
 # -- CPU of a process, from /proc ------------------------------------------------------------
@@ -180,6 +188,7 @@ class Load:
     name: str
     callers: int | None = None  # closed loop
     rate: float | None = None  # open loop, requests per second
+    held: bool = False  # every slot of the plane held by long calls meanwhile: all refused
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,10 +217,12 @@ class Measured:
 def per_request(counts: Mapping[str, int], statuses: Mapping[str, int],
                 requests: int) -> dict[str, float]:
     """`counts` of each process per request it served: the router per decision (every request
-    answered), the node per placed request (a 200), the others per request sent."""
+    answered), the node per placed request (a 200), the others per request sent. A process
+    that served none (the node while every request is refused) has no figure."""
     served = {"router": requests - statuses.get(TIMEOUT, 0) - statuses.get(ERROR, 0),
               "node": statuses.get("200", 0)}
-    return {role: n / max(1, served.get(role, requests)) for role, n in counts.items()}
+    return {role: n / served.get(role, requests) for role, n in counts.items()
+            if served.get(role, requests)}
 
 
 def per_request_us(ticks: Mapping[str, int], statuses: Mapping[str, int],
@@ -220,8 +231,36 @@ def per_request_us(ticks: Mapping[str, int], statuses: Mapping[str, int],
     return {role: n * 1e6 / CLK_TCK for role, n in per_request(ticks, statuses, requests).items()}
 
 
-async def measure(system: System, body: bytes, load: Load, size: Size) -> Measured:
-    async with system.target() as target:
+@contextlib.asynccontextmanager
+async def slots_held(system: System, slots: int) -> AsyncIterator[None]:
+    """Every slot of the plane busy with back-to-back `HOLD_US` calls until the block ends
+    (one holder per slot, on its own connection); yields once a request is refused."""
+    holder = CoreRequest(system.url, system.subject, {Header.DEADLINE_MS: str(HOLD_DEADLINE_MS)})
+    body = json.dumps({"duration_us": HOLD_US}).encode()
+
+    async def hold() -> None:
+        while True:
+            await holder.send(body)
+
+    async with holder, asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(hold()) for _ in range(slots)]
+        try:
+            probe = json.dumps({"duration_us": 0}).encode()
+            await until("every slot held", lambda: _answers(system, lambda f: f == "429", probe),
+                        30, Path(os.devnull))
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+async def measure(system: System, body: bytes, load: Load, size: Size,
+                  slots: int = 0) -> Measured:
+    async with contextlib.AsyncExitStack() as stack:
+        refusals = load.held and system.name == "plane"
+        if refusals:
+            await stack.enter_async_context(slots_held(system, slots))
+        target = await stack.enter_async_context(system.target())
         before = read_cpu(system.pids)
         woken = read_wakes(system.pids)
         t0 = time.monotonic()
@@ -236,8 +275,11 @@ async def measure(system: System, body: bytes, load: Load, size: Size) -> Measur
         after = read_cpu(system.pids)
         wakes = {role: n - woken[role] for role, n in read_wakes(system.pids).items()}
     statuses = dict(Counter(o.attempts.final for o in outcomes))
-    ok_us = [o.latency_us for o in outcomes if o.attempts.final == "200"]
+    timed = "429" if refusals else "200"  # the latencies of the answers the load is about
+    ok_us = [o.latency_us for o in outcomes if o.attempts.final == timed]
     ticks = {role: after[role] - before[role] for role in before}
+    if refusals:  # the node ran only the holders' calls: no figure of its own here
+        del ticks["node"], wakes["node"]
     return Measured(system=system.name, load=load.name, seconds=elapsed,
                     requests=len(outcomes), statuses=statuses, reasons=dict(target.reasons),
                     p50_ms=quantile(ok_us, 0.50) / 1000, p99_ms=quantile(ok_us, 0.99) / 1000,
@@ -278,22 +320,22 @@ class Ratio:
     name: str
     target: float
     # (floor, plane) -> (the plane's figure, the floor's); see `of`
-    figures: Callable[[Measured, Measured], tuple[float, float]]
+    figures: Callable[[Measured, Measured], tuple[float | None, float | None]]
 
     def of(self, floor: Measured, plane: Measured) -> float | None:
-        """The ratio; None when the floor's figure is 0 (a short run in which the floor's
-        process spent less than one clock tick)."""
+        """The ratio; None when either figure is missing (a node that placed nothing) or the
+        floor's is 0 (a short run in which the floor's process spent less than one tick)."""
         mine, theirs = self.figures(floor, plane)
-        return mine / theirs if theirs else None
+        return mine / theirs if mine is not None and theirs else None
 
 
 RATIOS = (
     Ratio(name="router CPU per decision / echo CPU per request", target=2.0,
-          figures=lambda f, p: (p.cpu_us["router"], f.cpu_us["echo"])),
+          figures=lambda f, p: (p.cpu_us.get("router"), f.cpu_us.get("echo"))),
     Ratio(name="node CPU per placed request / echo CPU per request", target=3.0,
-          figures=lambda f, p: (p.cpu_us["node"], f.cpu_us["echo"])),
+          figures=lambda f, p: (p.cpu_us.get("node"), f.cpu_us.get("echo"))),
     Ratio(name="nats-server CPU per request: plane / floor", target=3.0,
-          figures=lambda f, p: (p.cpu_us["nats-server"], f.cpu_us["nats-server"])),
+          figures=lambda f, p: (p.cpu_us.get("nats-server"), f.cpu_us.get("nats-server"))),
     Ratio(name="p50: plane / floor", target=2.0, figures=lambda f, p: (p.p50_ms, f.p50_ms)),
     Ratio(name="p99: plane / floor", target=2.5, figures=lambda f, p: (p.p99_ms, f.p99_ms)),
 )
@@ -330,7 +372,7 @@ async def bench(cfg: BenchConfig, logs: Path) -> Result:
         async def on_both(load: Load) -> None:
             for s in systems:
                 await asyncio.sleep(cfg.settle_s)
-                rows.append(m := await measure(s, body, load, cfg.size))
+                rows.append(m := await measure(s, body, load, cfg.size, cfg.slots))
                 click.echo(f"{s.name}, {load.name}: {m.requests} requests, {m.statuses} "
                            f"{m.reasons or ''}", err=True)
 
@@ -339,6 +381,8 @@ async def bench(cfg: BenchConfig, logs: Path) -> Result:
         capacity = rows[-1].ok_per_s  # the plane's, one caller per slot
         rate = round(cfg.open_factor * capacity, 1)
         await on_both(Load(f"open, {cfg.open_factor:g}x capacity ({rate:g}/s)", rate=rate))
+        # Last: the held calls run on after it (the plane stops them as it stops).
+        await on_both(Load(f"refusals, {cfg.slots} callers", callers=cfg.slots, held=True))
         return Result(idle_ms_per_s=idle, capacity_per_s=capacity, rows=rows)
 
 

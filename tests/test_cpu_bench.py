@@ -24,13 +24,21 @@ async def test_cpu_per_request_smoke() -> None:
     data = json.loads(out)
     rows = data["rows"]
     assert [(r["system"], r["load"].split(",")[0]) for r in rows] == [
-        (s, load) for load in ("closed", "closed", "open") for s in ("floor", "plane")]
-    for r in rows:
+        (s, load) for load in ("closed", "closed", "open", "refusals")
+        for s in ("floor", "plane")]
+    for r in rows[:6]:
         assert r["requests"] == 300 and r["statuses"].get("200", 0) > 0
         roles = {"echo", "nats-server"} if r["system"] == "floor" else {
             "router", "node", "nats-server"}
         assert set(r["cpu_us"]) == roles
         assert set(r["wakes"]) == roles
+    # Every slot held by long calls: the plane's requests are refused (a slot freed between
+    # two held calls may take one), the router's CPU per refusal is read, the node has none.
+    floor, refused = rows[6:]
+    assert floor["statuses"] == {"200": 300}
+    assert refused["statuses"].get("429", 0) >= 290, refused["statuses"]
+    assert set(refused["cpu_us"]) == {"router", "nats-server"}
+    assert refused["p50_ms"] > 0  # the 429s' round trip
     # Read, not just present: 300 requests cost the router CPU between the two reads (a
     # clock tick is 10 ms; it spends some 200 us on each: 6 ticks). The floor's echo and a
     # node at the open load may spend less than a tick.
@@ -41,7 +49,7 @@ async def test_cpu_per_request_smoke() -> None:
     assert rows[0]["wakes"]["echo"] > 0.1 and rows[1]["wakes"]["router"] > 0.1, rows[:2]
     assert data["capacity_per_s"] > 0 and 0 <= data["false_refusal_share"] <= 1
     assert {r["name"] for r in data["ratios"]} and all(
-        len(r["by_load"]) == 3 for r in data["ratios"])
+        len(r["by_load"]) == 4 for r in data["ratios"])
 
 
 async def test_interleaved_ab_smoke() -> None:

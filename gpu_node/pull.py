@@ -61,7 +61,8 @@ MOVE_GRACE_S = 2.0
 class StandingPull:
     def __init__(self, nc: Client, stream: str, consumer: str, *, expires_s: float,
                  api_prefix: str = "$JS.API", heartbeat_s: float | None = None,
-                 on_reach: Callable[[bool], None] | None = None) -> None:
+                 on_reach: Callable[[bool], None] | None = None,
+                 on_silent: Callable[[], None] | None = None) -> None:
         self._nc = nc
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._expires_s = expires_s
@@ -70,7 +71,8 @@ class StandingPull:
         self._request = json.dumps({"batch": BATCH, "expires": int(expires_s * 1e9),
                                     "idle_heartbeat": int(beat_s * 1e9)}).encode()
         self._heard_s = 0.0  # monotonic: a delivery or heartbeat on any pull (or the last issue)
-        self.silences = 0  # pulls renewed because they fell silent
+        self.silences = 0  # pulls renewed because they fell silent (`on_silent` hears each)
+        self._on_silent = on_silent
         # Whether the consumer takes our pulls: False from a pull ended by no-responders (no
         # consumer leader: a cluster electing one, 4-9 s) or by the consumer's deletion, True
         # again at the next delivery or heartbeat. `on_reach` hears each change (the slot
@@ -148,6 +150,8 @@ class StandingPull:
                 now = time.monotonic()
                 if now >= self._heard_s + self._silent_s:
                     self.silences += 1
+                    if self._on_silent is not None:
+                        self._on_silent()
                     log.warning("pull silent: asked again", subject=self._next_subject,
                                 silent_s=round(now - self._heard_s, 3))
                 elif now < self._issued_s + RENEW_AT * self._expires_s:

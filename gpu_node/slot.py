@@ -214,7 +214,8 @@ class Slot(Generating):
             inactive_threshold=CONSUMER_INACTIVE_S, mem_storage=True, max_waiting=4,
         ))
         pull = StandingPull(self.nc, self.stream, self.consumer, expires_s=self.pull_expiry_s,
-                            on_reach=self._pull_reaches)
+                            on_reach=self._pull_reaches,
+                            on_silent=self.metrics.pull_silences.labels(*self._label).inc)
         await pull.start()
         self._pull = pull
         self._claimed = True

@@ -157,12 +157,13 @@ async def test_a_pull_that_falls_silent_is_asked_again(nc: Client) -> None:
         await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}", body, reply=reply)
 
     await nc.subscribe(f"$JS.relay.API.CONSUMER.MSG.NEXT.{STREAM}.{CONSUMER}", cb=relay)
+    told: list[int] = []
     pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30, heartbeat_s=0.1,
-                        api_prefix="$JS.relay.API")
+                        api_prefix="$JS.relay.API", on_silent=lambda: told.append(1))
     await pull.start()
     # Renewed after 2.5 heartbeats of silence, not at 80% of its 30 s expiry.
     await wait_until(lambda: len(relayed) >= 2, 2, "the silent pull to be asked again")
-    assert pull.silences >= 1
+    assert pull.silences >= 1 and len(told) == pull.silences  # the slot counts them
     await _standing(nc)
     await nc.jetstream().publish(SUBJECT, b"after")
     assert await _take(pull, 1) == [b"after"]

@@ -116,6 +116,10 @@ class PlaneMetrics:
             "plane_probe_misses", "Health probes missed", ["model", "slot"], registry=r)
         self.withdrawals = Counter(
             "plane_slot_withdrawals", "Slots withdrawn", ["model", "cause"], registry=r)
+        self.pull_silences = Counter(
+            "plane_slot_pull_silences", "Slot pulls asked again because the consumer fell "
+            "silent (no delivery, no heartbeat: its leader died with its server)",
+            ["model", "slot"], registry=r)
         self.slot_busy_seconds = Counter(
             "plane_slot_busy_seconds", "Time slots spent running requests", ["model", "slot"],
             registry=r)

@@ -52,7 +52,7 @@ from plane.contract.messages import (
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import model_spec
 from plane.contract.ownership import reply_answered
-from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
+from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all_at_start
 from plane.contract.recent import RecentIds
 from plane.contract.settings import MAX_SLOTS, LiveSettings, refused
 from plane.contract.soon_flush import use_soon_flush
@@ -147,7 +147,7 @@ class Node(Lifecycle, TaskOwner):
             self.nc, self.names, self.cfg.node_id, period_s=self.cfg.heartbeat_period_s,
             stopping_wait_s=self.cfg.drain_timeout_s + STOPPING_GRACE_S)
         self._started = True
-        self._nodes_kv, config_kv = await ensure_all(self.js, self._plan)
+        self._nodes_kv, config_kv = await ensure_all_at_start(self.js, self._plan, who="node")
         await self.settings.start(config_kv)
         self._own_sub = await self.nc.subscribe(self.names.health(self.cfg.node_id),
                                                 cb=self._on_own_heartbeat)

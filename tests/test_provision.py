@@ -1,14 +1,22 @@
 """Provisioning again after a reconnect, or after a publish that found no slot stream: one run
 at a time, however many requests ask for it (a cluster without a leader for seconds saw
-hundreds of concurrent provisioners flood JetStream's API as it recovered)."""
+hundreds of concurrent provisioners flood JetStream's API as it recovered). And at a
+process's start: asked again while JetStream cannot answer yet (a cluster electing a
+leader), with an error that says what to check when it never does."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
+import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.errors import APIError
 
-from plane.contract.provision import ProvisionPlan, Reprovisioner
+from plane.contract.errors import Unavailable
+from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all_at_start
 from tests.plane_fixtures import NAMES
 
 TRIES, WAIT_S = 3, 0.05
@@ -35,3 +43,56 @@ async def test_provisioning_again_returns_the_advert_bucket_once_jetstream_answe
     assert live.attempts == 1
     info = await nc.jetstream().stream_info(NAMES.slots_stream)
     assert info.config.name == NAMES.slots_stream
+
+
+RELAY = "$JS.relay.API"
+
+
+async def _relay(nc: Client, answer: list[bytes | None]) -> list[Msg]:
+    """JetStream's API behind a relay: each request takes the next of `answer` (None: left
+    unanswered, as while its stream elects a leader; bytes: answered so), and goes on to the
+    real API once `answer` is spent."""
+    asked: list[Msg] = []
+
+    async def relay(msg: Msg) -> None:
+        asked.append(msg)
+        if answer:
+            if (reply := answer.pop(0)) is not None:
+                await nc.publish(msg.reply, reply)
+            return
+        await nc.publish(msg.subject.replace(RELAY, "$JS.API", 1), msg.data, reply=msg.reply)
+
+    await nc.subscribe(f"{RELAY}.>", cb=relay)
+    return asked
+
+
+async def test_a_start_waits_for_jetstream_to_answer(nc: Client) -> None:
+    """A node or router started while a stream of the plane has no leader (4-9 s after a
+    cluster's server died) stopped at once on a bare TimeoutError; it asks again now."""
+    asked = await _relay(nc, [None, None, None])
+    nodes, _ = await ensure_all_at_start(nc.jetstream(prefix=RELAY, timeout=0.2),
+                                         ProvisionPlan(names=NAMES), who="node", within_s=10)
+    assert (await nodes.status()).bucket == NAMES.nodes_bucket
+    assert len(asked) > 3  # the three unanswered, then the real API
+    info = await nc.jetstream().stream_info(NAMES.slots_stream)
+    assert info.config.name == NAMES.slots_stream
+
+
+async def test_a_start_jetstream_never_answers_says_what_to_check(nc: Client) -> None:
+    js = nc.jetstream(prefix="$JS.nobody.API", timeout=0.2)  # nobody serves it
+    with pytest.raises(Unavailable, match="JetStream did not answer the router's") as err:
+        await ensure_all_at_start(js, ProvisionPlan(names=NAMES), who="router", within_s=0.6)
+    assert "JetStream is enabled" in str(err.value) and "$JS.API" in str(err.value)
+
+
+async def test_a_start_refused_by_jetstream_stops_at_once(nc: Client) -> None:
+    """An answer that says the request is wrong is not an election: no asking again."""
+    refusal = json.dumps({"type": "io.nats.jetstream.api.v1.stream_info_response", "error": {
+        "code": 400, "err_code": 10058, "description": "stream name already in use"}}).encode()
+    asked = await _relay(nc, [refusal] * 10)
+    t0 = time.monotonic()
+    with pytest.raises(APIError) as err:
+        await ensure_all_at_start(nc.jetstream(prefix=RELAY, timeout=0.2),
+                                  ProvisionPlan(names=NAMES), who="node", within_s=10)
+    assert err.value.err_code == 10058 and time.monotonic() - t0 < 1.0, err.value
+    assert len(asked) <= 3  # what provisioning asks before it gives up, once

@@ -4,9 +4,11 @@ calls it at start, so whichever process comes first sets the broker up."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import structlog
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -16,10 +18,17 @@ from nats.js.api import (
     StreamConfig,
     StreamInfo,
 )
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    BucketNotFoundError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from plane.contract.config import MAX_SLOTS
+from plane.contract.errors import Unavailable
 from plane.contract.subjects import MAX_SLOT_SHARDS, Names
 
 log = structlog.get_logger("plane.contract.provision")
@@ -29,6 +38,13 @@ SUBJECTS_OVERLAP = 10065
 # A slot message never lives longer than this (the per-message TTL is the deadline; this is
 # the backstop for a message published without one).
 SLOT_MAX_AGE_S = 600.0
+# JetStream's "temporarily unavailable" (no meta leader yet).
+JS_TEMPORARILY_UNAVAILABLE = 10008
+# A process that starts while one of the plane's replicated streams has no leader (a cluster
+# elects one 4-9 s after a server died) finds JetStream's API silent for it: its start asks
+# again for this long before it gives up, with an error that says what to check.
+START_WITHIN_S = 30.0
+START_RETRY_S = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +208,40 @@ async def ensure_kv(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue:
 async def ensure_all(js: JetStreamContext, plan: ProvisionPlan) -> tuple[KeyValue, KeyValue]:
     await ensure_slot_stream(js, plan)
     return await ensure_buckets(js, plan)
+
+
+def jetstream_busy(exc: BaseException) -> bool:
+    """Whether `exc` says JetStream cannot answer yet (a stream's or the meta leader being
+    elected: no answer in time, no responders, 503), not that what was asked is wrong."""
+    if isinstance(exc, TimeoutError | NoRespondersError | ServiceUnavailableError):
+        return True  # (nats-py's TimeoutError is a TimeoutError)
+    return isinstance(exc, APIError) and (
+        exc.code == 503 or exc.err_code == JS_TEMPORARILY_UNAVAILABLE)
+
+
+async def ensure_all_at_start(js: JetStreamContext, plan: ProvisionPlan, *, who: str,
+                              within_s: float = START_WITHIN_S) -> tuple[KeyValue, KeyValue]:
+    """`ensure_all` for a process's start: asked again while JetStream cannot answer yet
+    (`jetstream_busy`), for `within_s` at most. A process started during a cluster's
+    election used to stop at once on a bare TimeoutError. Any other error is raised as is."""
+    give_up_s = time.monotonic() + within_s
+    while True:
+        try:
+            return await ensure_all(js, plan)
+        except Exception as exc:
+            if not jetstream_busy(exc):
+                raise
+            left_s = give_up_s - time.monotonic()
+            if left_s <= 0:
+                raise Unavailable(
+                    f"JetStream did not answer the {who}'s provisioning of the plane's streams "
+                    f"and buckets for {within_s:g} s (last: {exc!r}). A cluster elects a "
+                    f"stream's leader 4-9 s after a server dies; longer, check that JetStream "
+                    f"is enabled, that most of the cluster's servers run, and that this "
+                    f"process's NATS user may use $JS.API") from exc
+            log.warning("provisioning waits for JetStream", process=who, error=repr(exc),
+                        left_s=round(left_s, 1))
+            await asyncio.sleep(min(START_RETRY_S, left_s))
 
 
 class Reprovisioner:

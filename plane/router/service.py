@@ -41,7 +41,7 @@ from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS
 from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
-from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all
+from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all_at_start
 from plane.contract.settings import LiveSettings
 from plane.contract.slot_leaders import keep_apart
 from plane.contract.soon_flush import use_soon_flush
@@ -161,7 +161,7 @@ class Router(Lifecycle, TaskOwner):
         await self.peers.ensure_id_free()  # before we listen: we must not hear ourselves
         self._started = True
         self.requests.fit_body_limit(self.nc.max_payload, WIRE_HEADROOM_BYTES)
-        nodes_kv, config_kv = await ensure_all(self.js, self._plan)
+        nodes_kv, config_kv = await ensure_all_at_start(self.js, self._plan, who="router")
         await self.settings.start(config_kv)
         n = self.names
         self._health_sub = await self.nc.subscribe(n.health_all(), cb=self._on_heartbeat)

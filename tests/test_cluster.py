@@ -344,6 +344,32 @@ async def test_a_shared_slot_stream_made_first_keeps_its_layout_and_gets_three_r
         assert await stream_of_subject(js, slot) == NAMES.slots_stream
 
 
+async def test_a_plane_started_while_its_buckets_elect_a_leader_starts_once_they_have_one(
+        ) -> None:
+    """The server leading the node-advert bucket is SIGKILLed and a plane started at once on
+    the survivors: its router and node ask JetStream again while the bucket elects its
+    leader (4-9 s) and serve once it has one (they stopped at once on a bare TimeoutError:
+    `plane.contract.provision.ensure_all_at_start`)."""
+    async with cluster() as servers:
+        async with _client(servers[0].url) as nc:
+            leader = (await nc.jetstream(timeout=5.0).stream_info(
+                f"KV_{NAMES.nodes_bucket}")).cluster
+            assert leader is not None and leader.leader
+        victim = next(s for s in servers if s.spec.server_name == leader.leader)
+        await victim.stop(kill=True)
+        survivors = [s for s in servers if s is not victim]
+        cfg = StackConfig(connect=ConnectOptions(url=",".join(s.url for s in survivors)),
+                          models=("calibrated",), slots=1, replicas=REPLICAS)
+        async with asyncio.timeout(40), PlaneStack(cfg), _client(survivors[0].url) as nc:
+            for _ in range(50):
+                reply = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                         headers={Header.DEADLINE_MS: "1000"})
+                if (reply.headers or {}).get(Header.STATUS) == "200":
+                    break
+                await asyncio.sleep(0.2)
+            assert (reply.headers or {}).get(Header.STATUS) == "200", reply.headers
+
+
 @pytest.fixture
 def roles(tmp_path: Path) -> AuthDir:
     d = AuthDir(tmp_path / "auth", rounds=4)  # the cheapest bcrypt cost: tests connect a lot

@@ -56,6 +56,7 @@ from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.publisher import Ack, AckWindow, Batch, Outgoing
 from freshness.records import Stamps, carry_kafka_headers, msg_id, transaction_decoder
 from plane.contract.lifecycle import Lifecycle, finish_or_cancel
+from plane.contract.provision import at_start
 from plane.contract.replies import now_ms
 from plane.contract.subjects import Header
 
@@ -154,7 +155,7 @@ class KafkaBridge(Lifecycle):
         if self._task is not None:
             return
         self._started_at = time.monotonic()
-        await ensure_events_stream(self._js, self._stream_cfg)
+        await at_start(lambda: ensure_events_stream(self._js, self._stream_cfg), who="bridge")
         await self._window.start()
         self._source = KafkaSource(self.cfg, on_revoked=self._forget_partitions,
                                    on_committed=self._committed)

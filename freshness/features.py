@@ -31,6 +31,7 @@ from freshness.provision import ensure_events_stream, ensure_features_bucket, ev
 from freshness.records import CardFeatures, Stamps, Transaction, json_encoder, transaction_decoder
 from plane.contract.lifecycle import Lifecycle, finish_or_cancel
 from plane.contract.messages import FEATURES
+from plane.contract.provision import at_start
 
 log = structlog.get_logger("freshness.features")
 
@@ -102,8 +103,10 @@ class FeatureUpdater(Lifecycle):
     async def start(self) -> None:
         if self._task is not None:
             return
-        await ensure_events_stream(self._js, events_stream_config(self.names), update=False)
-        self._kv = await ensure_features_bucket(self._js, self.names)
+        await at_start(lambda: ensure_events_stream(
+            self._js, events_stream_config(self.names), update=False), who="feature updater")
+        self._kv = await at_start(lambda: ensure_features_bucket(self._js, self.names),
+                                  who="feature updater")
         stream = self.cfg.stream
         self._sub = await self._js.pull_subscribe(
             self.names.events(stream),

@@ -57,6 +57,7 @@ from freshness.provision import ensure_config_bucket, ensure_features_bucket
 from freshness.records import CardFeatures, features_decoder
 from plane.contract.lifecycle import Lifecycle, cancel_and_wait
 from plane.contract.messages import FEATURES, Freshness, RiskRequest
+from plane.contract.provision import at_start
 from plane.contract.settings import LiveSettings
 from plane.contract.subjects import Header, Names, config_key
 
@@ -118,14 +119,16 @@ class CardFeatureGuard(Lifecycle):
         if self._task is not None:
             return
         if self.cfg.watch_live_threshold:
-            config_kv = await ensure_config_bucket(self._js, self.names)
+            config_kv = await at_start(lambda: ensure_config_bucket(self._js, self.names),
+                                       who="freshness guard")
             self._settings = LiveSettings(self.names)
             self._settings.on_change(self._on_setting)
             await self._settings.start(config_kv)
             live = self._settings.values.get(FRESHNESS_KEY)
             if live is not None:
                 self._on_setting(FRESHNESS_KEY, live)
-        features_kv = await ensure_features_bucket(self._js, self.names)
+        features_kv = await at_start(lambda: ensure_features_bucket(self._js, self.names),
+                                     who="freshness guard")
         self._task = asyncio.create_task(self._watch(features_kv), name="freshness-guard")
         async with asyncio.timeout(timeout_s):
             await self.ready.wait()

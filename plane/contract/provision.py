@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 from nats.errors import NoRespondersError
@@ -32,6 +34,7 @@ from plane.contract.errors import Unavailable
 from plane.contract.subjects import MAX_SLOT_SHARDS, Names
 
 log = structlog.get_logger("plane.contract.provision")
+T = TypeVar("T")
 
 # nats-server's error code for a stream whose subjects another stream holds.
 SUBJECTS_OVERLAP = 10065
@@ -219,15 +222,16 @@ def jetstream_busy(exc: BaseException) -> bool:
         exc.code == 503 or exc.err_code == JS_TEMPORARILY_UNAVAILABLE)
 
 
-async def ensure_all_at_start(js: JetStreamContext, plan: ProvisionPlan, *, who: str,
-                              within_s: float = START_WITHIN_S) -> tuple[KeyValue, KeyValue]:
-    """`ensure_all` for a process's start: asked again while JetStream cannot answer yet
-    (`jetstream_busy`), for `within_s` at most. A process started during a cluster's
-    election used to stop at once on a bare TimeoutError. Any other error is raised as is."""
+async def at_start(make: Callable[[], Awaitable[T]], *, who: str,
+                   within_s: float = START_WITHIN_S) -> T:
+    """`make()`, a process's provisioning at its start, asked again while JetStream cannot
+    answer yet (`jetstream_busy`), for `within_s` at most; then an error that says what to
+    check. A process started during a cluster's election used to stop at once on a bare
+    TimeoutError. Any other error is raised as it comes."""
     give_up_s = time.monotonic() + within_s
     while True:
         try:
-            return await ensure_all(js, plan)
+            return await make()
         except Exception as exc:
             if not jetstream_busy(exc):
                 raise
@@ -242,6 +246,12 @@ async def ensure_all_at_start(js: JetStreamContext, plan: ProvisionPlan, *, who:
             log.warning("provisioning waits for JetStream", process=who, error=repr(exc),
                         left_s=round(left_s, 1))
             await asyncio.sleep(min(START_RETRY_S, left_s))
+
+
+async def ensure_all_at_start(js: JetStreamContext, plan: ProvisionPlan, *, who: str,
+                              within_s: float = START_WITHIN_S) -> tuple[KeyValue, KeyValue]:
+    """`ensure_all` for a router's or node's start (`at_start`)."""
+    return await at_start(lambda: ensure_all(js, plan), who=who, within_s=within_s)
 
 
 class Reprovisioner:

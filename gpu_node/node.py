@@ -52,7 +52,12 @@ from plane.contract.messages import (
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import model_spec
 from plane.contract.ownership import reply_answered
-from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all_at_start
+from plane.contract.provision import (
+    ProvisionPlan,
+    Reprovisioner,
+    at_start,
+    ensure_all_at_start,
+)
 from plane.contract.recent import RecentIds
 from plane.contract.settings import MAX_SLOTS, LiveSettings, refused
 from plane.contract.soon_flush import use_soon_flush
@@ -258,7 +263,9 @@ class Node(Lifecycle, TaskOwner):
                 changed=self.changed,
             )
             self.slots.append(slot)
-            await slot.claim()
+            # Its consumer is made through JetStream's meta leader: a cluster electing one
+            # (a server just died) does not answer for seconds.
+            await at_start(slot.claim, who="node", what=f"claiming slot {k}")
         while len(self.slots) > want:
             slot = self.slots.pop()
             await slot.withdraw("resized", wait_s=self.cfg.drain_timeout_s)

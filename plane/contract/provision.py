@@ -223,6 +223,7 @@ def jetstream_busy(exc: BaseException) -> bool:
 
 
 async def at_start(make: Callable[[], Awaitable[T]], *, who: str,
+                   what: str = "provisioning the plane's streams and buckets",
                    within_s: float = START_WITHIN_S) -> T:
     """`make()`, a process's provisioning at its start, asked again while JetStream cannot
     answer yet (`jetstream_busy`), for `within_s` at most; then an error that says what to
@@ -238,13 +239,13 @@ async def at_start(make: Callable[[], Awaitable[T]], *, who: str,
             left_s = give_up_s - time.monotonic()
             if left_s <= 0:
                 raise Unavailable(
-                    f"JetStream did not answer the {who}'s provisioning of the plane's streams "
-                    f"and buckets for {within_s:g} s (last: {exc!r}). A cluster elects a "
+                    f"JetStream did not answer the {who} ({what}) for {within_s:g} s "
+                    f"(last: {exc!r}). A cluster elects a "
                     f"stream's leader 4-9 s after a server dies; longer, check that JetStream "
                     f"is enabled, that most of the cluster's servers run, and that this "
                     f"process's NATS user may use $JS.API") from exc
-            log.warning("provisioning waits for JetStream", process=who, error=repr(exc),
-                        left_s=round(left_s, 1))
+            log.warning("start waits for JetStream", process=who, doing=what,
+                        error=repr(exc), left_s=round(left_s, 1))
             await asyncio.sleep(min(START_RETRY_S, left_s))
 
 

@@ -53,8 +53,8 @@ SILENT_BEATS = 2.5
 ERROR_BACKOFF_S = 0.1
 # A consumer moved to another server (409 "Leadership Change": a step-down, the router's
 # `keep_apart` or an operator's) has no leader for a moment: a pull asked at once may hear
-# 503. For this long after a move that is the move, not an outage: asked again after the
-# back-off, the slot still advertised as reached, no error counted.
+# 503. For this long after a move that is the move, not an error: asked again after the
+# back-off, nothing logged or counted (the slot is out of reach meanwhile all the same).
 MOVE_GRACE_S = 2.0
 
 
@@ -207,7 +207,11 @@ class StandingPull:
             self._renewed.set()  # moved to another server (a step-down): ask it at once
             return
         if status == "503" and time.monotonic() - self._moved_s < MOVE_GRACE_S:
-            self._back_off = True  # its new leader is not up yet: again shortly
+            # Its new leader is not up yet: nothing fetches meanwhile, so the slot is out of
+            # reach (routers pass it over) until a delivery or a heartbeat; but it is the
+            # move, not an error: asked again after the back-off, nothing logged.
+            self._reached(False)
+            self._back_off = True
             self._renewed.set()
             return
         if status == "503" or (status == "409" and "Deleted" in description):

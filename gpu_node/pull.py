@@ -90,7 +90,7 @@ class StandingPull:
         self._keeper: asyncio.Task[None] | None = None
         self.errors = 0  # statuses that ended a pull with an error, in a row
         self._moved_s = -MOVE_GRACE_S  # monotonic: the consumer's last leader change
-        self._back_off = False  # the next pull waits ERROR_BACKOFF_S (no error counted)
+        self._back_off = False  # the pull ended on an error status: the next waits a moment
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -156,7 +156,7 @@ class StandingPull:
                                 silent_s=round(now - self._heard_s, 3))
                 elif now < self._issued_s + RENEW_AT * self._expires_s:
                     continue  # heard from lately, and not due: wait on
-            if self._renewed.is_set() and (self.errors or self._back_off):
+            if self._renewed.is_set() and self._back_off:
                 await asyncio.sleep(ERROR_BACKOFF_S)
             self._renewed.clear()
             self._back_off = False
@@ -206,19 +206,14 @@ class StandingPull:
             self._moved_s = time.monotonic()
             self._renewed.set()  # moved to another server (a step-down): ask it at once
             return
-        if status == "503" and time.monotonic() - self._moved_s < MOVE_GRACE_S:
-            # Its new leader is not up yet: nothing fetches meanwhile, so the slot is out of
-            # reach (routers pass it over) until a delivery or a heartbeat; but it is the
-            # move, not an error: asked again after the back-off, nothing logged.
-            self._reached(False)
-            self._back_off = True
-            self._renewed.set()
-            return
         if status == "503" or (status == "409" and "Deleted" in description):
-            self._reached(False)
+            self._reached(False)  # nothing fetches: routers pass the slot over meanwhile
         if status != "408":  # 408: expired (a stalled loop renewed late); anything else: why
-            self.errors += 1
-            if self.errors in (1, 10) or self.errors % 100 == 0:
-                log.warning("pull ended by the broker", subject=self._next_subject,
-                            status=status, description=description, times=self.errors)
+            self._back_off = True
+            # Just after a move, a 503 is the move (the new leader not up yet): no error.
+            if not (status == "503" and time.monotonic() - self._moved_s < MOVE_GRACE_S):
+                self.errors += 1
+                if self.errors in (1, 10) or self.errors % 100 == 0:
+                    log.warning("pull ended by the broker", subject=self._next_subject,
+                                status=status, description=description, times=self.errors)
         self._renewed.set()

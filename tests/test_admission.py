@@ -5,9 +5,9 @@ never made."""
 import heapq
 import random
 from collections import Counter
-from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace
 
 from plane.contract.budget import Prediction, ServiceWindow, fits, predict
 from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status

@@ -5,7 +5,8 @@ stream's predicted end."""
 
 import asyncio
 import json
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from plane.contract.budget import PRIOR_DECODE_NS, ServiceWindow, TokenRates
 from plane.contract.messages import Reason, Status

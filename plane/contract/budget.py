@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 
 @dataclass(slots=True)
 class ServiceWindow:
@@ -102,8 +104,7 @@ class ServiceWindow:
         self._p50 = self._p90 = self._p99 = self.prior_us
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
+class Prediction(msgspec.Struct, frozen=True):
     p50_us: int
     p99_us: int
     mean_us: int = -1  # -1: same as the p50

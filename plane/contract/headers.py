@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import msgspec
 
@@ -74,8 +73,7 @@ def header_bytes(headers: Mapping[str, str]) -> int:
     return sum(len(k) + len(v.encode("utf-8", "replace")) + 4 for k, v in headers.items())
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CallerHeaders:
+class CallerHeaders(msgspec.Struct, frozen=True, kw_only=True):
     """A request's headers, checked: None where the caller did not send one."""
 
     request_id: str | None = None

@@ -18,7 +18,9 @@ import secrets
 import string
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import msgspec
 
 from plane.contract.budget import Prediction, ServiceWindow, fits
 from plane.contract.messages import Reason, Status
@@ -157,8 +159,7 @@ def _wait_ms(at_s: float, now_s: float) -> int:
     return max(1, math.ceil((at_s - now_s) * 1000 - 1e-6))
 
 
-@dataclass(frozen=True, slots=True)
-class Ask:
+class Ask(msgspec.Struct, frozen=True):
     """One request, as admission sees it."""
 
     now_s: float
@@ -192,25 +193,23 @@ class Ask:
 
     def later(self, now_s: float, *, as_newcomer: bool = False) -> Ask:
         """The same request, looked at again at `now_s` (without its ticket: as a newcomer)."""
-        return replace(self, now_s=now_s, ticket=None if as_newcomer else self.ticket)
+        return msgspec.structs.replace(self, now_s=now_s,
+                                       ticket=None if as_newcomer else self.ticket)
 
 
-@dataclass(frozen=True, slots=True)
-class Place:
+class Place(msgspec.Struct, frozen=True):
     candidates: list[SlotView]
     redeemed: Promise | None
 
 
-@dataclass(frozen=True, slots=True)
-class Park:
+class Park(msgspec.Struct, frozen=True):
     """A ticket holder for whom a slot frees within moments: wait for one until `until_s`."""
 
     until_s: float
     holder: Promise
 
 
-@dataclass(frozen=True, slots=True)
-class Refuse:
+class Refuse(msgspec.Struct, frozen=True):
     status: Status
     reason: Reason
     message: str

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 from nats.js import JetStreamContext
 
@@ -25,8 +25,7 @@ log = structlog.get_logger("plane.router.inflight")
 ANSWERED_UNSURE_KEPT = 4096
 
 
-@dataclass(slots=True)
-class InFlight:
+class InFlight(msgspec.Struct):
     request_id: str
     model: str
     reply: str

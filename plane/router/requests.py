@@ -16,10 +16,11 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -102,8 +103,7 @@ def _is_depth_refusal(exc: APIError) -> bool:
     return exc.err_code == 10077 and "maximum messages per subject" in (exc.description or "")
 
 
-@dataclass(slots=True)
-class Routing:
+class Routing(msgspec.Struct):
     """One request being decided: what the router read from it and what it asks for."""
 
     msg: Msg
@@ -121,8 +121,7 @@ class Routing:
     may_promise: bool  # this router is it
 
 
-@dataclass(slots=True)
-class Placing:
+class Placing(msgspec.Struct):
     """A placement in progress: the candidate slots, the one being tried, its in-flight
     entry, and how often the broker has been asked again for it (`BROKER_SETTLE_S`)."""
 
@@ -527,8 +526,8 @@ class RequestPath:
                 decision.until_s - time.monotonic())
             await self.parking.wait(ms.model, decision.holder.due_s, loop_until)
             now = time.monotonic()
-            ask = replace(ask.later(now), park_until_s=decision.until_s,
-                          ticket=decision.holder.ticket)  # a parked newcomer's too
+            ask = msgspec.structs.replace(ask.later(now), park_until_s=decision.until_s,
+                                          ticket=decision.holder.ticket)  # a parked newcomer's too
             decision = self.admission.decide(ms, ask, may_park=now < decision.until_s,
                                              may_promise=may_promise)
         return decision, parked

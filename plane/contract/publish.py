@@ -23,17 +23,21 @@ from collections.abc import Mapping
 from nats.aio.client import Client
 from nats.errors import BadSubjectError, MaxPayloadError
 
+from plane.contract.header_lines import parse_header_lines
+
 _BAD_IN_SUBJECT = frozenset(" \t\r\n")
 _NEWLINES_TO_SPACES = str.maketrans({"\r": " ", "\n": " "})
+
+
+def one_value(v: str) -> str:
+    """A header value as it goes on the wire: a CR or LF in it becomes a space."""
+    return v.translate(_NEWLINES_TO_SPACES) if "\r" in v or "\n" in v else v
 
 
 def header_block(headers: Mapping[str, str]) -> bytes:
     """`NATS/1.0`, then `Name: value` each, as the protocol wants them."""
     parts = ["NATS/1.0\r\n"]
-    for k, v in headers.items():
-        if "\r" in v or "\n" in v:
-            v = v.translate(_NEWLINES_TO_SPACES)
-        parts.append(f"{k}: {v}\r\n")
+    parts.extend(f"{k}: {one_value(v)}\r\n" for k, v in headers.items())
     parts.append("\r\n")
     return "".join(parts).encode()
 
@@ -43,18 +47,20 @@ def _check_subject(subject: str) -> None:
         raise BadSubjectError(f"nats: invalid subject {subject!r}")
 
 
-async def publish(nc: Client, subject: str, payload: bytes, headers: Mapping[str, str],
-                  reply: str = "") -> None:
-    """`nc.publish(subject, payload, reply=reply, headers=headers)`, cheaper."""
+async def publish(nc: Client, subject: str, payload: bytes,
+                  headers: Mapping[str, str] | bytes, reply: str = "") -> None:
+    """`nc.publish(subject, payload, reply=reply, headers=headers)`, cheaper. `headers` may
+    also come as the block `header_block` makes (or `replies.error_block`)."""
     if not nc.is_connected or nc.is_draining:  # closed, reconnecting: nats-py's rules apply
-        await nc.publish(subject, payload, reply=reply, headers=dict(headers))
+        await nc.publish(subject, payload, reply=reply, headers=(
+            parse_header_lines(headers) if isinstance(headers, bytes) else dict(headers)))
         return
     _check_subject(subject)
     if reply:
         _check_subject(reply)
     if len(payload) > nc.max_payload:
         raise MaxPayloadError
-    hdr = header_block(headers)
+    hdr = headers if isinstance(headers, bytes) else header_block(headers)
     cmd = b"".join((f"HPUB {subject} {reply} {len(hdr)} {len(hdr) + len(payload)}\r\n".encode(),
                     hdr, payload, b"\r\n"))
     nc.stats["out_msgs"] += 1

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from typing import TypedDict, Unpack
 
 from plane.contract.messages import Reason, Status, error_body
+from plane.contract.publish import one_value
 from plane.contract.subjects import Header
 
 
@@ -68,6 +70,32 @@ def error_reply(
     headers[Header.NATS_SERVICE_ERROR_CODE] = str(int(status))
     headers[Header.NATS_SERVICE_ERROR] = _one_line(message)
     return error_body(message, reason), headers
+
+
+def error_block(
+    request_id: str, status: Status, reason: Reason, message: str, *,
+    retry_after_ms: int | None = None, ticket: str | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> tuple[bytes, bytes]:
+    """`error_reply`'s body, and its headers (then `extra`'s) as the header block that
+    `plane.contract.publish.publish` sends: the same bytes as `header_block` of
+    `error_reply`'s dict (tests/test_publish.py), made in one pass. Every refusal of the
+    router's is one; the dict and its block cost twice this (~4 against ~2 µs)."""
+    code = str(int(status))
+    lines = [f"NATS/1.0\r\n{Header.STATUS}: {code}\r\n"
+             f"{Header.REQUEST_ID}: {one_value(request_id)}\r\n"
+             f"{Header.SERVER_TIME}: {now_ms()}\r\n{Header.REASON}: {reason.value}\r\n"]
+    if retry_after_ms is not None:
+        lines.append(f"{Header.RETRY_AFTER_MS}: {retry_after_ms}\r\n"
+                     f"{Header.RETRY_AFTER}: {max(1, math.ceil(retry_after_ms / 1000))}\r\n")
+    if ticket is not None:
+        lines.append(f"{Header.TICKET}: {one_value(ticket)}\r\n")
+    lines.append(f"{Header.NATS_SERVICE_ERROR_CODE}: {code}\r\n"
+                 f"{Header.NATS_SERVICE_ERROR}: {_one_line(message)}\r\n")
+    if extra:
+        lines.extend(f"{k}: {one_value(v)}\r\n" for k, v in extra.items())
+    lines.append("\r\n")
+    return error_body(message, reason), "".join(lines).encode()
 
 
 def _one_line(text: str, limit: int = 256) -> str:

@@ -713,9 +713,9 @@ class RequestPath:
                       r: Refuse, tenant: str) -> None:
         """Every refusal the router sends goes out here, counted once: by status and
         reason, for the tenant, as an error of the micro endpoint when it is one."""
-        body, headers = replies.error_reply(
-            rid, r.status, r.reason, r.message, retry_after_ms=r.retry_after_ms, ticket=r.ticket)
-        headers.update(trace_headers(hdrs))
+        body, block = replies.error_block(rid, r.status, r.reason, r.message,
+                                          retry_after_ms=r.retry_after_ms, ticket=r.ticket,
+                                          extra=trace_headers(hdrs))
         self._answered(model, str(int(r.status))).inc()
         self.meter.answered(tenant, model, int(r.status))
         if r.status is Status.BUSY:  # a 429 is admission at work, not an error
@@ -725,4 +725,4 @@ class RequestPath:
         else:
             self.errored(int(r.status), r.message)
         if reply:
-            await publish(self.nc, reply, body, headers)
+            await publish(self.nc, reply, body, block)

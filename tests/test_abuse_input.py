@@ -26,7 +26,8 @@ from structlog.testing import capture_logs
 
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats
-from plane.contract.headers import MAX_HEADER_BYTES
+from plane.contract.errors import BadRequest
+from plane.contract.headers import MAX_HEADER_BYTES, read_caller
 from plane.contract.logs import LineSink
 from plane.contract.natsconn import Throttle
 from plane.contract.subjects import Header, config_key
@@ -94,6 +95,14 @@ BAD_HEADERS: list[dict[str, str]] = [
         "_INBOX.a b", "_INBOX.a.", "_INBOX." + "a" * 200, "x_INBOX.a")),
     {f"X-Pad-{i}": "p" * 300 for i in range(MAX_HEADER_BYTES // 300 + 1)},
 ]
+
+
+def test_headers_are_measured_in_utf8_bytes() -> None:
+    """Under the limit in characters, over it in UTF-8 bytes (what the wire carries)."""
+    fits = {"X-Pad": "\u00e9" * (MAX_HEADER_BYTES // 2 - 20)}
+    assert read_caller(fits).request_id is None
+    with pytest.raises(BadRequest, match="bytes; the limit is"):
+        read_caller({"X-Pad": "\u00e9" * (MAX_HEADER_BYTES // 2)})
 
 
 async def test_router_refuses_every_bad_caller_header_400_and_echoes_the_valid_id(

@@ -69,6 +69,8 @@ class Peers:
 
     def promiser(self) -> str:
         """The router that makes promises: the first by id of those heard from lately."""
+        if not self.seen_s:
+            return self.router_id  # alone (the usual case: asked per request)
         now = time.monotonic()
         return min([self.router_id, *(r for r in self.seen_s if self._heard(r, now))])
 

@@ -413,6 +413,5 @@ class Node(Lifecycle, TaskOwner):
         for slot in self.slots:
             if slot.claimed and not await slot.consumer_alive():
                 log.warning("consumer lost: re-claiming slot", slot=slot.k)
-                await slot.withdraw("reconnect", wait_s=1.0)
-                await slot.claim()
+                await slot.reclaim("reconnect")
         self.changed()

@@ -190,14 +190,29 @@ class Slot(Generating):
                 continue
             log.warning("consumer lost: re-claiming slot", slot=self.k)
             await self.withdraw("consumer-lost", wait_s=1.0)
-            while not self._claimed:  # a withdrawal for another cause cancels this task
-                try:
-                    await self.claim()
-                except Exception as exc:  # the broker cannot make it yet (an election)
-                    log.warning("slot not claimed: trying again", slot=self.k, error=repr(exc))
-                    await asyncio.sleep(UNREACHED_CHECK_S)
-            self._changed()
+            await self._claim_until_taken()
             return
+
+    async def reclaim(self, cause: str) -> None:
+        """Withdraw for `cause` (a reconnect that lost the consumer), then claim again until
+        the broker takes the claim, as the slot's own task (`_claim_until_taken`): returns
+        once that task has begun. A claim that failed once used to leave the slot withdrawn
+        for good."""
+        await self.withdraw(cause, wait_s=1.0)  # (cancels a comeback already under way)
+        self._unreached = asyncio.create_task(self._claim_until_taken(),
+                                              name=f"reclaim-{self.model}-{self.k}")
+
+    async def _claim_until_taken(self) -> None:
+        """Claim, asked again every `UNREACHED_CHECK_S` while the broker cannot take it (a
+        cluster electing a leader, a restarted server loading: timeouts for seconds). Runs as
+        `_unreached`: a withdrawal for another cause, or `close`, cancels it."""
+        while not self._claimed:
+            try:
+                await self.claim()
+            except Exception as exc:
+                log.warning("slot not claimed: trying again", slot=self.k, error=repr(exc))
+                await asyncio.sleep(UNREACHED_CHECK_S)
+        self._changed()
 
     async def claim(self) -> None:
         """Take the subject: answer whatever an earlier life left on it (see `sweep`), bind a

@@ -192,3 +192,35 @@ async def test_a_message_that_lands_after_its_router_answered_it_is_not_answered
         await asyncio.sleep(0.5)
         assert [m.headers[Header.STATUS] for m in answers["late-2"]] == ["504"]
         assert answers["late-2"][0].headers[Header.NODE] == view.node
+
+
+async def test_a_slot_whose_claim_fails_after_a_reconnect_is_claimed_again() -> None:
+    """The embedded server's restart loses its memory-stored slot streams: the node makes
+    them again and claims its slots anew. A claim that fails then (JetStream still electing
+    or loading answers with timeouts for seconds) used to leave the slot withdrawn for good,
+    a node short of a slot until it restarted. It is asked again until the broker takes it."""
+    async with EmbeddedNats() as srv, \
+            plane(srv.url, models=("calibrated",), slots=1) as stack:
+        slot = stack.nodes[0].slots[0]
+        claim = slot.claim
+        failed: list[float] = []
+
+        async def claim_failing_once() -> None:
+            if not failed:
+                failed.append(time.monotonic())
+                raise TimeoutError  # what nats-py raises when JetStream does not answer
+            await claim()
+
+        slot.claim = claim_failing_once  # type: ignore[method-assign]
+        async with client(srv.url) as nc:
+            sdk = PlaneClient(nc)
+            assert (await sdk.call("calibrated", {"duration_us": 100})).status == 200
+            await srv.restart()
+            await wait_until(lambda: failed, 15, "the claim after the reconnect")
+            await wait_until(lambda: slot.claimed, 10, "the slot claimed again")
+            res = await sdk.call("calibrated", {"duration_us": 100}, deadline_ms=1000)
+            t_end = time.monotonic() + 10
+            while res.status != 200:
+                assert time.monotonic() < t_end, res
+                await asyncio.sleep(0.1)
+                res = await sdk.call("calibrated", {"duration_us": 100}, deadline_ms=1000)

@@ -173,6 +173,29 @@ def test_service_window_percentiles(rng) -> None:  # type: ignore[no-untyped-def
     assert fits(p.p99_us, p.p99_us) and not fits(p.p99_us, p.p99_us - 1)
 
 
+def test_service_window_is_current_after_every_sample_and_every_expiry(rng) -> None:  # type: ignore[no-untyped-def]
+    """Its percentiles and mean are those of the samples it holds (the last `size`, none older
+    than `max_age_s`), after each change: checked against sorting them again."""
+    w = ServiceWindow(size=50, prior_us=7, max_age_s=0.5)
+    held: list[tuple[float, int]] = []
+    for i in range(2000):
+        now = i / 50  # 50 samples span 1 s: expiry drops about half
+        v = rng.randint(0, 5000) if i % 300 < 250 else 10 * i  # with rising runs
+        w.add(v, now)
+        held = [*held, (now, v)][-50:]
+        if i % 7 == 0:
+            gone = w.expire(now)
+            kept = [(t, x) for t, x in held if t >= now - 0.5]
+            assert gone == len(held) - len(kept)
+            held = kept
+        s = sorted(x for _, x in held)
+        n = len(s)
+        assert (w.count, w.mean_us) == (n, sum(s) // n)
+        assert (w.p50_us, w.p90_us, w.p99_us) == (
+            s[(n - 1) // 2], s[min(n - 1, 90 * n // 100)], s[min(n - 1, 99 * n // 100)]), i
+    assert w.expire(100.0) == len(held) and (w.p50_us, w.p99_us, w.mean_us) == (7, 7, 7)
+
+
 def test_holder_whose_slot_is_about_to_free_is_parked_not_refused() -> None:
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.010)

@@ -137,6 +137,16 @@ async def test_a_heavy_tenant_is_refused_first_and_a_light_one_keeps_its_share(
             assert metered_us == pytest.approx(sum(used), rel=0.01)
             assert by_tenant["LIGHT"]["sm_ms"] == pytest.approx(
                 by_tenant["LIGHT"]["slot_us"] / 1000, rel=0.01)  # off a GPU: x1
+            # The plane_tenant_* counters are the same record, as Prometheus reads it.
+            scraped = router.metrics.registry.get_sample_value
+            for row in meter:
+                who = {"tenant": row["tenant"], "model": row["model"]}
+                for status, n in row["requests"].items():
+                    assert scraped("plane_tenant_requests_total", {**who, "status": status}) == n
+                assert scraped("plane_tenant_slot_seconds_total", who) == pytest.approx(
+                    row["slot_us"] / 1e6)
+                assert scraped("plane_tenant_sm_seconds_total", who) == pytest.approx(
+                    row["sm_ms"] / 1000, rel=1e-3)
         finally:
             await heavy.close()
             await light.close()

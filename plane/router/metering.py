@@ -1,7 +1,8 @@
 """What each tenant used: requests by final status, slot time and SM·ms, per model, as this
 router saw them (it meters what it refused and what it placed; a placed request's slot time
 comes with its done-event, the same `service_us` the caller got in `Plane-Service-Us`).
-Exported as Prometheus counters and, per tenant, from the router's meter endpoint."""
+Exported as Prometheus counters (`plane.contract.metrics.TenantUsage` reads them when
+scraped) and, per tenant, from the router's meter endpoint."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from plane.contract.metrics import Children, PlaneMetrics
+from plane.contract.metrics import PlaneMetrics
 
 
 @dataclass(slots=True)
@@ -32,10 +33,8 @@ class MeterReading(msgspec.Struct, frozen=True, kw_only=True):
 
 class Meter:
     def __init__(self, metrics: PlaneMetrics) -> None:
-        self._requests = Children(metrics.tenant_requests)
-        self._slot_s = Children(metrics.tenant_slot_seconds)
-        self._sm_s = Children(metrics.tenant_sm_seconds)
         self._usage: dict[tuple[str, str], Usage] = {}
+        metrics.tenant_usage.add(self._usage)  # the plane_tenant_* counters read it
 
     def _of(self, tenant: str, model: str) -> Usage:
         u = self._usage.get((tenant, model))
@@ -45,15 +44,11 @@ class Meter:
 
     def answered(self, tenant: str, model: str, status: int) -> None:
         self._of(tenant, model).statuses[status] += 1
-        self._requests(tenant, model, str(status)).inc()
 
     def used(self, tenant: str, model: str, service_us: int, sms: int) -> None:
         u = self._of(tenant, model)
-        sm_ms = service_us / 1000 * max(1, sms)
         u.slot_us += service_us
-        u.sm_ms += sm_ms
-        self._slot_s(tenant, model).inc(service_us / 1e6)
-        self._sm_s(tenant, model).inc(sm_ms / 1000)
+        u.sm_ms += service_us / 1000 * max(1, sms)
 
     def readings(self) -> list[MeterReading]:
         return [MeterReading(tenant=t, model=m,

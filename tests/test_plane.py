@@ -12,6 +12,7 @@ import urllib.request
 import msgspec
 import pytest
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
@@ -206,6 +207,69 @@ async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_
         gone = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
                                 headers={Header.TICKET: "router9-7"})
         assert status(gone) == 200
+
+
+async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_get_answers(
+) -> None:
+    """A forward that names the caller's reply (`Plane-Reply-To`) is taken over: one empty
+    "taken" to the forwarder, the answer straight to the caller. One without it (a forwarder
+    of an earlier version) is answered to the forwarder, which relays it. One that comes after
+    its forwarder gave up (`Plane-Forward-Until` past) is dropped: the forwarder answered.
+    And a forwarder whose owner is of an earlier version (it answers the forward itself)
+    relays that answer to the caller."""
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        owner = stack.routers[0]
+        own_subject = NAMES.router_infer(owner.cfg.router_id, "calibrated")
+
+        async def listen_on(inbox: str, box: list[Msg]) -> Subscription:
+            async def keep(m: Msg) -> None:
+                box.append(m)
+            return await nc.subscribe(inbox, cb=keep)
+
+        async def forward(*, reply_to: bool, until_s: float | None,
+                          expect: bool = True) -> tuple[list[Msg], list[Msg]]:
+            """A forward from router `r9`: (what its inbox got, what the caller's got)."""
+            forwarder, caller = nc.new_inbox(), nc.new_inbox()
+            got: tuple[list[Msg], list[Msg]] = ([], [])
+            subs = [await listen_on(inbox, box)
+                    for inbox, box in ((forwarder, got[0]), (caller, got[1]))]
+            headers = {Header.FORWARDED_BY: "r9", Header.DEADLINE_MS: "2000"}
+            if reply_to:
+                headers[Header.REPLY_TO] = caller
+            if until_s is not None:
+                headers[Header.FORWARD_UNTIL] = str(int((time.time() + until_s) * 1000))
+            await nc.publish(own_subject, calibrated(1000), reply=forwarder, headers=headers)
+            if expect:
+                await wait_until(lambda: got[1] if reply_to else got[0], 5, "the answer")
+            await asyncio.sleep(0.3)  # anything more that would come
+            for sub in subs:
+                await sub.unsubscribe()
+            return got
+
+        to_forwarder, to_caller = await forward(reply_to=True, until_s=5)
+        [taken] = to_forwarder
+        assert taken.data == b"" and Header.STATUS not in (taken.headers or {})
+        assert [status(m) for m in to_caller] == [200]
+        # A forwarder of before: no Plane-Reply-To, the answer is its own to relay.
+        to_forwarder, to_caller = await forward(reply_to=False, until_s=None)
+        assert [status(m) for m in to_forwarder] == [200] and to_caller == []
+        # Too late: its forwarder gave up on it a second ago (and answered the caller).
+        assert await forward(reply_to=True, until_s=-1, expect=False) == ([], [])
+        # An owner of before answers the forward itself: relayed to the caller.
+        seen: list[Msg] = []
+
+        async def old_owner(m: Msg) -> None:
+            seen.append(m)
+            await nc.publish(m.reply, b'{"old": true}', headers={Header.STATUS: "200"})
+
+        await nc.subscribe(NAMES.router_infer("old", "calibrated"), cb=old_owner)
+        relayed = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                   headers={Header.TICKET: "old-0123456789abcdef"})
+        assert relayed.data == b'{"old": true}' and status(relayed) == 200
+        assert (seen[0].headers or {}).get(Header.REPLY_TO) == relayed.subject
+        assert stack.metrics.registry.get_sample_value("plane_router_forwarded_total", {
+            "model": "calibrated", "why": "ticket", "outcome": "relayed"}) == 1
 
 
 async def test_a_promiser_that_stops_is_replaced_at_the_first_forward_that_finds_it_gone(

@@ -61,8 +61,11 @@ class Header:
     TENANT = "Plane-Tenant"
     NATS_REQUEST_INFO = "Nats-Request-Info"  # set by nats-server on a shared service import
     # Internal: router -> router, on a ticket holder's request forwarded to the router that
-    # made the promise (never forwarded twice).
+    # made the promise (never forwarded twice). With `Plane-Reply-To` (the caller's reply) and
+    # `Plane-Forward-Until` (epoch ms: when the forwarder gives up), the maker takes the
+    # request over: it answers an empty "taken" to the forwarder, then the caller directly.
     FORWARDED_BY = "Plane-Forwarded-By"
+    FORWARD_UNTIL = "Plane-Forward-Until"
     CONTENT_TYPE = "Content-Type"
     # Internal: router -> node, on the slot message only.
     REPLY_TO = "Plane-Reply-To"

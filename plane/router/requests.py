@@ -97,6 +97,15 @@ YIELD_EVERY = 32
 PROMISE_OPEN_S = 0.05
 
 
+# The owner's word that it took a forwarded request over (`RequestPath._taken_over`).
+TAKEN = b"NATS/1.0\r\n" + Header.FORWARDED_BY.encode() + b": taken\r\n\r\n"
+
+
+def _is_taken(m: Msg) -> bool:
+    """Whether a forward's first answer is the owner's "taken", not an answer of its own."""
+    return (m.headers or {}).get(Header.FORWARDED_BY) == "taken" and not m.data
+
+
 def _is_depth_refusal(exc: APIError) -> bool:
     """The depth-one refusal. err_code 10077 is shared by other stream limits: match the
     description too."""
@@ -183,6 +192,7 @@ class RequestPath:
         # Ids for requests that came without one: unique to this router's life (a NUID drawn
         # once) and a count; a NUID per request was ~1.5% of the router's CPU (docs/perf).
         self._rid_prefix = parts.nc.new_inbox()[len("_INBOX."):]
+        self._own_prefix = parts.cfg.names.router_infer_all(parts.cfg.router_id)[:-1]
         self._rid_count = itertools.count(1)
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
         self._run = 0  # requests handled since the loop last turned (YIELD_EVERY)
@@ -232,6 +242,9 @@ class RequestPath:
             # bounded). Come back after about one slot cycle.
             await self._shed(msg)
             return
+        if Header.FORWARDED_BY in (hdrs := msg.headers or {}) and not await self._taken_over(
+                msg, hdrs):
+            return
         if self._done_pending():
             # Done-events read before this request are still queued for their own task: let
             # them land first (one turn of the loop; they were scheduled before us), so a
@@ -239,6 +252,27 @@ class RequestPath:
             # refused callers = slots 13% of the time.
             await asyncio.sleep(0)
         await self._route_one(msg)
+
+    async def _taken_over(self, msg: Msg, hdrs: Mapping[str, str]) -> bool:
+        """A request another router forwarded to this one (a ticket of ours, or one that needs
+        a promise), on our own subject: when it names the caller's reply (`Plane-Reply-To`),
+        take it over. Tell the forwarder at once (an empty message, no `Plane-Status`), then
+        answer the caller directly, and so does the node it is placed on: its answer, and a
+        stream's every message, go to the caller without the forwarder relaying them (a hop
+        each), and a stream's caller that goes away is seen by the node. False: dropped, as
+        it came after the forwarder gave up on it (and answered the caller itself)."""
+        reply_to = hdrs.get(Header.REPLY_TO)
+        if reply_to is None or not msg.subject.startswith(self._own_prefix):
+            return True  # a forwarder of an earlier version relays the answer: answer it
+        until = hdrs.get(Header.FORWARD_UNTIL, "")
+        if until.isdigit() and replies.now_ms() > int(until):
+            log.warning("forwarded request dropped: it came after its forwarder gave up",
+                        forwarded_by=hdrs.get(Header.FORWARDED_BY), request_id=hdrs.get(
+                            Header.REQUEST_ID))
+            return False
+        await publish(self.nc, msg.reply, b"", TAKEN)
+        msg.reply = reply_to
+        return True
 
     def in_hand(self) -> int:
         """Requests decided or placed now: those whose PubAck is awaited, and those waiting
@@ -445,17 +479,20 @@ class RequestPath:
                             reason=r.reason.value)
 
     async def _forward(self, r: Routing, owner: str, why: str) -> bool:
-        """Hand a request to router `owner` and relay its answer: a ticket holder's to the
-        router that made its promise (the routers share one queue group, so a retry lands on
-        any of them), or one that needs a promise to the router that makes them. False when
-        that router is gone: the request is decided here."""
+        """Hand a request to router `owner`: a ticket holder's to the router that made its
+        promise (the routers share one queue group, so a retry lands on any of them), or one
+        that needs a promise to the router that makes them. The owner takes it over (says
+        "taken" and answers the caller itself: `_taken_over`); an owner of an earlier version
+        answers us, and we relay. False when that router is gone: decided here."""
         msg, model = r.msg, r.model
         headers = dict(msg.headers or {})
-        headers[Header.FORWARDED_BY] = self.cfg.router_id
         # Longer than the owner's own deadline handling (deadline + grace + its takeover), so
-        # its answer, whatever it is, comes back before we give up on it.
+        # its word, whatever it is, comes back before we give up on it.
         wait_s = (r.ask.end_deadline_s or r.ask.deadline_s) - time.monotonic() + (
             self.cfg.deadline_grace_ms / 1000 + 1.0)
+        headers[Header.FORWARDED_BY] = self.cfg.router_id
+        headers[Header.REPLY_TO] = msg.reply
+        headers[Header.FORWARD_UNTIL] = str(replies.now_ms() + int(wait_s * 1000))
         if r.ask.end_deadline_s is not None:  # a stream
             return await self._relay_stream(r, owner, why, headers, wait_s)
         try:
@@ -469,19 +506,23 @@ class RequestPath:
             self.metrics.forwarded.labels(model, why, "no-answer").inc()
             await self._refuse(msg, r.rid, model, refusals.owner_silent(owner), r.tenant)
             return True
-        self.metrics.forwarded.labels(model, why, "relayed").inc()
+        if _is_taken(answer):
+            self.metrics.forwarded.labels(model, why, "taken").inc()
+            return True
+        self.metrics.forwarded.labels(model, why, "relayed").inc()  # an owner of before
         if msg.reply:
             await self.nc.publish(msg.reply, answer.data, headers=dict(answer.headers or {}))
         return True
 
     async def _relay_stream(self, r: Routing, owner: str, why: str, headers: dict[str, str],
                             wait_s: float) -> bool:
-        """`_forward` for a stream: every message the owner's placement sends comes to an inbox
-        of ours and goes on to the caller, up to and including the final one. No responders
-        (the server's status on our inbox, before anything else) means the owner is gone.
-        The node sees our inbox as the reader: a caller that stops reading is not noticed
-        through a relay (its cancel still reaches the node directly), and the stream ends at
-        its deadline at the latest."""
+        """`_forward` for a stream. The owner's "taken" ends our part. An owner of an earlier
+        version sends its placement's every message to an inbox of ours, and each goes on to
+        the caller, up to and including the final one; its node then sees our inbox as the
+        reader, so a caller that stops reading is not noticed through the relay (its cancel
+        still reaches the node directly) and the stream ends at its deadline at the latest.
+        No responders (the server's status on our inbox, before anything else) means the
+        owner is gone."""
         msg, model = r.msg, r.model
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
@@ -503,7 +544,10 @@ class RequestPath:
                     self.metrics.forwarded.labels(model, why, "owner-gone").inc()
                     self.peers.gone(owner)
                     return False
-                if first:
+                if first and _is_taken(m):
+                    self.metrics.forwarded.labels(model, why, "taken").inc()
+                    return True
+                if first:  # an owner of before: every message comes through us
                     self.metrics.forwarded.labels(model, why, "relayed").inc()
                 first = False
                 if msg.reply:

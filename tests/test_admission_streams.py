@@ -19,6 +19,7 @@ from tests.plane_fixtures import (
     client,
     plane,
     slots_running,
+    slow_steps,
     status,
     wait_until,
 )
@@ -213,3 +214,38 @@ async def test_a_stream_forwarded_to_the_router_that_made_its_promise_arrives_wh
             "model": "tinylm", "why": "ticket", "outcome": "relayed"}) is None
         stats = owner.admission.stats
         assert stats["ticket-valid"] + stats["ticket-late"] == 1, stats
+
+
+async def test_a_forwarded_streams_caller_that_stops_reading_stops_it() -> None:
+    """Taken over by the router that made its promise, a forwarded stream goes from the node
+    to the caller itself: a caller that stops reading is seen by the node, which ends the
+    stream and frees the slot at once. (Relayed through the router the retry landed on, the
+    node's reader was that router's inbox, which read on: the stream ran to its end.)"""
+    async with plane(models=("tinylm",), slots=1, routers=2, allow_faults=True) as stack, \
+            client(stack.url) as nc:
+        await slow_steps(nc, 2000)  # 2 ms a token: 250 tokens take half a second
+        long = asyncio.create_task(nc.request(
+            NAMES.infer("tinylm"), json.dumps({"prompt": "hi", "max_tokens": 60}).encode(),
+            timeout=10))
+        await wait_until(lambda: slots_running(stack) == 1, 5, "the first call running")
+        refused = await nc.request(NAMES.infer("tinylm"), json.dumps(
+            {"prompt": "hi", "max_tokens": 250}).encode(), timeout=5,
+            headers={Header.STREAM: "1"})
+        assert status(refused) == 429
+        ticket = refused.headers[Header.TICKET]
+        owner = next(r for r in stack.routers if ticket.startswith(r.cfg.router_id + "-"))
+        other = next(r for r in stack.routers if r is not owner)
+        assert status(await long) == 200
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(NAMES.router_infer(other.cfg.router_id, "tinylm"), json.dumps(
+            {"prompt": "hi", "max_tokens": 250}).encode(), reply=inbox,
+            headers={Header.STREAM: "1", Header.TICKET: ticket, Header.REQUEST_ID: "left-1"})
+        first = await sub.next_msg(timeout=5)
+        assert (first.headers or {}).get(Header.STREAM) == "start", first.headers
+        await sub.unsubscribe()  # the caller stops reading after the start
+        await nc.flush()
+        gone_by = await wait_until(lambda: stack.nodes[0].streams.readers_gone >= 1, 3,
+                                   "the node to see its reader gone")
+        await wait_until(lambda: slots_running(stack) == 0, 1, "the slot free")
+        assert gone_by < 0.4  # well before the 250 tokens' half second

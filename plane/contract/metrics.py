@@ -142,7 +142,9 @@ class PlaneMetrics:
             "plane_router_forwarded",
             "Requests forwarded to another router: a ticket holder's to the router that made "
             "its promise (why=ticket), a refusal that needs a promise to the router that makes "
-            "them (why=promise)", ["model", "why", "outcome"], registry=r)
+            "them (why=promise); outcome: taken (the owner answers the caller), relayed (an "
+            "owner of an earlier version answered us), owner-gone, no-answer",
+            ["model", "why", "outcome"], registry=r)
         self.parked = Counter(
             "plane_tickets_parked",
             "Ticket holders (and newcomers whose callers do not come back) that waited for a "

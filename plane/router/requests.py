@@ -97,6 +97,11 @@ YIELD_EVERY = 32
 PROMISE_OPEN_S = 0.05
 
 
+# A forward that reaches its owner this close to its `Plane-Forward-Until` is dropped: its
+# "taken" could reach the forwarder after it gave up and answered the caller (two answers).
+# The forwarder waits a second past the deadline and its grace, so nothing that could still
+# be served falls in it.
+FORWARD_MARGIN_MS = 500
 # The owner's word that it took a forwarded request over (`RequestPath._taken_over`).
 TAKEN = b"NATS/1.0\r\n" + Header.FORWARDED_BY.encode() + b": taken\r\n\r\n"
 
@@ -260,12 +265,12 @@ class RequestPath:
         answer the caller directly, and so does the node it is placed on: its answer, and a
         stream's every message, go to the caller without the forwarder relaying them (a hop
         each), and a stream's caller that goes away is seen by the node. False: dropped, as
-        it came after the forwarder gave up on it (and answered the caller itself)."""
+        it came when its forwarder gives up on it (and answers the caller itself)."""
         reply_to = hdrs.get(Header.REPLY_TO)
         if reply_to is None or not msg.subject.startswith(self._own_prefix):
             return True  # a forwarder of an earlier version relays the answer: answer it
         until = hdrs.get(Header.FORWARD_UNTIL, "")
-        if until.isdigit() and replies.now_ms() > int(until):
+        if until.isdigit() and replies.now_ms() > int(until) - FORWARD_MARGIN_MS:
             log.warning("forwarded request dropped: it came after its forwarder gave up",
                         forwarded_by=hdrs.get(Header.FORWARDED_BY), request_id=hdrs.get(
                             Header.REQUEST_ID))

@@ -69,3 +69,23 @@ async def test_interleaved_ab_smoke() -> None:
         assert float(cells[2]) > 0 and float(cells[6]) > 0  # answered/s, 1 and 4 callers
         router_ns, node_ns = (float(x) for x in cells[5].split("/"))  # ÷ nats-server's CPU
         assert router_ns > 0 and node_ns > 0
+
+
+async def test_router_split_smoke() -> None:
+    """benchmarks/router_split.py: the probed router serves, the load runs, and each timed
+    function of a placement's path is reported once per request."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "router_split.py"), "--load", "placements",
+        "--slots", "2", "--callers", "2", "--duration", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    text = out.decode()
+    assert "router CPU per request (/proc):" in text, text
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip()
+            for line in text.splitlines() if line.startswith("| ") and "function" not in line}
+    for probed in ("RequestPath.on_request", "Admission.decide", "SlotPublisher._on_ack",
+                   "Router._on_done"):
+        # (a broker's depth refusal, published again, is one more PubAck now and then)
+        assert 0.95 <= float(rows.get(probed, "0")) <= 1.1, (probed, text)

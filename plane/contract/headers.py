@@ -134,10 +134,11 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
     try:
-        # A character is at most 4 bytes in UTF-8: only headers that might be over are
-        # encoded to count them (two C-level sums, against an encode per value).
+        # A character is at most 4 bytes in UTF-8 (`header_bytes` adds 4 a header): only
+        # headers that might be over are encoded to count them (two C-level sums, against an
+        # encode per value).
         chars = sum(map(len, headers)) + sum(map(len, headers.values()))
-        if 4 * (chars + 4 * len(headers)) > MAX_HEADER_BYTES and (
+        if 4 * chars + 4 * len(headers) > MAX_HEADER_BYTES and (
                 size := header_bytes(headers)) > MAX_HEADER_BYTES:
             raise ValueError(f"headers are {size} bytes; the limit is {MAX_HEADER_BYTES}")
         avoid = headers.get(Header.AVOID_NODE)

@@ -696,3 +696,39 @@ async def test_a_tenant_cannot_cancel_another_tenants_stream(auth: AuthDir) -> N
         finally:
             await beta.close()
         assert plane.violations() == []
+
+
+async def test_a_tenants_request_forwarded_between_routers_is_answered_across_its_import(
+        auth: AuthDir) -> None:
+    """Two routers under the roles. A tenant's request reaches the router that makes no
+    promises while the slot is busy: it is forwarded to the one that does, which takes it
+    over and answers the tenant's import reply (`_R_...`) itself, as its node does for a
+    ticket holder's retry: every request gets its one answer, none a violation."""
+    async with secured(auth, slots=1, routers=2) as plane:
+        acme = await connect(auth.options("acme", plane.url))
+        try:
+            busy = asyncio.create_task(acme.request(
+                NAMES.infer("calibrated"), b'{"duration_us": 400000}', timeout=5,
+                headers={Header.DEADLINE_MS: "3000"}))
+            await wait_until(lambda: any(s.current is not None for s in
+                                         plane.stack.nodes[0].slots), 5, "the slot busy")
+            refused = [await acme.request(NAMES.infer("calibrated"),
+                                          b'{"duration_us": 1000}', timeout=5,
+                                          headers={Header.DEADLINE_MS: "3000"})
+                       for _ in range(8)]  # half of them land on the router that forwards
+            assert [m.headers[Header.STATUS] for m in refused] == ["429"] * 8
+            assert (await busy).headers[Header.STATUS] == "200"
+            served = [await acme.request(NAMES.infer("calibrated"), b'{"duration_us": 1000}',
+                                         timeout=5, headers={
+                                             Header.DEADLINE_MS: "3000",
+                                             Header.TICKET: m.headers[Header.TICKET]})
+                      for m in refused]
+            assert [m.headers[Header.STATUS] for m in served] == ["200"] * 8
+        finally:
+            await acme.close()
+        taken = plane.stack.metrics.registry.get_sample_value
+        assert (taken("plane_router_forwarded_total", {
+            "model": "calibrated", "why": "promise", "outcome": "taken"}) or 0) + (taken(
+                "plane_router_forwarded_total", {"model": "calibrated", "why": "ticket",
+                                                 "outcome": "taken"}) or 0) >= 1
+    assert plane.violations() == []

@@ -77,8 +77,7 @@ class Secured:
         return self.server.url
 
     def violations(self) -> list[str]:
-        return [line.decode(errors="replace") for line in self.server.log_tail
-                if b"Violation" in line]
+        return [line.decode(errors="replace") for line in self.server.violations]
 
 
 @asynccontextmanager
@@ -564,7 +563,7 @@ async def test_the_bridge_role_feeds_features_the_node_role_reads(
         finally:
             await bridge_nc.close()
             await node_nc.close()
-        assert [line.decode() for line in server.log_tail if b"Violation" in line] == []
+        assert [line.decode() for line in server.violations] == []
 
 
 def test_plane_auth_env_connects_as_a_role(tmp_path: Path,
@@ -732,3 +731,14 @@ async def test_a_tenants_request_forwarded_between_routers_is_answered_across_it
                 "plane_router_forwarded_total", {"model": "calibrated", "why": "ticket",
                                                  "outcome": "taken"}) or 0) >= 1
     assert plane.violations() == []
+
+
+def test_a_violation_is_kept_however_many_lines_the_server_logs_after_it() -> None:
+    """The roles' checks read every violation the server logged, not the last lines only: a
+    busy cluster's test logs hundreds after one (leader moves, consumers made)."""
+    server = EmbeddedNats()
+    line = b"[ERR] 127.0.0.1:5 - cid:9 - \"v1.2:python:acme\" - Publish Violation - ...\n"
+    server._remember(line)
+    for i in range(1000):
+        server._remember(f"[INF] line {i}\n".encode())
+    assert line not in server.log_tail and server.violations == [line]

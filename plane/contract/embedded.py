@@ -51,6 +51,9 @@ class NatsServerSpec:
     extra_args: list[str] = field(default_factory=list)
 
 
+MAX_VIOLATIONS_KEPT = 1000
+
+
 class EmbeddedNats(ChildProcess):
     """`async with EmbeddedNats() as srv:` starts nats-server with JetStream; `srv.url`.
     `restart()` keeps its port and store directory."""
@@ -60,6 +63,14 @@ class EmbeddedNats(ChildProcess):
         self.spec = spec or NatsServerSpec()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.port: int | None = None
+        # Every permissions violation the server logged (`Publish Violation`, `Subscription
+        # Violation`), however long ago: `log_tail` keeps only the last lines.
+        self.violations: list[bytes] = []
+
+    def _remember(self, line: bytes) -> None:
+        super()._remember(line)
+        if b"Violation" in line and len(self.violations) < MAX_VIOLATIONS_KEPT:
+            self.violations.append(line)
 
     @property
     def url(self) -> str:

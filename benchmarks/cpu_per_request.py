@@ -163,12 +163,16 @@ async def floor_system(logs: Path, body: bytes) -> AsyncIterator[System]:
 
 @contextlib.asynccontextmanager
 async def plane_system(logs: Path, body: bytes, *, slots: int, deadline_ms: int,
-                       node_processes: int = 1) -> AsyncIterator[System]:
+                       node_processes: int = 1,
+                       router_cmd: Sequence[str] = (str(BIN / "plane"), "router"),
+                       ) -> AsyncIterator[System]:
+    """An embedded nats-server, a router (`router_cmd` and its arguments: `plane router`, or
+    benchmarks/router_split.py's probed one) and a node of `slots` slots, answering."""
     async with EmbeddedNats() as srv:
         common = ["--nats", srv.url, "--log-level", "warning"]
         rlog, nlog = logs / "router.log", logs / "node.log"
         async with (
-            child([str(BIN / "plane"), "router", *common, "--router-id", "bench"], rlog) as router,
+            child([*router_cmd, *common, "--router-id", "bench"], rlog) as router,
             child([str(BIN / "plane"), "node", *common, "--model", MODEL, "--slots", str(slots),
                    "--backend", "torch", "--node-id", "bench",
                    "--processes", str(node_processes)], nlog) as node,

@@ -10,23 +10,24 @@ nats-py (parsing, the subscription's queue and task, the socket) and the loop.
     .venv/bin/python benchmarks/router_split.py --load refusals      # every request refused
     .venv/bin/python benchmarks/router_split.py --load placements    # every request placed
 
-`refusals`: one slot held by back-to-back 10 s calls, `--callers` closed-loop callers all
-refused 429 (one message in and one out per request). `placements`: `--slots` slots of
-`calibrated` with `duration_us: 0` and `--callers` closed-loop callers (the request, its
-PubAck and its done-event in; the slot publish out). The timers cost ~0.3 µs a call, so the
-figures run a few per cent above an unwrapped router's; they cover the router's whole life
-(its warm-up's ~500 requests too), the CPU figure only the measured seconds. Run it a few
-times: this host's speed moves by tens of per cent within minutes.
+The plane is `benchmarks/cpu_per_request.py`'s (`plane_system`, with this router in place of
+`plane router`), and so is the holding of its slots. `refusals`: one slot held by back-to-
+back 10 s calls, `--callers` closed-loop callers all refused 429 (one message in and one out
+per request). `placements`: `--slots` slots of `calibrated` with `duration_us: 0` and
+`--callers` closed-loop callers (the request, its PubAck and its done-event in; the slot
+publish out). The timers cost ~0.3 µs a call, so the figures run a few per cent above an
+unwrapped router's; they cover the router's whole life (its warm-up's ~500 requests too),
+the CPU figure only the measured seconds. Run it a few times: this host's speed moves by
+tens of per cent within minutes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,57 +100,28 @@ def serve_probed_router(argv: list[str]) -> int:
         Path(os.environ[SPLIT_OUT]).write_text(json.dumps(accs))
 
 
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
 async def _run(load: str, slots: int, callers: int, seconds: float) -> None:
-    from benchmarks.core_caller import CoreRequest, Size, closed_loop
-    from plane.contract.embedded import EmbeddedNats
-    from plane.contract.subjects import Header, Names
+    from benchmarks.core_caller import Size, closed_loop
+    from benchmarks.cpu_per_request import cpu_ticks, plane_system, slots_held
 
-    subject = Names().infer("calibrated")
-    out = Path(tempfile.mkdtemp(prefix="router-split-")) / "split.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{SPLIT_OUT: str(out)})
-    async with EmbeddedNats() as srv:
-        common = ["--nats", srv.url, "--log-level", "warning"]
-        router = subprocess.Popen(
-            [sys.executable, __file__, "--serve-router", "--", *common, "--router-id", "split"],
-            env=env, cwd=ROOT)
-        node = subprocess.Popen(
-            [str(Path(sys.executable).parent / "plane"), "node", *common, "--model", "calibrated",
-             "--slots", str(1 if load == "refusals" else slots), "--backend", "torch",
-             "--node-id", "split"], env=env, cwd=ROOT)
-        target = CoreRequest(srv.url, subject, {Header.DEADLINE_MS: "1000"})
-        holder = CoreRequest(srv.url, subject, {Header.DEADLINE_MS: "30000"})
-        holding = None
-        try:
-            async with target, holder:
-                for _ in range(300):  # until the plane answers
-                    if (await target.send(b'{"duration_us": 0}')).final == "200":
-                        break
-                    await asyncio.sleep(0.2)
-                if load == "refusals":
-                    async def hold() -> None:
-                        while True:
-                            await holder.send(b'{"duration_us": 10000000}')
-                    holding = asyncio.ensure_future(hold())
-                    await asyncio.sleep(0.5)
-                body = b'{"duration_us": 0}'
-                await closed_loop(target, body, callers, Size(requests=500, seconds=0))
-                t0, w0 = _cpu_ticks(router.pid), time.monotonic()
-                done = await closed_loop(target, body, callers, Size(requests=None,
-                                                                     seconds=seconds))
-                cpu_us = (_cpu_ticks(router.pid) - t0) * 1e6 / os.sysconf("SC_CLK_TCK")
-                took = time.monotonic() - w0
-        finally:
-            if holding is not None:
-                holding.cancel()
-            for p in (router, node):
-                p.send_signal(signal.SIGTERM)
-            for p in (router, node):
-                p.wait(30)
+    logs = Path(tempfile.mkdtemp(prefix="router-split-"))
+    out = logs / "split.json"
+    os.environ[SPLIT_OUT] = str(out)  # the probed router (our child) writes its table there
+    body = b'{"duration_us": 0}'
+    refusals = load == "refusals"
+    async with plane_system(logs, body, slots=1 if refusals else slots, deadline_ms=1000,
+                            router_cmd=(sys.executable, __file__, "--serve-router", "--")
+                            ) as plane, contextlib.AsyncExitStack() as held:
+        if refusals:
+            await held.enter_async_context(slots_held(plane, 1))
+        async with plane.target() as target:
+            await closed_loop(target, body, callers, Size(requests=500, seconds=0))
+            router = plane.pids["router"]
+            t0, w0 = cpu_ticks(router), time.monotonic()
+            done = await closed_loop(target, body, callers, Size(requests=None,
+                                                                 seconds=seconds))
+            cpu_us = (cpu_ticks(router) - t0) * 1e6 / os.sysconf("SC_CLK_TCK")
+            took = time.monotonic() - w0
     n = len(done)
     finals = Counter(o.attempts.final for o in done)
     table = json.loads(out.read_text())

@@ -12,7 +12,6 @@ import urllib.request
 import msgspec
 import pytest
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
@@ -28,6 +27,7 @@ from tests.plane_fixtures import (
     calibrated,
     client,
     header,
+    listen,
     plane,
     slots_running,
     status,
@@ -222,18 +222,11 @@ async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_ge
         owner = stack.routers[0]
         own_subject = NAMES.router_infer(owner.cfg.router_id, "calibrated")
 
-        async def listen_on(inbox: str, box: list[Msg]) -> Subscription:
-            async def keep(m: Msg) -> None:
-                box.append(m)
-            return await nc.subscribe(inbox, cb=keep)
-
         async def forward(*, reply_to: bool, until_s: float | None,
                           expect: bool = True) -> tuple[list[Msg], list[Msg]]:
             """A forward from router `r9`: (what its inbox got, what the caller's got)."""
             forwarder, caller = nc.new_inbox(), nc.new_inbox()
-            got: tuple[list[Msg], list[Msg]] = ([], [])
-            subs = [await listen_on(inbox, box)
-                    for inbox, box in ((forwarder, got[0]), (caller, got[1]))]
+            got = (await listen(nc, forwarder), await listen(nc, caller))
             headers = {Header.FORWARDED_BY: "r9", Header.DEADLINE_MS: "2000"}
             if reply_to:
                 headers[Header.REPLY_TO] = caller
@@ -243,8 +236,6 @@ async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_ge
             if expect:
                 await wait_until(lambda: got[1] if reply_to else got[0], 5, "the answer")
             await asyncio.sleep(0.3)  # anything more that would come
-            for sub in subs:
-                await sub.unsubscribe()
             return got
 
         to_forwarder, to_caller = await forward(reply_to=True, until_s=5)

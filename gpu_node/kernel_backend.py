@@ -12,6 +12,7 @@ Imports only torch, triton and kernels/ (no plane.*), so scripts/gpu_check.py ca
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import time
@@ -25,12 +26,11 @@ from gpu_node.partitions import (
     NONE,
     STREAM,
     CudaLane,
+    GreenPartitions,
     HostLane,
     Lane,
     PartitionPlan,
-    check_green_partition,
-    create_green_context,
-    green_context_support,
+    green_partitions,
     plan_partitions,
 )
 from gpu_node.pinned import RowPacker, Staged
@@ -130,6 +130,7 @@ class KernelBackend:
     def __init__(self, *, interpret: bool, seed: int = 0, sms_per_slot: int | None = None) -> None:
         self.name = "interpret" if interpret else "triton"
         self._weights_host = RiskWeights.from_seed(seed)
+        self._green: GreenPartitions | None = None
         if interpret:
             self.device = torch.device("cpu")
             self.plan = PartitionPlan(
@@ -140,7 +141,7 @@ class KernelBackend:
             if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_MAX_CONNECTIONS)
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.plan = _plan_cuda(self.device, sms_per_slot)
+            self.plan, self._green = _plan_cuda(self.device, sms_per_slot)
         self.partition = self.plan.kind
         self._weights = self._weights_host.to(self.device)
 
@@ -165,29 +166,29 @@ class KernelBackend:
         if self.plan.kind == NONE:
             return HostLane()
         if self.plan.kind == GREEN_CONTEXT:
-            assert self.device.index is not None
-            ctx, _how = create_green_context(self.plan.sms_per_slot, self.device.index)
-            return CudaLane(ctx.Stream(), kind=GREEN_CONTEXT, owner=ctx)
+            assert self._green is not None
+            return self._green.lane(k)
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         return CudaLane(stream, kind=STREAM)
 
 
-def _plan_cuda(device: torch.device, sms_per_slot: int | None) -> PartitionPlan:
+def _plan_cuda(
+    device: torch.device, sms_per_slot: int | None
+) -> tuple[PartitionPlan, GreenPartitions | None]:
     props: Any = torch.cuda.get_device_properties(device)
     sm_count = int(props.multi_processor_count)
-    # Size first (pure, raises on a bad --sms-per-slot), then see whether green contexts can
-    # really give each slot SMs of its own.
+    # Size first (pure, raises on a bad --sms-per-slot), then see whether the driver's green
+    # contexts really give each slot SMs of its own.
     plan = plan_partitions(
         sm_count=sm_count, cc_major=int(props.major), sms_per_slot=sms_per_slot,
         green=False, note="",
     )  # fmt: skip
-    green, why = green_context_support()
-    if green:
-        assert device.index is not None
-        green, why = check_green_partition(plan.sms_per_slot, device.index, sm_count)
-    else:
-        why = f"{why}; plain streams"
-    return plan_partitions(
+    assert device.index is not None
+    green, why = green_partitions(device.index, plan.sms_per_slot, plan.slots, sm_count)
+    plan = plan_partitions(
         sm_count=sm_count, cc_major=int(props.major), sms_per_slot=sms_per_slot,
-        green=green, note=why,
+        green=green is not None, note=why,
     )  # fmt: skip
+    if green is not None and len(green.groups) < plan.slots:  # the driver made fewer
+        plan = dataclasses.replace(plan, slots=len(green.groups))
+    return plan, green

@@ -5,15 +5,16 @@ Decided once, when the backend is built:
 - The partition size is the hardware's minimum green-context partition (8 SMs on Hopper),
   or `--sms-per-slot` rounded up to what the hardware allows. Default slots per GPU = SMs //
   partition size (132 // 8 = 16 on an H200).
-- Where torch has green contexts with streams (`torch.cuda.green_contexts.GreenContext`),
-  each slot gets its own green context of that many SMs and launches on a stream created in
-  it. We do not take that on trust: two contexts are made first and a kernel records which SMs
-  each one ran on (`kernels.probe.sm_ids`). If their SM sets overlap, or are not confined to
-  the partition, slots use plain streams and the plan says why. (torch 2.13 makes every
-  context by splitting the *whole* device, so two contexts of 8 SMs may well be the same 8.)
+- The CUDA driver splits the device into that many disjoint groups at once
+  (gpu_node.sm_split), each a green context, and each slot launches on a stream of its own in
+  its group. We do not take that on trust: a kernel records which SMs each group's programs
+  ran on (`kernels.probe.sm_ids`). If the sets overlap, or are not confined to the group,
+  slots use plain streams and the plan says why. (torch's own `GreenContext.create` splits
+  the *whole* device for every context: on an H200, torch 2.11, every one was the same 8 SMs.)
 - Otherwise each slot launches on its own plain CUDA stream, and the plan says so.
 
-Imports only torch and kernels/, so that scripts/gpu_check.py can use it on a bare GPU box.
+Imports only torch, ctypes and kernels/, so that scripts/gpu_check.py can use it on a bare
+GPU box.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from gpu_node.sm_split import SmGroup, SplitError, split_device
 
 GREEN_CONTEXT = "green-context"
 STREAM = "stream"
@@ -132,42 +135,20 @@ class CudaLane:
 
 
 # --------------------------------------------------------------------------------------------
-# Green contexts, behind feature checks
+# Green contexts from the driver's split, verified where kernels run
 # --------------------------------------------------------------------------------------------
 
 
-def green_context_support() -> tuple[bool, str]:
-    """Whether this torch can make green contexts with their own streams, and why not."""
-    if not hasattr(torch._C, "_CUDAGreenContext"):
-        return False, f"torch {torch.__version__} was built without green contexts"
-    try:
-        from torch.cuda.green_contexts import GreenContext
-    except ImportError:
-        return False, f"torch {torch.__version__} has no torch.cuda.green_contexts"
-    if not hasattr(GreenContext, "Stream"):
-        return False, f"torch {torch.__version__} green contexts have no Stream()"
-    return True, "green contexts available"
+class GreenPartitions:
+    """The device cut into disjoint SM groups (gpu_node.sm_split); slot k runs on group
+    k % groups, on a stream of its own (slots past the group count share a group's SMs)."""
 
+    def __init__(self, groups: list[SmGroup]) -> None:
+        self.groups = groups
 
-def create_green_context(num_sms: int, device_index: int) -> tuple[Any, str]:
-    """A green context of `num_sms` SMs with balanced work queues where torch and the driver
-    allow them; returns it with a word on which options took."""
-    from torch.cuda.green_contexts import GreenContext
-
-    try:
-        ctx = GreenContext.create(
-            num_sms=num_sms, workqueue_scope="balanced", device_id=device_index
-        )
-        return ctx, "balanced work queues"
-    except (TypeError, RuntimeError) as e:  # older torch, or a driver without work queues
-        first = e
-    try:
-        return GreenContext.create(num_sms=num_sms, device_id=device_index), (
-            f"shared work queues ({type(first).__name__}: {first})"
-        )
-    except TypeError:  # torch 2.10: create(num_sms, device_id)
-        legacy: Any = GreenContext.create  # torch 2.10's signature: create(num_sms, device_id)
-        return legacy(num_sms, device_index), "shared work queues"
+    def lane(self, k: int) -> CudaLane:
+        group = self.groups[k % len(self.groups)]
+        return CudaLane(group.stream(), kind=GREEN_CONTEXT, owner=group)
 
 
 def observe_sms(lane: CudaLane, *, programs: int, spin_us: int = 20) -> set[int]:
@@ -181,26 +162,29 @@ def observe_sms(lane: CudaLane, *, programs: int, spin_us: int = 20) -> set[int]
     return set(out.tolist())
 
 
-def check_green_partition(sms_per_slot: int, device_index: int, sm_count: int) -> tuple[bool, str]:
-    """Make two green contexts and check that their SM sets are disjoint and no bigger than
-    asked. Returns whether slots can use green contexts, and why (for the plan's note)."""
-    lanes = []
+def green_partitions(
+    device_index: int, sms_per_slot: int, groups: int, sm_count: int
+) -> tuple[GreenPartitions | None, str]:
+    """Split the device into `groups` groups of `sms_per_slot` SMs, then launch a grid of
+    4 programs per SM on each and record where they ran: the groups are used only when every
+    group stays within its SMs and no two share one. Returns them (or None) and why, for the
+    plan's note."""
     try:
-        for _ in range(2):
-            ctx, how = create_green_context(sms_per_slot, device_index)
-            lanes.append(CudaLane(ctx.Stream(), kind=GREEN_CONTEXT, owner=ctx))
-        seen = [observe_sms(lane, programs=4 * sm_count) for lane in lanes]
-    except RuntimeError as e:
-        return False, f"green contexts failed ({e}); plain streams"
-    if max(len(s) for s in seen) > sms_per_slot:
-        used = max(len(s) for s in seen)
-        return False, (
-            f"green contexts did not confine kernels ({used} SMs used of {sms_per_slot}); "
-            "plain streams"
+        made = split_device(device_index, sms_per_slot, groups)
+        parts = GreenPartitions(made)
+        seen = [observe_sms(parts.lane(k), programs=4 * sm_count) for k in range(len(made))]
+    except (SplitError, RuntimeError) as e:
+        return None, f"green contexts failed ({e}); plain streams"
+    over = [(len(s), g.sm_count) for s, g in zip(seen, made, strict=True) if len(s) > g.sm_count]
+    if over:
+        return None, (
+            f"green contexts did not confine kernels ({over[0][0]} SMs used of "
+            f"{over[0][1]}); plain streams"
         )
-    if seen[0] & seen[1]:
-        return False, (
-            f"torch {torch.__version__} green contexts share SMs ({len(seen[0] & seen[1])} "
-            "in common: each is split from the whole device); plain streams"
-        )
-    return True, f"disjoint SM sets verified, {how}"
+    shared = sum(len(a & b) for i, a in enumerate(seen) for b in seen[i + 1 :])
+    if shared:
+        return None, f"green contexts share SMs ({shared} in common); plain streams"
+    return parts, (
+        f"driver split into {len(made)} disjoint groups of {made[0].sm_count} SMs, "
+        "verified where kernels ran"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from gpu_node.partitions import (
     GREEN_CONTEXT,
     STREAM,
     HostLane,
-    green_context_support,
+    green_partitions,
     partition_granularity,
     plan_partitions,
 )
@@ -244,14 +245,39 @@ def test_partition_granularity_follows_the_driver_guideline() -> None:
         plan_partitions(sm_count=132, cc_major=9, sms_per_slot=0, green=False, note="")
 
 
-def test_green_context_support_answers_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    ok, why = green_context_support()
-    assert isinstance(ok, bool) and why
-    assert ok == (why == "green contexts available"), (ok, why)
-    # A torch built without them is refused, naming its version.
-    monkeypatch.delattr(torch._C, "_CUDAGreenContext", raising=False)
-    assert green_context_support() == (
-        False, f"torch {torch.__version__} was built without green contexts")
+def test_green_partitions_without_a_gpu_say_why_and_leave_plain_streams() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: scripts/gpu_check.py checks the split itself")
+    parts, why = green_partitions(0, 8, 16, 132)
+    assert parts is None
+    assert why.startswith("green contexts failed (") and why.endswith("; plain streams"), why
+
+
+CUDA_H = sorted(Path("/usr/local").glob("cuda*/include/cuda.h"))
+
+
+@pytest.mark.skipif(not CUDA_H or not shutil.which("cc"), reason="no cuda.h or C compiler here")
+def test_the_ctypes_sm_resource_matches_cuda_h(tmp_path: Path) -> None:
+    # The one thing ctypes cannot check at run time: CUdevResource's size (the stride of the
+    # split's result array) and where its SM count lies. Compiled against the toolkit's header.
+    import ctypes
+
+    from gpu_node import sm_split
+
+    src = tmp_path / "layout.c"
+    src.write_text(
+        "#include <stddef.h>\n#include <stdio.h>\n#include <cuda.h>\n"
+        "int main(void) { printf(\"%zu %zu %d %d\", sizeof(CUdevResource),"
+        " offsetof(CUdevResource, sm.smCount), CU_DEV_RESOURCE_TYPE_SM,"
+        " CU_GREEN_CTX_DEFAULT_STREAM); return 0; }\n"
+    )
+    exe = tmp_path / "layout"
+    subprocess.run(["cc", f"-I{CUDA_H[-1].parent}", str(src), "-o", str(exe)], check=True)
+    size, offset, sm_type, default_stream = map(int, subprocess.check_output([str(exe)]).split())
+    assert size == sm_split.RESOURCE_BYTES == ctypes.sizeof(sm_split._SmResource)
+    assert offset == sm_split._SmResource.sm_count.offset
+    assert (sm_type, default_stream) == (
+        sm_split.CU_DEV_RESOURCE_TYPE_SM, sm_split.CU_GREEN_CTX_DEFAULT_STREAM)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The whole plane on a GPU, end to end: `plane up` (embedded nats-server, router, one node per
+# model on the triton backend), then open-loop pulses through NATS, then `plane status`.
+# scripts/gpu_check.py checks the kernels alone; this checks the node's GPU path (slots on
+# their SM partitions, pinned buffers, the done-event wait) under the real control path.
+#
+#   scripts/gpu_plane.sh                 # on a CUDA machine, from the repo root (~2 minutes)
+#   BACKEND=torch scripts/gpu_plane.sh   # the same run on the CPU, to try the script itself
+#
+# Where the NATS stack is not installed (a bare GPU box), it installs the wheels in .whl/
+# (see docs/perf/README.md, "On a GPU box") into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BACKEND=${BACKEND:-triton}
+SECONDS_EACH=${SECONDS_EACH:-8}
+OUT=${OUT:-$(mktemp -d)}
+
+if ! python3 -c "import nats, msgspec, structlog, hdrh" 2>/dev/null; then
+  [ -d .whl ] || { echo "the NATS stack is not installed and there is no .whl/" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 2
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+plane() { python3 -c 'import sys; from plane.app import main; sys.argv[0] = "plane"; main()' "$@"; }
+
+log=$OUT/plane_up.log
+t0=$(date +%s.%N)
+plane up --models calibrated,risk --backend "$BACKEND" --log-level info >"$log" 2>&1 &
+up=$!
+trap 'kill -TERM $up 2>/dev/null; wait $up 2>/dev/null' EXIT
+url=""
+for _ in $(seq 600); do
+  url=$(grep -o 'plane is up: NATS .*' "$log" | awk '{print $NF}' | head -1)
+  [ -n "$url" ] && break
+  kill -0 $up 2>/dev/null || break
+  sleep 0.2
+done
+if [ -z "$url" ]; then
+  echo "plane up did not come up; its log:" >&2; tail -50 "$log" >&2; exit 1
+fi
+printf 'plane up ready in %.1f s at %s\n' "$(echo "$(date +%s.%N) - $t0" | bc)" "$url"
+grep -E '"node started"|node started' "$log" | sed 's/^/  /'
+
+pulse() {  # label, then pulse's options
+  local label=$1; shift
+  echo "== $label"
+  plane pulse --nats "$url" --duration "$SECONDS_EACH" --json --no-progress "$@" |
+    python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+keep = ("rate", "sent", "answered", "ok_per_s", "dropped", "status_counts", "refusal_rate",
+        "first_retry_success", "mean_retries", "within_deadline_share", "p50_ms", "p99_ms",
+        "p999_ms", "p99_over_p50", "verdict")
+r = lambda v: round(v, 4) if isinstance(v, float) else v
+print("  " + ", ".join(f"{k}={r(s[k])}" for k in keep if k in s))
+'
+}
+pulse "calibrated 2 ms, 1000/s" --model calibrated --duration-us 2000 --rate 1000 --retry
+pulse "calibrated 2 ms, 3000/s" --model calibrated --duration-us 2000 --rate 3000 --retry
+pulse "calibrated 200 us, 3000/s" --model calibrated --duration-us 200 --rate 3000 --retry
+pulse "risk, 2000/s" --model risk --rate 2000 --retry
+echo "== plane status"
+plane status --nats "$url" | sed 's/^/  /'
+grep -iE 'error|traceback|warning' "$log" | grep -v 'slot withdrawn: p99 over budget' |
+  sort | uniq -c | sort -rn | head -20 | sed 's/^/  log: /'

@@ -62,6 +62,8 @@ class KernelSlot:
         self.probe_in = Staged((PROBE_SIZE,), torch.int32, device)
         self.probe_out = Staged((PROBE_SIZE,), torch.int32, device)
         self._packer = RowPacker(self.x, FEATURES)
+        self.risk_graph: torch.cuda.CUDAGraph | None = None  # made by warm_up on CUDA
+        self.risk_path = "launches"  # or "a CUDA graph", or why not: for the start-up log
         self._tokens = itertools.cycle(range(1, 1 << 20))
         self.probe_in.host.copy_(torch.arange(PROBE_SIZE, dtype=torch.int32) * 7919)
         self.probe_in.upload_no_sync()
@@ -81,12 +83,45 @@ class KernelSlot:
     def run_risk(self, features: Sequence[float]) -> float:
         self._packer.pack(features)
         with self._lane.stream_context():
-            self.x.upload_no_sync()
-            risk(self.x.dev, self._w, out=self.y.dev, n_rows=1)
-            self.y.download_no_sync()
+            if self.risk_graph is not None:
+                self.risk_graph.replay()
+            else:
+                self._risk_launches()
             self._lane.record_done()
         self._lane.wait()
         return float(self.y.host_np[0])
+
+    def _risk_launches(self) -> None:
+        """A risk request's device work, on the current stream: features in, the kernel, the
+        score back into the pinned output."""
+        self.x.upload_no_sync()
+        risk(self.x.dev, self._w, out=self.y.dev, n_rows=1)
+        self.y.download_no_sync()
+
+    def _capture_risk(self) -> tuple[torch.cuda.CUDAGraph | None, str]:
+        """The risk request's launches as one CUDA graph, replayed per request: one launch
+        from the host instead of three (Triton's launcher alone is tens of µs of Python, and
+        16 slots share one GIL). The buffers never move, so the graph's pointers stay good.
+        Kept only when its score equals the launches' own, bit for bit, on a test row; else
+        None and why."""
+        if not isinstance(self._lane, CudaLane):
+            return None, "not on CUDA"
+        row = [((i * 37) % 11 - 5) / 4 for i in range(FEATURES)]
+        want = self.run_risk(row)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: other slots' threads may be using the GPU meanwhile.
+            with torch.cuda.graph(graph, stream=self._lane.stream,
+                                  capture_error_mode="thread_local"):  # fmt: skip
+                self._risk_launches()
+        except RuntimeError as e:
+            return None, f"capture failed ({e})"
+        self.risk_graph = graph
+        got = self.run_risk(row)
+        if got != want:
+            self.risk_graph = None
+            return None, f"the graph scored {got!r} where the launches scored {want!r}"
+        return graph, "a CUDA graph"
 
     def run_calibrated(self, duration_us: int) -> None:
         if not self._on_cuda:
@@ -102,11 +137,14 @@ class KernelSlot:
 
     def warm_up(self) -> None:
         """Run each kernel once, so that compiling (or the interpreter's rewrite) happens
-        before the slot takes its first request, and a broken lane fails here."""
+        before the slot takes its first request, and a broken lane fails here. On CUDA, then
+        capture the risk request as a graph (`risk_path` says whether it took, and why not)."""
         self.run_risk([0.0] * FEATURES)
         self.run_calibrated(0)
         if not self.probe():
             raise RuntimeError("slot warm-up: the probe kernel returned a wrong result")
+        if self._on_cuda:
+            self.risk_graph, self.risk_path = self._capture_risk()
 
     def spun_ns(self) -> int:
         """How long the last calibrated request's slowest program spun (CUDA only)."""
@@ -131,6 +169,7 @@ class KernelBackend:
         self.name = "interpret" if interpret else "triton"
         self._weights_host = RiskWeights.from_seed(seed)
         self._green: GreenPartitions | None = None
+        self.risk_path = ""  # CUDA: how the last slot made runs a risk request
         if interpret:
             self.device = torch.device("cpu")
             self.plan = PartitionPlan(
@@ -147,7 +186,8 @@ class KernelBackend:
 
     def describe(self) -> str:
         where = "cpu" if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
-        return f"{self.name} on {where}: {self.plan.describe()}"
+        risk_path = f"; risk requests: {self.risk_path}" if self.risk_path else ""
+        return f"{self.name} on {where}: {self.plan.describe()}{risk_path}"
 
     def default_slots(self) -> int:
         return self.plan.slots
@@ -160,6 +200,8 @@ class KernelBackend:
             spin_programs=max(1, self.plan.sms_per_slot),
         )
         slot.warm_up()
+        if self.device.type == "cuda":
+            self.risk_path = slot.risk_path
         return slot
 
     def _lane(self, k: int) -> Lane:

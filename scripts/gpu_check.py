@@ -180,6 +180,20 @@ def correctness(backend: KernelBackend) -> None:
     err = max(abs(slot.run_risk(v) - ref.run_risk(v)) for v in vectors)
     check(err <= 1e-5, f"triton slot vs torch slot (10 requests): max |err| {err:.2e}")
     check(all(slot.probe() for _ in range(5)), "triton slot probe x5")
+    check(slot.risk_graph is not None, f"a slot runs a risk request as one CUDA graph "
+                                       f"({slot.risk_path})")  # fmt: skip
+    features, captured = [i / 10 for i in range(FEATURES)], slot.risk_graph
+    for label, graph in (("graph", captured), ("launches", None)):
+        slot.risk_graph = graph
+        for _ in range(WARMUP):
+            slot.run_risk(features)
+        wall = np.empty(LAUNCHES)
+        for i in range(LAUNCHES):
+            t0 = time.perf_counter_ns()
+            slot.run_risk(features)
+            wall[i] = (time.perf_counter_ns() - t0) / 1e3
+        print(f"  slot risk request, {label:8s}: wall {pct(wall)} (pack, run, wait, read)")
+    slot.risk_graph = captured
 
 
 # --------------------------------------------------------------------------------------------

@@ -109,6 +109,7 @@ class Generation:
                 "would admit requests the model cannot hold: build both from one release")
         self.lm = lm
         self.backend_name = backend_name
+        self.decode_path = ""  # how the last slot made decodes (for the start-up log)
 
     @classmethod
     def for_backend(cls, backend_name: str, device: torch.device | None,
@@ -132,6 +133,7 @@ class Generation:
         gen = SlotGenerator(self.lm, lane, PRIOR_STEP_S.get(self.backend_name, 0.001))
         self._ready()  # the weights and this slot's state
         gen.warm_up()
+        self.decode_path = gen.decode_path
         return gen
 
 
@@ -162,14 +164,17 @@ class SlotGenerator:
         self._used_s = 0.0  # monotonic: when the last generation (or warming) ended
         self._warm_until_s = 0.0
         self.warmings = 0  # one-token generations run to keep warm (tests, benchmarks)
+        self.decode_path = "launches"  # or "a CUDA graph per token" (warm_up), for the log
 
     def warm_up(self) -> None:
         """One short generation, so that compiling (or the interpreter's rewrite) happens
-        before the slot takes its first request, and a broken lane fails here."""
+        before the slot takes its first request, and a broken lane fails here. Then, on CUDA,
+        the decode step captured as a graph on the slot's lane (`decode_path` says which)."""
         with self._lane():
             self.lm.start(b"warm up", 2, state=self.state)
             while self.lm.step(self.state) is not None:
                 pass
+            self.decode_path = self.lm.capture(self.state)
 
     def keep_warm(self) -> float | None:
         """The slot thread's idle hook (`gpu_node.slot_thread`): within WARM_FOR_S of the last

@@ -110,6 +110,7 @@ def _decode_attention_kernel(
     v_cache_ptr,  # *f32 [heads, context, head_dim]: values, laid out as the keys
     out_ptr,  # *f32 [width]: the attention output, head h at h * head_dim
     pos,  # this token's position: cache rows before it are read, row `pos` is written
+    pos_ptr,  # *i64 [1]: the position, read on the device instead (POS_IN_MEMORY)
     width,  # heads * head_dim: the offset from q to k and from k to v in qkv
     head_dim,  # features per head (need not be a power of two)
     stride_head,  # elements between heads in either cache
@@ -117,7 +118,10 @@ def _decode_attention_kernel(
     scale,  # f32: 1 / sqrt(head_dim)
     BLOCK_D: tl.constexpr,  # next power of two >= head_dim
     BLOCK_T: tl.constexpr,  # cache rows per iteration (a power of two)
+    POS_IN_MEMORY: tl.constexpr,  # read the position at pos_ptr: one launch for any position
 ):
+    if POS_IN_MEMORY:
+        pos = tl.load(pos_ptr).to(tl.int32)
     head = tl.program_id(0)
     ds = tl.arange(0, BLOCK_D)  # [D]
     d_ok = ds < head_dim
@@ -165,15 +169,18 @@ def decode_attention(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    pos: int,
+    pos: int | torch.Tensor,
     *,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Attend token `pos` over cache rows 0..pos-1 and itself; append its k and v at row `pos`.
 
     qkv: [3 * H * HD] f32; k_cache, v_cache: [H, T, HD] f32 with contiguous rows, the same
-    strides; out: [H * HD] f32. Launches one program per head on the current stream and does
-    not synchronise. Returns `out`.
+    strides; out: [H * HD] f32. `pos` is an int, or a one-element int64 tensor on the same
+    device that the kernel reads when it runs: the launch is then the same for every
+    position, so a CUDA graph can hold it (kernels/tinylm.py). Such a position is not checked
+    on the host (that would wait for the device): it must lie in 0..context-1. Launches one
+    program per head on the current stream and does not synchronise. Returns `out`.
     """
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -193,16 +200,26 @@ def decode_attention(
         raise ValueError(f"decode_attention: qkv must be a contiguous vector of {3 * width}")
     if tuple(out.shape) != (width,) or not out.is_contiguous():
         raise ValueError(f"decode_attention: out must be a contiguous vector of {width}")
-    if not 0 <= pos < context:
+    if isinstance(pos, torch.Tensor):
+        if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != qkv.device:
+            raise ValueError(
+                f"decode_attention: a position tensor must be one int64 on {qkv.device}, got "
+                f"{pos.dtype} {tuple(pos.shape)} on {pos.device}"
+            )
+        at, pos_ptr, in_memory = 0, pos, True
+    elif not 0 <= pos < context:
         raise ValueError(f"decode_attention: pos={pos} outside the context 0..{context - 1}")
+    else:
+        at, pos_ptr, in_memory = pos, qkv, False  # pos_ptr unread
 
     with launch_lock():
         _decode_attention_kernel[(n_heads,)](
             qkv, k_cache, v_cache, out,
-            pos, width, head_dim, k_cache.stride(0), k_cache.stride(1),
+            at, pos_ptr, width, head_dim, k_cache.stride(0), k_cache.stride(1),
             1.0 / math.sqrt(head_dim),
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_T=BLOCK_T,
+            POS_IN_MEMORY=in_memory,
             num_warps=1 if head_dim <= 32 else 2,
         )  # fmt: skip
     return out

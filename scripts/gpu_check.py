@@ -4,18 +4,22 @@ Needs one CUDA GPU and only torch, triton, numpy and nvidia-ml-py (nothing of th
 Takes well under 4 minutes (mostly Triton compiling). Prints, in order:
 
   1. correctness: risk / probe kernels against their torch references on CUDA (awkward
-     shapes, zeros, large magnitudes), the calibrated kernel against the requested time, and
-     a triton slot against the torch slot;
+     shapes, zeros, large magnitudes), the calibrated kernel against the requested time, a
+     triton slot against the torch slot, and its risk request as one CUDA graph (timed
+     against its launches);
   2. latency p50/p99 over 1,000 launches per kernel, with the torch reference alongside
-     (synchronised before each clock read, warm-up dropped);
-  3. SM partitions: the plan, and the SMs each slot's kernels actually ran on;
+     (wall: synchronised before each clock read; device: events behind a cover kernel, so
+     the host's launch is not counted; warm-up dropped);
+  3. SM partitions: the plan (the driver's disjoint groups, one green context each), and the
+     SMs each slot's kernels actually ran on;
   4. slot isolation: slot 0's latency alone, then while every other slot is busy;
   5. the pinned round trip of a 128-token payload (and a pageable one, for scale), and the
      allocations made by 1,000 requests on a slot;
   6. one NVML sample;
   7. tinylm: the decode-attention kernel against its reference (awkward shapes), the kernel
-     path's bytes against the torch path's on CUDA and on the CPU (greedy and seeded), and
-     per-token decode time p50/p99 over 256-token streams, kernel path and torch path.
+     path's bytes against the torch path's on CUDA and on the CPU (greedy and seeded), the
+     decode step as one CUDA graph (its bytes against the launches'), and per-token decode
+     time p50/p99 over 256-token streams: graph, kernel path's launches, torch path.
 
 Exit status: 0 all checks passed, 1 a check failed (listed at the end), 2 no usable GPU.
 """
@@ -52,7 +56,7 @@ from kernels.decode_attention import (
 from kernels.launch import interpreting
 from kernels.probe import probe, probe_reference
 from kernels.risk import FEATURES, RiskWeights, risk, risk_bytes, risk_reference
-from kernels.tinylm import END, TinyLM, TinyLMWeights
+from kernels.tinylm import END, GenState, TinyLM, TinyLMWeights
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 2
 LAUNCHES = 1000
@@ -405,15 +409,17 @@ TINYLM_PROMPTS = [b"", b"a", b"The plane streams tokens.", bytes(range(0, 256, 7
 TINYLM_STREAM_TOKENS = 256  # timed tokens per path: one stream of 16 + 240, then more
 
 
-def _generate(lm: TinyLM, prompt: bytes, max_tokens: int, temperature: float, seed: int) -> bytes:
-    s = lm.start(prompt, max_tokens, temperature, seed)
+def _generate(lm: TinyLM, prompt: bytes, max_tokens: int, temperature: float, seed: int,
+              state: GenState | None = None) -> bytes:  # fmt: skip
+    s = lm.start(prompt, max_tokens, temperature, seed, state=state)
     return bytes(iter(lambda: lm.step(s), None))
 
 
-def _per_token_us(lm: TinyLM, tokens: int, sync: Callable[[], None]) -> np.ndarray:
+def _per_token_us(lm: TinyLM, tokens: int, sync: Callable[[], None],
+                  state: GenState | None = None) -> np.ndarray:  # fmt: skip
     """Wall µs of `tokens` steps that decode (a stream's last step does not), after one
     dropped warm-up stream; `step` itself returns only once its logits are on the host."""
-    state, stream = lm.new_state(), 0
+    state, stream = state or lm.new_state(), 0
     samples: list[float] = []
     while len(samples) < tokens:
         lm.start(b"abcdefghijklmnop", 240, 0.8, seed=stream, state=state)
@@ -479,10 +485,25 @@ def tinylm_section(device: torch.device) -> None:
         )
 
     on_cuda = device.type == "cuda"
+    paths: list[tuple[str, TinyLM, GenState | None]] = [
+        ("kernel path  ", kernel, None), ("torch path   ", torch_path, None)]  # fmt: skip
+    if on_cuda:
+        graphed = kernel.new_state()
+        with torch.cuda.stream(torch.cuda.Stream()):  # as a slot does: on its own stream
+            how = kernel.capture(graphed)
+        check(graphed.graph is not None, f"tinylm kernel path: a decode step is one CUDA graph "
+                                         f"({how})")  # fmt: skip
+        for prompt in TINYLM_PROMPTS[1:3]:
+            for temperature, seed in ((0.0, 0), (0.9, 5)):
+                eager = _generate(kernel, prompt, 64, temperature, seed)
+                replayed = _generate(kernel, prompt, 64, temperature, seed, state=graphed)
+                check(eager == replayed, f"tinylm graph, {len(prompt)}-byte prompt, "
+                                         f"T={temperature}: the launches' 64 bytes")  # fmt: skip
+        paths.insert(0, ("kernel, graph", kernel, graphed))
     sync: Callable[[], None] = torch.cuda.synchronize if on_cuda else (lambda: None)
     print(f"  per-token decode, {TINYLM_STREAM_TOKENS} tokens (wall: step to logits on host):")
-    for name, lm in (("kernel path", kernel), ("torch path ", torch_path)):
-        print(f"  tinylm {name}  {pct(_per_token_us(lm, TINYLM_STREAM_TOKENS, sync))}")
+    for name, lm, state in paths:
+        print(f"  tinylm {name}  {pct(_per_token_us(lm, TINYLM_STREAM_TOKENS, sync, state))}")
     if not on_cuda:
         return
     for name, lm in (("kernel path", kernel), ("torch path", torch_path)):

@@ -135,6 +135,19 @@ def test_torch_twin_attends_like_the_reference(
 
 
 @needs_interpreter
+@pytest.mark.parametrize(("n_heads", "context", "head_dim", "pos"), ATTENTION_SHAPES)
+def test_kernel_reads_its_position_from_memory_as_it_takes_one_passed(
+    n_heads: int, context: int, head_dim: int, pos: int
+) -> None:
+    # One launch for any position (what a CUDA graph holds): the kernel reads it on the device.
+    def at_pos_in_memory(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: int, *,
+                         out: torch.Tensor) -> None:  # fmt: skip
+        decode_attention(qkv, k, v, torch.tensor([at], dtype=torch.int64), out=out)
+
+    _attends_like_the_reference(at_pos_in_memory, n_heads, context, head_dim, pos)
+
+
+@needs_interpreter
 def test_kernel_reads_caches_by_stride() -> None:
     qkv, k_wide, v_wide = _attention_case(2, 40, 16, seed=3)
     k_cache, v_cache = k_wide[:, :30], v_wide[:, :30]  # heads 40 rows apart, 30 used
@@ -160,6 +173,8 @@ def _bad(**changes: object) -> dict[str, object]:
         (_bad(v_cache=torch.zeros(2, 9, 4)), "caches must"),
         (_bad(k_cache=torch.zeros(2, 8, 4, dtype=torch.float64)), "float32"),
         (_bad(k_cache=torch.zeros(2, 4, 8).transpose(1, 2)), "contiguous rows"),
+        (_bad(pos=torch.tensor([3], dtype=torch.int32)), "one int64"),
+        (_bad(pos=torch.tensor([3, 4])), "one int64"),
     ],
 )
 def test_kernel_wrapper_refuses_bad_arguments(kwargs: dict[str, object], match: str) -> None:

@@ -115,14 +115,33 @@ class HostLane:
 
 
 class CudaLane:
-    """One slot's stream (plain, or in its own green context) and its reusable done-event."""
+    """One slot's stream (plain, or in its own green context) and its reusable done-event.
 
-    def __init__(self, stream: torch.cuda.Stream, *, kind: str, owner: object = None) -> None:
+    The event is a blocking one: a slot's thread that waits for its work sleeps until the
+    GPU is done. A default event's wait spins a core for as long as the work runs (the
+    driver spins while a process has fewer contexts than the host has cores): sixteen slots
+    of 20 ms work would keep sixteen cores busy doing nothing, the cores the router, the
+    broker and the node's loop need. A sleeping wait costs a wake-up instead;
+    scripts/gpu_check.py times both (section 4)."""
+
+    def __init__(
+        self, stream: torch.cuda.Stream, *, kind: str, owner: object = None, blocking: bool = True
+    ) -> None:
         self.kind = kind
         self.stream = stream
         # The green context owns the stream: keep it alive as long as the lane.
         self._owner = owner
-        self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it bare
+        self.blocking = blocking
+
+    @property
+    def blocking(self) -> bool:
+        return self._blocking
+
+    @blocking.setter
+    def blocking(self, value: bool) -> None:
+        """Whether waits sleep (True) or spin; set between requests only."""
+        self._blocking = value
+        self._done = torch.cuda.Event(blocking=value)  # type: ignore[no-untyped-call]
 
     def stream_context(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream)

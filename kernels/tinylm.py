@@ -190,6 +190,7 @@ class GenState:
     pos_at: torch.Tensor = field(init=False)  # step_dev[1:]
     generator: torch.Generator = field(default_factory=torch.Generator)  # CPU, per request
     graph: torch.cuda.CUDAGraph | None = None  # the kernel path's decode step (`capture`)
+    logits_ready: torch.cuda.Event | None = None  # CUDA: a blocking event, the logits copied
 
     def __post_init__(self) -> None:
         self.step_np = self.step_host.numpy()
@@ -247,6 +248,7 @@ class TinyLM:
             step_host=step_host,
             step_dev=step_host.to(dev) if on_cuda else step_host,
             emb=torch.zeros(2, c.d_model, device=dev),
+            logits_ready=torch.cuda.Event(blocking=True) if on_cuda else None,  # type: ignore[no-untyped-call]
         )
 
     # ----------------------------------------------------------------------------------------
@@ -446,8 +448,10 @@ class TinyLM:
     def _sample(self, s: GenState) -> int:
         """Greedy at temperature 0, else Gumbel-max: argmax(logits / T + Gumbel noise) with
         the request's CPU generator, on the host copy of the logits. Allocates nothing."""
-        if s.host_logits is not s.logits:
-            s.host_logits.copy_(s.logits)  # device -> pinned host; waits for the step
+        if s.logits_ready is not None:  # CUDA: device -> pinned host, after the step
+            s.host_logits.copy_(s.logits, non_blocking=True)
+            s.logits_ready.record()
+            s.logits_ready.synchronize()  # sleeps: see gpu_node.partitions.CudaLane
         if s.temperature == 0.0:
             torch.argmax(s.host_logits, out=s.choice)
         else:

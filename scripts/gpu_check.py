@@ -266,9 +266,10 @@ def isolation(slots: list[KernelSlot], busy_us: int = 5000, probe_us: int = 200)
         return
     features = [i / 10 for i in range(FEATURES)]
 
-    def measure() -> tuple[np.ndarray, np.ndarray, float]:
+    def measure() -> tuple[np.ndarray, np.ndarray, float, float]:
         cal, rsk = np.empty(300), np.empty(300)
         spun = 0
+        cpu0 = time.process_time()
         for i in range(300):
             t0 = time.perf_counter_ns()
             slots[0].run_calibrated(probe_us)
@@ -277,30 +278,44 @@ def isolation(slots: list[KernelSlot], busy_us: int = 5000, probe_us: int = 200)
             t0 = time.perf_counter_ns()
             slots[0].run_risk(features)
             rsk[i] = (time.perf_counter_ns() - t0) / 1e3
-        return cal[20:], rsk[20:], spun / 1e3
+        # The whole process's CPU over the run (the busy slots' threads too), per 2 requests.
+        cpu_ms = (time.process_time() - cpu0) * 1e3
+        return cal[20:], rsk[20:], spun / 1e3, cpu_ms
 
-    alone = measure()
-    stop = threading.Event()
+    def alone_then_busy() -> list[tuple[str, tuple[np.ndarray, np.ndarray, float, float]]]:
+        alone = measure()
+        stop = threading.Event()
 
-    def keep_busy(slot: KernelSlot) -> None:
-        while not stop.is_set():
-            slot.run_calibrated(busy_us)
+        def keep_busy(slot: KernelSlot) -> None:
+            while not stop.is_set():
+                slot.run_calibrated(busy_us)
 
-    threads = [threading.Thread(target=keep_busy, args=(s,), daemon=True) for s in slots[1:]]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
-    try:
-        busy = measure()
-    finally:
-        stop.set()
+        threads = [threading.Thread(target=keep_busy, args=(s,), daemon=True) for s in slots[1:]]
         for t in threads:
-            t.join(timeout=10)
-    for label, (cal, rsk, spun) in (("alone", alone), ("busy ", busy)):
-        print(f"  {label}: calibrated {probe_us} us {pct(cal)} (max spun {spun:.1f} us)")
-        print(f"  {label}: risk b=1          {pct(rsk)}")
-    ratio = np.percentile(busy[0], 50) / np.percentile(alone[0], 50)
-    print(f"  calibrated p50 busy/alone: {ratio:.2f}x")
+            t.start()
+        time.sleep(0.05)
+        try:
+            busy = measure()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+        return [("alone", alone), ("busy ", busy)]
+
+    lanes = [s.lane for s in slots if isinstance(s.lane, CudaLane)]
+    for blocking in (True, False):  # the node's waits sleep; spinning for comparison
+        for lane in lanes:
+            lane.blocking = blocking
+        print(f"  waits {'sleep (the node)' if blocking else 'spin (for comparison)'}:")
+        runs = alone_then_busy()
+        for label, (cal, rsk, spun, cpu_ms) in runs:
+            print(f"    {label}: calibrated {probe_us} us {pct(cal)} (max spun {spun:.1f} us); "
+                  f"process CPU {cpu_ms:.0f} ms")  # fmt: skip
+            print(f"    {label}: risk b=1          {pct(rsk)}")
+        ratio = np.percentile(runs[1][1][0], 50) / np.percentile(runs[0][1][0], 50)
+        print(f"    calibrated p50 busy/alone: {ratio:.2f}x")
+    for lane in lanes:
+        lane.blocking = True
 
 
 # --------------------------------------------------------------------------------------------

@@ -247,7 +247,7 @@ class Node(Lifecycle, TaskOwner):
         want = self.target_slots
         while len(self.slots) < want:
             k = len(self.slots)
-            runner = self.backend.make_slot(k)
+            runner = self.backend.make_slot(self.cfg.first_partition + k)
             generator = None
             if self.generation is not None:  # its state and warm-up, off the event loop
                 generator = await asyncio.to_thread(self.generation.make_slot,

@@ -16,8 +16,9 @@ not stopping stops the whole group with a non-zero exit, so that whatever restar
 (systemd, Kubernetes) restarts it whole, never a group short of slots that nobody notices.
 
 On CUDA the members share the device as separate processes: without NVIDIA MPS their kernels
-time-slice rather than run side by side, and each member's SM partitions are its own (green
-contexts do not span processes). Run MPS with `--processes` on a GPU (each member warns when
+time-slice rather than run side by side. Each member makes its own green contexts, and member
+i's slots take the partitions after member i-1's (`NodeConfig.first_partition`), so that with
+MPS no two members' slots share SMs. Run MPS with `--processes` on a GPU (each member warns when
 it finds none; not yet tried on one: no GPU was lent to the session that built this).
 """
 
@@ -67,7 +68,7 @@ def member_configs(cfg: NodeConfig, spec: ServeSpec, processes: int
     """Each member's node configuration and serving spec: its id, slots and metrics port."""
     if cfg.slots is None:
         raise ConfigError("--processes needs --slots: the group's slots, split over them")
-    out = []
+    out, first = [], cfg.first_partition
     for i, n in enumerate(shares(cfg.slots, processes)):
         member_id = f"{cfg.node_id}-p{i}"
         try:
@@ -77,8 +78,9 @@ def member_configs(cfg: NodeConfig, spec: ServeSpec, processes: int
                               f"({member_id}): {exc}") from None
         port = spec.metrics_port + i if spec.metrics_port else spec.metrics_port
         connect = replace(spec.connect, name=f"plane-node-{member_id}")
-        out.append((replace(cfg, node_id=member_id, slots=n),
+        out.append((replace(cfg, node_id=member_id, slots=n, first_partition=first),
                     replace(spec, metrics_port=port, connect=connect)))
+        first += n
     return out
 
 

@@ -43,6 +43,8 @@ def test_slots_are_split_evenly_and_each_member_has_its_name_slots_and_port() ->
     members = member_configs(NodeConfig(model="calibrated", node_id="gpu0", slots=5), spec, 2)
     assert [(c.node_id, c.slots, s.metrics_port, s.connect.name) for c, s in members] == [
         ("gpu0-p0", 3, 9465, "plane-node-gpu0-p0"), ("gpu0-p1", 2, 9466, "plane-node-gpu0-p1")]
+    # On a GPU, member 1's slots take the SM partitions after member 0's three.
+    assert [c.first_partition for c, _ in members] == [0, 3]
     with pytest.raises(ConfigError, match="needs --slots"):
         member_configs(NodeConfig(model="calibrated", node_id="gpu0"), spec, 2)
 

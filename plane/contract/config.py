@@ -89,6 +89,10 @@ class NodeConfig:
     slots: int | None = None  # None: per backend (2 on CPU; SMs / sms_per_slot on CUDA)
     backend: str = "auto"  # auto | torch | interpret | triton
     sms_per_slot: int | None = None
+    # On CUDA, slot k runs on SM partition first_partition + k: a group's members
+    # (`plane node --processes`) take the device's partitions one after the other, not each
+    # the first ones.
+    first_partition: int = 0
     seed: int = 0
     advert_period_s: float = 1.0
     advert_ttl_s: float = 5.0

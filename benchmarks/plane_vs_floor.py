@@ -27,6 +27,10 @@ from plane.contract.subjects import Header, Names
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# The `plane` command of this interpreter's install, or the same through `-c` where the project
+# is on PYTHONPATH only (a bare GPU box: scripts/gpu_plane.sh).
+PLANE = ([str(BIN / "plane")] if (BIN / "plane").exists()
+         else [sys.executable, "-c", "from plane.app import main; main()"])  # fmt: skip
 
 
 async def closed_loop(nc: nats.NATS, subject: str, body: bytes, n: int, warmup: int,
@@ -60,6 +64,8 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--backend", default="auto",
+                    help="the node's backend (auto: triton on a GPU, torch on a CPU)")
     args = ap.parse_args()
     names = Names()
     procs: list[subprocess.Popen[str]] = []
@@ -71,8 +77,8 @@ async def main() -> None:
             procs.append(floor)
             await wait_ready(floor, "ready")
             up = subprocess.Popen(
-                [str(BIN / "plane"), "up", "--nats", srv.url, "--models", "calibrated",
-                 "--slots", str(args.slots), "--log-level", "warning"],
+                [*PLANE, "up", "--nats", srv.url, "--models", "calibrated",
+                 "--slots", str(args.slots), "--backend", args.backend, "--log-level", "warning"],
                 stdout=subprocess.PIPE, text=True)
             procs.append(up)
             await wait_ready(up, "Ctrl-C")
@@ -101,7 +107,7 @@ async def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, "
           f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}")
     print(f"requests per path: {per * rounds} (closed loop, 1 outstanding), "
-          f"plane slots: {args.slots}\n")
+          f"plane slots: {args.slots}, backend: {args.backend}\n")
     print("| path | p50 ms | p99 ms | p50 / floor | p99 / floor |")
     print("| --- | --- | --- | --- | --- |")
     for name, h in results.items():

@@ -60,6 +60,9 @@ pulse "calibrated 2 ms, 1000/s" --model calibrated --duration-us 2000 --rate 100
 pulse "calibrated 2 ms, 3000/s" --model calibrated --duration-us 2000 --rate 3000 --retry
 pulse "calibrated 200 us, 3000/s" --model calibrated --duration-us 200 --rate 3000 --retry
 pulse "risk, 2000/s" --model risk --rate 2000 --retry
+echo "== the plane against bare NATS request-reply (calibrated 0 us, closed loop)"
+python3 benchmarks/plane_vs_floor.py --requests 2000 --slots 4 --backend "$BACKEND" |
+  grep -E '^(\| |machine|requests)' | sed 's/^/  /'
 echo "== plane status"
 plane status --nats "$url" | sed 's/^/  /'
 grep -iE 'error|traceback|warning' "$log" | grep -v 'slot withdrawn: p99 over budget' |

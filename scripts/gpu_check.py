@@ -186,18 +186,28 @@ def correctness(backend: KernelBackend) -> None:
     check(all(slot.probe() for _ in range(5)), "triton slot probe x5")
     check(slot.risk_graph is not None, f"a slot runs a risk request as one CUDA graph "
                                        f"({slot.risk_path})")  # fmt: skip
-    features, captured = [i / 10 for i in range(FEATURES)], slot.risk_graph
-    for label, graph in (("graph", captured), ("launches", None)):
-        slot.risk_graph = graph
-        for _ in range(WARMUP):
-            slot.run_risk(features)
-        wall = np.empty(LAUNCHES)
-        for i in range(LAUNCHES):
-            t0 = time.perf_counter_ns()
-            slot.run_risk(features)
-            wall[i] = (time.perf_counter_ns() - t0) / 1e3
-        print(f"  slot risk request, {label:8s}: wall {pct(wall)} (pack, run, wait, read)")
-    slot.risk_graph = captured
+    check(slot.calibrated_graph is not None,
+          "a slot runs a calibrated request as one CUDA graph (it spun 50 us, then 0, as told)")
+    spun_ok = True
+    for duration_us in (0, 30, 300, 3000):
+        slot.run_calibrated(duration_us)
+        spun_ok &= duration_us * 1000 <= slot.spun_ns() < duration_us * 1000 + 1_000_000
+    check(spun_ok, "the calibrated graph spins for each duration it is given (0-3000 us)")
+    features = [i / 10 for i in range(FEATURES)]
+    risk_graph, cal_graph = slot.risk_graph, slot.calibrated_graph
+    for what, run in (("risk", lambda: slot.run_risk(features)),
+                      ("calibrated 0 us", lambda: slot.run_calibrated(0))):  # fmt: skip
+        for label, graphs in (("graph", (risk_graph, cal_graph)), ("launches", (None, None))):
+            slot.risk_graph, slot.calibrated_graph = graphs
+            for _ in range(WARMUP):
+                run()
+            wall = np.empty(LAUNCHES)
+            for i in range(LAUNCHES):
+                t0 = time.perf_counter_ns()
+                run()
+                wall[i] = (time.perf_counter_ns() - t0) / 1e3
+            print(f"  slot {what} request, {label:8s}: wall {pct(wall)} (in, run, wait, out)")
+    slot.risk_graph, slot.calibrated_graph = risk_graph, cal_graph
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Disjoint SM groups from the CUDA driver: one green context and one stream per group.
 
 torch's `GreenContext.create(num_sms=...)` splits the *whole* device each time it is called,
-so two contexts of 8 SMs are the same 8 SMs (seen on an H200 with torch 2.11 and 2.13). The
+so two contexts of 8 SMs are the same 8 SMs (seen on an H200 with torch 2.11; 2.13's code
+does the same). The
 driver can do better: one `cuDevSmResourceSplitByCount` call cuts the device into N disjoint,
 symmetrical groups. Each group becomes a green context (`cuGreenCtxCreate`) with a stream of
 its own (`cuGreenCtxStreamCreate`); kernels launched on that stream, from any context, run on

@@ -8,7 +8,8 @@
 #   BACKEND=torch scripts/gpu_plane.sh   # the same run on the CPU, to try the script itself
 #
 # Where the NATS stack is not installed (a bare GPU box), it installs the wheels in .whl/
-# (see docs/perf/README.md, "On a GPU box") into /tmp/site first.
+# (scripts/gpu_wheels.sh fetches them) into /tmp/site first. The device tool's one command:
+#   python3 scripts/gpu_check.py; OUT=$OUT scripts/gpu_plane.sh     (carry: .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BACKEND=${BACKEND:-triton}

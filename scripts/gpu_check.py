@@ -100,6 +100,19 @@ def time_launches(fn: Callable[[], object], n: int = LAUNCHES) -> tuple[np.ndarr
     return wall, dev
 
 
+def wall_us(fn: Callable[[], object], n: int = LAUNCHES) -> np.ndarray:
+    """Wall µs of `n` calls of `fn`, each of which returns only once its work is done, after
+    WARMUP calls dropped."""
+    for _ in range(WARMUP):
+        fn()
+    samples = np.empty(n)
+    for i in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples[i] = (time.perf_counter_ns() - t0) / 1e3
+    return samples
+
+
 class DeviceTimer:
     """The device time of what a call launches, in us, host launch time excluded: a cover
     kernel keeps the GPU busy while the host launches, so the events time the work alone."""
@@ -199,14 +212,8 @@ def correctness(backend: KernelBackend) -> None:
                       ("calibrated 0 us", lambda: slot.run_calibrated(0))):  # fmt: skip
         for label, graphs in (("graph", (risk_graph, cal_graph)), ("launches", (None, None))):
             slot.risk_graph, slot.calibrated_graph = graphs
-            for _ in range(WARMUP):
-                run()
-            wall = np.empty(LAUNCHES)
-            for i in range(LAUNCHES):
-                t0 = time.perf_counter_ns()
-                run()
-                wall[i] = (time.perf_counter_ns() - t0) / 1e3
-            print(f"  slot {what} request, {label:8s}: wall {pct(wall)} (in, run, wait, out)")
+            print(f"  slot {what} request, {label:8s}: wall {pct(wall_us(run))} "
+                  "(in, run, wait, out)")  # fmt: skip
     slot.risk_graph, slot.calibrated_graph = risk_graph, cal_graph
 
 
@@ -353,14 +360,7 @@ def pinned(slot: KernelSlot) -> None:
         pageable.to("cuda").cpu()
 
     for name, fn in (("pinned  ", pinned_trip), ("pageable", pageable_trip)):
-        for _ in range(WARMUP):
-            fn()
-        samples = np.empty(LAUNCHES)
-        for i in range(LAUNCHES):
-            t0 = time.perf_counter_ns()
-            fn()
-            samples[i] = (time.perf_counter_ns() - t0) / 1e3
-        print(f"  {name} host->device->host  {pct(samples)}")
+        print(f"  {name} host->device->host  {pct(wall_us(fn))}")
     check(bool((buf.host_np == tokens).all()), "pinned payload came back intact")
 
     features = [i / 10 for i in range(FEATURES)]

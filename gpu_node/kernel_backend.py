@@ -34,7 +34,7 @@ from gpu_node.partitions import (
     plan_partitions,
 )
 from gpu_node.pinned import RowPacker, Staged
-from kernels.calibrated import calibrated
+from kernels.calibrated import MAX_DURATION_US, calibrated
 from kernels.probe import probe
 from kernels.risk import FEATURES, RiskWeights, risk
 
@@ -131,6 +131,9 @@ class KernelSlot:
             if duration_us > 0:
                 time.sleep(duration_us / 1e6)
             return
+        if not 0 <= duration_us <= MAX_DURATION_US:  # the kernel reads it unchecked
+            raise ValueError(f"calibrated: duration_us={duration_us} outside "
+                             f"0..{MAX_DURATION_US}")  # fmt: skip
         self.duration.host_np[0] = duration_us
         with self._lane.stream_context():
             if self.calibrated_graph is not None:

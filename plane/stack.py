@@ -78,12 +78,13 @@ class PlaneStack(Lifecycle):
                 self.url = cfg.connect.url
             self.metrics_port = st.enter_context(serve_metrics(self.metrics, cfg.metrics_port,
                                                             cfg.metrics_host))
+            first_partition = 0  # on one GPU, each node's slots after the last node's
             for i in range(cfg.nodes_per_model):
                 for model in cfg.models:
                     node_cfg = NodeConfig(
                         names=cfg.names, node_id=f"node{i}-{model}", model=model,
                         slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
-                        **cfg.node_overrides,
+                        first_partition=first_partition, **cfg.node_overrides,
                     )
                     nc = await self._connect(f"plane-node-{node_cfg.node_id}", "node")
                     enrich = self.enrich if model == "risk" else None
@@ -93,6 +94,7 @@ class PlaneStack(Lifecycle):
                     node = Node(nc, node_cfg, self.metrics, enrich=enrich, tracing=self.tracing,
                                 replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))
+                    first_partition += len(node.slots)
             for i in range(cfg.routers):
                 router_cfg = RouterConfig(names=cfg.names, router_id=f"router{i}",
                                           **cfg.router_overrides)

@@ -37,6 +37,8 @@ from tests.plane_fixtures import (
 
 async def test_risk_and_calibrated_answer_200() -> None:
     async with plane(models=("risk", "calibrated"), slots=2) as stack, client(stack.url) as nc:
+        # On one GPU the second node's slots would take the SM partitions after the first's.
+        assert [n.cfg.first_partition for n in stack.nodes] == [0, 2]
         m = await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5,
                              headers={Header.REQUEST_ID: "abc-1"})
         assert status(m) == 200

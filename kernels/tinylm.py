@@ -191,16 +191,16 @@ class GenState:
     generator: torch.Generator = field(default_factory=torch.Generator)  # CPU, per request
     graph: torch.cuda.CUDAGraph | None = None  # the kernel path's decode step (`capture`)
     logits_ready: torch.cuda.Event | None = None  # CUDA: a blocking event, the logits copied
-
-    def __post_init__(self) -> None:
-        self.step_np = self.step_host.numpy()
-        self.token_at, self.pos_at = self.step_dev[:1], self.step_dev[1:]
     # The request: set by `start`.
     pos: int = 0  # position of the next token to decode (= positions filled in the cache)
     produced: int = 0
     max_tokens: int = 0
     temperature: float = 0.0
     finish: Finish | None = None  # None while the stream runs
+
+    def __post_init__(self) -> None:
+        self.step_np = self.step_host.numpy()
+        self.token_at, self.pos_at = self.step_dev[:1], self.step_dev[1:]
 
 
 class TinyLM:

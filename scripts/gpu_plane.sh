@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole plane on a GPU, end to end: `plane up` (embedded nats-server, router, one node per
-# model on the triton backend), then open-loop pulses through NATS, then `plane status`.
+# model on the triton backend), then open-loop pulses through NATS (requests, then tinylm
+# streams at 0.9x and 2x their capacity), the floor, then `plane status`.
 # scripts/gpu_check.py checks the kernels alone; this checks the node's GPU path (slots on
 # their SM partitions, pinned buffers, the done-event wait) under the real control path.
 #
@@ -14,6 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BACKEND=${BACKEND:-triton}
 SECONDS_EACH=${SECONDS_EACH:-8}
+STREAM_CALLERS=${STREAM_CALLERS:-16}  # closed-loop callers for the stream capacity: one a slot
 OUT=${OUT:-$(mktemp -d)}
 
 if ! python3 -c "import nats, msgspec, structlog, hdrh" 2>/dev/null; then
@@ -27,7 +29,7 @@ plane() { python3 -c 'import sys; from plane.app import main; sys.argv[0] = "pla
 
 log=$OUT/plane_up.log
 t0=$(date +%s.%N)
-plane up --models calibrated,risk --backend "$BACKEND" --log-level info >"$log" 2>&1 &
+plane up --models calibrated,risk,tinylm --backend "$BACKEND" --log-level info >"$log" 2>&1 &
 up=$!
 trap 'kill -TERM $up 2>/dev/null; wait $up 2>/dev/null' EXIT
 url=""
@@ -61,6 +63,27 @@ pulse "calibrated 2 ms, 1000/s" --model calibrated --duration-us 2000 --rate 100
 pulse "calibrated 2 ms, 3000/s" --model calibrated --duration-us 2000 --rate 3000 --retry
 pulse "calibrated 200 us, 3000/s" --model calibrated --duration-us 200 --rate 3000 --retry
 pulse "risk, 2000/s" --model risk --rate 2000 --retry
+streams() {  # label, then pulse's options: issue 14's figures on this device
+  local label=$1; shift
+  echo "== $label"
+  plane pulse --nats "$url" --model tinylm --stream --retry --duration "$SECONDS_EACH" \
+    --json --no-progress "$@" | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+def p(v):
+    if isinstance(v, dict):
+        return {k: p(x) for k, x in v.items()}
+    return round(v, 3) if isinstance(v, float) else v
+keep = ("capacity", "rate", "sent", "accepted", "refused_first", "first_retry_success",
+        "mean_retries", "ttft", "ttft_p99_over_p50", "tpot", "tpot_p99_over_p50",
+        "tokens_per_s", "within_deadline_share", "verdict")
+print("  " + ", ".join(f"{k}={p(s[k])}" for k in keep if k in s))
+'
+}
+streams "tinylm streams of 64 tokens, 0.9x the capacity" --max-tokens 64 --capacity-x 0.9 \
+  --callers "$STREAM_CALLERS" --capacity-s 4
+streams "tinylm streams of 64 tokens, 2x the capacity" --max-tokens 64 --capacity-x 2 \
+  --callers "$STREAM_CALLERS" --capacity-s 4
 echo "== the plane against bare NATS request-reply (calibrated 0 us, closed loop)"
 python3 benchmarks/plane_vs_floor.py --requests 2000 --slots 4 --backend "$BACKEND" |
   grep -E '^(\| |machine|requests)' | sed 's/^/  /'

@@ -16,19 +16,26 @@ REPO = Path(__file__).resolve().parent.parent
 def test_gpu_plane_script_runs_the_plane_pulses_and_floor_on_the_cpu(tmp_path: Path) -> None:
     # `python3` there is this interpreter (the project's venv), as on a GPU box with the
     # NATS stack installed or carried as wheels.
-    env = {**os.environ, "BACKEND": "torch", "SECONDS_EACH": "1", "OUT": str(tmp_path),
+    env = {**os.environ, "BACKEND": "torch", "SECONDS_EACH": "1", "STREAM_CALLERS": "1",
+           "OUT": str(tmp_path),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.run([str(REPO / "scripts" / "gpu_plane.sh")], capture_output=True,
                           text=True, env=env, timeout=300, cwd=REPO)
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-3000:]
     assert re.search(r"plane up ready in [\d.]+ s at nats://127\.0\.0\.1:\d+", out), out
-    assert out.count('"event": "node started"') == 2, out  # calibrated and risk
+    assert out.count('"event": "node started"') == 3, out  # calibrated, risk, tinylm
     pulses = re.findall(r"^== (.+)\n  rate=.*sent=(\d+), answered=(\d+)", out, re.M)
     assert [name for name, _, _ in pulses] == [
         "calibrated 2 ms, 1000/s", "calibrated 2 ms, 3000/s", "calibrated 200 us, 3000/s",
         "risk, 2000/s"], out
     assert all(int(sent) > 0 and sent == answered for _, sent, answered in pulses), out
+    streams = re.findall(r"^== (tinylm streams .+)\n  capacity=\{[^}]*'streams_per_s': "
+                         r"([\d.]+), .*ttft=\{'n': \d+, 'p50_ms'", out, re.M)
+    assert [name for name, _ in streams] == [
+        "tinylm streams of 64 tokens, 0.9x the capacity",
+        "tinylm streams of 64 tokens, 2x the capacity"], out
+    assert all(float(capacity) > 0 for _, capacity in streams), out
     assert re.search(r"\| plane, calibrated 0 us \| [\d.]+ \| [\d.]+ \| [\d.]+x", out), out
     assert "backend: torch" in out and "healthy" in out, out
     assert (tmp_path / "plane_up.log").stat().st_size > 0

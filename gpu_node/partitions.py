@@ -164,9 +164,17 @@ class GreenPartitions:
 
     def __init__(self, groups: list[SmGroup]) -> None:
         self.groups = groups
+        # One lane per group, made for the start-up check and handed to the first slot that
+        # asks for that group (a stream is not given back: none is made only to be dropped).
+        self.first = [CudaLane(g.stream(), kind=GREEN_CONTEXT, owner=g) for g in groups]
+        self._handed: set[int] = set()
 
     def lane(self, k: int) -> CudaLane:
-        group = self.groups[k % len(self.groups)]
+        i = k % len(self.groups)
+        if i not in self._handed:
+            self._handed.add(i)
+            return self.first[i]
+        group = self.groups[i]
         return CudaLane(group.stream(), kind=GREEN_CONTEXT, owner=group)
 
 
@@ -191,7 +199,7 @@ def green_partitions(
     try:
         made = split_device(device_index, sms_per_slot, groups)
         parts = GreenPartitions(made)
-        seen = [observe_sms(parts.lane(k), programs=4 * sm_count) for k in range(len(made))]
+        seen = [observe_sms(lane, programs=4 * sm_count) for lane in parts.first]
     except Exception as e:  # a probe at start: any failure means plain streams
         what = str(e) if isinstance(e, SplitError) else f"{type(e).__name__}: {e}"
         return None, f"green contexts failed ({what}); plain streams"

@@ -5,7 +5,7 @@
 # scripts/gpu_check.py checks the kernels alone; this checks the node's GPU path (slots on
 # their SM partitions, pinned buffers, the done-event wait) under the real control path.
 #
-#   scripts/gpu_plane.sh                 # on a CUDA machine, from the repo root (~2 minutes)
+#   scripts/gpu_plane.sh                 # on a CUDA machine, from the repo root (~3 minutes)
 #   BACKEND=torch scripts/gpu_plane.sh   # the same run on the CPU, to try the script itself
 #
 # Where the NATS stack is not installed (a bare GPU box), it installs the wheels in .whl/

@@ -122,6 +122,14 @@ def make_backend(name: str, *, seed: int = 0, sms_per_slot: int | None = None) -
         raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
         name = "triton" if torch.cuda.is_available() else "torch"
+    if sms_per_slot is not None and name != "triton":
+        # Not an error: one configuration may start nodes with and without a GPU (auto).
+        # structlog here only: scripts/gpu_check.py imports this module on a bare GPU box.
+        import structlog
+
+        structlog.get_logger("plane.node").warning(
+            "--sms-per-slot ignored: it sizes a GPU's SM partitions",
+            backend=name, sms_per_slot=sms_per_slot)
     if name == "torch":
         return TorchBackend(seed)
 

@@ -245,6 +245,19 @@ def test_partition_granularity_follows_the_driver_guideline() -> None:
         plan_partitions(sm_count=132, cc_major=9, sms_per_slot=0, green=False, note="")
 
 
+def test_sms_per_slot_off_a_gpu_is_said_to_be_ignored() -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        backend = make_backend("torch", sms_per_slot=16)
+    assert backend.name == "torch"
+    assert [(e["event"], e["backend"], e["sms_per_slot"]) for e in logs] == [
+        ("--sms-per-slot ignored: it sizes a GPU's SM partitions", "torch", 16)]
+    with capture_logs() as logs:
+        make_backend("torch")
+    assert logs == []
+
+
 def test_green_partitions_without_a_gpu_say_why_and_leave_plain_streams() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: scripts/gpu_check.py checks the split itself")

@@ -203,7 +203,7 @@ class KernelBackend:
         self.name = "interpret" if interpret else "triton"
         self._weights_host = RiskWeights.from_seed(seed)
         self._green: GreenPartitions | None = None
-        self.risk_path = ""  # CUDA: how the last slot made runs a risk request
+        self.request_paths = ""  # CUDA: how the last slot made runs its requests (the log)
         if interpret:
             self.device = torch.device("cpu")
             self.plan = PartitionPlan(
@@ -220,8 +220,8 @@ class KernelBackend:
 
     def describe(self) -> str:
         where = "cpu" if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
-        risk_path = f"; risk requests: {self.risk_path}" if self.risk_path else ""
-        return f"{self.name} on {where}: {self.plan.describe()}{risk_path}"
+        paths = f"; {self.request_paths}" if self.request_paths else ""
+        return f"{self.name} on {where}: {self.plan.describe()}{paths}"
 
     def default_slots(self) -> int:
         return self.plan.slots
@@ -235,7 +235,9 @@ class KernelBackend:
         )
         slot.warm_up()
         if self.device.type == "cuda":
-            self.risk_path = slot.risk_path
+            calibrated_path = "a CUDA graph" if slot.calibrated_graph else "launches"
+            self.request_paths = (f"risk requests: {slot.risk_path}, calibrated requests: "
+                                  f"{calibrated_path}")  # fmt: skip
         return slot
 
     def _lane(self, k: int) -> Lane:

@@ -36,40 +36,43 @@ class ErrorExtras(TypedDict, total=False):
     node: str | None
 
 
-def error_headers(
-    request_id: str,
-    status: Status,
-    reason: Reason,
-    *,
-    retry_after_ms: int | None = None,
-    ticket: str | None = None,
-    node: str | None = None,
-) -> dict[str, str]:
-    h = {
-        Header.STATUS: str(int(status)),
-        Header.REQUEST_ID: request_id,
-        Header.SERVER_TIME: str(now_ms()),
-        Header.REASON: reason.value,
-    }
+def _error_pairs(
+    request_id: str, status: Status, reason: Reason, message: str | None, *,
+    retry_after_ms: int | None = None, ticket: str | None = None, node: str | None = None,
+) -> list[tuple[str, str]]:
+    """An error's headers, in order: the plane's own, then (with a `message`) the NATS
+    services standard's `Nats-Service-Error-Code` / `Nats-Service-Error` (what `nats micro`
+    tools show). The one list that `error_headers`, `error_reply` and `error_block` read."""
+    code = str(int(status))
+    # Values from outside (the request id, a ticket) as they go on the wire; the rest are
+    # the plane's own, one line each already.
+    pairs = [(Header.STATUS, code), (Header.REQUEST_ID, one_value(request_id)),
+             (Header.SERVER_TIME, str(now_ms())), (Header.REASON, reason.value)]
     if retry_after_ms is not None:
-        h[Header.RETRY_AFTER_MS] = str(retry_after_ms)
-        h[Header.RETRY_AFTER] = str(max(1, math.ceil(retry_after_ms / 1000)))
+        pairs += ((Header.RETRY_AFTER_MS, str(retry_after_ms)),
+                  (Header.RETRY_AFTER, str(max(1, math.ceil(retry_after_ms / 1000)))))
     if ticket is not None:
-        h[Header.TICKET] = ticket
+        pairs.append((Header.TICKET, one_value(ticket)))
     if node is not None:
-        h[Header.NODE] = node
-    return h
+        pairs.append((Header.NODE, node))
+    if message is not None:
+        pairs += ((Header.NATS_SERVICE_ERROR_CODE, code),
+                  (Header.NATS_SERVICE_ERROR, _one_line(message)))
+    return pairs
+
+
+def error_headers(
+    request_id: str, status: Status, reason: Reason, **kw: Unpack[ErrorExtras]
+) -> dict[str, str]:
+    return dict(_error_pairs(request_id, status, reason, None, **kw))
 
 
 def error_reply(
     request_id: str, status: Status, reason: Reason, message: str, **kw: Unpack[ErrorExtras]
 ) -> tuple[bytes, dict[str, str]]:
-    """An error's body and headers. Besides the plane's own, the NATS services standard's
-    `Nats-Service-Error-Code` / `Nats-Service-Error` (what `nats micro` tools show)."""
-    headers = error_headers(request_id, status, reason, **kw)
-    headers[Header.NATS_SERVICE_ERROR_CODE] = str(int(status))
-    headers[Header.NATS_SERVICE_ERROR] = _one_line(message)
-    return error_body(message, reason), headers
+    """An error's body and headers (`_error_pairs`)."""
+    return error_body(message, reason), dict(_error_pairs(request_id, status, reason, message,
+                                                          **kw))
 
 
 def error_block(
@@ -78,24 +81,14 @@ def error_block(
     extra: Mapping[str, str] | None = None,
 ) -> tuple[bytes, bytes]:
     """`error_reply`'s body, and its headers (then `extra`'s) as the header block that
-    `plane.contract.publish.publish` sends: the same bytes as `header_block` of
-    `error_reply`'s dict (tests/test_publish.py), made in one pass. Every refusal of the
-    router's is one; the dict and its block cost twice this (~4 against ~2 µs)."""
-    code = str(int(status))
-    lines = [f"NATS/1.0\r\n{Header.STATUS}: {code}\r\n"
-             f"{Header.REQUEST_ID}: {one_value(request_id)}\r\n"
-             f"{Header.SERVER_TIME}: {now_ms()}\r\n{Header.REASON}: {reason.value}\r\n"]
-    if retry_after_ms is not None:
-        lines.append(f"{Header.RETRY_AFTER_MS}: {retry_after_ms}\r\n"
-                     f"{Header.RETRY_AFTER}: {max(1, math.ceil(retry_after_ms / 1000))}\r\n")
-    if ticket is not None:
-        lines.append(f"{Header.TICKET}: {one_value(ticket)}\r\n")
-    lines.append(f"{Header.NATS_SERVICE_ERROR_CODE}: {code}\r\n"
-                 f"{Header.NATS_SERVICE_ERROR}: {_one_line(message)}\r\n")
+    `plane.contract.publish.publish` sends, without the dict and `header_block`'s pass over
+    it: every refusal of the router's is one (~3 µs against ~4.5 through the dict)."""
+    pairs = _error_pairs(request_id, status, reason, message,
+                         retry_after_ms=retry_after_ms, ticket=ticket)
     if extra:
-        lines.extend(f"{k}: {one_value(v)}\r\n" for k, v in extra.items())
-    lines.append("\r\n")
-    return error_body(message, reason), "".join(lines).encode()
+        pairs += ((k, one_value(v)) for k, v in extra.items())
+    lines = "".join([f"{k}: {v}\r\n" for k, v in pairs])
+    return error_body(message, reason), f"NATS/1.0\r\n{lines}\r\n".encode()
 
 
 def _one_line(text: str, limit: int = 256) -> str:

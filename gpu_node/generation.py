@@ -109,7 +109,6 @@ class Generation:
                 "would admit requests the model cannot hold: build both from one release")
         self.lm = lm
         self.backend_name = backend_name
-        self.decode_path = ""  # how the last slot made decodes (for the start-up log)
 
     @classmethod
     def for_backend(cls, backend_name: str, device: torch.device | None,
@@ -133,7 +132,6 @@ class Generation:
         gen = SlotGenerator(self.lm, lane, PRIOR_STEP_S.get(self.backend_name, 0.001))
         self._ready()  # the weights and this slot's state
         gen.warm_up()
-        self.decode_path = gen.decode_path
         return gen
 
 

@@ -35,6 +35,7 @@ from gpu_node.partitions import (
 )
 from gpu_node.pinned import RowPacker, Staged
 from kernels.calibrated import MAX_DURATION_US, calibrated
+from kernels.launch import capture_graph
 from kernels.probe import probe
 from kernels.risk import FEATURES, RiskWeights, risk
 
@@ -65,7 +66,8 @@ class KernelSlot:
         self.risk_graph: torch.cuda.CUDAGraph | None = None  # made by warm_up on CUDA
         self.calibrated_graph: torch.cuda.CUDAGraph | None = None  # likewise
         self.duration = Staged((1,), torch.int64, device)  # calibrated: µs to spin
-        self.risk_path = "launches"  # or "a CUDA graph", or why not: for the start-up log
+        # How each kind of request runs: "launches", "a CUDA graph", or why not (the log).
+        self.risk_path = self.calibrated_path = "launches"
         self._tokens = itertools.cycle(range(1, 1 << 20))
         self.probe_in.host.copy_(torch.arange(PROBE_SIZE, dtype=torch.int32) * 7919)
         self.probe_in.upload_no_sync()
@@ -100,30 +102,24 @@ class KernelSlot:
         risk(self.x.dev, self._w, out=self.y.dev, n_rows=1)
         self.y.download_no_sync()
 
-    def _capture_risk(self) -> tuple[torch.cuda.CUDAGraph | None, str]:
+    def _capture_risk(self) -> str:
         """The risk request's launches as one CUDA graph, replayed per request: one launch
         from the host instead of three (Triton's launcher alone is tens of µs of Python, and
         16 slots share one GIL). The buffers never move, so the graph's pointers stay good.
-        Kept only when its score equals the launches' own, bit for bit, on a test row; else
-        None and why."""
-        if not isinstance(self._lane, CudaLane):
-            return None, "not on CUDA"
+        Kept only when its score equals the launches' own, bit for bit, on a test row.
+        Returns how the slot runs risk requests, or why not a graph (the start-up log)."""
+        assert isinstance(self._lane, CudaLane)
         row = [((i * 37) % 11 - 5) / 4 for i in range(FEATURES)]
         want = self.run_risk(row)
-        graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: other slots' threads may be using the GPU meanwhile.
-            with torch.cuda.graph(graph, stream=self._lane.stream,
-                                  capture_error_mode="thread_local"):  # fmt: skip
-                self._risk_launches()
+            self.risk_graph = capture_graph(self._risk_launches, self._lane.stream)
         except RuntimeError as e:
-            return None, f"capture failed ({e})"
-        self.risk_graph = graph
+            return f"launches (capture failed: {e})"
         got = self.run_risk(row)
         if got != want:
             self.risk_graph = None
-            return None, f"the graph scored {got!r} where the launches scored {want!r}"
-        return graph, "a CUDA graph"
+            return f"launches (the graph scored {got!r} where the launches scored {want!r})"
+        return "a CUDA graph"
 
     def run_calibrated(self, duration_us: int) -> None:
         if not self._on_cuda:
@@ -149,24 +145,24 @@ class KernelSlot:
         calibrated(self.duration.dev, out=self.spun.dev, programs=self._spin_programs)
         self.spun.download_no_sync()
 
-    def _capture_calibrated(self) -> torch.cuda.CUDAGraph | None:
+    def _capture_calibrated(self) -> str:
         """A calibrated request as one graph, as `_capture_risk`; kept only if a replay spins
         for the duration it is given (50 µs, then 0)."""
         assert isinstance(self._lane, CudaLane)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=self._lane.stream,
-                                  capture_error_mode="thread_local"):  # fmt: skip
-                self._calibrated_launches()
-        except RuntimeError:
-            return None
-        self.calibrated_graph = graph
+            self.calibrated_graph = capture_graph(self._calibrated_launches, self._lane.stream)
+        except RuntimeError as e:
+            return f"launches (capture failed: {e})"
         for duration_us in (50, 0):
             self.run_calibrated(duration_us)
             if not duration_us * 1000 <= self.spun_ns() < duration_us * 1000 + 5_000_000:
                 self.calibrated_graph = None
-                return None
-        return graph
+                return f"launches (the graph spun {self.spun_ns()} ns for {duration_us} µs)"
+        return "a CUDA graph"
+
+    def request_paths(self) -> str:
+        """How this slot runs each kind of request (for the start-up log)."""
+        return f"risk requests: {self.risk_path}, calibrated requests: {self.calibrated_path}"
 
     def warm_up(self) -> None:
         """Run each kernel once, so that compiling (or the interpreter's rewrite) happens
@@ -177,8 +173,8 @@ class KernelSlot:
         if not self.probe():
             raise RuntimeError("slot warm-up: the probe kernel returned a wrong result")
         if self._on_cuda:
-            self.risk_graph, self.risk_path = self._capture_risk()
-            self.calibrated_graph = self._capture_calibrated()
+            self.risk_path = self._capture_risk()
+            self.calibrated_path = self._capture_calibrated()
 
     def spun_ns(self) -> int:
         """How long the last calibrated request's slowest program spun (CUDA only)."""
@@ -235,9 +231,7 @@ class KernelBackend:
         )
         slot.warm_up()
         if self.device.type == "cuda":
-            calibrated_path = "a CUDA graph" if slot.calibrated_graph else "launches"
-            self.request_paths = (f"risk requests: {slot.risk_path}, calibrated requests: "
-                                  f"{calibrated_path}")  # fmt: skip
+            self.request_paths = slot.request_paths()
         return slot
 
     def _lane(self, k: int) -> Lane:

@@ -190,7 +190,8 @@ class Node(Lifecycle, TaskOwner):
             name="status", subject=self.names.node_status(self.cfg.node_id),
             handler=self._on_status)
         await self.publish_advert()
-        decode = {"decode": self.generation.decode_path} if self.generation else {}
+        decode = {"decode": gen.decode_path} if self.slots and (
+            gen := self.slots[-1].generator) is not None else {}
         log.info("node started", node=self.cfg.node_id, model=self.cfg.model,
                  backend=self.backend.name, partition=self.backend.partition,
                  slots=len(self.slots), choice=self.backend.describe(), **decode)

@@ -1,4 +1,5 @@
-"""Which mode Triton launches run in, and the lock that keeps the interpreter single-threaded.
+"""Which mode Triton launches run in, the lock that keeps the interpreter single-threaded, and
+the capture of a request's launches as one CUDA graph.
 
 Checked on triton 3.9: `@triton.jit` reads TRITON_INTERPRET when the decorator runs, and
 triton's own library (`tl.sum`, `tl.sigmoid`, ...) is decorated when `triton` is imported.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import triton
 
@@ -43,3 +46,19 @@ def interpreter_ready() -> bool:
 def launch_lock() -> contextlib.AbstractContextManager[object]:
     """Hold this around a launch: the interpreter lock when interpreting, else nothing."""
     return _INTERPRETER_LOCK if interpreting() else _NO_LOCK
+
+
+def capture_graph(launches: Callable[[], object], stream: Any | None) -> Any:
+    """`launches` captured as one `torch.cuda.CUDAGraph`, on `stream` (a slot's lane; None or
+    the default stream: torch's own side stream), replayed later on any stream with one
+    launch from the host. `thread_local`: other slots' threads may use the GPU meanwhile, and
+    only this thread's calls are checked. Raises RuntimeError where the capture fails; the
+    caller checks a replay against the launches before it keeps the graph."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    if stream is not None and stream == torch.cuda.default_stream(stream.device):
+        stream = None  # a capture needs a stream other than the default
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        launches()
+    return graph

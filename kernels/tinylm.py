@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_attention import TorchAttention, decode_attention
-from kernels.launch import interpreter_ready
+from kernels.launch import capture_graph, interpreter_ready
 
 END = 256  # begins every sequence, ends a generation when sampled
 VOCAB = 257  # 256 byte values and END
@@ -400,16 +401,9 @@ class TinyLM:
         s.step_np[0], s.step_np[1] = token, at
         self._kernel_decode(s)
         want = s.logits.clone()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream(self.device)
         try:
-            # thread_local: other slots' threads may be using the GPU meanwhile.
-            with torch.cuda.graph(
-                graph,
-                stream=None if stream == torch.cuda.default_stream(self.device) else stream,
-                capture_error_mode="thread_local",
-            ):
-                self._kernel_decode(s)
+            graph = capture_graph(partial(self._kernel_decode, s),
+                                  torch.cuda.current_stream(self.device))
         except RuntimeError as e:
             return f"launches (graph capture failed: {e})"
         s.graph, s.pos = graph, at

@@ -45,19 +45,24 @@ fi
 printf 'plane up ready in %.1f s at %s\n' "$(echo "$(date +%s.%N) - $t0" | bc)" "$url"
 grep -E '"node started"|node started' "$log" | sed 's/^/  /'
 
+summary() {  # pulse's --json on stdin: one line of the keys named (floats rounded)
+  python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+def r(v):
+    if isinstance(v, dict):
+        return {k: r(x) for k, x in v.items()}
+    return round(v, 4) if isinstance(v, float) else v
+print("  " + ", ".join(f"{k}={r(s[k])}" for k in sys.argv[1:] if k in s))
+' "$@"
+}
 pulse() {  # label, then pulse's options
   local label=$1; shift
   echo "== $label"
   plane pulse --nats "$url" --duration "$SECONDS_EACH" --json --no-progress "$@" |
-    python3 -c '
-import json, sys
-s = json.load(sys.stdin)
-keep = ("rate", "sent", "answered", "ok_per_s", "dropped", "status_counts", "refusal_rate",
-        "first_retry_success", "mean_retries", "within_deadline_share", "p50_ms", "p99_ms",
-        "p999_ms", "p99_over_p50", "verdict")
-r = lambda v: round(v, 4) if isinstance(v, float) else v
-print("  " + ", ".join(f"{k}={r(s[k])}" for k in keep if k in s))
-'
+    summary rate sent answered ok_per_s dropped status_counts refusal_rate \
+      first_retry_success mean_retries within_deadline_share p50_ms p99_ms p999_ms \
+      p99_over_p50 verdict
 }
 pulse "calibrated 2 ms, 1000/s" --model calibrated --duration-us 2000 --rate 1000 --retry
 pulse "calibrated 2 ms, 3000/s" --model calibrated --duration-us 2000 --rate 3000 --retry
@@ -67,18 +72,9 @@ streams() {  # label, then pulse's options: issue 14's figures on this device
   local label=$1; shift
   echo "== $label"
   plane pulse --nats "$url" --model tinylm --stream --retry --duration "$SECONDS_EACH" \
-    --json --no-progress "$@" | python3 -c '
-import json, sys
-s = json.load(sys.stdin)
-def p(v):
-    if isinstance(v, dict):
-        return {k: p(x) for k, x in v.items()}
-    return round(v, 3) if isinstance(v, float) else v
-keep = ("capacity", "rate", "sent", "accepted", "refused_first", "first_retry_success",
-        "mean_retries", "ttft", "ttft_p99_over_p50", "tpot", "tpot_p99_over_p50",
-        "tokens_per_s", "within_deadline_share", "verdict")
-print("  " + ", ".join(f"{k}={p(s[k])}" for k in keep if k in s))
-'
+    --json --no-progress "$@" |
+    summary capacity rate sent accepted refused_first first_retry_success mean_retries ttft \
+      ttft_p99_over_p50 tpot tpot_p99_over_p50 tokens_per_s within_deadline_share verdict
 }
 streams "tinylm streams of 64 tokens, 0.9x the capacity" --max-tokens 64 --capacity-x 0.9 \
   --callers "$STREAM_CALLERS" --capacity-s 4

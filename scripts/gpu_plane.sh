@@ -42,7 +42,7 @@ done
 if [ -z "$url" ]; then
   echo "plane up did not come up; its log:" >&2; tail -50 "$log" >&2; exit 1
 fi
-printf 'plane up ready in %.1f s at %s\n' "$(echo "$(date +%s.%N) - $t0" | bc)" "$url"
+printf 'plane up ready in %.1f s at %s\n' "$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t0" "$(date +%s.%N)")" "$url"
 grep -E '"node started"|node started' "$log" | sed 's/^/  /'
 
 summary() {  # pulse's --json on stdin: one line of the keys named (floats rounded)

@@ -1,0 +1,255 @@
+"""The node's request path under load, in several process shapes: where does a request's
+time on the slot go, past the device work, and whose CPU does it cost?
+
+Each shape serves `calibrated` on SLOTS slots; `plane pulse` offers RATES (requests/s) of
+WORK_US work each, with --retry. Per shape and rate: pulse's summary; the slot's time past
+the work (`compute_us - work_us` of the node's sampled "request answered" lines: the
+hand-off to the slot's thread, the launch, the wait's wake-up, the hand-back, the loop's lag);
+and the CPU seconds of each process (from /proc) over the pulse.
+
+Shapes:
+- up: `plane up`, the whole plane in one process (router, node, its loop, its slot threads);
+- up-switch: the same with `sys.setswitchinterval(SWITCH_S)` (the GIL handed on sooner);
+- up-spin: the same with slot waits that spin (CUDA: events without blocking sync);
+- split: nats-server, `plane router` and `plane node` as three processes;
+- split-procs: as split, the node's slots over NODE_PROCS processes (`--processes`).
+
+    python3 scripts/gpu_shapes.py                 # on a CUDA machine (~2 minutes)
+    BACKEND=torch SLOTS=4 python3 scripts/gpu_shapes.py   # on a CPU, to try it
+Environment: BACKEND (triton), SLOTS (15), WORK_US (2000), RATES (1000,3000), SECONDS (4),
+SHAPES (all, comma separated), NODE_PROCS (3), SWITCH_S (0.0002), OUT (a temp dir: logs).
+It needs only the standard library and the plane's own dependencies (gpu_plane.sh installs
+those from .whl on a bare GPU box); nats-server is found on PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = os.environ
+BACKEND = ENV.get("BACKEND", "triton")
+SLOTS = int(ENV.get("SLOTS", "15"))
+WORK_US = int(ENV.get("WORK_US", "2000"))
+RATES = [int(r) for r in ENV.get("RATES", "1000,3000").split(",")]
+SECONDS = float(ENV.get("SECONDS", "4"))
+NODE_PROCS = int(ENV.get("NODE_PROCS", "3"))
+SWITCH_S = float(ENV.get("SWITCH_S", "0.0002"))
+ALL = ("up", "up-switch", "up-spin", "split", "split-procs")
+SHAPES = [s for s in ENV.get("SHAPES", ",".join(ALL)).split(",") if s]
+OUT = Path(ENV.get("OUT") or tempfile.mkdtemp())
+TICK = os.sysconf("SC_CLK_TCK")
+
+# `plane` through the interpreter (no entry point on a bare GPU box), with an optional
+# preamble run first in the same process.
+PLANE = "import sys; {pre}sys.argv[0] = 'plane'; from plane.app import main; main()"
+SPIN = ("import torch, gpu_node.partitions as p; "
+        "p.CudaLane.blocking = property(lambda s: False, lambda s, v: (setattr(s, '_blocking', "
+        "False), setattr(s, '_done', torch.cuda.Event(blocking=False)))); ")
+
+
+def plane(*args: str, pre: str = "") -> list[str]:
+    return [sys.executable, "-c", PLANE.format(pre=pre), *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def family(pids: list[int]) -> dict[int, str]:
+    """`pids` and their descendants: pid -> a short name."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found = set(pids)
+    while True:
+        more = {p for p, pp in parents.items() if pp in found and p not in found}
+        if not more:
+            break
+        found |= more
+    names = {}
+    for p in found:
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        m = re.search(r"main\(\)\s+(\w+)", cmd)
+        names[p] = m.group(1) if m else Path(cmd.split(" ", 1)[0]).name
+    return names
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+
+
+def wait_for(log: Path, pattern: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> str:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        m = re.search(pattern, log.read_text(errors="replace"))
+        if m:
+            return m.group(1) if m.groups() else m.group(0)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise RuntimeError(f"{proc.args!s:.200} did not get ready; {log}:\n"
+                       + log.read_text(errors="replace")[-3000:])
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in reversed(procs):
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[Path]]:
+    """Start `name`: its NATS URL, its processes, the logs with the node's lines."""
+    node_args = ["--model", "calibrated", "--slots", str(SLOTS), "--backend", BACKEND,
+                 "--log-level", "info"]
+    if name.startswith("up"):
+        pre = {"up": "", "up-switch": f"sys.setswitchinterval({SWITCH_S}); ",
+               "up-spin": SPIN}[name]
+        log = d / "up.log"
+        p = start(plane("up", "--models", "calibrated", "--slots", str(SLOTS), "--backend",
+                        BACKEND, "--log-level", "info", pre=pre), log)
+        return wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log]
+    port = free_port()
+    nats = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
+    srv = start([nats, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(d / "js")],
+                d / "nats.log")
+    url = f"nats://127.0.0.1:{port}"
+    wait_for(d / "nats.log", r"Server is ready", srv)
+    node_log = d / "node.log"
+    procs = [srv]
+    extra = ["--processes", str(NODE_PROCS)] if name == "split-procs" else []
+    procs.append(start(plane("node", "--nats", url, *node_args, *extra), node_log))
+    wait_for(node_log, r"node started", procs[-1])
+    if extra:  # every member up
+        end = time.monotonic() + 120
+        while node_log.read_text().count("node started") < NODE_PROCS and time.monotonic() < end:
+            time.sleep(0.2)
+    router_log = d / "router.log"
+    procs.append(start(plane("router", "--nats", url, "--log-level", "info"), router_log))
+    wait_for(router_log, r"router started", procs[-1])
+    return url, procs, [node_log]
+
+
+def profile(pid: int, out: Path, *, gil: bool) -> subprocess.Popen[bytes] | None:
+    """py-spy (where installed) records `pid`'s threads for the middle of a pulse, as
+    collapsed stacks (one line a stack and its count: grep them): all of them, idle ones too,
+    or (`gil`) only the one holding the GIL."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    return subprocess.Popen(
+        ["sh", "-c", f"sleep 1; exec {spy} record -p {pid} -d {max(1, int(SECONDS) - 2)} -r 250 "
+                     f"--threads {'--gil' if gil else '--idle'} --nonblocking -f raw -o {out}"],
+        stdout=subprocess.DEVNULL, stderr=(out.parent / "pyspy.err").open("wb"))
+
+
+def answered(logs: list[Path], since: float) -> list[dict[str, object]]:
+    rows = []
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if '"request answered"' not in line:
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            ts = r.get("timestamp")
+            if isinstance(ts, str):
+                t = time.mktime(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+                if t + 1 < since:
+                    continue
+            rows.append(r)
+    return rows
+
+
+def q(v: list[int], p: float) -> int | None:
+    v = sorted(v)
+    return v[int(p * (len(v) - 1))] if v else None
+
+
+def main() -> int:
+    print(f"shapes: {', '.join(SHAPES)}; calibrated {WORK_US} us on {SLOTS} slots "
+          f"({BACKEND}), {SECONDS:g} s a rate; logs in {OUT}")
+    for name in SHAPES:
+        d = OUT / name
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            url, procs, logs = shape(name, d)
+        except Exception as e:  # one shape's failure must not hide the others
+            print(f"== {name}: did not start: {e}")
+            continue
+        try:
+            time.sleep(1.0)
+            for rate in RATES:
+                names = family([p.pid for p in procs])
+                before = {p: cpu_s(p) for p in names}
+                since = time.time()
+                spy = (profile(procs[0].pid, d / f"pyspy_{rate}.txt", gil=rate != RATES[0])
+                       if name == "up" else None)
+                pulse = subprocess.run(
+                    plane("pulse", "--nats", url, "--model", "calibrated", "--duration-us",
+                          str(WORK_US), "--rate", str(rate), "--retry", "--duration",
+                          str(SECONDS), "--json", "--no-progress"),
+                    capture_output=True, text=True, cwd=ROOT, timeout=SECONDS + 60)
+                if spy is not None:
+                    spy.wait()
+                cpu: dict[str, float] = {}
+                for p, n in names.items():
+                    cpu[n] = cpu.get(n, 0.0) + cpu_s(p) - before[p]
+                try:
+                    s = json.loads(pulse.stdout)
+                except ValueError:
+                    print(f"== {name} {rate}/s: pulse failed: {pulse.stderr[-800:]}")
+                    continue
+                rows = answered(logs, since)
+                over = [int(r["compute_us"]) - int(r["work_us"]) for r in rows  # type: ignore[call-overload]
+                        if r.get("status") == 200]
+                print(f"== {name} {rate}/s: ok/s {s.get('ok_per_s', 0):.0f}, refused first "
+                      f"{s.get('refusal_rate', 0):.3f}, first-retry "
+                      f"{s.get('first_retry_success')}, p50 {s.get('p50_ms')} ms, p99 "
+                      f"{s.get('p99_ms')} ms")
+                print(f"   slot time past the work (us, {len(over)} sampled): p50 "
+                      f"{q(over, .5)}, p90 {q(over, .9)}, p99 {q(over, .99)}")
+                print("   CPU s over the pulse: " + ", ".join(
+                    f"{n} {c:.2f}" for n, c in sorted(cpu.items(), key=lambda x: -x[1])))
+        finally:
+            stop(procs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

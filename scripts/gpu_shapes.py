@@ -16,7 +16,7 @@ Shapes:
 
     python3 scripts/gpu_shapes.py                 # on a CUDA machine (~2 minutes)
     BACKEND=torch SLOTS=4 python3 scripts/gpu_shapes.py   # on a CPU, to try it
-Environment: BACKEND (triton), SLOTS (15), WORK_US (2000), RATES (1000,3000), SECONDS (4),
+Environment: BACKEND (triton), SLOTS (15), WORK_US (2000), RATES (1000,3000), PULSE_S (4),
 SHAPES (all, comma separated), NODE_PROCS (3), SWITCH_S (0.0002), OUT (a temp dir: logs).
 It needs only the standard library and the plane's own dependencies (gpu_plane.sh installs
 those from .whl on a bare GPU box); nats-server is found on PATH.
@@ -42,7 +42,7 @@ BACKEND = ENV.get("BACKEND", "triton")
 SLOTS = int(ENV.get("SLOTS", "15"))
 WORK_US = int(ENV.get("WORK_US", "2000"))
 RATES = [int(r) for r in ENV.get("RATES", "1000,3000").split(",")]
-SECONDS = float(ENV.get("SECONDS", "4"))
+SECONDS = float(ENV.get("PULSE_S", "4"))
 NODE_PROCS = int(ENV.get("NODE_PROCS", "3"))
 SWITCH_S = float(ENV.get("SWITCH_S", "0.0002"))
 ALL = ("up", "up-switch", "up-spin", "split", "split-procs")

@@ -12,7 +12,10 @@ Shapes:
 - up-switch: the same with `sys.setswitchinterval(SWITCH_S)` (the GIL handed on sooner);
 - up-spin: the same with slot waits that spin (CUDA: events without blocking sync);
 - split: nats-server, `plane router` and `plane node` as three processes;
-- split-procs: as split, the node's slots over NODE_PROCS processes (`--processes`).
+- split-switch: as split, the node with `sys.setswitchinterval(SWITCH_S)`;
+- split-procs: as split, the node's slots over NODE_PROCS processes (`--processes`);
+- split-2r, split-4r: 2 or 4 routers (`--router-id r<i>`), the node over NODE_PROCS.
+py-spy, where installed, records `up` and `split` (pyspy_*.txt in their folders).
 
     python3 scripts/gpu_shapes.py                 # on a CUDA machine (~2 minutes)
     BACKEND=torch SLOTS=4 python3 scripts/gpu_shapes.py   # on a CPU, to try it
@@ -45,7 +48,8 @@ RATES = [int(r) for r in ENV.get("RATES", "1000,3000").split(",")]
 SECONDS = float(ENV.get("PULSE_S", "4"))
 NODE_PROCS = int(ENV.get("NODE_PROCS", "3"))
 SWITCH_S = float(ENV.get("SWITCH_S", "0.0002"))
-ALL = ("up", "up-switch", "up-spin", "split", "split-procs")
+ALL = ("up", "up-switch", "up-spin", "split", "split-switch", "split-procs", "split-2r",
+       "split-4r")
 SHAPES = [s for s in ENV.get("SHAPES", ",".join(ALL)).split(",") if s]
 OUT = Path(ENV.get("OUT") or tempfile.mkdtemp())
 TICK = os.sysconf("SC_CLK_TCK")
@@ -133,16 +137,21 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[Path]]:
-    """Start `name`: its NATS URL, its processes, the logs with the node's lines."""
+    """Start `name`: its NATS URL, its processes (the router first, then the node, where
+    they are apart), the logs with the node's lines."""
     node_args = ["--model", "calibrated", "--slots", str(SLOTS), "--backend", BACKEND,
                  "--log-level", "info"]
+    switch = f"sys.setswitchinterval({SWITCH_S}); "
     if name.startswith("up"):
-        pre = {"up": "", "up-switch": f"sys.setswitchinterval({SWITCH_S}); ",
-               "up-spin": SPIN}[name]
+        pre = {"up": "", "up-switch": switch, "up-spin": SPIN}[name]
         log = d / "up.log"
         p = start(plane("up", "--models", "calibrated", "--slots", str(SLOTS), "--backend",
                         BACKEND, "--log-level", "info", pre=pre), log)
         return wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log]
+    # split, split-switch (the node's GIL handed on sooner), split-procs (the node's slots
+    # over NODE_PROCS processes), split-<n>r (n routers, the node over NODE_PROCS processes)
+    routers = int(m.group(1)) if (m := re.fullmatch(r"split-(\d+)r", name)) else 1
+    members = NODE_PROCS if name == "split-procs" or routers > 1 else 1
     port = free_port()
     nats = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
     srv = start([nats, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(d / "js")],
@@ -150,31 +159,53 @@ def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[
     url = f"nats://127.0.0.1:{port}"
     wait_for(d / "nats.log", r"Server is ready", srv)
     node_log = d / "node.log"
-    procs = [srv]
-    extra = ["--processes", str(NODE_PROCS)] if name == "split-procs" else []
-    procs.append(start(plane("node", "--nats", url, *node_args, *extra), node_log))
-    wait_for(node_log, r"node started", procs[-1])
-    if extra:  # every member up
-        end = time.monotonic() + 120
-        while node_log.read_text().count("node started") < NODE_PROCS and time.monotonic() < end:
-            time.sleep(0.2)
-    router_log = d / "router.log"
-    procs.append(start(plane("router", "--nats", url, "--log-level", "info"), router_log))
-    wait_for(router_log, r"router started", procs[-1])
-    return url, procs, [node_log]
+    extra = ["--processes", str(members)] if members > 1 else []
+    node = start(plane("node", "--nats", url, *node_args, *extra,
+                       pre=switch if name == "split-switch" else ""), node_log)
+    end = time.monotonic() + 120
+    while node_log.read_text().count("node started") < members and time.monotonic() < end:
+        if node.poll() is not None:
+            break
+        time.sleep(0.2)
+    wait_for(node_log, r"node started", node)
+    procs = []
+    for i in range(routers):
+        router_log = d / f"router{i}.log"
+        procs.append(start(plane("router", "--nats", url, "--log-level", "info",
+                                 "--router-id", f"r{i}"), router_log))
+        wait_for(router_log, r"router started", procs[-1])
+    return url, [*procs, node, srv], [node_log]
 
 
-def profile(pid: int, out: Path, *, gil: bool) -> subprocess.Popen[bytes] | None:
-    """py-spy (where installed) records `pid`'s threads for the middle of a pulse, as
-    collapsed stacks (one line a stack and its count: grep them): all of them, idle ones too,
-    or (`gil`) only the one holding the GIL."""
+def profile(pid: int, out: Path, mode: str) -> subprocess.Popen[bytes] | None:
+    """py-spy (where installed) records `pid` for the middle of a pulse, as collapsed stacks
+    (one line a stack and its count: grep them). `mode`: "cpu" (the threads on a CPU),
+    "idle" (every thread, waiting ones too), "gil" (the thread holding the GIL)."""
     spy = shutil.which("py-spy")
     if spy is None:
         return None
+    flags = {"cpu": "", "idle": "--idle", "gil": "--gil"}[mode]
     return subprocess.Popen(
         ["sh", "-c", f"sleep 1; exec {spy} record -p {pid} -d {max(1, int(SECONDS) - 2)} -r 250 "
-                     f"--threads {'--gil' if gil else '--idle'} --nonblocking -f raw -o {out}"],
-        stdout=subprocess.DEVNULL, stderr=(out.parent / "pyspy.err").open("wb"))
+                     f"--threads {flags} --nonblocking -f raw -o {out}"],
+        stdout=subprocess.DEVNULL, stderr=(out.parent / "pyspy.err").open("ab"))
+
+
+def profiles(name: str, procs: list[subprocess.Popen[bytes]], d: Path,
+             first: bool) -> list[subprocess.Popen[bytes]]:
+    """What to record in a shape's pulse: `up`'s process (every thread at the first rate,
+    the GIL's holder at the next); `split`'s router (on CPU) and node (every thread, then
+    the GIL's holder)."""
+    if name == "up":
+        plan = [(procs[0].pid, "up", "idle" if first else "gil")]
+    elif name == "split":
+        plan = [(procs[1].pid, "node", "idle" if first else "gil")]
+        if first:
+            plan.append((procs[0].pid, "router", "cpu"))
+    else:
+        return []
+    return [p for pid, who, mode in plan
+            if (p := profile(pid, d / f"pyspy_{who}_{mode}.txt", mode)) is not None]
 
 
 def answered(logs: list[Path], since: float) -> list[dict[str, object]]:
@@ -218,14 +249,13 @@ def main() -> int:
                 names = family([p.pid for p in procs])
                 before = {p: cpu_s(p) for p in names}
                 since = time.time()
-                spy = (profile(procs[0].pid, d / f"pyspy_{rate}.txt", gil=rate != RATES[0])
-                       if name == "up" else None)
+                spies = profiles(name, procs, d, first=rate == RATES[0])
                 pulse = subprocess.run(
                     plane("pulse", "--nats", url, "--model", "calibrated", "--duration-us",
                           str(WORK_US), "--rate", str(rate), "--retry", "--duration",
                           str(SECONDS), "--json", "--no-progress"),
                     capture_output=True, text=True, cwd=ROOT, timeout=SECONDS + 60)
-                if spy is not None:
+                for spy in spies:
                     spy.wait()
                 cpu: dict[str, float] = {}
                 for p, n in names.items():
@@ -248,6 +278,7 @@ def main() -> int:
                     f"{n} {c:.2f}" for n, c in sorted(cpu.items(), key=lambda x: -x[1])))
         finally:
             stop(procs)
+            shutil.rmtree(d / "js", ignore_errors=True)
     return 0
 
 

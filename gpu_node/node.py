@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -194,7 +195,8 @@ class Node(Lifecycle, TaskOwner):
             gen := self.slots[-1].generator) is not None else {}
         log.info("node started", node=self.cfg.node_id, model=self.cfg.model,
                  backend=self.backend.name, partition=self.backend.partition,
-                 slots=len(self.slots), choice=self.backend.describe(), **decode)
+                 slots=len(self.slots), choice=self.backend.describe(), **decode,
+                 gil_switch_us=round(sys.getswitchinterval() * 1e6))  # the process's
 
     async def stop(self) -> None:
         if not self._started or self._stopping:

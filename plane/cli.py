@@ -216,11 +216,16 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               help="A slot whose calls all take at most this long runs them on the event loop, "
                    "not its thread (the hop costs ~30 us each way, and the loop is held for "
                    "the call); 0: always the thread. Default: 50 on a CPU, 0 on a GPU.")
+@click.option("--gil-switch-us", type=click.IntRange(0, 100_000), default=NodeConfig.gil_switch_us,
+              show_default=True,
+              help="This process's GIL switch interval: how soon a busy event loop hands the "
+                   "GIL to a slot's thread (0: Python's 5 ms).")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
-         freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int | None) -> None:
+         freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int | None,
+         gil_switch_us: int) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
@@ -231,7 +236,8 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     configure_logs(log_level)
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults,
-                     gpu_sample_period_s=gpu_sample_ms / 1000, inline_work_us=inline_work_us)
+                     gpu_sample_period_s=gpu_sample_ms / 1000, inline_work_us=inline_work_us,
+                     gil_switch_us=gil_switch_us)
     if node_id:
         cfg = replace(cfg, node_id=node_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,

@@ -9,10 +9,10 @@ and the CPU seconds of each process (from /proc) over the pulse.
 
 Shapes:
 - up: `plane up`, the whole plane in one process (router, node, its loop, its slot threads);
-- up-switch: the same with `sys.setswitchinterval(SWITCH_S)` (the GIL handed on sooner);
 - up-spin: the same with slot waits that spin (CUDA: events without blocking sync);
 - split: nats-server, `plane router` and `plane node` as three processes;
-- split-switch: as split, the node with `sys.setswitchinterval(SWITCH_S)`;
+- split-5ms: as split, the node with Python's own GIL switch interval (`--gil-switch-us 0`),
+  against the node's 200 us;
 - split-procs: as split, the node's slots over NODE_PROCS processes (`--processes`);
 - split-2r, split-4r: 2 or 4 routers (`--router-id r<i>`), the node over NODE_PROCS.
 py-spy, where installed, records `up` and `split` (pyspy_*.txt in their folders).
@@ -20,7 +20,7 @@ py-spy, where installed, records `up` and `split` (pyspy_*.txt in their folders)
     python3 scripts/gpu_shapes.py                 # on a CUDA machine (~2 minutes)
     BACKEND=torch SLOTS=4 python3 scripts/gpu_shapes.py   # on a CPU, to try it
 Environment: BACKEND (triton), SLOTS (15), WORK_US (2000), RATES (1000,3000), PULSE_S (4),
-SHAPES (all, comma separated), NODE_PROCS (3), SWITCH_S (0.0002), OUT (a temp dir: logs).
+SHAPES (all, comma separated), NODE_PROCS (3), OUT (a temp dir: logs).
 It needs only the standard library and the plane's own dependencies (gpu_plane.sh installs
 those from .whl on a bare GPU box); nats-server is found on PATH.
 """
@@ -47,9 +47,7 @@ WORK_US = int(ENV.get("WORK_US", "2000"))
 RATES = [int(r) for r in ENV.get("RATES", "1000,3000").split(",")]
 SECONDS = float(ENV.get("PULSE_S", "4"))
 NODE_PROCS = int(ENV.get("NODE_PROCS", "3"))
-SWITCH_S = float(ENV.get("SWITCH_S", "0.0002"))
-ALL = ("up", "up-switch", "up-spin", "split", "split-switch", "split-procs", "split-2r",
-       "split-4r")
+ALL = ("up", "up-spin", "split", "split-5ms", "split-procs", "split-2r", "split-4r")
 SHAPES = [s for s in ENV.get("SHAPES", ",".join(ALL)).split(",") if s]
 OUT = Path(ENV.get("OUT") or tempfile.mkdtemp())
 TICK = os.sysconf("SC_CLK_TCK")
@@ -141,14 +139,13 @@ def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[
     they are apart), the logs with the node's lines."""
     node_args = ["--model", "calibrated", "--slots", str(SLOTS), "--backend", BACKEND,
                  "--log-level", "info"]
-    switch = f"sys.setswitchinterval({SWITCH_S}); "
     if name.startswith("up"):
-        pre = {"up": "", "up-switch": switch, "up-spin": SPIN}[name]
+        pre = {"up": "", "up-spin": SPIN}[name]
         log = d / "up.log"
         p = start(plane("up", "--models", "calibrated", "--slots", str(SLOTS), "--backend",
                         BACKEND, "--log-level", "info", pre=pre), log)
         return wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log]
-    # split, split-switch (the node's GIL handed on sooner), split-procs (the node's slots
+    # split, split-5ms (the node's GIL switch interval Python's own), split-procs (the node's slots
     # over NODE_PROCS processes), split-<n>r (n routers, the node over NODE_PROCS processes)
     routers = int(m.group(1)) if (m := re.fullmatch(r"split-(\d+)r", name)) else 1
     members = NODE_PROCS if name == "split-procs" or routers > 1 else 1
@@ -160,8 +157,9 @@ def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[
     wait_for(d / "nats.log", r"Server is ready", srv)
     node_log = d / "node.log"
     extra = ["--processes", str(members)] if members > 1 else []
-    node = start(plane("node", "--nats", url, *node_args, *extra,
-                       pre=switch if name == "split-switch" else ""), node_log)
+    if name == "split-5ms":
+        extra.extend(["--gil-switch-us", "0"])
+    node = start(plane("node", "--nats", url, *node_args, *extra), node_log)
     end = time.monotonic() + 120
     while node_log.read_text().count("node started") < members and time.monotonic() < end:
         if node.poll() is not None:

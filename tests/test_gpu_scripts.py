@@ -25,6 +25,8 @@ def test_gpu_plane_script_runs_the_plane_pulses_and_floor_on_the_cpu(tmp_path: P
     assert proc.returncode == 0, (out + proc.stderr)[-3000:]
     assert re.search(r"plane up ready in [\d.]+ s at nats://127\.0\.0\.1:\d+", out), out
     assert out.count('"event": "node started"') == 3, out  # calibrated, risk, tinylm
+    # `plane up` hands the GIL on sooner than Python's 5 ms (NodeConfig.gil_switch_us)
+    assert out.count('"gil_switch_us": 200') == 3, out
     pulses = re.findall(r"^== (.+)\n  rate=.*sent=(\d+), answered=(\d+)", out, re.M)
     assert [name for name, _, _ in pulses] == [
         "calibrated 2 ms, 1000/s", "calibrated 2 ms, 3000/s", "calibrated 200 us, 3000/s",
@@ -39,3 +41,22 @@ def test_gpu_plane_script_runs_the_plane_pulses_and_floor_on_the_cpu(tmp_path: P
     assert re.search(r"\| plane, calibrated 0 us \| [\d.]+ \| [\d.]+ \| [\d.]+x", out), out
     assert "backend: torch" in out and "healthy" in out, out
     assert (tmp_path / "plane_up.log").stat().st_size > 0
+
+
+def test_gpu_shapes_script_runs_its_shapes_on_the_cpu(tmp_path: Path) -> None:
+    """scripts/gpu_shapes.py, two of its shapes, briefly: each pulse is answered, the slot's
+    time past the work is read from the node's lines, and each process's CPU is counted."""
+    env = {**os.environ, "BACKEND": "torch", "SLOTS": "2", "RATES": "200", "PULSE_S": "2",
+           "SHAPES": "up,split-5ms", "OUT": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_shapes.py")],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
+    out = proc.stdout
+    assert proc.returncode == 0, (out + proc.stderr)[-3000:]
+    pulses = re.findall(r"^== (\S+) 200/s: ok/s (\d+),", out, re.M)
+    assert [name for name, _ in pulses] == ["up", "split-5ms"], out
+    assert all(int(ok) > 100 for _, ok in pulses), out
+    past = re.findall(r"slot time past the work \(us, (\d+) sampled\): p50 (\d+)", out)
+    assert len(past) == 2 and all(int(n) > 0 for n, _ in past), out
+    assert re.search(r"CPU s over the pulse: .*router [\d.]+", out), out  # split's router
+    assert '"gil_switch_us": 5000' in (tmp_path / "split-5ms" / "node.log").read_text()

@@ -54,6 +54,11 @@ class SlotRunner(Protocol):
         generation runs all its steps inside it."""
         ...
 
+    def bind_thread(self) -> None:
+        """Run once on the slot's own thread before its first call: a CUDA slot makes its
+        stream that thread's current one, so that its calls need not switch to it."""
+        ...
+
 
 class Backend(Protocol):
     name: str  # "torch" | "triton" | "interpret"
@@ -96,6 +101,9 @@ class TorchSlot:
 
     def lane_context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
+
+    def bind_thread(self) -> None:
+        pass
 
 
 class TorchBackend:

@@ -87,3 +87,6 @@ class WatchedRunner:
 
     def probe(self, expected_s: float = 0.005) -> bool:
         return self._call(self._inner.probe, expected_s)
+
+    def bind_thread(self) -> None:
+        self._inner.bind_thread()

@@ -84,6 +84,9 @@ class KernelSlot:
     def lane_context(self) -> contextlib.AbstractContextManager[Any]:
         return self._lane.stream_context()
 
+    def bind_thread(self) -> None:
+        self._lane.bind_thread()
+
     def run_risk(self, features: Sequence[float]) -> float:
         self._packer.pack(features)
         with self._lane.stream_context():

@@ -137,7 +137,8 @@ class Slot(Generating):
         # Label children only where streams run: no zero series for other models.
         self.stream_meters = StreamMeters(metrics, spec.name) if generator is not None else None
         self.thread = SlotThread(f"slot-{self.model}-{k}",
-                                 idle=generator.keep_warm if generator is not None else None)
+                                 idle=generator.keep_warm if generator is not None else None,
+                                 on_start=runner.bind_thread)
         self.window = ServiceWindow(prior_us=200)  # request overhead beyond requested work
         self.probe_window = ServiceWindow(size=16, prior_us=200)
         self.healthy = True

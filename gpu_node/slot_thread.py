@@ -11,6 +11,10 @@ future with one `call_soon_threadsafe`), and about as much again in latency
 The thread is a daemon: a call stuck in a driver (a hung kernel, which the health supervisor
 answers for) must not keep the process from exiting.
 
+Before its first call the thread runs the slot's `on_start` hook once (a CUDA slot makes its
+stream the thread's current one: `gpu_node.partitions.CudaLane.bind_thread`). A hook that
+fails is logged; the calls run all the same (a CUDA slot then switches streams per call).
+
 While it has no call to run, the thread may run an `idle` hook of the slot's (a generating
 slot keeps its model warm: `gpu_node.generation.SlotGenerator.keep_warm`): the hook says how
 long to wait for a call before it runs again, or None to wait for one with no timeout.
@@ -25,7 +29,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import structlog
+
 T = TypeVar("T")
+log = structlog.get_logger("gpu_node.slot_thread")
 
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 # Run on the thread while it has no call: how long to wait for one before running it again
@@ -34,9 +41,11 @@ Idle = Callable[[], float | None]
 
 
 class SlotThread:
-    def __init__(self, name: str, idle: Idle | None = None) -> None:
+    def __init__(self, name: str, idle: Idle | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
         self._name = name
         self._idle = idle
+        self._on_start = on_start
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -84,6 +93,12 @@ class SlotThread:
         return jobs.get()
 
     def _work(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception as exc:  # slower calls, not failed ones: say so and go on
+                log.warning("slot thread start hook failed", thread=self._name,
+                            error=f"{type(exc).__name__}: {exc}")
         while (job := self._next()) is not None:
             loop, fut, fn, args = job
             if fut.cancelled():  # a read of a flag: safe from this thread

@@ -35,6 +35,9 @@ class Where:
     def lane_context(self) -> contextlib.AbstractContextManager[Any]:
         return self._inner.lane_context()
 
+    def bind_thread(self) -> None:
+        self._inner.bind_thread()
+
 
 async def test_short_calls_run_on_the_loop_and_long_or_faulty_ones_on_the_thread() -> None:
     # A limit far above a 0 us call, so that a busy host (a call's thread preempted between

@@ -1,6 +1,7 @@
 """A slot's own thread (gpu_node/slot_thread.py): calls run off the loop, one at a time and in
 order; results and exceptions come back; a call cancelled before it starts never runs; a
-shut-down thread cancels what has not started and takes no more."""
+shut-down thread cancels what has not started and takes no more; the start hook runs once, on
+the thread, before the first call, and one that fails leaves the calls running."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import threading
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpu_node.slot_thread import SlotThread
 
@@ -72,3 +74,34 @@ async def test_shutdown_cancels_what_has_not_started_and_refuses_more() -> None:
             break
         await asyncio.sleep(0.01)
     assert not any(th.name == "slot-test-3" for th in threading.enumerate())
+
+
+async def test_the_start_hook_runs_once_on_the_thread_before_the_first_call() -> None:
+    order: list[tuple[str, str]] = []
+    t = SlotThread("slot-test-4", on_start=lambda: order.append(
+        ("start", threading.current_thread().name)))
+
+    def call(i: int) -> int:
+        order.append((f"call {i}", threading.current_thread().name))
+        return i
+
+    assert order == []  # the thread starts with the first call, not before
+    assert await asyncio.gather(*(t.run(call, i) for i in range(3))) == [0, 1, 2]
+    assert order == [("start", "slot-test-4"), ("call 0", "slot-test-4"),
+                     ("call 1", "slot-test-4"), ("call 2", "slot-test-4")]
+    t.shutdown()
+
+
+async def test_a_failing_start_hook_is_logged_and_the_calls_still_run() -> None:
+    def broken() -> None:
+        raise RuntimeError("no such stream")
+
+    t = SlotThread("slot-test-5", on_start=broken)
+    with capture_logs() as logs:
+        assert await t.run(lambda: 11) == 11
+        assert await t.run(lambda: 12) == 12
+    failed = [e for e in logs if e["event"] == "slot thread start hook failed"]
+    assert len(failed) == 1
+    assert failed[0]["thread"] == "slot-test-5"
+    assert failed[0]["error"] == "RuntimeError: no such stream"
+    t.shutdown()

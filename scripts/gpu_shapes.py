@@ -14,6 +14,7 @@ Shapes:
 - split-5ms: as split, the node with Python's own GIL switch interval (`--gil-switch-us 0`),
   against the node's 200 us;
 - split-procs: as split, the node's slots over NODE_PROCS processes (`--processes`);
+- split-procs-mps: the same under an NVIDIA MPS daemon of its own (nvidia-cuda-mps-control);
 - split-2r, split-4r: 2 or 4 routers (`--router-id r<i>`), the node over NODE_PROCS.
 py-spy, where installed, records `up` and `split` (pyspy_*.txt in their folders).
 
@@ -47,7 +48,9 @@ WORK_US = int(ENV.get("WORK_US", "2000"))
 RATES = [int(r) for r in ENV.get("RATES", "1000,3000").split(",")]
 SECONDS = float(ENV.get("PULSE_S", "4"))
 NODE_PROCS = int(ENV.get("NODE_PROCS", "3"))
-ALL = ("up", "up-spin", "split", "split-5ms", "split-procs", "split-2r", "split-4r")
+ALL = ("up", "up-spin", "split", "split-5ms", "split-procs", "split-procs-mps", "split-2r",
+       "split-4r")
+MPS_CONTROL = "nvidia-cuda-mps-control"
 SHAPES = [s for s in ENV.get("SHAPES", ",".join(ALL)).split(",") if s]
 OUT = Path(ENV.get("OUT") or tempfile.mkdtemp())
 TICK = os.sysconf("SC_CLK_TCK")
@@ -104,9 +107,34 @@ def family(pids: list[int]) -> dict[int, str]:
     return names
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(args: list[str], log: Path,
+          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
+
+
+def mps_start(d: Path) -> dict[str, str]:
+    """An NVIDIA MPS control daemon of the shape's own (pipe and log folders under `d`): the
+    environment of its clients. Without MPS, CUDA contexts of several processes take turns
+    on the device; with it their kernels run side by side."""
+    exe = shutil.which(MPS_CONTROL)
+    if exe is None:
+        raise RuntimeError(f"no {MPS_CONTROL} on PATH")
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(d / "mps-pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": str(d / "mps-log")}
+    for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        Path(env[key]).mkdir(parents=True, exist_ok=True)
+    subprocess.run([exe, "-d"], env=env, check=True, timeout=30)
+    return env
+
+
+def mps_stop(d: Path) -> None:
+    """Stop the daemon `mps_start(d)` started, if it did."""
+    exe = shutil.which(MPS_CONTROL)
+    if exe is not None and (d / "mps-pipe" / "control").exists():
+        subprocess.run([exe], input=b"quit\n", timeout=30, env={
+            **os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(d / "mps-pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(d / "mps-log")})
 
 
 def wait_for(log: Path, pattern: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> str:
@@ -148,7 +176,8 @@ def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[
     # split, split-5ms (the node's GIL switch interval Python's own), split-procs (the node's slots
     # over NODE_PROCS processes), split-<n>r (n routers, the node over NODE_PROCS processes)
     routers = int(m.group(1)) if (m := re.fullmatch(r"split-(\d+)r", name)) else 1
-    members = NODE_PROCS if name == "split-procs" or routers > 1 else 1
+    members = NODE_PROCS if name.startswith("split-procs") or routers > 1 else 1
+    node_env = mps_start(d) if name == "split-procs-mps" else None
     port = free_port()
     nats = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
     srv = start([nats, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(d / "js")],
@@ -159,7 +188,7 @@ def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[
     extra = ["--processes", str(members)] if members > 1 else []
     if name == "split-5ms":
         extra.extend(["--gil-switch-us", "0"])
-    node = start(plane("node", "--nats", url, *node_args, *extra), node_log)
+    node = start(plane("node", "--nats", url, *node_args, *extra), node_log, node_env)
     end = time.monotonic() + 120
     while node_log.read_text().count("node started") < members and time.monotonic() < end:
         if node.poll() is not None:
@@ -240,6 +269,7 @@ def main() -> int:
             url, procs, logs = shape(name, d)
         except Exception as e:  # one shape's failure must not hide the others
             print(f"== {name}: did not start: {e}")
+            mps_stop(d)
             continue
         try:
             time.sleep(1.0)
@@ -276,6 +306,7 @@ def main() -> int:
                     f"{n} {c:.2f}" for n, c in sorted(cpu.items(), key=lambda x: -x[1])))
         finally:
             stop(procs)
+            mps_stop(d)
             shutil.rmtree(d / "js", ignore_errors=True)
     return 0
 

@@ -15,7 +15,9 @@ Shapes:
   against the node's 200 us;
 - split-procs: as split, the node's slots over NODE_PROCS processes (`--processes`);
 - split-procs-mps: the same under an NVIDIA MPS daemon of its own (nvidia-cuda-mps-control);
-- split-2r, split-4r: 2 or 4 routers (`--router-id r<i>`), the node over NODE_PROCS.
+- split-2r, split-4r: 2 or 4 routers (`--router-id r<i>`), one node process (several,
+  without MPS, take turns on the GPU: the first GPU runs of these shapes had the node over 3
+  processes and measured that, not the routers).
 py-spy, where installed, records `up` and `split` (pyspy_*.txt in their folders).
 
     python3 scripts/gpu_shapes.py                 # on a CUDA machine (~2 minutes)
@@ -174,9 +176,9 @@ def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[
                         BACKEND, "--log-level", "info", pre=pre), log)
         return wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log]
     # split, split-5ms (the node's GIL switch interval Python's own), split-procs (the node's slots
-    # over NODE_PROCS processes), split-<n>r (n routers, the node over NODE_PROCS processes)
+    # over NODE_PROCS processes, -mps: under MPS), split-<n>r (n routers)
     routers = int(m.group(1)) if (m := re.fullmatch(r"split-(\d+)r", name)) else 1
-    members = NODE_PROCS if name.startswith("split-procs") or routers > 1 else 1
+    members = NODE_PROCS if name.startswith("split-procs") else 1
     node_env = mps_start(d) if name == "split-procs-mps" else None
     port = free_port()
     nats = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")

@@ -22,7 +22,14 @@ from plane.router.admission import (
     Refuse,
 )
 from plane.router.occupancy import ModelSlots
-from plane.router.promises import ON_TIME_SLACK_S, Promise, next_start, simulate, would_delay
+from plane.router.promises import (
+    ON_TIME_SLACK_S,
+    Promise,
+    PromiseBook,
+    next_start,
+    simulate,
+    would_delay,
+)
 
 NAMES = Names()
 MS10 = Prediction(p50_us=10_000, p99_us=11_000)
@@ -678,3 +685,26 @@ def test_the_fast_schedule_agrees_with_the_plain_one() -> None:
         assert fast == _plain_would_delay(free, promises, now, hold), (free, promises, hold)
         answers[fast] += 1
     assert min(answers.values()) > 5_000  # both answers well covered
+
+
+def test_the_promise_book_expires_each_promise_once_its_time_has_passed() -> None:
+    """`expire` skips the book until its earliest expiry (it runs on every decision); an
+    expiry moved earlier through `expires_at`, or added later, is still seen in time."""
+    book = PromiseBook()
+
+    def promise(ticket: str, due_s: float, expires_s: float) -> Promise:
+        return Promise(ticket=ticket, due_s=due_s, expires_s=expires_s, service_s=0.001)
+
+    a, b, c = promise("a", 0.010, 0.060), promise("b", 0.020, 0.070), promise("c", 0.030, 0.080)
+    for p in (a, b, c):
+        book.add(p)
+    assert book.expire(0.050) == [] and len(book) == 3
+    book.expires_at(c, 0.055)  # moved earlier than every other
+    assert book.expire(0.056) == [c]
+    assert [p.ticket for p in book] == ["a", "b"]
+    late = promise("d", 0.005, 0.058)  # added with the earliest expiry now
+    book.add(late)
+    assert book.expire(0.059) == [late]
+    assert book.expire(0.065) == [a]
+    assert book.expire(0.075) == [b] and len(book) == 0
+    assert book.expire(1.0) == []

@@ -663,7 +663,7 @@ class Admission:
         promise.parked = True
         ms.promises.add(promise)
         until_s = self._park_until(ms, ask, promise)
-        promise.expires_s = until_s + PARK_MARGIN_S
+        ms.promises.expires_at(promise, until_s + PARK_MARGIN_S)
         self.notes.append(PromiseChange(ms.model, promise, made=True))
         self.tickets[promise.ticket] = promise
         self.stats["newcomer-parked"] += 1

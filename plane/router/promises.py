@@ -140,11 +140,15 @@ def would_delay(free_s: Sequence[float], protected: Sequence[Promise], now_s: fl
 class PromiseBook:
     """One model's pinned promises, in due order."""
 
-    __slots__ = ("_dues", "_items")
+    __slots__ = ("_dues", "_expires_floor_s", "_items")
 
     def __init__(self) -> None:
         self._items: list[Promise] = []
         self._dues: list[float] = []
+        # No promise expires before this: `expire` looks at none until then (it runs on every
+        # decision, and a model's book holds up to PROMISE_MAX_LINKS promises a slot under
+        # overload). An expiry moved earlier goes through `expires_at`; later, a floor stays one.
+        self._expires_floor_s = float("inf")
 
     def __len__(self) -> int:
         return len(self._items)
@@ -156,6 +160,8 @@ class PromiseBook:
         i = bisect.bisect_right(self._dues, p.due_s)
         self._items.insert(i, p)
         self._dues.insert(i, p.due_s)
+        if p.expires_s < self._expires_floor_s:
+            self._expires_floor_s = p.expires_s
 
     def remove(self, p: Promise) -> bool:
         for i, q in enumerate(self._items):
@@ -165,6 +171,12 @@ class PromiseBook:
                 return True
         return False
 
+    def expires_at(self, p: Promise, expires_s: float) -> None:
+        """`p` (in this book) now expires at `expires_s`: the only way to move it earlier."""
+        p.expires_s = expires_s
+        if expires_s < self._expires_floor_s:
+            self._expires_floor_s = expires_s
+
     def bring_forward(self, p: Promise, due_s: float) -> None:
         """`p` is due earlier now (its holder was called early): moved to its new place."""
         if self.remove(p):
@@ -173,9 +185,12 @@ class PromiseBook:
 
     def expire(self, now_s: float) -> list[Promise]:
         """Drop and return the promises whose holders did not come in time."""
+        if now_s <= self._expires_floor_s:
+            return []
         gone = [p for p in self._items if p.expires_s < now_s]
+        keep = [p for p in self._items if p.expires_s >= now_s] if gone else self._items
         if gone:
-            keep = [p for p in self._items if p.expires_s >= now_s]
             self._items = keep
             self._dues = [p.due_s for p in keep]
+        self._expires_floor_s = min((p.expires_s for p in keep), default=float("inf"))
         return gone

@@ -85,6 +85,7 @@ python3 benchmarks/plane_vs_floor.py --requests 2000 --slots 4 --backend "$BACKE
   grep -E '^(\| |machine|requests)' | sed 's/^/  /'
 echo "== plane status"
 plane status --nats "$url" | sed 's/^/  /'
-echo "== the log's errors and warnings (none: nothing below)"
+echo "== the log's errors and warnings: $(grep -ciE 'error|traceback|warning' "$log") lines" \
+  "(the 20 most frequent below)"
 { grep -iE 'error|traceback|warning' "$log" || true; } | sort | uniq -c | sort -rn | head -20 |
   sed 's/^/  /'

@@ -116,8 +116,10 @@ class NodeConfig:
     # Python's 5 ms. A slot's thread takes the GIL twice a request (to launch, and to hand
     # the answer back); while the event loop is busy it waits until the loop gives the GIL
     # up, which Python asks of a busy thread only once a switch interval. On an H200 host
-    # (16 cores, 15 slots, calibrated 2 ms at 3,000/s; scripts/gpu_shapes.py) 200 us against
-    # 5 ms: 2,927 against 2,433 answers/s, first-retry success 99.1% against 95.4%.
+    # (16 cores, 15 slots of calibrated 2 ms; scripts/gpu_shapes.py, two runs), 200 us
+    # against 5 ms: at 3,000/s offered 2,927 against 2,433 and 1,339 against 1,316
+    # answers/s, at 6,000/s 2,330 against 2,199 and 994 against 287; the slot's time past
+    # the work at 1,000/s, p99, 3.5 and 3.6 ms against 3.8 and 4.6 (BENCHMARKS.md, "GPU").
     gil_switch_us: int = 200
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0

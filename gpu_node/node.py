@@ -127,8 +127,12 @@ class Node(Lifecycle, TaskOwner):
         """The backend's count, except for a generation on a CPU: its steps keep a core busy
         the whole stream, so one slot per core the node's loop, the broker and the router do
         not need. Measured with tinylm on a 2-core box (`plane pulse --stream --capacity-x 2`):
-        2 slots 34 streams/s at 0.76 ms a token, 1 slot 49 streams/s at 0.28 ms."""
+        2 slots 34 streams/s at 0.76 ms a token, 1 slot 49 streams/s at 0.28 ms. On a
+        partitioned device that this process's other nodes share, its share of the
+        partitions (`NodeConfig.device_share`)."""
         slots = self.backend.default_slots()
+        if self.backend.partition != NONE:
+            slots = max(1, slots // self.cfg.device_share)
         if self.generation is not None and self.generation.lm.device.type == "cpu":
             slots = max(1, min(slots, (os.cpu_count() or 2) - 1))
         return slots

@@ -152,7 +152,9 @@ def serving_options(f: F) -> F:
 @serving_options
 @click.option("--models", default="risk,calibrated,tinylm", show_default=True,
               help="Comma-separated models to serve (one node each).")
-@click.option("--slots", type=int, default=None, help="Slots per node (default: backend's).")
+@click.option("--slots", type=int, default=None,
+              help="Slots per node (default: the backend's; on a GPU, its SM partitions shared "
+                   "among the models, one request on each).")
 @click.option("--backend", default="auto", show_default=True,
               type=click.Choice(BACKENDS))
 @click.option("--demo", is_flag=True, help="Make example calls (answers and refusals), then stop.")

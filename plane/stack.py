@@ -84,7 +84,9 @@ class PlaneStack(Lifecycle):
                     node_cfg = NodeConfig(
                         names=cfg.names, node_id=f"node{i}-{model}", model=model,
                         slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
-                        first_partition=first_partition, **cfg.node_overrides,
+                        first_partition=first_partition,
+                        device_share=len(cfg.models) * cfg.nodes_per_model,
+                        **cfg.node_overrides,
                     )
                     nc = await self._connect(f"plane-node-{node_cfg.node_id}", "node")
                     enrich = self.enrich if model == "risk" else None

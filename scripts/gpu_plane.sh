@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BACKEND=${BACKEND:-triton}
 SECONDS_EACH=${SECONDS_EACH:-8}
-STREAM_CALLERS=${STREAM_CALLERS:-16}  # closed-loop callers for the stream capacity: one a slot
+STREAM_CALLERS=${STREAM_CALLERS:-16}  # closed-loop callers for the stream capacity: at least one a slot
 OUT=${OUT:-$(mktemp -d)}
 
 if ! python3 -c "import nats, msgspec, structlog, hdrh" 2>/dev/null; then

@@ -93,6 +93,11 @@ class NodeConfig:
     # (`plane node --processes`) take the device's partitions one after the other, not each
     # the first ones.
     first_partition: int = 0
+    # How many nodes of this process share one device's partitions (`plane up`: one per
+    # model). With no `slots`, a node on a backend that partitions the device (CUDA) takes
+    # its default over this many, at least one: three models' 15 slots each on 15 SM groups
+    # put three slots on every group, each partition running up to three requests at once.
+    device_share: int = 1
     seed: int = 0
     advert_period_s: float = 1.0
     advert_ttl_s: float = 5.0
@@ -136,6 +141,8 @@ class NodeConfig:
         _token("node", self.node_id)
         if self.inline_work_us is not None and not 0 <= self.inline_work_us <= 10_000:
             raise ConfigError("inline_work_us must be between 0 and 10,000 (us)")
+        if self.device_share < 1:
+            raise ConfigError("device_share must be at least 1")
         if not 0 <= self.gil_switch_us <= 100_000:
             raise ConfigError("gil_switch_us must be between 0 and 100,000 (us)")
         if self.slots is not None and not 1 <= self.slots <= MAX_SLOTS:

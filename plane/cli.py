@@ -218,16 +218,16 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               help="A slot whose calls all take at most this long runs them on the event loop, "
                    "not its thread (the hop costs ~30 us each way, and the loop is held for "
                    "the call); 0: always the thread. Default: 50 on a CPU, 0 on a GPU.")
-@click.option("--gil-switch-us", type=click.IntRange(0, 100_000), default=NodeConfig.gil_switch_us,
-              show_default=True,
+@click.option("--gil-switch-us", type=click.IntRange(0, 100_000), default=None,
               help="This process's GIL switch interval: how soon a busy event loop hands the "
-                   "GIL to a slot's thread (0: Python's 5 ms).")
+                   "GIL to a slot's thread (0: Python's 5 ms). Default: 200 on a GPU, "
+                   "Python's on a CPU.")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
          freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int | None,
-         gil_switch_us: int) -> None:
+         gil_switch_us: int | None) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b

@@ -59,7 +59,6 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
     `--nats` URL it runs nats-server itself, on `port` (None: any free port), with
     `auth_dir`'s config when given (`plane auth init`): then each part connects with its
     role, the rest (demo calls) as admin."""
-    hand_gil_sooner(cfg.node_overrides.get("gil_switch_us", NodeConfig.gil_switch_us))
     auth = AuthDir(auth_dir) if auth_dir is not None else None
     async with contextlib.AsyncExitStack() as started:
         if cfg.connect.url is None:
@@ -151,15 +150,7 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
     return 0
 
 
-def hand_gil_sooner(switch_us: int) -> None:
-    """This process's GIL switch interval (`NodeConfig.gil_switch_us`; 0: Python's own). A
-    setting of the whole process: only the commands that own one call it."""
-    if switch_us > 0:
-        sys.setswitchinterval(switch_us / 1e6)
-
-
 async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) -> int:
-    hand_gil_sooner(cfg.gil_switch_us)
     metrics = PlaneMetrics()
     nc = await connect(spec.connect)
     try:

@@ -4,33 +4,15 @@ SM partition runs at most one request; on a CPU backend the count is unchanged."
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from gpu_node.compute import make_backend
 from gpu_node.node import Node
-from gpu_node.partitions import GREEN_CONTEXT
 from plane.contract.config import ConnectOptions, NodeConfig
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConfigError
 from plane.contract.natsconn import close, connect
+from tests.partitioned import PartitionedBackend
 from tests.plane_fixtures import plane
-
-
-class PartitionedBackend:
-    """The torch backend, claiming what a GPU's would: 15 SM partitions."""
-
-    partition = GREEN_CONTEXT
-
-    def __init__(self) -> None:
-        self._inner = make_backend("torch", seed=0)
-
-    def default_slots(self) -> int:
-        return 15
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @pytest.mark.parametrize(("share", "slots"), [(1, 15), (3, 5), (2, 7), (20, 1)])

@@ -25,8 +25,8 @@ def test_gpu_plane_script_runs_the_plane_pulses_and_floor_on_the_cpu(tmp_path: P
     assert proc.returncode == 0, (out + proc.stderr)[-3000:]
     assert re.search(r"plane up ready in [\d.]+ s at nats://127\.0\.0\.1:\d+", out), out
     assert out.count('"event": "node started"') == 3, out  # calibrated, risk, tinylm
-    # `plane up` hands the GIL on sooner than Python's 5 ms (NodeConfig.gil_switch_us)
-    assert out.count('"gil_switch_us": 200') == 3, out
+    # on a CPU `plane up` leaves Python's GIL switch interval (NodeConfig.gil_switch_us)
+    assert out.count('"gil_switch_us": 5000') == 3, out
     pulses = re.findall(r"^== (.+)\n  rate=.*sent=(\d+), answered=(\d+)", out, re.M)
     assert [name for name, _, _ in pulses] == [
         "calibrated 2 ms, 1000/s", "calibrated 2 ms, 3000/s", "calibrated 200 us, 3000/s",

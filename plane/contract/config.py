@@ -14,6 +14,7 @@ DEFAULT_DEADLINE_MS = {"risk": 50, "calibrated": 1000}
 # that the CLI lists them without importing torch).
 BACKENDS = ("auto", "torch", "interpret", "triton")
 FALLBACK_DEADLINE_MS = 1000
+GPU_GIL_SWITCH_US = 200  # NodeConfig.gil_switch_us on a partitioned device (a GPU)
 MAX_DEADLINE_MS = 600_000
 MAX_BODY_BYTES = 64 * 1024
 MAX_SLOTS = 1024  # per node: the slot streams' shards list each slot number (provision)
@@ -116,16 +117,19 @@ class NodeConfig:
     # CPU and 0 on a GPU, where a kernel that hangs must stay one slot's fault (on its
     # thread, the health supervisor withdraws that slot; on the loop it would stop the node).
     inline_work_us: int | None = None
-    # The GIL's switch interval (`sys.setswitchinterval`) of a process that runs nodes, set by
-    # the command that owns the process (`plane node`, its members, `plane up`); 0 leaves
-    # Python's 5 ms. A slot's thread takes the GIL twice a request (to launch, and to hand
-    # the answer back); while the event loop is busy it waits until the loop gives the GIL
-    # up, which Python asks of a busy thread only once a switch interval. On an H200 host
-    # (16 cores, 15 slots of calibrated 2 ms; scripts/gpu_shapes.py, two runs), 200 us
-    # against 5 ms: at 3,000/s offered 2,927 against 2,433 and 1,339 against 1,316
-    # answers/s, at 6,000/s 2,330 against 2,199 and 994 against 287; the slot's time past
-    # the work at 1,000/s, p99, 3.8 and 3.6 ms against 5.0 and 4.6 (BENCHMARKS.md, "GPU").
-    gil_switch_us: int = 200
+    # The GIL's switch interval (`sys.setswitchinterval`) of the process the node runs in,
+    # set as it starts; 0 leaves Python's 5 ms; None: per backend, GPU_GIL_SWITCH_US on a
+    # partitioned device (a GPU), 0 on a CPU. A slot's thread takes the GIL twice a request
+    # (to launch, and to hand the answer back); while the event loop is busy it waits until
+    # the loop gives the GIL up, which Python asks of a busy thread only once an interval.
+    # On an H200 host (16 cores, 15 slots of calibrated 2 ms; scripts/gpu_shapes.py, two
+    # runs), 200 us against 5 ms: at 3,000/s offered 2,927 against 2,433 and 1,339 against
+    # 1,316 answers/s, at 6,000/s 2,330 against 2,199 and 994 against 287; the slot's time
+    # past the work at 1,000/s, p99, 3.8 and 3.6 ms against 5.0 and 4.6. On the 2-core CPU
+    # host, where the slot threads, the loop, the broker and the load share two cores, it
+    # helped 2 slots of 5 ms at 2x and cost 3 slots of 1.5 ms (CPU-bound) a tenth of their
+    # answers (BENCHMARKS.md, "GPU" and "Twenty-fourth session").
+    gil_switch_us: int | None = None
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0
     # Accept fault-injection commands on `<prefix>.fault.<node>` (tests and drills only).
@@ -143,7 +147,7 @@ class NodeConfig:
             raise ConfigError("inline_work_us must be between 0 and 10,000 (us)")
         if self.device_share < 1:
             raise ConfigError("device_share must be at least 1")
-        if not 0 <= self.gil_switch_us <= 100_000:
+        if self.gil_switch_us is not None and not 0 <= self.gil_switch_us <= 100_000:
             raise ConfigError("gil_switch_us must be between 0 and 100,000 (us)")
         if self.slots is not None and not 1 <= self.slots <= MAX_SLOTS:
             raise ConfigError(f"--slots must be between 1 and {MAX_SLOTS}")

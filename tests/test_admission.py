@@ -111,6 +111,27 @@ def test_no_promise_beyond_the_deadline() -> None:
     assert not adm.tickets
 
 
+@pytest.mark.parametrize(("came_s", "kept"), [(0.040, True), (0.090, False)])
+def test_a_holder_is_judged_by_when_it_came_not_when_the_router_got_to_it(
+        came_s: float, kept: bool) -> None:
+    """A router behind its inbox decides a request long after it came: a holder that came
+    while its promise held is still its holder (ahead of newcomers), one that came after it
+    lapsed goes as a newcomer."""
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    first = adm.decide(ms, ask(0.0))
+    assert isinstance(first, Refuse) and first.ticket
+    expires_s = adm.tickets[first.ticket].expires_s
+    assert came_s < expires_s < 0.090 if kept else expires_s < came_s
+    ms.slots["n/0"].busy = False
+    late = replace(ask(0.120, ticket=first.ticket), came_s=came_s)  # decided 30-80 ms after
+    d = adm.decide(ms, late)
+    assert isinstance(d, Place)
+    assert (d.redeemed is not None) is kept
+    assert adm.stats["ticket-valid" if kept else "ticket-late"] == 1
+    assert first.ticket not in adm.tickets or kept
+
+
 def test_unredeemed_promise_expires() -> None:
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.010)
@@ -704,6 +725,7 @@ def test_the_promise_book_expires_each_promise_once_its_time_has_passed() -> Non
     assert [p.ticket for p in book] == ["a", "b"]
     late = promise("d", 0.005, 0.058)  # added with the earliest expiry now
     book.add(late)
+    assert book.expire(0.059, spare=late) == []  # its holder came in time: kept
     assert book.expire(0.059) == [late]
     assert book.expire(0.065) == [a]
     assert book.expire(0.075) == [b] and len(book) == 0

@@ -183,14 +183,14 @@ class PromiseBook:
             p.due_s = due_s
             self.add(p)
 
-    def expire(self, now_s: float) -> list[Promise]:
-        """Drop and return the promises whose holders did not come in time."""
+    def expire(self, now_s: float, spare: Promise | None = None) -> list[Promise]:
+        """Drop and return the promises whose holders did not come in time (`spare`'s did:
+        it is kept, whatever its time)."""
         if now_s <= self._expires_floor_s:
             return []
-        gone = [p for p in self._items if p.expires_s < now_s]
-        keep = [p for p in self._items if p.expires_s >= now_s] if gone else self._items
+        gone = [p for p in self._items if p.expires_s < now_s and p is not spare]
         if gone:
-            self._items = keep
-            self._dues = [p.due_s for p in keep]
-        self._expires_floor_s = min((p.expires_s for p in keep), default=float("inf"))
+            self._items = [p for p in self._items if p.expires_s >= now_s or p is spare]
+            self._dues = [p.due_s for p in self._items]
+        self._expires_floor_s = min((p.expires_s for p in self._items), default=float("inf"))
         return gone

@@ -377,7 +377,8 @@ class RequestPath:
                     # A caller across a service import (the server's Nats-Request-Info):
                     # its inbox is in its own account, out of the router's reach; told the
                     # usual Retry-After, not one that counts on a call.
-                    wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake),
+                    wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake,
+                    came_s=received),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if not caller.ticket and not forwarded and (refusal := self._tenant_refusal(r, now)):

@@ -26,11 +26,9 @@ from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header, Names
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-# The `plane` command of this interpreter's install, or the same through `-c` where the project
-# is on PYTHONPATH only (a bare GPU box: scripts/gpu_plane.sh).
-PLANE = ([str(BIN / "plane")] if (BIN / "plane").exists()
-         else [sys.executable, "-c", "from plane.app import main; main()"])  # fmt: skip
+# `plane` through this interpreter: the same where the project is only on PYTHONPATH (a bare
+# GPU box: scripts/gpu_plane.sh).
+PLANE = [sys.executable, "-m", "plane"]
 
 
 async def closed_loop(nc: nats.NATS, subject: str, body: bytes, n: int, warmup: int,

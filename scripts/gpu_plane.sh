@@ -25,7 +25,7 @@ if ! python3 -c "import nats, msgspec, structlog, hdrh" 2>/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-plane() { python3 -c 'import sys; from plane.app import main; sys.argv[0] = "plane"; main()' "$@"; }
+plane() { python3 -m plane "$@"; }
 
 log=$OUT/plane_up.log
 t0=$(date +%s.%N)

@@ -78,16 +78,18 @@ class Run:
 
 TICK = os.sysconf("SC_CLK_TCK")
 
-# `plane` through the interpreter (no entry point on a bare GPU box), with an optional
-# preamble run first in the same process.
-PLANE = "import sys; {pre}sys.argv[0] = 'plane'; from plane.app import main; main()"
+# A preamble run before `plane` in the same process (`up-spin`), then `python -m plane`.
+PLANE_AFTER = "{pre}import runpy; runpy.run_module('plane', run_name='__main__', alter_sys=True)"
 SPIN = ("import torch, gpu_node.partitions as p; "
         "p.CudaLane.blocking = property(lambda s: False, lambda s, v: (setattr(s, '_blocking', "
         "False), setattr(s, '_done', torch.cuda.Event(blocking=False)))); ")
 
 
 def plane(*args: str, pre: str = "") -> list[str]:
-    return [sys.executable, "-c", PLANE.format(pre=pre), *args]
+    """`plane` through this interpreter (no entry point on a bare GPU box)."""
+    if not pre:
+        return [sys.executable, "-m", "plane", *args]
+    return [sys.executable, "-c", PLANE_AFTER.format(pre=pre), *args]
 
 
 def free_port() -> int:
@@ -125,7 +127,7 @@ def family(pids: list[int]) -> dict[int, str]:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        m = re.search(r"main\(\)\s+(\w+)", cmd)
+        m = re.search(r"(?:-m plane|alter_sys=True\))\s+(\w+)", cmd)
         names[p] = m.group(1) if m else Path(cmd.split(" ", 1)[0]).name
     return names
 

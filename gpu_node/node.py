@@ -139,7 +139,7 @@ class Node(Lifecycle, TaskOwner):
         partitioned device that this process's other nodes share, its share of the
         partitions (`NodeConfig.device_share`)."""
         slots = self.backend.default_slots()
-        if self.backend.partition != NONE:
+        if self.partitioned:
             slots = max(1, slots // self.cfg.device_share)
         if self.generation is not None and self.generation.lm.device.type == "cpu":
             slots = max(1, min(slots, (os.cpu_count() or 2) - 1))
@@ -150,7 +150,12 @@ class Node(Lifecycle, TaskOwner):
         device, 0 (Python's own) on a CPU."""
         if self.cfg.gil_switch_us is not None:
             return self.cfg.gil_switch_us
-        return GPU_GIL_SWITCH_US if self.backend.partition != NONE else 0
+        return GPU_GIL_SWITCH_US if self.partitioned else 0
+
+    @property
+    def partitioned(self) -> bool:
+        """The backend cuts the device into partitions (a GPU's SMs), not a CPU's threads."""
+        return self.backend.partition != NONE
 
     @property
     def target_slots(self) -> int:
@@ -264,7 +269,7 @@ class Node(Lifecycle, TaskOwner):
         """`NodeConfig.inline_work_us`, or the backend's: on a CPU only."""
         if self.cfg.inline_work_us is not None:
             return self.cfg.inline_work_us
-        return INLINE_WORK_US_CPU if self.backend.partition == NONE else 0
+        return 0 if self.partitioned else INLINE_WORK_US_CPU
 
     async def _reconcile_slots(self) -> None:
         want = self.target_slots

@@ -19,7 +19,8 @@ On CUDA the members share the device as separate processes: without NVIDIA MPS t
 time-slice rather than run side by side. Each member makes its own green contexts, and member
 i's slots take the partitions after member i-1's (`NodeConfig.first_partition`), so that with
 MPS no two members' slots share SMs. Run MPS with `--processes` on a GPU (each member warns when
-it finds none; not yet tried on one: no GPU was lent to the session that built this).
+it finds none). On an H200, three members under MPS were the best shape measured, and
+without it the slot's time past its work doubled (BENCHMARKS.md, "GPU", second session).
 """
 
 from __future__ import annotations

@@ -178,8 +178,12 @@ class Ask(msgspec.Struct, frozen=True):
     came_s: float | None = None
 
     @property
-    def arrived_s(self) -> float:
-        return self.now_s if self.came_s is None else self.came_s
+    def judged_s(self) -> float:
+        """When a holder's promise must still hold: when it came, at its first look; now,
+        as a parked holder decides again (its park, not its arrival, is what is kept)."""
+        if self.came_s is None or self.park_until_s is not None:
+            return self.now_s
+        return self.came_s
 
     @property
     def remaining_us(self) -> int:
@@ -513,7 +517,7 @@ class Admission:
             self._lateness(ms.model).add(int(late_s * 1e6))
             if r.called_s:
                 self._call_trip(ms.model).add(int(late_s * 1e6), ask.now_s)
-        if r.expires_s < (ask.arrived_s if ask.park_until_s is None else ask.now_s):
+        if r.expires_s < ask.judged_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
             self._count(ms.model, redeemed=True)
@@ -573,10 +577,10 @@ class Admission:
         promise is held for a late holder (LATE_TOLERANCE_MIN_S), and its holders, on time,
         found their promises lapsed: 6-22% of first retries succeeded (BENCHMARKS.md, "GPU",
         second session)."""
-        if ask.ticket is None or ask.park_until_s is not None or ask.came_s is None:
+        if ask.ticket is None:
             return None
         p = self.tickets.get(ask.ticket) or self.foreign.get(ask.ticket)
-        return p if p is not None and p.expires_s >= ask.came_s else None
+        return p if p is not None and p.expires_s >= ask.judged_s else None
 
     def _expire(self, ms: ModelSlots, now_s: float, spare: Promise | None = None) -> None:
         for p in ms.promises.expire(now_s, spare=spare):

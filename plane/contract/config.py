@@ -67,6 +67,11 @@ class RouterConfig:
     # burst of any size costs bounded memory (with the default of nats-py, half a million,
     # a 20,000-request burst stepped RSS up 11-14% for good; with 512, 3%).
     max_pending: int = 512
+    # While the router is behind (its oldest unread request has waited past 5 ms for 20 ms:
+    # `plane.router.inbox`), it reads the newest first and refuses unread, 429 `busy`, a
+    # request that waited longer than this in its inbox (not a ticket holder's): answered
+    # within the bound instead of decided when its budget and promises are long gone.
+    max_inbox_wait_ms: int = 50
 
     def __post_init__(self) -> None:
         _token("router id", self.router_id.replace(".", "-"))
@@ -74,6 +79,8 @@ class RouterConfig:
             raise ConfigError("max_routing must be between 1 and 1,000,000")
         if not 16 <= self.max_pending <= 1_000_000:
             raise ConfigError("max_pending must be between 16 and 1,000,000")
+        if not 10 <= self.max_inbox_wait_ms <= MAX_DEADLINE_MS:
+            raise ConfigError(f"max_inbox_wait_ms must be between 10 and {MAX_DEADLINE_MS}")
         if not 256 <= self.max_body_bytes <= 16 * 1024 * 1024:
             raise ConfigError("max_body_bytes must be between 256 B and 16 MiB")
         for model, ms in self.default_deadline_ms.items():

@@ -118,6 +118,10 @@ class PlaneMetrics:
             ["model", "outcome"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.refusals = Counter(
             "plane_refusals", "Refusals by reason", ["model", "reason"], registry=r)
+        self.behind = Counter(
+            "plane_router_behind",
+            "Requests refused unread: they waited in the router's inbox past "
+            "max_inbox_wait_ms while it was behind", ["model"], registry=r)
         self.shed = Counter(
             "plane_router_shed",
             "Requests refused at once because the router had max_routing requests in hand",

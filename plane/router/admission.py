@@ -250,11 +250,37 @@ def too_large(size: int, limit: int) -> Refuse:
                   f"body is {size} bytes; the limit is {limit}")
 
 
+# A router behind on its inbox tells those it refuses unread to come back after at most this
+# long for its backlog's sake: by then a caller on a budget of its own has gone elsewhere, and
+# one with none comes back once a second.
+BEHIND_WAIT_CAP_MS = 1000
+
+
 def shed(router: str, in_hand: int, wait_ms: int) -> Refuse:
     """A flood: more requests in hand than the router's limit (no ticket: no state kept)."""
     return Refuse(Status.BUSY, Reason.BUSY,
                   f"router {router} has {in_hand} requests in hand (its limit): come back "
                   "shortly", retry_after_ms=wait_ms)
+
+
+def behind_wait_ms(behind_ms: int) -> int:
+    """The Retry-After a router behind on its inbox for `behind_ms` gives a request it refuses
+    without a decision: as long again, at most BEHIND_WAIT_CAP_MS. A backlog that formed a
+    moment ago is likely to clear as soon, one that has lasted a second to last another; and
+    callers told a short wait in a long overload only come back to be refused again (each
+    refusal costs the router a reply; `benchmarks/router_limit.py`)."""
+    return min(behind_ms, BEHIND_WAIT_CAP_MS)
+
+
+def behind(router: str, waited_ms: int, behind_ms: int) -> Refuse:
+    """A request that waited in the router's inbox past its bound while the router was
+    behind (`plane.router.inbox`): refused unread, no ticket (no state kept). Come back
+    after as long as it waited, or as the router has been behind (`behind_wait_ms`)."""
+    wait_ms = max(1, waited_ms, behind_wait_ms(behind_ms))
+    return Refuse(Status.BUSY, Reason.BUSY,
+                  f"router {router} is behind (for {behind_ms} ms): this request waited "
+                  f"{waited_ms} ms unread: come back later, or to another router",
+                  retry_after_ms=wait_ms)
 
 
 def owner_silent(owner: str) -> Refuse:

@@ -60,6 +60,7 @@ from plane.router.admission import (
     ticket_owner,
 )
 from plane.router.fairness import FairShare
+from plane.router.inbox import Inbox, stale, turn_due
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
@@ -90,8 +91,6 @@ SETTLE_WITHIN_S = 0.010
 # period, ~0.25-0.5 s with adverts every 250 ms, finds it back).
 SILENT_STREAM_S = 0.25
 TENANT_LIMITS = ("max_rate.", "max_slots.")  # the live settings of a tenant's own limits
-# Requests handled back to back on the subscription's task before it lets the loop turn.
-YIELD_EVERY = 32
 # A tenant's ticket counts against its share of the promises until its due time and this
 # long after (the holder's way back; a promise kept earlier is let go at once).
 PROMISE_OPEN_S = 0.05
@@ -200,7 +199,6 @@ class RequestPath:
         self._own_prefix = parts.cfg.names.router_infer_all(parts.cfg.router_id)[:-1]
         self._rid_count = itertools.count(1)
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
-        self._run = 0  # requests handled since the loop last turned (YIELD_EVERY)
         settings = parts.settings
         self.tenants = Tenants()
         self.fair = FairShare(weight=lambda t: settings.get("share", t) or 1,
@@ -212,6 +210,8 @@ class RequestPath:
         # settings' listener, not looked up per request.
         self._limits_set = False
         settings.on_change(self._setting_changed)
+        # The request subscriptions' inboxes (the service adds them): how far behind it is.
+        self.inboxes: list[Inbox] = []
         # Told of each error the router answers (status, text): the micro endpoint's count.
         self.errored: Callable[[int, str], None] = lambda status, text: None
 
@@ -233,14 +233,19 @@ class RequestPath:
         if not msg.reply:
             log.warning("request without reply subject dropped", subject=msg.subject)
             return
-        self._run += 1
-        if self._run >= YIELD_EVERY:
-            # A backlog is handled here without a pause (a publish does not wait), so the
-            # replies it sends pile up in nats-py's write buffer and nothing else runs (the
-            # writer, heartbeats, done-events). Let the loop turn now and then: a burst of
-            # 20,000 left RSS 11% up for good (its peak kept by the allocator).
-            self._run = 0
+        if turn_due(msg):
+            # A backlog is handled here without a pause (a publish does not wait), so nothing
+            # else runs: the socket is not read (done-events: a slot seen busy long after it
+            # freed, so newcomers refused and promised while it idles), the replies pile up
+            # in nats-py's write buffer (a burst of 20,000 left RSS 11% up for good). Let the
+            # loop turn once the run has lasted TURN_EVERY_S (`plane.router.inbox`). It used
+            # to turn every 32 requests: ~10 ms on a GPU host's saturated router (~300 us a
+            # decision), 58 ms in `benchmarks/router_limit.py`, whose goodput that cut from
+            # 648/s to 83/s.
             await asyncio.sleep(0)
+        if (late := stale(msg)) is not None:
+            await self._shed_stale(msg, *late)
+            return
         if self.in_hand() >= self.cfg.max_routing:
             # A flood: refuse at once, in the callback, without a task or any state per
             # request, so the loop keeps up with heartbeats and done-events (and memory stays
@@ -297,6 +302,20 @@ class RequestPath:
         rid = echoed_request_id(msg.headers or {}) or self._new_rid()
         await self._refuse_early(msg, rid, label, refusal)
 
+    def behind_ms(self) -> int:
+        """How long the router has been behind on its inbox (`plane.router.inbox`), ms."""
+        return round(max((i.behind_s() for i in self.inboxes), default=0.0) * 1000)
+
+    async def _shed_stale(self, msg: Msg, waited_s: float, behind_s: float) -> None:
+        """A request the inbox gives to be refused unread: it waited past
+        `max_inbox_wait_ms` while the router was behind (`plane.router.inbox`)."""
+        model = self.cfg.names.infer_model_of(msg.subject)
+        label = model if model in self._models else "unknown"
+        self.metrics.behind.labels(label).inc()
+        rid = echoed_request_id(msg.headers or {}) or self._new_rid()
+        await self._refuse_early(msg, rid, label, refusals.behind(
+            self.cfg.router_id, round(waited_s * 1000), round(behind_s * 1000)))
+
     def _shed_refusal(self, subject: str) -> tuple[str, Refuse]:
         """A flood's refusal for a request on `subject`: come back after about one slot
         cycle. The model's metric label (bounded: an unknown model is `unknown`)."""
@@ -304,6 +323,9 @@ class RequestPath:
         ms = self._models.get(model)
         label = model if ms is not None else "unknown"
         wait_ms = max(1, math.ceil(ms.window.mean_us / 1000)) if ms is not None else 1000
+        # Behind on its inbox (a flood that lasts), the router's own backlog is the wait:
+        # callers told one cycle come straight back to be refused again.
+        wait_ms = max(wait_ms, refusals.behind_wait_ms(self.behind_ms()))
         self.metrics.shed.labels(label).inc()
         return label, refusals.shed(self.cfg.router_id, self.in_hand(), wait_ms)
 

@@ -49,6 +49,7 @@ from plane.contract.subjects import ROUTER_QUEUE_GROUP
 from plane.contract.tracing import Tracing
 from plane.router.admission import Admission
 from plane.router.calls import Calls
+from plane.router.inbox import Inbox
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.memory import FloodMemory
 from plane.router.micro import InferEndpoint
@@ -195,14 +196,15 @@ class Router(Lifecycle, TaskOwner):
                                     queue=ROUTER_QUEUE_GROUP, handler=self.requests.on_request,
                                     metadata={"models": ",".join(sorted(MODELS))})
         self.requests.errored = self._infer.count_error
-        self._request_subs = [stamp_receipt(sub) for sub in (
+        self._request_subs = [
             await self._infer.start(self.nc, self.cfg.max_pending),
             # Our own subject: ticket holders whose retry reached another router come here.
             await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
                                     cb=self.requests.on_request,
                                     pending_msgs_limit=self.cfg.max_pending),
-        )]
+        ]
         for sub in self._request_subs:
+            self.requests.inboxes.append(Inbox(sub, max_wait_s=self.cfg.max_inbox_wait_ms / 1000))
             on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)
         await self.nc.flush()

@@ -1,0 +1,147 @@
+"""The order in which the router reads its requests: first come, first served while it keeps
+up; the newest first, and the stale refused unread, while it does not.
+
+A router whose CPU is the plane's limit (a GPU host, BENCHMARKS.md "The plane on the GPU", or
+`benchmarks/router_limit.py` here) read its inbox in arrival order and so decided every
+request as late as its backlog was long: up to `max_pending` requests, ~1 s at a few hundred
+decisions a second. Its promises then held slots for holders who sat that long in the inbox,
+every newcomer found the slots promised and was refused, and the goodput fell to a tenth of
+what the router decides (82 of ~570/s, `router_limit.py` before this module). That is
+receive livelock, and the known cure is the one here (adaptive LIFO with a bound on the wait,
+as Facebook's "Fail at Scale" describes it, the bound after CoDel):
+
+- A queue that forms and clears (a burst, a pause of the loop) is read in order: the wait of
+  the oldest request is judged only once it has been over `TARGET_S` for `INTERVAL_S`.
+- While the router is behind in that sense it reads the newest request first: it is decided
+  in the present, so its budget, its promise and a holder's return all mean what they say.
+- A request that has waited more than `max_wait_s` by then is refused unread, at once, with
+  a Retry-After of as long as it waited (`RequestPath`): it costs a reply, not a decision,
+  and its caller learns within that bound instead of a second later. A ticket holder's or
+  another router's forwarded request is never refused for its wait: it is read in turn.
+
+The discipline sits in the subscription's own queue (nats-py's `_pending_queue`, an
+`asyncio.Queue`: its `_get` replaced on the instance, next to the receipt stamp of
+`plane.router.receipt`), so the subscription's task and nats-py's drop past `max_pending`
+work as before. `tests/test_inbox.py` checks it against a real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from plane.contract.subjects import Header
+from plane.router.receipt import mark_received, received_s
+
+TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
+INTERVAL_S = 0.020  # formed this long without clearing: the router is behind
+# Requests handled back to back for this long: let the loop turn before the next (the
+# socket read, done-events handled first: `RequestPath.on_request`).
+TURN_EVERY_S = 0.001
+_STALE = "_plane_waited_s"  # on a Msg to be refused unread: how long it waited (s)
+_TURN = "_plane_turn"  # on a Msg before which the loop is to turn
+
+
+class Inbox:
+    """The discipline of one request subscription's queue (see the module)."""
+
+    def __init__(self, sub: Subscription, *, max_wait_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        queue: asyncio.Queue[Msg] = sub._pending_queue
+        self._items: deque[Msg] = queue._queue  # type: ignore[attr-defined]
+        # The ticket holders' and forwarded requests among the items, oldest first: while
+        # the router is behind they are read first (their promise is for a time).
+        self._holders: deque[Msg] = deque()
+        self._above_since: float | None = None  # when the oldest's wait went over TARGET_S
+        # When the loop last turned for this subscription's task, as far as we know: when it
+        # found the queue empty (it waited for the next message) or was told to turn.
+        self._turned_s = 0.0
+        self._drained = True
+        self._shed_turn = True
+        put = queue.put_nowait
+        holders = self._holders
+
+        def put_stamped(msg: Msg) -> None:
+            put(msg)  # raises QueueFull past max_pending: nats-py answers it (on_overflow)
+            mark_received(msg, clock())
+            if (hdrs := msg.headers) and (Header.TICKET in hdrs or Header.FORWARDED_BY in hdrs):
+                holders.append(msg)
+
+        queue.put_nowait = put_stamped  # type: ignore[assignment,method-assign]
+        queue._get = self._take  # type: ignore[method-assign]
+
+    def behind_s(self) -> float:
+        """How long the router has been behind on this inbox (0: it is not)."""
+        since = self._above_since
+        if since is None or (behind := self._clock() - since) < INTERVAL_S:
+            return 0.0
+        return behind
+
+    def _take(self) -> Msg:
+        items = self._items
+        now = self._clock()
+        msg = self._pick(items, now)
+        if self._drained:
+            self._turned_s, self._drained = now, False
+        elif now - self._turned_s >= TURN_EVERY_S:
+            setattr(msg, _TURN, True)
+            self._turned_s = now
+        self._drained = not items
+        return msg
+
+    def _pick(self, items: deque[Msg], now: float) -> Msg:
+        head = items[0]
+        waited = now - received_s(head, now)
+        if waited < TARGET_S:
+            self._above_since = None
+            return self._first(items)
+        if self._above_since is None:
+            self._above_since = now
+        if now - self._above_since < INTERVAL_S:
+            return self._first(items)
+        holders = self._holders
+        if holders:
+            return _take_out(items, holders.popleft())
+        if waited > self.max_wait_s and self._shed_turn:
+            # The stale are refused one between two decisions, not all before the next: a
+            # refusal costs the router a reply, and a run of them ages the fresh requests
+            # behind it past the bound in turn.
+            self._shed_turn = False
+            setattr(head, _STALE, (waited, now - self._above_since))
+            return items.popleft()
+        self._shed_turn = True
+        return items.pop()
+
+    def _first(self, items: deque[Msg]) -> Msg:
+        msg = items.popleft()
+        holders = self._holders
+        if holders and holders[0] is msg:
+            holders.popleft()
+        return msg
+
+
+def _take_out(items: deque[Msg], msg: Msg) -> Msg:
+    """`msg` taken out of `items` by identity (a Msg's == compares its fields)."""
+    for i, m in enumerate(items):
+        if m is msg:
+            del items[i]
+            return msg
+    raise AssertionError("a holder tracked by the inbox is not in its queue")
+
+
+def stale(msg: Msg) -> tuple[float, float] | None:
+    """When the inbox gave `msg` to be refused unread: how long it waited, and how long the
+    router has been behind (s); else None."""
+    return getattr(msg, _STALE, None)
+
+
+def turn_due(msg: Msg) -> bool:
+    """Whether the loop is to turn before `msg` is handled."""
+    return getattr(msg, _TURN, False)

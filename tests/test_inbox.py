@@ -1,0 +1,165 @@
+"""The order in which a router reads its requests (`plane.router.inbox`): in order while it
+keeps up; once behind, ticket holders first, then the newest, the stale refused unread one
+between two decisions; the loop let turn every millisecond of a run. Messages go through a
+real server into a real subscription; the inbox's clock is ours, so the waits are exact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from plane.contract.subjects import Header
+from plane.router.inbox import INTERVAL_S, TARGET_S, TURN_EVERY_S, Inbox, stale, turn_due
+from tests.plane_fixtures import NAMES, calibrated, client, plane
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def fill(nc: Client, sub: Subscription, subject: str,
+               bodies: list[tuple[str, dict[str, str] | None]]) -> None:
+    """Publish `bodies` in order and wait until the subscription holds them all."""
+    for body, headers in bodies:
+        await nc.publish(subject, body.encode(), headers=headers)
+    await nc.flush()
+    async with asyncio.timeout(5):
+        while sub.pending_msgs < len(bodies):
+            await asyncio.sleep(0.005)
+
+
+async def take(sub: Subscription, clock: Clock, step_s: float) -> Msg:
+    clock.now += step_s
+    return await sub.next_msg(timeout=1)
+
+
+async def test_a_router_that_keeps_up_reads_in_order() -> None:
+    async with plane(models=()) as stack, client(stack.url) as nc:
+        clock = Clock()
+        sub = await nc.subscribe("inbox.order")
+        Inbox(sub, max_wait_s=0.05, clock=clock)
+        await fill(nc, sub, "inbox.order", [(str(i), None) for i in range(6)])
+        # Each read 1 ms after the last: the oldest's wait stays under TARGET_S... and then
+        # over it for less than INTERVAL_S (a queue that forms and clears): in order.
+        got = [await take(sub, clock, 0.001) for _ in range(6)]
+        assert [m.data.decode() for m in got] == [str(i) for i in range(6)]
+        assert [stale(m) for m in got] == [None] * 6
+        await fill(nc, sub, "inbox.order", [("a", None), ("b", None)])
+        first = await take(sub, clock, TARGET_S + 0.001)  # waited past TARGET_S, not for long
+        second = await take(sub, clock, 0.001)
+        assert (first.data, second.data) == (b"a", b"b")
+        assert stale(first) is None and stale(second) is None
+
+
+async def test_behind_it_reads_the_newest_first_and_refuses_the_stale_one_at_a_time() -> None:
+    async with plane(models=()) as stack, client(stack.url) as nc:
+        clock = Clock()
+        sub = await nc.subscribe("inbox.behind")
+        inbox = Inbox(sub, max_wait_s=0.05, clock=clock)
+        await fill(nc, sub, "inbox.behind", [(str(i), None) for i in range(8)])
+        assert inbox.behind_s() == 0.0
+        # The oldest has waited 30 ms: over TARGET_S, but only just found so: still in order.
+        m0 = await take(sub, clock, 0.030)
+        assert m0.data == b"0" and stale(m0) is None
+        # INTERVAL_S later it has been over for long enough: behind. The head (waited 55 ms,
+        # over the 50 ms bound) is refused unread; then the newest is read; then the next
+        # stale one; and so on, one refusal between two reads.
+        clock.now += INTERVAL_S + 0.005
+        got = []
+        for _ in range(7):
+            m = await take(sub, clock, 0.0)
+            got.append((m.data.decode(), stale(m)))
+        assert [body for body, _ in got] == ["1", "7", "2", "6", "3", "5", "4"]
+        marks = dict(got)
+        assert [b for b, mark in got if mark is not None] == ["1", "2", "3", "4"]
+        waited, behind = marks["1"]  # type: ignore[misc]
+        assert abs(waited - 0.055) < 1e-9 and abs(behind - (INTERVAL_S + 0.005)) < 1e-9
+        assert abs(inbox.behind_s() - (INTERVAL_S + 0.005)) < 1e-9
+
+
+async def test_behind_ticket_holders_are_read_first_and_never_refused_for_their_wait() -> None:
+    async with plane(models=()) as stack, client(stack.url) as nc:
+        clock = Clock()
+        sub = await nc.subscribe("inbox.holders")
+        Inbox(sub, max_wait_s=0.05, clock=clock)
+        ticket = {Header.TICKET: "t1"}
+        forwarded = {Header.FORWARDED_BY: "r2"}
+        await fill(nc, sub, "inbox.holders", [
+            ("0", None), ("h1", ticket), ("1", None), ("2", None), ("f1", forwarded),
+            ("3", None)])
+        # In order while keeping up, a holder at the head included (its bookkeeping follows).
+        assert (await take(sub, clock, 0.001)).data == b"0"
+        assert (await take(sub, clock, 0.001)).data == b"h1"
+        clock.now += 0.1  # every one left has waited 100 ms: over the bound
+        m1 = await take(sub, clock, 0.0)  # found over TARGET_S: still in order
+        assert m1.data == b"1" and stale(m1) is None
+        clock.now += INTERVAL_S + 0.001
+        # Behind: the forwarded request first (a holder, though it came later), unmarked.
+        f1 = await take(sub, clock, 0.0)
+        assert f1.data == b"f1" and stale(f1) is None
+        rest = [await take(sub, clock, 0.0) for _ in range(2)]
+        assert [m.data for m in rest] == [b"2", b"3"]
+        assert stale(rest[0]) is not None and stale(rest[1]) is None
+
+
+async def test_a_run_of_reads_lets_the_loop_turn_every_millisecond() -> None:
+    async with plane(models=()) as stack, client(stack.url) as nc:
+        clock = Clock()
+        sub = await nc.subscribe("inbox.turns")
+        Inbox(sub, max_wait_s=0.05, clock=clock)
+        await fill(nc, sub, "inbox.turns", [(str(i), None) for i in range(6)])
+        step = TURN_EVERY_S * 0.4
+        turns = [turn_due(await take(sub, clock, step)) for _ in range(6)]
+        # The first read follows a wait for messages (the loop turned); then every
+        # TURN_EVERY_S of reads back to back, one is marked.
+        assert turns == [False, False, False, True, False, False]
+        await fill(nc, sub, "inbox.turns", [("after", None)])
+        # The queue was emptied: its task waited for this one, so the loop turned.
+        assert not turn_due(await take(sub, clock, 0.01))
+
+
+async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None:
+    """A request the inbox marks stale reaches the real router: a 429 `busy` at once, whose
+    Retry-After is as long as it waited (longer than the router has been behind), no ticket,
+    the count of `plane_router_behind_total`, and nothing after it."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        clock = Clock()
+        sub = await nc.subscribe("inbox.stale")
+        Inbox(sub, max_wait_s=0.05, clock=clock)
+        reply = nc.new_inbox()
+        answers = await nc.subscribe(reply)
+        for rid in ("a", "b", "c"):
+            await nc.publish("inbox.stale", calibrated(1000), reply=reply,
+                             headers={Header.REQUEST_ID: rid})
+        await nc.flush()
+        async with asyncio.timeout(5):
+            while sub.pending_msgs < 3:
+                await asyncio.sleep(0.005)
+        await take(sub, clock, 0.03)  # found over TARGET_S: in order
+        clock.now += 0.5  # behind for 500 ms
+        msg = await take(sub, clock, 0.0)
+        assert stale(msg) is not None
+        msg.subject = NAMES.infer("calibrated")  # as if it came on the router's subject
+        await router.requests.on_request(msg)
+        answer = await answers.next_msg(timeout=5)
+        h = answer.headers or {}
+        assert h[Header.STATUS] == "429" and h[Header.REASON] == "busy", h
+        assert h[Header.REQUEST_ID] == "b"
+        assert int(h[Header.RETRY_AFTER_MS]) == 530  # waited 530 ms; behind for 500
+        assert Header.TICKET not in h
+        assert "behind" in json.loads(answer.data)["error"]
+        assert router.metrics.behind.labels("calibrated")._value.get() == 1
+        with pytest.raises(nats.errors.TimeoutError):  # exactly one answer
+            await answers.next_msg(timeout=0.3)

@@ -20,10 +20,21 @@ def delay(**kw: object) -> float | None:
 
 
 def test_trusted_retry_after_plus_small_jitter() -> None:
-    assert delay(retry_after_ms=40, server_time_ms=NOW, local_time_ms=NOW, u=0.0) == 40
-    assert delay(retry_after_ms=40, server_time_ms=NOW + 1999, local_time_ms=NOW, u=0.5) == 41
-    d = delay(retry_after_ms=40, server_time_ms=NOW - 2000, local_time_ms=NOW, u=0.999)
-    assert d is not None and 40 <= d < 42
+    assert delay(retry_after_ms=15, server_time_ms=NOW, local_time_ms=NOW, u=0.0) == 15
+    assert delay(retry_after_ms=15, server_time_ms=NOW + 1999, local_time_ms=NOW, u=0.5) == 16
+    d = delay(retry_after_ms=15, server_time_ms=NOW - 2000, local_time_ms=NOW, u=0.999)
+    assert d is not None and 15 <= d < 17
+
+
+def test_a_long_wait_shared_by_many_is_spread_by_a_share_of_it() -> None:
+    """A router behind on its inbox tells every caller it refuses unread the same second: a
+    tenth of it spreads their return (2 ms would bring them back as one burst)."""
+    assert delay(retry_after_ms=1000, server_time_ms=NOW, local_time_ms=NOW, u=0.0) == 1000
+    assert delay(retry_after_ms=1000, server_time_ms=NOW, local_time_ms=NOW, u=0.5) == 1050
+    d = delay(retry_after_ms=1000, server_time_ms=NOW, local_time_ms=NOW, u=0.999)
+    assert d is not None and 1099 < d < 1100
+    assert delay(retry_after_ms=1000, server_time_ms=NOW, local_time_ms=NOW, u=0.5,
+                 ticket=True) == 1000  # a ticket is still kept on the millisecond
 
 
 def test_a_ticket_is_kept_on_the_millisecond() -> None:
@@ -70,7 +81,8 @@ def test_attempts_are_bounded() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"max_attempts": 0}, {"base_ms": 0}, {"base_ms": 100, "cap_ms": 50}, {"jitter_ms": -1}],
+    [{"max_attempts": 0}, {"base_ms": 0}, {"base_ms": 100, "cap_ms": 50}, {"jitter_ms": -1},
+     {"jitter_share": -0.1}, {"jitter_share": 1.5}],
 )
 def test_policy_is_validated(kw: dict[str, int]) -> None:
     with pytest.raises(ConfigError):

@@ -9,8 +9,9 @@ Two regimes:
   within `max_skew_ms`: trust it. With a ticket, wait exactly that long: a ticket books its
   own start, holders of successive tickets are due at distinct times, and any jitter would
   only make them late (their slot idles until they come). Without one (an estimate shared
-  by every caller refused meanwhile), wait that long plus a small jitter, so that they do not
-  all arrive on the same millisecond.
+  by every caller refused meanwhile), wait that long plus a jitter, so that they do not all
+  arrive on the same millisecond: `jitter_ms`, or `jitter_share` of the wait where that is
+  more (a router behind on its inbox tells every caller it refuses the same second).
 - Otherwise (no hint, or a server whose clock we cannot trust): capped exponential backoff
   with full jitter, `u * min(cap_ms, base_ms * 2 ** (attempt - 1))`.
 
@@ -31,6 +32,7 @@ class RetryPolicy:
     base_ms: int = 10  # first fallback wait (full jitter: uniform in [0, base_ms))
     cap_ms: int = 1000  # fallback waits never exceed this
     jitter_ms: int = 2  # added to a trusted Retry-After-Ms without a ticket, in [0, jitter_ms)
+    jitter_share: float = 0.1  # ... or in [0, share x Retry-After-Ms), where that is more
     max_skew_ms: int = 2000  # a server clock further off than this is not trusted
     min_attempt_ms: int = 1  # an attempt with less budget left than this is not worth sending
 
@@ -41,6 +43,8 @@ class RetryPolicy:
             raise ConfigError("backoff needs 0 < base_ms <= cap_ms")
         if self.jitter_ms < 0 or self.max_skew_ms < 0 or self.min_attempt_ms < 0:
             raise ConfigError("jitter_ms, max_skew_ms and min_attempt_ms must be >= 0")
+        if not 0 <= self.jitter_share <= 1:
+            raise ConfigError("jitter_share must be between 0 and 1")
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
@@ -79,7 +83,8 @@ def retry_delay_ms(
     )
     if trusted:
         assert retry_after_ms is not None
-        delay = retry_after_ms + (0.0 if ticket else u * policy.jitter_ms)
+        spread = 0.0 if ticket else max(policy.jitter_ms, policy.jitter_share * retry_after_ms)
+        delay = retry_after_ms + u * spread
     else:
         delay = u * min(policy.cap_ms, policy.base_ms * 2 ** (attempt - 1))
     if delay + policy.min_attempt_ms > remaining_ms:

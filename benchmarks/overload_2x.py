@@ -101,12 +101,14 @@ def figures(outcomes: list[Outcome], seconds: float,
 
 
 def counters(metrics_text: str) -> str:
-    """The routers' refusals by reason, tickets issued and honoured, holders parked and the
-    broker's depth refusals (summed over routers): where the refusals came from."""
+    """The routers' refusals by reason, tickets issued and honoured, holders parked, the
+    broker's depth refusals, floods shed and requests refused unread by a router behind on
+    its inbox (summed over routers): where the refusals came from."""
     sums: dict[str, float] = {}
     pattern = (r'^plane_(refusals_total|tickets_issued_total|tickets_honoured_total|'
                r'tickets_parked_total|broker_slot_refusals_total|'
-               r'ticket_lateness_seconds_bucket)\{([^}]*)\} (\S+)$')
+               r'ticket_lateness_seconds_bucket|router_shed_total|router_behind_total)'
+               r'\{([^}]*)\} (\S+)$')
     for kind, labels, value in re.findall(pattern, metrics_text, re.MULTILINE):
         label = re.search(r'(?:reason|le)="([^"]*)"', labels)
         kind = kind.removesuffix("_total")

@@ -9,8 +9,8 @@ answered 94-994/s of the 1,300-2,900/s it manages below its limit. This host can
 many requests, so the router is made slower instead: its process spends --spin-us of CPU on
 each request it reads before handling it (a busy loop in the request callback, holding the GIL
 like a slower core would), which puts its limit at a few hundred requests/s while the node
-(--slots x --work-us of `calibrated`) has room for thousands. Then `plane pulse --retry` offers
-each of --rates for --seconds.
+(--slots x --work-us of `calibrated`) has room for thousands. Then `plane pulse --retry` (or
+--no-retry) offers each of --rates for --seconds.
 
 Processes: a nats-server, `plane node`, the router (this script as `router-child`), and `plane
 pulse`, each on its own; all on loopback. Per rate it prints pulse's answers/s, first-try
@@ -151,6 +151,8 @@ def main() -> int:
     ap.add_argument("--work-us", type=int, default=2000)
     ap.add_argument("--rates", default="300,900,1800")
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--no-retry", action="store_true",
+                    help="callers that never come back (like hey), instead of the SDK's retries")
     ap.add_argument("--keep", action="store_true", help="keep the logs' folder")
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="router-limit-"))
@@ -190,7 +192,8 @@ def main() -> int:
             t0 = time.monotonic()
             pulse = subprocess.run(
                 plane("pulse", "--nats", url, "--model", "calibrated", "--duration-us",
-                      str(a.work_us), "--rate", str(rate), "--retry", "--duration",
+                      str(a.work_us), "--rate", str(rate),
+                      "--no-retry" if a.no_retry else "--retry", "--duration",
                       str(a.seconds), "--json", "--no-progress", "--concurrency",
                       str(CONCURRENCY)),
                 capture_output=True, text=True, cwd=ROOT, env=env, timeout=a.seconds + 90)

@@ -151,6 +151,8 @@ def main() -> int:
     ap.add_argument("--work-us", type=int, default=2000)
     ap.add_argument("--rates", default="300,900,1800")
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--routers", type=int, default=1,
+                    help="routers, each slowed alike (one queue group)")
     ap.add_argument("--no-retry", action="store_true",
                     help="callers that never come back (like hey), instead of the SDK's retries")
     ap.add_argument("--keep", action="store_true", help="keep the logs' folder")
@@ -175,20 +177,29 @@ def main() -> int:
         node = start(plane("node", "--nats", url, "--model", "calibrated", "--slots",
                            str(a.slots), "--backend", "torch", "--log-level", "warning"),
                      d / "node.log")
-        mport = free_port()
-        router = start([sys.executable, __file__, "router-child", str(a.spin_us), "router",
-                        "--nats", url, "--log-level", "info", "--metrics-port", str(mport),
-                        "--metrics-host", "127.0.0.1"], d / "router.log")
-        wait_for(d / "router.log", r"router started", router)
+        routers, metrics_urls = [], []
+        for i in range(a.routers):
+            mport = free_port()
+            log = d / f"router{i}.log"
+            routers.append(start([sys.executable, __file__, "router-child", str(a.spin_us),
+                                  "router", "--nats", url, "--log-level", "info",
+                                  "--router-id", f"r{i}", "--metrics-port", str(mport),
+                                  "--metrics-host", "127.0.0.1"], log))
+            metrics_urls.append(f"http://127.0.0.1:{mport}/metrics")
+            wait_for(log, r"router started", routers[-1])
         time.sleep(3.0)  # the node's slots claimed and announced
         if node.poll() is not None:
             raise RuntimeError(f"node exited: {(d / 'node.log').read_text()[-800:]}")
-        metrics_url = f"http://127.0.0.1:{mport}/metrics"
-        print(f"router spin {a.spin_us} us a request; calibrated {a.work_us} us on {a.slots} "
-              f"slots; {a.seconds:g} s a rate; logs in {d}")
+
+        def scrape() -> str:  # every router's exposition, one after the other (sums add up)
+            return "\n".join(urllib.request.urlopen(u, timeout=5).read().decode()
+                             for u in metrics_urls)
+
+        print(f"{a.routers} router(s), each spinning {a.spin_us} us a request; calibrated "
+              f"{a.work_us} us on {a.slots} slots; {a.seconds:g} s a rate; logs in {d}")
         for rate in (int(r) for r in a.rates.split(",")):
-            before_text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-            before_cpu = cpu_s(router.pid)
+            before_text = scrape()
+            before_cpu = sum(cpu_s(r.pid) for r in routers)
             t0 = time.monotonic()
             pulse = subprocess.run(
                 plane("pulse", "--nats", url, "--model", "calibrated", "--duration-us",
@@ -197,9 +208,9 @@ def main() -> int:
                       str(a.seconds), "--json", "--no-progress", "--concurrency",
                       str(CONCURRENCY)),
                 capture_output=True, text=True, cwd=ROOT, env=env, timeout=a.seconds + 90)
-            router_cpu = cpu_s(router.pid) - before_cpu
+            router_cpu = sum(cpu_s(r.pid) for r in routers) - before_cpu
             wall_s = time.monotonic() - t0
-            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+            text = scrape()
             try:
                 s = json.loads(pulse.stdout)
             except ValueError:
@@ -245,11 +256,17 @@ def fmt(s: float | None) -> str:
 
 
 def diff_histogram(after: str, before: str) -> str:
-    """`after`'s histogram bucket lines less `before`'s, as exposition text."""
-    old = dict(re.findall(r"^(plane_router_decision_seconds_bucket\S+) (\S+)$", before,
-                          re.MULTILINE))
-    return "\n".join(f"{k} {float(v) - float(old.get(k, 0))}" for k, v in re.findall(
-        r"^(plane_router_decision_seconds_bucket\S+) (\S+)$", after, re.MULTILINE))
+    """`after`'s histogram bucket lines less `before`'s (each summed over routers), as
+    exposition text."""
+    def sums(text: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k, v in re.findall(r"^(plane_router_decision_seconds_bucket\S+) (\S+)$", text,
+                               re.MULTILINE):
+            out[k] = out.get(k, 0.0) + float(v)
+        return out
+
+    old = sums(before)
+    return "\n".join(f"{k} {v - old.get(k, 0.0)}" for k, v in sums(after).items())
 
 
 if __name__ == "__main__":

@@ -89,3 +89,18 @@ async def test_router_split_smoke() -> None:
                    "Router._on_done"):
         # (a broker's depth refusal, published again, is one more PubAck now and then)
         assert 0.95 <= float(rows.get(probed, "0")) <= 1.1, (probed, text)
+
+
+async def test_router_limit_smoke() -> None:
+    """benchmarks/router_limit.py: a router slowed by its spin serves, the pulse runs, and
+    the line reports every request's final answer and the router's decisions."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "router_limit.py"), "--spin-us", "200",
+        "--slots", "2", "--work-us", "1000", "--rates", "50", "--seconds", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    line = next(x for x in out.decode().splitlines() if x.startswith("50/s: "))
+    assert line.startswith("50/s: 50 answered 200 in "), line  # far below the router's limit
+    assert "final statuses {'200': 50}" in line and 'decisions {"placed": 50}' in line, line

@@ -5,24 +5,30 @@ A router whose CPU is the plane's limit (a GPU host, BENCHMARKS.md "The plane on
 `benchmarks/router_limit.py` here) read its inbox in arrival order and so decided every
 request as late as its backlog was long: up to `max_pending` requests, ~1 s at a few hundred
 decisions a second. Its promises then held slots for holders who sat that long in the inbox,
-every newcomer found the slots promised and was refused, and the goodput fell to a tenth of
-what the router decides (82 of ~570/s, `router_limit.py` before this module). That is
-receive livelock, and the known cure is the one here (adaptive LIFO with a bound on the wait,
-as Facebook's "Fail at Scale" describes it, the bound after CoDel):
+every newcomer found the slots promised and was refused, and the goodput fell to nothing
+(36 of 5,400 requests answered at 900/s offered to a router that decides ~580/s,
+`router_limit.py`, before this module). That is receive livelock, and the known cure is the
+one here (adaptive LIFO with a bound on the wait, as Facebook's "Fail at Scale" describes it,
+the bound after CoDel):
 
 - A queue that forms and clears (a burst, a pause of the loop) is read in order: the wait of
   the oldest request is judged only once it has been over `TARGET_S` for `INTERVAL_S`.
-- While the router is behind in that sense it reads the newest request first: it is decided
-  in the present, so its budget, its promise and a holder's return all mean what they say.
-- A request that has waited more than `max_wait_s` by then is refused unread, at once, with
-  a Retry-After of as long as it waited (`RequestPath`): it costs a reply, not a decision,
-  and its caller learns within that bound instead of a second later. A ticket holder's or
-  another router's forwarded request is never refused for its wait: it is read in turn.
+- While the router is behind in that sense it reads ticket holders and forwarded requests
+  first (their promise is for a time), then the newest request: it is decided in the
+  present, so its budget, its promise and a holder's return all mean what they say.
+- A request that has waited more than `max_wait_s` by then is refused unread, one between
+  two decisions (`RequestPath._shed_stale`: come back after as long as it waited, or as the
+  router has been behind): it costs a reply, not a decision, and its caller learns within
+  about that bound instead of a second later. A holder is never refused for its wait.
+- A run of reads back to back marks, every `TURN_EVERY_S`, a message before which the loop
+  is to turn (`RequestPath.on_request`): the socket is read and the done-events heard while
+  a backlog is worked through.
 
 The discipline sits in the subscription's own queue (nats-py's `_pending_queue`, an
-`asyncio.Queue`: its `_get` replaced on the instance, next to the receipt stamp of
-`plane.router.receipt`), so the subscription's task and nats-py's drop past `max_pending`
-work as before. `tests/test_inbox.py` checks it against a real server.
+`asyncio.Queue`: its `put_nowait` wrapped to stamp the receipt, as `plane.router.receipt`
+does, and its `_get` replaced on the instance), so the subscription's task and nats-py's
+drop past `max_pending` work as before. `tests/test_inbox.py` checks it against a real
+server.
 """
 
 from __future__ import annotations

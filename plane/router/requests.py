@@ -318,7 +318,8 @@ class RequestPath:
 
     def _shed_refusal(self, subject: str) -> tuple[str, Refuse]:
         """A flood's refusal for a request on `subject`: come back after about one slot
-        cycle. The model's metric label (bounded: an unknown model is `unknown`)."""
+        cycle, or after as long as the router has been behind on its inbox where that is
+        longer. The model's metric label (bounded: an unknown model is `unknown`)."""
         model = self.cfg.names.infer_model_of(subject)
         ms = self._models.get(model)
         label = model if ms is not None else "unknown"

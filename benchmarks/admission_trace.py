@@ -74,7 +74,7 @@ class Recorder:
             rec.decisions.append(d)
             return out
 
-        Admission.decide = decide  # type: ignore[method-assign]
+        Admission.decide = decide  # type: ignore[method-assign,assignment]
         return lambda: setattr(Admission, "decide", original)
 
 

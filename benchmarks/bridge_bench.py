@@ -35,6 +35,8 @@ from pathlib import Path
 import msgspec
 import nats
 from confluent_kafka import Producer
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,12 +74,12 @@ def _produce(bootstrap: str, topic: str, n: int) -> None:
     assert producer.flush(60) == 0
 
 
-async def _count(nc: nats.NATS, subject: str) -> int:
+async def _count(nc: Client, subject: str) -> int:
     info = await nc.jetstream().stream_info(NAMES.events_stream, subjects_filter=subject)
-    return (info.state.subjects or {}).get(subject, 0)
+    return int((info.state.subjects or {}).get(subject, 0))
 
 
-async def throughput(nc: nats.NATS, bootstrap: str, n: int) -> tuple[float, float]:
+async def throughput(nc: Client, bootstrap: str, n: int) -> tuple[float, float]:
     topic = "bench_tp"
     await ensure_topics(bootstrap, [topic], partitions=3)
     await asyncio.to_thread(_produce, bootstrap, topic, n)
@@ -92,14 +94,14 @@ async def throughput(nc: nats.NATS, bootstrap: str, n: int) -> tuple[float, floa
     return n / elapsed, elapsed
 
 
-async def latency(nc: nats.NATS, bootstrap: str, rate: float, seconds: float) -> dict[str, float]:
+async def latency(nc: Client, bootstrap: str, rate: float, seconds: float) -> dict[str, float]:
     topic = "bench_lat"
     await ensure_topics(bootstrap, [topic], partitions=3)
     bridge_ms: list[float] = []
     e2e_ms: list[float] = []
     warm_until = time.time() * 1000 + 1000
 
-    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+    async def on_msg(msg: Msg) -> None:
         now = time.time_ns() / 1e6
         s = Stamps.from_headers(msg.headers)
         if s.event_time_ms < warm_until:
@@ -135,7 +137,7 @@ async def latency(nc: nats.NATS, bootstrap: str, rate: float, seconds: float) ->
     }
 
 
-async def first_record(nc: nats.NATS, bootstrap: str, session_timeout_ms: int) -> float:
+async def first_record(nc: Client, bootstrap: str, session_timeout_ms: int) -> float:
     topic = f"bench_first_{session_timeout_ms}"
     await ensure_topics(bootstrap, [topic], partitions=3)
     await asyncio.to_thread(_produce, bootstrap, topic, 10)

@@ -30,6 +30,7 @@ import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from plane.client import Client
 from plane.contract.backoff import NO_RETRY, RetryPolicy
@@ -184,9 +185,10 @@ async def main() -> None:
                 f"http://127.0.0.1:{args.metrics_port + i}/metrics", timeout=5).read().decode()
                 for i in range(args.routers))
         finally:
-            for proc in [*more, up]:
+            procs: list[subprocess.Popen[Any]] = [*more, up]
+            for proc in procs:
                 proc.terminate()
-            for proc in [*more, up]:
+            for proc in procs:
                 proc.wait(timeout=30)
     share_1ms, refusals = refusal_share_within_1ms(text)
     r09, r2 = rows[0.9], rows[2.0]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import nats
 from hdrh.histogram import HdrHistogram
+from nats.aio.client import Client
 
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header, Names
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLANE = [sys.executable, "-m", "plane"]
 
 
-async def closed_loop(nc: nats.NATS, subject: str, body: bytes, n: int, warmup: int,
+async def closed_loop(nc: Client, subject: str, body: bytes, n: int, warmup: int,
                       check: bool) -> HdrHistogram:
     hist = HdrHistogram(1, 60_000_000, 3)  # µs
     for i in range(n + warmup):
@@ -53,8 +54,8 @@ async def wait_ready(proc: subprocess.Popen[str], marker: str, timeout_s: float 
         if marker in line:
             return
         if not line and proc.poll() is not None:
-            raise RuntimeError(f"process exited: {proc.args}")
-    raise TimeoutError(f"{proc.args} not ready")
+            raise RuntimeError(f"process exited: {proc.args!r}")
+    raise TimeoutError(f"{proc.args!r} not ready")
 
 
 async def main() -> None:

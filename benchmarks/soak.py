@@ -456,8 +456,11 @@ async def watch(members: list[Member], others: dict[str, int], clock: Clock,
 async def consumers(nc: NATS) -> dict[str, list[str]]:
     """Each stream's consumers (restarts that leak consumers show here)."""
     js = nc.jetstream()
-    return {s.config.name or "": sorted(c.name for c in await js.consumers_info(s.config.name))
-            for s in await js.streams_info()}
+    out: dict[str, list[str]] = {}
+    for s in await js.streams_info():
+        name = s.config.name or ""
+        out[name] = sorted(c.name for c in await js.consumers_info(name))
+    return out
 
 
 # -- what it came to --------------------------------------------------------------------------

@@ -88,6 +88,7 @@ def ms(values: list[int], p: float) -> float:
 
 async def meter(o: ConnectOptions) -> dict[str, int]:
     """Slot µs per tenant, summed over the routers."""
+    assert o.url is not None  # opts() always names the server
     nc = await nats.connect(o.url, user=o.user, password=o.password)
     try:
         info = await nc.request("$SRV.INFO.plane-router", b"", timeout=2)
@@ -102,6 +103,7 @@ async def meter(o: ConnectOptions) -> dict[str, int]:
 
 
 async def set_shares(o: ConnectOptions, shares: dict[str, int]) -> None:
+    assert o.url is not None  # opts() always names the server
     nc = await nats.connect(o.url, user=o.user, password=o.password)
     try:
         kv = await nc.jetstream().key_value(Names().config_bucket)

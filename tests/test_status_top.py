@@ -165,6 +165,15 @@ plane_slot_service_seconds_count{model="risk"} 100.0
 plane_slot_service_seconds_sum{model="risk"} 0.2
 # TYPE plane_gpu_utilization_ratio gauge
 plane_gpu_utilization_ratio{device="0",node="gpu-1"} 0.42
+# TYPE plane_router_behind counter
+plane_router_behind_total{model="risk"} 4.0
+# TYPE plane_router_decision_seconds histogram
+plane_router_decision_seconds_bucket{model="risk",outcome="placed",le="0.001"} 60.0
+plane_router_decision_seconds_bucket{model="risk",outcome="placed",le="0.1"} 60.0
+plane_router_decision_seconds_bucket{model="risk",outcome="placed",le="+Inf"} 60.0
+plane_router_decision_seconds_bucket{model="risk",outcome="refused",le="0.001"} 30.0
+plane_router_decision_seconds_bucket{model="risk",outcome="refused",le="0.1"} 40.0
+plane_router_decision_seconds_bucket{model="risk",outcome="refused",le="+Inf"} 40.0
 """
 
 
@@ -173,10 +182,19 @@ def test_metrics_facts_and_rates_between_two_scrapes() -> None:
     assert old.refusals == 40 and old.first_retry_success == pytest.approx(0.9)
     assert old.gpu_util_pct == {"gpu-1/0": pytest.approx(42.0)}
     assert old.accepted_p50_ms == pytest.approx(1000 * 0.001 * 50 / 90)
+    # Decisions from receipt, summed over outcomes: 90 within 1 ms, 10 more within 100 ms.
+    assert old.refused_unread == 4
+    assert old.decision_p50_ms == pytest.approx(1000 * 0.001 * 50 / 90)
+    assert old.decision_p99_ms == pytest.approx(1000 * (0.001 + 0.099 * 9 / 10))
     new = metrics_facts("u", METRICS_TEXT.replace(" 30.0\n", " 50.0\n")
-                        .replace("} 27.0", "} 47.0"))
+                        .replace("} 27.0", "} 47.0").replace("} 4.0", "} 10.0")
+                        .replace('refused",le="0.1"} 40.0', 'refused",le="0.1"} 80.0')
+                        .replace('refused",le="+Inf"} 40.0', 'refused",le="+Inf"} 80.0'))
     rate = over_interval(new, old, 2.0)
     assert rate.refusals_per_s == pytest.approx(10.0)  # 20 more busy refusals in 2 s
+    assert rate.refused_unread_per_s == pytest.approx(3.0)  # 6 more in 2 s
+    # In the interval: 20 decided within 1 ms (that bucket 30 -> 50), all 40 within 100 ms.
+    assert rate.decision_p99_ms == pytest.approx(1000 * (0.001 + 0.099 * 19.6 / 20))
     assert rate.first_retry_success == pytest.approx(1.0)  # 20 of 20 in the interval
     assert rate.accepted_p50_ms is None  # no answers in the interval
     assert over_interval(new, None, 0.0).refusals_per_s is None

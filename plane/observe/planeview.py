@@ -97,6 +97,13 @@ class MetricsFacts(msgspec.Struct, kw_only=True):
     gpu_util_pct: dict[str, float] = {}  # "node/device" -> %
     refusals_per_s: float | None = None  # `plane top` only: from two scrapes
     buckets: dict[float, float] = {}  # accepted latency histogram (cumulative, summed)
+    # Refused unread by a router behind on its inbox (plane_router_behind_total: its CPU is
+    # the limit), and its decisions' time from receipt, all outcomes.
+    refused_unread: float = 0.0
+    refused_unread_per_s: float | None = None  # `plane top` only: from two scrapes
+    decision_p50_ms: float | None = None
+    decision_p99_ms: float | None = None
+    decision_buckets: dict[float, float] = {}
 
 
 class PlaneView(msgspec.Struct, kw_only=True):
@@ -259,9 +266,15 @@ def _quantile(buckets: dict[float, float], q: float) -> float | None:
     return None
 
 
+def _ms(buckets: dict[float, float], q: float) -> float | None:
+    s = _quantile(buckets, q)
+    return None if s is None else 1000 * s
+
+
 def metrics_facts(url: str, text: str) -> MetricsFacts:
     f = MetricsFacts(url=url)
     buckets: dict[float, float] = {}
+    decisions: dict[float, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             match s.name:
@@ -279,14 +292,19 @@ def metrics_facts(url: str, text: str) -> MetricsFacts:
                 case "plane_gpu_utilization_ratio":
                     key = f"{s.labels.get('node', '')}/{s.labels.get('device', '')}"
                     f.gpu_util_pct[key] = 100 * s.value
-    f.buckets = buckets
-    return with_latency(f, buckets)
+                case "plane_router_behind_total":
+                    f.refused_unread += s.value
+                case "plane_router_decision_seconds_bucket":
+                    le = float(s.labels["le"])
+                    decisions[le] = decisions.get(le, 0.0) + s.value
+    f.buckets, f.decision_buckets = buckets, decisions
+    return with_latency(f, buckets, decisions)
 
 
-def with_latency(f: MetricsFacts, buckets: dict[float, float]) -> MetricsFacts:
-    p50, p99 = _quantile(buckets, 0.5), _quantile(buckets, 0.99)
-    f.accepted_p50_ms = None if p50 is None else 1000 * p50
-    f.accepted_p99_ms = None if p99 is None else 1000 * p99
+def with_latency(f: MetricsFacts, buckets: dict[float, float],
+                 decisions: dict[float, float]) -> MetricsFacts:
+    f.accepted_p50_ms, f.accepted_p99_ms = _ms(buckets, 0.5), _ms(buckets, 0.99)
+    f.decision_p50_ms, f.decision_p99_ms = _ms(decisions, 0.5), _ms(decisions, 0.99)
     f.first_retry_success = (f.tickets_honoured / f.tickets_issued if f.tickets_issued
                              else None)
     return f
@@ -308,6 +326,8 @@ def over_interval(new: MetricsFacts, old: MetricsFacts | None, dt_s: float) -> M
     f = msgspec.structs.replace(
         new, tickets_issued=new.tickets_issued - old.tickets_issued,
         tickets_honoured=new.tickets_honoured - old.tickets_honoured,
-        refusals_per_s=max(0.0, new.refusals - old.refusals) / dt_s)
+        refusals_per_s=max(0.0, new.refusals - old.refusals) / dt_s,
+        refused_unread_per_s=max(0.0, new.refused_unread - old.refused_unread) / dt_s)
     delta = {b: c - old.buckets.get(b, 0.0) for b, c in new.buckets.items()}
-    return with_latency(f, delta)
+    decided = {b: c - old.decision_buckets.get(b, 0.0) for b, c in new.decision_buckets.items()}
+    return with_latency(f, delta, decided)

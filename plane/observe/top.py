@@ -77,17 +77,22 @@ def slot_streams_table(view: PlaneView) -> Table:
 def metrics_table(metrics: Sequence[MetricsFacts], *, live: bool) -> Table:
     t = Table(title="metrics" + (" (over the last interval)" if live else " (since start)"),
               title_justify="left")
-    for col in ("endpoint", "refusals/s" if live else "refusals", "first-retry success",
-                "accepted p50/p99 ms", "GPU util"):
+    # "refused unread": by a router behind on its inbox (its CPU is the limit: add a router).
+    for col in ("endpoint", "refusals/s" if live else "refusals",
+                "refused unread/s" if live else "refused unread", "first-retry success",
+                "accepted p50/p99 ms", "decision p99 ms", "GPU util"):
         t.add_column(col, justify="left" if col == "endpoint" else "right")
     for m in metrics:
         if m.error:
-            t.add_row(m.url, Text(m.error, style="red"), "", "", "")
+            t.add_row(m.url, Text(m.error, style="red"), "", "", "", "", "")
             continue
         gpu = "  ".join(f"{k} {v:.0f}%" for k, v in sorted(m.gpu_util_pct.items())) or "-"
         t.add_row(m.url, _n(m.refusals_per_s, "{:.1f}") if live else _n(m.refusals, "{:.0f}"),
+                  _n(m.refused_unread_per_s, "{:.1f}") if live
+                  else _n(m.refused_unread, "{:.0f}"),
                   _pct(m.first_retry_success),
-                  f"{_n(m.accepted_p50_ms, '{:.2f}')}/{_n(m.accepted_p99_ms, '{:.2f}')}", gpu)
+                  f"{_n(m.accepted_p50_ms, '{:.2f}')}/{_n(m.accepted_p99_ms, '{:.2f}')}",
+                  _n(m.decision_p99_ms, "{:.2f}"), gpu)
     return t
 
 

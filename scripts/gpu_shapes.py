@@ -5,7 +5,9 @@ Each shape serves `calibrated` on SLOTS slots; `plane pulse` offers RATES (reque
 WORK_US work each, with --retry. Per shape and rate: pulse's summary; the slot's time past
 the work (`compute_us - work_us` of the node's sampled "request answered" lines: the
 hand-off to the slot's thread, the launch, the wait's wake-up, the hand-back, the loop's lag);
-and the CPU seconds of each process (from /proc) over the pulse.
+the CPU seconds of each process (from /proc) over the pulse; and each router's /metrics over
+it: refusals, those refused unread because it was behind on its inbox (its CPU the limit),
+its decisions' time from receipt.
 
 Shapes:
 - up: `plane up`, the whole plane in one process (router, node, its loop, its slot threads);
@@ -47,6 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the plane's own modules, where it is not installed
+
+from plane.observe.planeview import MetricsFacts, over_interval, scrape  # noqa: E402
+
 ALL = ("up", "up-spin", "split", "split-5ms", "split-procs", "split-procs-mps", "split-2r",
        "split-4r")
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -188,17 +194,20 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def shape(run: Run, name: str, d: Path
-          ) -> tuple[str, list[subprocess.Popen[bytes]], list[Path]]:
+          ) -> tuple[str, list[subprocess.Popen[bytes]], list[Path], list[str]]:
     """Start `name`: its NATS URL, its processes (the router first, then the node, where
-    they are apart), the logs with the node's lines."""
+    they are apart), the logs with the node's lines, the routers' /metrics."""
     node_args = ["--model", "calibrated", "--slots", str(run.slots), "--backend", run.backend,
                  "--log-level", "info"]
     if name.startswith("up"):
         pre = {"up": "", "up-spin": SPIN}[name]
         log = d / "up.log"
+        mport = free_port()
         p = start(plane("up", "--models", "calibrated", "--slots", str(run.slots),
-                        "--backend", run.backend, "--log-level", "info", pre=pre), log)
-        return wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log]
+                        "--backend", run.backend, "--log-level", "info", "--metrics-port",
+                        str(mport), pre=pre), log)
+        return (wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log],
+                [f"http://127.0.0.1:{mport}/metrics"])
     # split, split-5ms (the node's GIL switch interval Python's own), split-procs (the node's slots
     # over NODE_PROCS processes, -mps: under MPS), split-<n>r (n routers)
     routers = int(m.group(1)) if (m := re.fullmatch(r"split-(\d+)r", name)) else 1
@@ -221,13 +230,16 @@ def shape(run: Run, name: str, d: Path
             break
         time.sleep(0.2)
     wait_for(node_log, r"node started", node)
-    procs = []
+    procs, metrics = [], []
     for i in range(routers):
         router_log = d / f"router{i}.log"
+        mport = free_port()
         procs.append(start(plane("router", "--nats", url, "--log-level", "info",
-                                 "--router-id", f"r{i}"), router_log))
+                                 "--router-id", f"r{i}", "--metrics-port", str(mport),
+                                 "--metrics-host", "127.0.0.1"), router_log))
+        metrics.append(f"http://127.0.0.1:{mport}/metrics")
         wait_for(router_log, r"router started", procs[-1])
-    return url, [*procs, node, srv], [node_log]
+    return url, [*procs, node, srv], [node_log], metrics
 
 
 def profile(pid: int, out: Path, mode: str, seconds: float) -> subprocess.Popen[bytes] | None:
@@ -280,6 +292,21 @@ def answered(logs: list[Path], since: float) -> list[dict[str, object]]:
     return rows
 
 
+def router_line(f: MetricsFacts) -> str:
+    """A router's /metrics over one pulse: its refusals, those refused unread because it was
+    behind on its inbox (its CPU the limit: `plane.router.inbox`), and its decisions' time
+    from receipt."""
+    if f.error:
+        return f"/metrics unreadable: {f.error}"
+    return (f"refusals {f.refusals_per_s or 0:.0f}/s, refused unread (behind) "
+            f"{f.refused_unread_per_s or 0:.0f}/s, decision from receipt p50/p99 "
+            f"{fmt_ms(f.decision_p50_ms)}/{fmt_ms(f.decision_p99_ms)} ms")
+
+
+def fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def q(v: list[int], p: float) -> int | None:
     v = sorted(v)
     return v[int(p * (len(v) - 1))] if v else None
@@ -293,7 +320,7 @@ def main() -> int:
         d = run.out / name
         d.mkdir(parents=True, exist_ok=True)
         try:
-            url, procs, logs = shape(run, name, d)
+            url, procs, logs, metrics = shape(run, name, d)
         except Exception as e:  # one shape's failure must not hide the others
             print(f"== {name}: did not start: {e}")
             mps_stop(d)
@@ -304,6 +331,7 @@ def main() -> int:
                 names = family([p.pid for p in procs])
                 before = {p: cpu_s(p) for p in names}
                 since = time.time()
+                scraped = [scrape(u, 5.0) for u in metrics]
                 spies = profiles(name, procs, d, first=rate == run.rates[0],
                                  seconds=run.seconds)
                 pulse = subprocess.run(
@@ -332,6 +360,9 @@ def main() -> int:
                       f"{q(over, .5)}, p90 {q(over, .9)}, p99 {q(over, .99)}")
                 print("   CPU s over the pulse: " + ", ".join(
                     f"{n} {c:.2f}" for n, c in sorted(cpu.items(), key=lambda x: -x[1])))
+                for i, (u, old) in enumerate(zip(metrics, scraped, strict=True)):
+                    print(f"   router {i}: " + router_line(
+                        over_interval(scrape(u, 5.0), old, time.time() - since)))
         finally:
             stop(procs)
             mps_stop(d)

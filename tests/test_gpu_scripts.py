@@ -59,4 +59,9 @@ def test_gpu_shapes_script_runs_its_shapes_on_the_cpu(tmp_path: Path) -> None:
     past = re.findall(r"slot time past the work \(us, (\d+) sampled\): p50 (\d+)", out)
     assert len(past) == 2 and all(int(n) > 0 for n, _ in past), out
     assert re.search(r"CPU s over the pulse: .*router [\d.]+", out), out  # split's router
+    # Each shape's router, from its /metrics over the pulse: nothing refused or behind at
+    # this rate, and its decisions' time from receipt.
+    routers = re.findall(r"router 0: refusals (\d+)/s, refused unread \(behind\) (\d+)/s, "
+                         r"decision from receipt p50/p99 ([\d.]+)/([\d.]+) ms", out)
+    assert len(routers) == 2 and all(u == "0" for _, u, _, _ in routers), out
     assert '"gil_switch_us": 5000' in (tmp_path / "split-5ms" / "node.log").read_text()

@@ -31,7 +31,7 @@ app.conf.update(
 )
 
 
-@app.task(name=TASK_NAME)  # type: ignore[untyped-decorator]  # celery has no types
+@app.task(name=TASK_NAME)  # type: ignore[untyped-decorator,unused-ignore]  # celery: untyped
 def calibrated(duration_us: int) -> dict[str, int]:
     """The same compute as the plane's `calibrated` model: hold the worker for duration_us."""
     time.sleep(duration_us / 1e6)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import nats.errors
 import pytest
@@ -16,6 +17,8 @@ from nats.aio.subscription import Subscription
 
 from plane.contract.subjects import Header
 from plane.router.inbox import INTERVAL_S, TARGET_S, TURN_EVERY_S, Inbox, stale, turn_due
+from plane.router.requests import RequestPath
+from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, client, plane
 
 
@@ -163,3 +166,37 @@ async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None
         assert router.metrics.behind.labels("calibrated")._value.get() == 1
         with pytest.raises(nats.errors.TimeoutError):  # exactly one answer
             await answers.next_msg(timeout=0.3)
+
+
+async def test_a_router_behind_on_a_flood_answers_each_request_once() -> None:
+    """The real router, its decisions slowed to 3 ms each (its CPU as the plane's limit),
+    200 requests at once: it falls behind, refuses unread (429 `busy`, "behind", a
+    Retry-After of at least the bound) what waited past `max_inbox_wait_ms`, places the
+    newest, and every request gets exactly one answer."""
+    async with plane(models=("calibrated",), slots=4, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        decide = RequestPath._route_one
+
+        async def slow(self: RequestPath, msg: Msg) -> None:
+            end = time.perf_counter() + 0.003
+            while time.perf_counter() < end:
+                pass
+            await decide(self, msg)
+
+        ledger = await Ledger(nc).start()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(RequestPath, "_route_one", slow)
+            for _ in range(200):
+                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 2000)
+            await nc.flush()
+            await ledger.settle(30)
+        assert ledger.unanswered() == [] and ledger.answered_twice() == []
+        unread = [a for i in ledger.answers if (a := ledger.first(i)).status == 429
+                  and "behind" in json.loads(a.msg.data)["error"]]
+        assert unread, ledger.statuses()
+        assert ledger.statuses()[200] > 0, ledger.statuses()
+        wait_ms = router.cfg.max_inbox_wait_ms
+        assert all(int(a.headers[Header.RETRY_AFTER_MS]) >= wait_ms for a in unread)
+        assert all(Header.TICKET not in a.headers for a in unread)
+        assert router.metrics.behind.labels("calibrated")._value.get() == len(unread)

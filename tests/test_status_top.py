@@ -66,6 +66,7 @@ async def test_status_prints_every_router_and_node_and_exits_0() -> None:
     assert s["healthy"] is True and not s["problems"]
     (r,) = s["routers"]
     assert r["router"] == "router0" and r["promises_open"] is not None
+    assert r["behind_ms"] == 0  # it keeps up with this load
     assert r["ticket_stats"] == {}  # tickets issued, but no holder came back with one
     assert r["models"]["calibrated"]["slots"] == 1 and r["models"]["calibrated"]["healthy"] == 1
     assert {n["node"] for n in s["nodes"]} == {"node0-calibrated", "node0-risk"}
@@ -209,6 +210,8 @@ def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
                    "p99_overhead_us": 1500, "call_trip_p50_us": 700, "call_trip_p99_us": 2100},
         "calibrated": {"slots": 2, "healthy": 2, "busy": 0}}}
     r = router_facts(body)
+    assert r.behind_ms is None  # a router of an earlier version does not say
+    assert router_facts({**body, "behind_ms": 1200}).behind_ms == 1200
     called, quiet = r.models["tinylm"], r.models["calibrated"]
     assert (called.call_trip_p50_us, called.call_trip_p99_us) == (700, 2100)
     assert called.cycle_p50_us == 900

@@ -59,6 +59,8 @@ class RouterFacts(msgspec.Struct, kw_only=True):
     in_flight: int | None = None
     redemption: dict[str, float] = {}
     ticket_stats: dict[str, int] = {}  # what ticket holders found (parked, refused, late)
+    # How long the router has been behind on its inbox (0: it is not; None: not reported).
+    behind_ms: int | None = None
 
 
 class NodeFacts(msgspec.Struct, kw_only=True):
@@ -177,7 +179,7 @@ def router_facts(body: dict[str, Any]) -> RouterFacts:
                 for m, v in (body.get("models") or {}).items()},
         promises_open=body.get("tickets"), in_flight=body.get("inflight"),
         redemption=body.get("redemption") or {},
-        ticket_stats=body.get("ticket_stats") or {})
+        ticket_stats=body.get("ticket_stats") or {}, behind_ms=body.get("behind_ms"))
 
 
 def node_facts(body: dict[str, Any]) -> NodeFacts:

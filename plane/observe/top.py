@@ -36,8 +36,9 @@ def _pct(v: float | None) -> str:
 
 def routers_table(view: PlaneView) -> Table:
     t = Table(title="routers", title_justify="left", expand=False)
+    # "behind": how long the router has read its inbox late (its CPU is the limit).
     for col in ("router", "model", "slots healthy/all", "busy", "promises open", "in flight",
-                "cycle p50/p99", "tickets redeemed"):
+                "cycle p50/p99", "tickets redeemed", "behind"):
         t.add_column(col, justify="left" if col in ("router", "model") else "right")
     for r in view.routers:
         first = True
@@ -50,7 +51,8 @@ def routers_table(view: PlaneView) -> Table:
                 _n(r.promises_open) if first else "", _n(r.in_flight) if first else "",
                 "-" if m is None else (f"{_n(m.cycle_p50_us, '{:.0f}')}/"
                                        f"{_n(m.cycle_p99_us, '{:.0f}')} µs"),
-                _pct(r.redemption.get(model)))
+                _pct(r.redemption.get(model)),
+                (_n(r.behind_ms, "{:.0f} ms") if r.behind_ms else "-") if first else "")
             first = False
     return t
 

@@ -370,6 +370,8 @@ class Router(Lifecycle, TaskOwner):
             "ticket_stats": dict(self.admission.stats),
             "redemption": self.admission.redemption,
             "inflight": len(self.inflight),
+            # How long it has been behind on its inbox (`plane.router.inbox`; 0: it is not).
+            "behind_ms": self.requests.behind_ms(),
         }
         await req.respond(json_encoder.encode(body))
 

@@ -20,6 +20,7 @@ from plane.contract.subjects import Names
 from plane.observe.planeview import (
     MetricsFacts,
     _quantile,
+    behind_problems,
     collect,
     connect_fast,
     metrics_facts,
@@ -211,7 +212,11 @@ def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
         "calibrated": {"slots": 2, "healthy": 2, "busy": 0}}}
     r = router_facts(body)
     assert r.behind_ms is None  # a router of an earlier version does not say
-    assert router_facts({**body, "behind_ms": 1200}).behind_ms == 1200
+    behind = router_facts({**body, "behind_ms": 1200})
+    assert behind.behind_ms == 1200
+    # Named among the problems once it has lasted a second; a burst's moment is not.
+    (problem,) = behind_problems([r, behind, router_facts({**body, "behind_ms": 40})])
+    assert "r0 has been behind on its inbox for 1200 ms" in problem and "add a router" in problem
     called, quiet = r.models["tinylm"], r.models["calibrated"]
     assert (called.call_trip_p50_us, called.call_trip_p99_us) == (700, 2100)
     assert called.cycle_p50_us == 900

@@ -217,12 +217,25 @@ async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0) -> PlaneV
                       if b is not None and k == names.router_service), key=lambda r: r.router)
     nodes = sorted((node_facts(b) for k, b in answers
                     if b is not None and k == names.node_service), key=lambda n: n.node)
+    problems.extend(behind_problems(routers))
     if not routers:
         problems.append("no router answers (plane router, or plane up)")
     if not nodes:
         problems.append("no node answers (plane node, or plane up)")
     return PlaneView(routers=routers, nodes=nodes, slot_streams=streams, problems=problems,
                      took_ms=(time.monotonic() - t0) * 1000)
+
+
+# A router behind on its inbox this long is named among the problems: a burst puts one behind
+# for tens of milliseconds; a second on end is a load past what its CPU decides.
+BEHIND_PROBLEM_MS = 1000
+
+
+def behind_problems(routers: list[RouterFacts]) -> list[str]:
+    """The routers that have been behind on their inbox for BEHIND_PROBLEM_MS or more."""
+    return [f"router {r.router} has been behind on its inbox for {r.behind_ms} ms: its CPU "
+            f"is the plane's limit (give it a core of its own, or add a router)"
+            for r in routers if r.behind_ms is not None and r.behind_ms >= BEHIND_PROBLEM_MS]
 
 
 async def _slot_streams(nc: Client, names: Names, timeout_s: float,

@@ -14,8 +14,9 @@ like a slower core would), which puts its limit at a few hundred requests/s whil
 
 Processes: a nats-server, `plane node`, the router (this script as `router-child`), and `plane
 pulse`, each on its own; all on loopback. Per rate it prints pulse's answers/s, first-try
-refusals, first-retry success, accepted p50/p99, the router's CPU seconds, and from the router's
-/metrics the decisions' time from receipt (p50/p99) and refusals by reason.
+refusals, first-retry success, accepted p50/p99, the router's CPU seconds, and from the
+router's /metrics the decisions' time from receipt (p50/p99, interpolated within the
+histogram's buckets) and refusals by reason.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the plane's own modules (run as a script from any directory)
+
+from plane.observe.planeview import bucket_delta, bucket_quantile, metrics_facts  # noqa: E402
+
 SHED_SHARE = 0.4
 # pulse's own cap on requests in flight (a caller waiting out a Retry-After is in flight):
 # high enough that pulse offers the whole rate instead of dropping arrivals itself.
@@ -68,21 +73,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def histogram_quantile(text: str, name: str, q: float) -> float | None:
-    """The q-quantile (s) of a Prometheus histogram summed over its labels: the upper bound of
-    the first bucket that holds it."""
-    buckets: dict[float, float] = {}
-    for le, value in re.findall(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', text,
-                                re.MULTILINE):
-        bound = float("inf") if le == "+Inf" else float(le)
-        buckets[bound] = buckets.get(bound, 0.0) + float(value)
-    if not buckets:
-        return None
-    total = buckets[float("inf")]
-    for bound in sorted(buckets):
-        if buckets[bound] >= q * total:
-            return bound
-    return None
+def decision_buckets(texts: list[str]) -> dict[float, float]:
+    """The routers' decision histograms (from receipt, all outcomes), summed."""
+    out: dict[float, float] = {}
+    for t in texts:
+        for bound, count in metrics_facts("", t).decision_buckets.items():
+            out[bound] = out.get(bound, 0.0) + count
+    return out
 
 
 def refusals(text: str) -> dict[str, float]:
@@ -191,9 +188,8 @@ def main() -> int:
         if node.poll() is not None:
             raise RuntimeError(f"node exited: {(d / 'node.log').read_text()[-800:]}")
 
-        def scrape() -> str:  # every router's exposition, one after the other (sums add up)
-            return "\n".join(urllib.request.urlopen(u, timeout=5).read().decode()
-                             for u in metrics_urls)
+        def scrape() -> list[str]:  # every router's exposition
+            return [urllib.request.urlopen(u, timeout=5).read().decode() for u in metrics_urls]
 
         print(f"{a.routers} router(s), each spinning {a.spin_us} us a request; calibrated "
               f"{a.work_us} us on {a.slots} slots; {a.seconds:g} s a rate; logs in {d}")
@@ -231,42 +227,29 @@ def main() -> int:
     return 0
 
 
-def report(s: dict[str, object], wall_s: float, router_cpu: float, text: str,
-           before_text: str) -> str:
-    """One rate's line: pulse's summary `s`, the router's CPU and its /metrics before and
+def report(s: dict[str, object], wall_s: float, router_cpu: float, texts: list[str],
+           before_texts: list[str]) -> str:
+    """One rate's line: pulse's summary `s`, the routers' CPU and their /metrics before and
     after."""
     statuses = s.get("status_counts")
     ok = statuses.get("200", 0) if isinstance(statuses, dict) else 0
-    # The decision histogram over this rate alone: this rate's counts less the last's.
-    lag = diff_histogram(text, before_text)
-    p50, p99 = (histogram_quantile(lag, "plane_router_decision_seconds", q) for q in (0.5, 0.99))
+    # The decision histogram over this rate alone (interpolated within its buckets).
+    lag = bucket_delta(decision_buckets(texts), decision_buckets(before_texts))
+    p50, p99 = (bucket_quantile(lag, q) for q in (0.5, 0.99))
+    text, before_text = "\n".join(texts), "\n".join(before_texts)
     refused = diff(refusals(text), refusals(before_text))
     decided = diff(decisions(text), decisions(before_text))
     return (f"{ok} answered 200 in {wall_s:.1f} s (the pulse and its callers' retries; "
             f"{ok / wall_s:.0f}/s), refused first {s.get('refusal_rate', 0):.3f}, first-retry "
             f"{s.get('first_retry_success')}, accepted p50/p99 {s.get('p50_ms')}/"
             f"{s.get('p99_ms')} ms, final statuses {statuses}; router CPU {router_cpu:.2f} s; "
-            f"decision from receipt p50/p99 <= {fmt(p50)}/{fmt(p99)} ms; refusals "
+            f"decision from receipt p50/p99 {fmt(p50)}/{fmt(p99)} ms; refusals "
             f"{json.dumps({k: round(v) for k, v in refused.items()})}; decisions "
             f"{json.dumps({k: round(v) for k, v in decided.items()})}")
 
 
 def fmt(s: float | None) -> str:
-    return "-" if s is None else f"{s * 1000:g}"
-
-
-def diff_histogram(after: str, before: str) -> str:
-    """`after`'s histogram bucket lines less `before`'s (each summed over routers), as
-    exposition text."""
-    def sums(text: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for k, v in re.findall(r"^(plane_router_decision_seconds_bucket\S+) (\S+)$", text,
-                               re.MULTILINE):
-            out[k] = out.get(k, 0.0) + float(v)
-        return out
-
-    old = sums(before)
-    return "\n".join(f"{k} {v - old.get(k, 0.0)}" for k, v in sums(after).items())
+    return "-" if s is None else f"{s * 1000:.1f}"
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from rich.console import Console
 from plane.contract.subjects import Names
 from plane.observe.planeview import (
     MetricsFacts,
-    _quantile,
     behind_problems,
+    bucket_quantile,
     collect,
     connect_fast,
     metrics_facts,
@@ -146,9 +146,9 @@ async def test_collect_is_bounded_without_any_service(nats_server: object) -> No
 def test_histogram_quantile_like_prometheus() -> None:
     # 90 answers under 1 ms, 10 between 5 and 10 ms (cumulative buckets).
     b = {0.0005: 0.0, 0.001: 90.0, 0.005: 90.0, 0.01: 100.0, float("inf"): 100.0}
-    assert _quantile(b, 0.5) == pytest.approx(0.0005 + 0.0005 * 50 / 90)
-    assert _quantile(b, 0.99) == pytest.approx(0.0095)
-    assert _quantile({float("inf"): 0.0}, 0.5) is None
+    assert bucket_quantile(b, 0.5) == pytest.approx(0.0005 + 0.0005 * 50 / 90)
+    assert bucket_quantile(b, 0.99) == pytest.approx(0.0095)
+    assert bucket_quantile({float("inf"): 0.0}, 0.5) is None
 
 
 METRICS_TEXT = """\

@@ -70,8 +70,8 @@ class RouterConfig:
     # While the router is behind (its oldest unread request has waited past 5 ms for 20 ms:
     # `plane.router.inbox`), it reads the newest first and refuses unread, 429 `busy`, a
     # request that waited longer than this in its inbox (not a ticket holder's, nor one
-    # forwarded by another router): answered
-    # within the bound instead of decided when its budget and promises are long gone.
+    # forwarded by another router): answered within the bound instead of decided when its
+    # budget and promises are long gone.
     max_inbox_wait_ms: int = 50
 
     def __post_init__(self) -> None:

@@ -261,7 +261,7 @@ async def _slot_streams(nc: Client, names: Names, timeout_s: float,
 
 
 # -- Prometheus endpoints ----------------------------------------------------------------------
-def _quantile(buckets: dict[float, float], q: float) -> float | None:
+def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:
     """Prometheus's histogram_quantile on cumulative buckets (upper bound -> count)."""
     bounds = sorted(buckets)
     if not bounds or buckets[bounds[-1]] <= 0:
@@ -282,7 +282,7 @@ def _quantile(buckets: dict[float, float], q: float) -> float | None:
 
 
 def _ms(buckets: dict[float, float], q: float) -> float | None:
-    s = _quantile(buckets, q)
+    s = bucket_quantile(buckets, q)
     return None if s is None else 1000 * s
 
 
@@ -343,6 +343,10 @@ def over_interval(new: MetricsFacts, old: MetricsFacts | None, dt_s: float) -> M
         tickets_honoured=new.tickets_honoured - old.tickets_honoured,
         refusals_per_s=max(0.0, new.refusals - old.refusals) / dt_s,
         refused_unread_per_s=max(0.0, new.refused_unread - old.refused_unread) / dt_s)
-    delta = {b: c - old.buckets.get(b, 0.0) for b, c in new.buckets.items()}
-    decided = {b: c - old.decision_buckets.get(b, 0.0) for b, c in new.decision_buckets.items()}
-    return with_latency(f, delta, decided)
+    return with_latency(f, bucket_delta(new.buckets, old.buckets),
+                        bucket_delta(new.decision_buckets, old.decision_buckets))
+
+
+def bucket_delta(new: dict[float, float], old: dict[float, float]) -> dict[float, float]:
+    """Cumulative histogram buckets over an interval: the later counts less the earlier."""
+    return {b: c - old.get(b, 0.0) for b, c in new.items()}

@@ -25,8 +25,8 @@ the bound after CoDel):
   a backlog is worked through.
 
 The discipline sits in the subscription's own queue (nats-py's `_pending_queue`, an
-`asyncio.Queue`: its `put_nowait` wrapped to stamp the receipt, as `plane.router.receipt`
-does, and its `_get` replaced on the instance), so the subscription's task and nats-py's
+`asyncio.Queue`: its `put_nowait` wrapped by `plane.router.receipt` to stamp the receipt and
+note the holders, and its `_get` replaced on the instance), so the subscription's task and nats-py's
 drop past `max_pending` work as before. `tests/test_inbox.py` checks it against a real
 server.
 """
@@ -42,14 +42,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.contract.subjects import Header
-from plane.router.receipt import mark_received, received_s
+from plane.router.receipt import received_s, stamp_receipt
 
 TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
 INTERVAL_S = 0.020  # formed this long without clearing: the router is behind
 # Requests handled back to back for this long: let the loop turn before the next (the
 # socket read, done-events handled first: `RequestPath.on_request`).
 TURN_EVERY_S = 0.001
-_STALE = "_plane_waited_s"  # on a Msg to be refused unread: how long it waited (s)
+# On a Msg to be refused unread: (how long it waited, how long the router has been behind), s.
+_STALE = "_plane_stale"
 _TURN = "_plane_turn"  # on a Msg before which the loop is to turn
 
 
@@ -71,17 +72,13 @@ class Inbox:
         self._turned_s = 0.0
         self._drained = True
         self._shed_turn = True
-        put = queue.put_nowait
-        holders = self._holders
-
-        def put_stamped(msg: Msg) -> None:
-            put(msg)  # raises QueueFull past max_pending: nats-py answers it (on_overflow)
-            mark_received(msg, clock())
-            if (hdrs := msg.headers) and (Header.TICKET in hdrs or Header.FORWARDED_BY in hdrs):
-                holders.append(msg)
-
-        queue.put_nowait = put_stamped  # type: ignore[assignment,method-assign]
+        stamp_receipt(sub, clock=clock, then=self._noted)
         queue._get = self._take  # type: ignore[method-assign]
+
+    def _noted(self, msg: Msg) -> None:
+        """A message just queued: a ticket holder's or a forwarded one is tracked."""
+        if (hdrs := msg.headers) and (Header.TICKET in hdrs or Header.FORWARDED_BY in hdrs):
+            self._holders.append(msg)
 
     def behind_s(self) -> float:
         """How long the router has been behind on this inbox (0: it is not)."""

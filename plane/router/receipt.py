@@ -17,6 +17,7 @@ is pinned in pyproject.toml and `tests/test_receipt.py` checks the stamp on a re
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -24,14 +25,18 @@ from nats.aio.subscription import Subscription
 _RECEIVED = "_plane_received_s"  # on the Msg (a plain dataclass): monotonic seconds
 
 
-def stamp_receipt(sub: Subscription) -> Subscription:
-    """Make `sub` stamp each message with its receipt time from now on."""
+def stamp_receipt(sub: Subscription, *, clock: Callable[[], float] = time.monotonic,
+                  then: Callable[[Msg], None] | None = None) -> Subscription:
+    """Make `sub` stamp each message with its receipt time (`clock`) from now on, and hand
+    each one queued to `then` (`plane.router.inbox` notes its ticket holders)."""
     queue = sub._pending_queue
     put = queue.put_nowait
 
     def stamped(item: Msg) -> None:
-        mark_received(item, time.monotonic())
-        put(item)
+        put(item)  # raises QueueFull past the pending limit: nats-py answers it, unstamped
+        mark_received(item, clock())
+        if then is not None:
+            then(item)
 
     queue.put_nowait = stamped  # type: ignore[method-assign]
     return sub

@@ -168,6 +168,47 @@ async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None
             await answers.next_msg(timeout=0.3)
 
 
+async def test_a_stale_request_past_its_own_deadline_is_refused_deadline() -> None:
+    """Refused unread after its deadline had passed in the inbox: 429 `deadline` (go
+    elsewhere now), the Retry-After still the router's; one within its deadline (the model's
+    default, 1 s for `calibrated`) is refused `busy` as before."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        clock = Clock()
+        sub = await nc.subscribe("inbox.deadline")
+        Inbox(sub, max_wait_s=0.05, clock=clock)
+        reply = nc.new_inbox()
+        answers = await nc.subscribe(reply)
+        asked = {"a": None, "b": "100", "c": None, "d": None}
+        for rid, deadline in asked.items():
+            h = {Header.REQUEST_ID: rid} | ({Header.DEADLINE_MS: deadline} if deadline else {})
+            await nc.publish("inbox.deadline", calibrated(1000), reply=reply, headers=h)
+        await nc.flush()
+        async with asyncio.timeout(5):
+            while sub.pending_msgs < 4:
+                await asyncio.sleep(0.005)
+        await take(sub, clock, 0.03)  # "a", found over TARGET_S: in order
+        clock.now += 0.3  # behind for 300 ms
+        got = [await take(sub, clock, 0.0) for _ in range(3)]  # stale "b", newest "d", stale "c"
+        assert [m.headers[Header.REQUEST_ID] for m in got] == ["b", "d", "c"]  # type: ignore[index]
+        for msg in (got[0], got[2]):
+            assert stale(msg) is not None
+            msg.subject = NAMES.infer("calibrated")
+            await router.requests.on_request(msg)
+        first, second = [await answers.next_msg(timeout=5) for _ in range(2)]
+        h1, h2 = first.headers or {}, second.headers or {}
+        assert (h1[Header.REQUEST_ID], h1[Header.STATUS], h1[Header.REASON]) == (
+            "b", "429", "deadline"), h1
+        assert int(h1[Header.RETRY_AFTER_MS]) == 330  # waited 330 ms, past its 100
+        assert "past its deadline of 100 ms" in json.loads(first.data)["error"]
+        assert (h2[Header.REQUEST_ID], h2[Header.STATUS], h2[Header.REASON]) == (
+            "c", "429", "busy"), h2
+        assert router.metrics.behind.labels("calibrated")._value.get() == 2
+        with pytest.raises(nats.errors.TimeoutError):  # exactly one answer each
+            await answers.next_msg(timeout=0.3)
+
+
 async def test_a_router_behind_on_a_flood_answers_each_request_once() -> None:
     """The real router, its decisions slowed to 3 ms each (its CPU as the plane's limit),
     200 requests at once: it falls behind, refuses unread (429 `busy`, "behind", a

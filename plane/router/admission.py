@@ -285,6 +285,19 @@ def behind(router: str, waited_ms: int, behind_ms: int) -> Refuse:
                   retry_after_ms=wait_ms)
 
 
+def behind_past_deadline(router: str, waited_ms: int, deadline_ms: int,
+                         behind_ms: int) -> Refuse:
+    """A request refused unread (as `behind`) whose own deadline had already passed in the
+    router's inbox: `deadline`, so its caller goes elsewhere now instead of coming back
+    with a request nobody can answer in time. Retry-After still says how long this router
+    has been behind: what a fresh request of the caller's could expect here."""
+    wait_ms = max(1, waited_ms, behind_wait_ms(behind_ms))
+    return Refuse(Status.BUSY, Reason.DEADLINE,
+                  f"router {router} is behind (for {behind_ms} ms): this request waited "
+                  f"{waited_ms} ms unread, past its deadline of {deadline_ms} ms: go "
+                  "elsewhere, or to another router", retry_after_ms=wait_ms)
+
+
 def owner_silent(owner: str) -> Refuse:
     """A forwarded request whose router did not answer in time."""
     return Refuse(Status.DEADLINE, Reason.DEADLINE,

@@ -12,6 +12,7 @@ the subscriptions and the control plane, and hands each request to `RequestPath.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
@@ -34,6 +35,7 @@ from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
 from plane.contract.headers import (
+    decimal,
     echoed_request_id,
     is_no_responders,
     read_caller,
@@ -312,9 +314,25 @@ class RequestPath:
         model = self.cfg.names.infer_model_of(msg.subject)
         label = model if model in self._models else "unknown"
         self.metrics.behind.labels(label).inc()
-        rid = echoed_request_id(msg.headers or {}) or self._new_rid()
-        await self._refuse_early(msg, rid, label, refusals.behind(
-            self.cfg.router_id, round(waited_s * 1000), round(behind_s * 1000)))
+        hdrs = msg.headers or {}
+        rid = echoed_request_id(hdrs) or self._new_rid()
+        waited_ms, behind_ms = round(waited_s * 1000), round(behind_s * 1000)
+        deadline_ms = self._asked_deadline_ms(model, hdrs)
+        refusal = (refusals.behind_past_deadline(self.cfg.router_id, waited_ms, deadline_ms,
+                                                 behind_ms)
+                   if waited_ms >= deadline_ms
+                   else refusals.behind(self.cfg.router_id, waited_ms, behind_ms))
+        await self._refuse_early(msg, rid, label, refusal)
+
+    def _asked_deadline_ms(self, model: str, hdrs: Mapping[str, str]) -> int:
+        """A request's deadline as the caller gave it, else the model's, read without the
+        rest of its headers (a request refused unread: `_shed_stale`). Invalid: the default
+        (the refusal is for its wait, not for its headers)."""
+        raw = hdrs.get(Header.DEADLINE_MS)
+        if raw is not None:
+            with contextlib.suppress(ValueError):
+                return decimal(raw, what=Header.DEADLINE_MS, low=1, high=MAX_DEADLINE_MS)
+        return self._deadline_ms(model, None)
 
     def _shed_refusal(self, subject: str) -> tuple[str, Refuse]:
         """A flood's refusal for a request on `subject`: come back after about one slot

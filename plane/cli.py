@@ -18,7 +18,13 @@ from typing import Any, TypeVar
 import click
 
 from plane.auth.cli import auth
-from plane.contract.config import BACKENDS, ConnectOptions, NodeConfig, RouterConfig
+from plane.contract.config import (
+    BACKENDS,
+    MAX_DEADLINE_MS,
+    ConnectOptions,
+    NodeConfig,
+    RouterConfig,
+)
 from plane.contract.errors import ConfigError, PlaneError
 from plane.contract.extras import DISTRIBUTION, missing_extra
 from plane.contract.lifecycle import run
@@ -261,9 +267,17 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
 @main.command()
 @serving_options
 @click.option("--router-id", default=None, help="Router name (default: r-<hostname>).")
+@click.option("--max-inbox-wait-ms", type=click.IntRange(10, MAX_DEADLINE_MS),
+              default=RouterConfig.max_inbox_wait_ms,
+              show_default=True,
+              help="While the router is behind on its inbox (its CPU is the limit), a request "
+                   "that waited longer than this unread is refused at once (429, Retry-After) "
+                   "instead of decided late. Raise it where deadlines are long and bursts "
+                   "should wait rather than come back.")
 def router(nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
-           metrics_host: str, replicas: int, log_level: str, router_id: str | None) -> None:
+           metrics_host: str, replicas: int, log_level: str, router_id: str | None,
+           max_inbox_wait_ms: int) -> None:
     """Serve `<prefix>.infer.<model>` in the queue group plane-routers.
 
     \b
@@ -271,7 +285,7 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
       plane router --nats nats://127.0.0.1:4222 --metrics-port 9466
     """
     configure_logs(log_level)
-    cfg = RouterConfig(names=names_for(prefix))
+    cfg = RouterConfig(names=names_for(prefix), max_inbox_wait_ms=max_inbox_wait_ms)
     if router_id:
         cfg = replace(cfg, router_id=router_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-router")

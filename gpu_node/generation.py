@@ -162,7 +162,9 @@ class SlotGenerator:
         self._used_s = 0.0  # monotonic: when the last generation (or warming) ended
         self._warm_until_s = 0.0
         self.warmings = 0  # one-token generations run to keep warm (tests, benchmarks)
-        self.decode_path = "launches"  # or "a CUDA graph per token" (warm_up), for the log
+        # How a decode step runs (for the log): launches, "a CUDA graph per token" (warm_up),
+        # or on the torch path one TorchScript call per token, else eager ops.
+        self.decode_path = lm.decode_path
 
     def warm_up(self) -> None:
         """One short generation, so that compiling (or the interpreter's rewrite) happens

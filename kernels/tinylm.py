@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from kernels.decode_attention import TorchAttention, decode_attention
 from kernels.launch import capture_graph, interpreter_ready
+from kernels.tinylm_script import Scripted, script_torch_path
 
 END = 256  # begins every sequence, ends a generation when sampled
 VOCAB = 257  # 256 byte values and END
@@ -192,6 +193,8 @@ class GenState:
     generator: torch.Generator = field(default_factory=torch.Generator)  # CPU, per request
     graph: torch.cuda.CUDAGraph | None = None  # the kernel path's decode step (`capture`)
     logits_ready: torch.cuda.Event | None = None  # CUDA: a blocking event, the logits copied
+    # The scripted torch step's buffers, in its order (`TinyLM._torch_decode`): made once.
+    decode_args: tuple[object, ...] | None = None
     # The request: set by `start`.
     pos: int = 0  # position of the next token to decode (= positions filled in the cache)
     produced: int = 0
@@ -207,7 +210,8 @@ class GenState:
 class TinyLM:
     """The model on one device, with its attention path chosen once, at construction."""
 
-    def __init__(self, weights: TinyLMWeights, device: torch.device, *, use_kernel: bool) -> None:
+    def __init__(self, weights: TinyLMWeights, device: torch.device, *, use_kernel: bool,
+                 script: bool = True) -> None:
         if use_kernel and device.type != "cuda" and not interpreter_ready():
             raise ValueError(
                 "tinylm: the Triton kernel needs CUDA, or TRITON_INTERPRET=1 set before triton "
@@ -217,12 +221,23 @@ class TinyLM:
         self.device = device
         self.use_kernel = use_kernel
         self.w = weights.to(device)
+        # The torch path on a CPU decodes through one TorchScript call a token where it
+        # compiles (kernels.tinylm_script: the GIL taken once, not per op); `script=False`
+        # keeps the eager ops (the reference the scripted step is tested against). Not on
+        # CUDA: TorchScript would fuse there, and the logits would no longer be the eager
+        # ones bit for bit (the kernel path's CUDA graph is what a GPU slot runs).
+        self._scripted: Scripted | None = None
+        self.decode_path = "launches" if use_kernel else "eager ops"
+        if not use_kernel and script and device.type == "cpu":
+            self._scripted, self.decode_path = script_torch_path()
 
     @classmethod
     def from_seed(
-        cls, seed: int, device: torch.device | str = "cpu", *, use_kernel: bool = False
+        cls, seed: int, device: torch.device | str = "cpu", *, use_kernel: bool = False,
+        script: bool = True,
     ) -> TinyLM:
-        return cls(TinyLMWeights.from_seed(seed), torch.device(device), use_kernel=use_kernel)
+        return cls(TinyLMWeights.from_seed(seed), torch.device(device), use_kernel=use_kernel,
+                   script=script)
 
     def new_state(self) -> GenState:
         """A slot's buffers, all of them: nothing else is allocated while it decodes."""
@@ -348,7 +363,14 @@ class TinyLM:
         s.pos += 1
 
     def _torch_decode(self, s: GenState, token: int) -> None:
-        """The torch path's step: token and position as host ints (the CPU's cheapest)."""
+        """The torch path's step: token and position as host ints (the CPU's cheapest). One
+        scripted call where TorchScript compiled it, else the same ops eagerly."""
+        if (scripted := self._scripted) is not None:
+            args = s.decode_args
+            if args is None:
+                args = s.decode_args = self._decode_args(s)
+            scripted.decode(token, s.pos, *args)
+            return
         w = self.w
         torch.add(w.tokens[token], w.positions[s.pos], out=s.x)
         for i, layer in enumerate(w.layers):
@@ -357,6 +379,16 @@ class TinyLM:
             s.attention(s.qkv, s.k_cache[i], s.v_cache[i], s.pos, out=s.att)
             self._layer_rest(s, layer)
         self._head(s)
+
+    def _decode_args(self, s: GenState) -> tuple[object, ...]:
+        """The scripted step's arguments after token and position (`tinylm_script._decode`):
+        the weights and `s`'s buffers, which never move."""
+        w, a = self.w, s.attention
+        return (w.tokens, w.positions, [layer.qkv for layer in w.layers],
+                [layer.out for layer in w.layers], [layer.up for layer in w.layers],
+                [layer.down for layer in w.layers], w.head, w.head_bias, s.x, s.h, s.rms, s.eps,
+                s.qkv, s.att, s.ff, s.logits, s.k_cache, s.v_cache, a.scores, a.row_max,
+                a.row_sum)
 
     def _kernel_decode(self, s: GenState) -> None:
         """The kernel path's step, every launch of it the same whatever the token and position
@@ -394,7 +426,7 @@ class TinyLM:
         the launches, bit for bit. Leaves `s` to be `start`ed again. Returns what the slot
         decodes with, or why not a graph (for the start-up log)."""
         if not (self.use_kernel and self.device.type == "cuda"):
-            return "launches"
+            return self.decode_path
         s.graph = None
         self.start(b"capture", 2, state=s)
         token, at = 7, s.pos
@@ -427,6 +459,14 @@ class TinyLM:
         c, w = self.config, self.w
         n = len(tokens)
         ids = torch.tensor(tokens, device=self.device)
+        if (scripted := self._scripted) is not None:  # the same ops, the GIL taken once
+            layers = w.layers
+            scripted.prefill(ids, w.tokens, w.positions, [layer.qkv for layer in layers],
+                             [layer.out for layer in layers], [layer.up for layer in layers],
+                             [layer.down for layer in layers], w.head, w.head_bias, s.logits,
+                             s.k_cache, s.v_cache, RMS_EPS)
+            s.pos = n
+            return
         x = w.tokens[ids] + w.positions[:n]  # [P, D]
         for i, layer in enumerate(w.layers):
             qkv = _rms_norm(x) @ layer.qkv.T  # [P, 3D]
@@ -446,6 +486,10 @@ class TinyLM:
             s.host_logits.copy_(s.logits, non_blocking=True)
             s.logits_ready.record()
             s.logits_ready.synchronize()  # sleeps: see gpu_node.partitions.CudaLane
+        if (scripted := self._scripted) is not None:  # the same ops, the GIL taken once
+            token: int = scripted.sample(s.host_logits, s.noise, s.choice, s.temperature,
+                                         s.generator)
+            return token
         if s.temperature == 0.0:
             torch.argmax(s.host_logits, out=s.choice)
         else:

@@ -358,3 +358,43 @@ def test_interpreter_tests_in_a_fresh_process() -> None:
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " 1 skipped" in done.stdout.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# The torch path's scripted prefill and step (kernels.tinylm_script): the eager ops, bit for bit
+
+
+@pytest.mark.parametrize(("prompt", "temperature", "seed"),
+                         [(b"hello, plane", 0.0, 0), (b"\x00\xff any bytes", 0.8, 7),
+                          (b"x" * 200, 1.3, 2**40)])
+def test_the_scripted_path_leaves_the_eager_paths_logits_bit_for_bit(
+        prompt: bytes, temperature: float, seed: int) -> None:
+    w = TinyLMWeights.from_seed(3)
+    no_end = dataclasses.replace(w, head_bias=w.head_bias.index_fill(0, torch.tensor(END), -1e9))
+    scripted = TinyLM(no_end, torch.device("cpu"), use_kernel=False)
+    eager = TinyLM(no_end, torch.device("cpu"), use_kernel=False, script=False)
+    assert (scripted.decode_path, eager.decode_path) == ("one TorchScript call per token",
+                                                          "eager ops")
+    max_tokens = scripted.config.context - len(prompt) - 1  # to the end of the context
+    a = scripted.start(prompt, max_tokens, temperature, seed)
+    b = eager.start(prompt, max_tokens, temperature, seed)  # the prefill: scripted too
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.k_cache, b.k_cache)
+    assert torch.equal(a.v_cache, b.v_cache) and a.pos == b.pos == len(prompt) + 1
+    steps = 0
+    while (ta := scripted.step(a)) is not None:
+        assert ta == eager.step(b)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.k_cache, b.k_cache)
+        steps += 1
+    assert eager.step(b) is None and steps == max_tokens and a.finish == b.finish == "length"
+    assert a.decode_args is not None and b.decode_args is None
+
+
+def test_a_torch_without_torchscript_decodes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(fn: object) -> object:
+        raise RuntimeError("no TorchScript here")
+
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    lm = TinyLM.from_seed(0)
+    assert lm.decode_path.startswith("eager ops (TorchScript could not compile the step")
+    assert "no TorchScript here" in lm.decode_path
+    assert generate(lm, b"abc", 12) == generate(TinyLM.from_seed(0, script=False), b"abc", 12)

@@ -1,0 +1,138 @@
+"""tinylm's CPU decode step (and prefill) as TorchScript functions: the GIL taken once a
+token, not ~60 times.
+
+The torch path's step (`TinyLM._torch_decode`) is ~60 small ops. Each releases the GIL while
+it runs and takes it back after, and on a node the slot's generating thread shares that GIL
+with the event loop (token messages, pulls, a router's decisions under `plane up`). Whenever
+the loop holds the GIL as an op ends, the step waits for the loop to let go: a stream's
+per-token time then follows the loop's load (TPOT p99/p50 1.6-1.9 at 0.9x and 2x of the stream
+capacity, `benchmarks/streams.py`, against 1.13 for the bare loop alone). With a thread
+spinning Python beside it, the eager step took 307 ms (each op's return waited out Python's
+5 ms switch interval), the scripted one 33 ms (`benchmarks/tinylm_gil.py`).
+
+A scripted function runs its whole graph with the GIL released, and skips Python's dispatch
+per op: the same ops on the same buffers, so the same logits bit for bit
+(`tests/test_tinylm_script.py`), ~25% faster alone on this host.
+
+TorchScript is deprecated (torch 2.13 warns), not removed; `torch.compile` needs a C++
+toolchain on the node and would still return to Python between its kernels. So: scripted
+where it compiles, and the eager step otherwise (`script_decode` says why), never a failed
+node. CUDA does not use this: its step is one CUDA graph (`TinyLM.capture`).
+
+Imports only torch (`scripts/gpu_check.py` runs on a bare GPU box).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DecodeFn = Callable[..., Any]
+
+
+def _decode(token: int, pos: int, tokens_w: torch.Tensor, positions_w: torch.Tensor,
+            qkv_w: list[torch.Tensor], out_w: list[torch.Tensor], up_w: list[torch.Tensor],
+            down_w: list[torch.Tensor], head: torch.Tensor, head_bias: torch.Tensor,
+            x: torch.Tensor, h: torch.Tensor, rms: torch.Tensor, eps: torch.Tensor,
+            qkv: torch.Tensor, att: torch.Tensor, ff: torch.Tensor, logits: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, scores: torch.Tensor,
+            row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
+    """`TinyLM._torch_decode` and `TorchAttention` op for op (keep them in step: the test
+    compares the logits bit for bit), written for TorchScript: every buffer an argument."""
+    d = x.shape[0]
+    n_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    scale = 1.0 / math.sqrt(head_dim)
+    torch.add(tokens_w[token], positions_w[pos], out=x)
+    for i in range(len(qkv_w)):
+        torch.addmv(eps, x.view(1, d), x, alpha=1.0 / d, out=rms).rsqrt_()
+        torch.mul(x, rms, out=h)
+        torch.mv(qkv_w[i], h, out=qkv)
+        q_k_v = qkv.view(3, n_heads, 1, head_dim)
+        k_rows, v_rows = k_cache[i], v_cache[i]
+        k_rows[:, pos:pos + 1].copy_(q_k_v[1])
+        v_rows[:, pos:pos + 1].copy_(q_k_v[2])
+        torch.baddbmm(scores, q_k_v[0], k_rows.transpose(1, 2), beta=0.0, alpha=scale,
+                      out=scores)
+        scores[:, :, pos + 1:].fill_(-math.inf)
+        torch.amax(scores, dim=-1, keepdim=True, out=row_max)
+        scores.sub_(row_max).exp_()
+        torch.sum(scores, dim=-1, keepdim=True, out=row_sum)
+        scores.div_(row_sum)
+        torch.bmm(scores, v_rows, out=att.view(n_heads, 1, head_dim))
+        x.addmv_(out_w[i], att)
+        torch.addmv(eps, x.view(1, d), x, alpha=1.0 / d, out=rms).rsqrt_()
+        torch.mul(x, rms, out=h)
+        F.silu(torch.mv(up_w[i], h, out=ff), inplace=True)
+        x.addmv_(down_w[i], ff)
+    torch.addmv(eps, x.view(1, d), x, alpha=1.0 / d, out=rms).rsqrt_()
+    torch.mul(x, rms, out=h)
+    torch.addmv(head_bias, head, h, out=logits)
+
+
+def _rms_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _prefill(ids: torch.Tensor, tokens_w: torch.Tensor, positions_w: torch.Tensor,
+             qkv_w: list[torch.Tensor], out_w: list[torch.Tensor], up_w: list[torch.Tensor],
+             down_w: list[torch.Tensor], head: torch.Tensor, head_bias: torch.Tensor,
+             logits: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             eps: float) -> None:
+    """`TinyLM._prefill`'s ops (its `_rms_norm` as `_rms_rows`), for TorchScript."""
+    n = ids.shape[0]
+    n_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    d = n_heads * head_dim
+    x = tokens_w[ids] + positions_w[:n]  # [P, D]
+    for i in range(len(qkv_w)):
+        qkv = _rms_rows(x, eps) @ qkv_w[i].T  # [P, 3D]
+        q_k_v = qkv.view(n, 3, n_heads, head_dim).permute(1, 2, 0, 3)  # [3, H, P, HD]
+        k_cache[i, :, :n].copy_(q_k_v[1])
+        v_cache[i, :, :n].copy_(q_k_v[2])
+        att = F.scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], is_causal=True)
+        x = x + att.transpose(0, 1).reshape(n, d) @ out_w[i].T
+        x = x + F.silu(_rms_rows(x, eps) @ up_w[i].T) @ down_w[i].T
+    torch.addmv(head_bias, head, _rms_rows(x[-1], eps), out=logits)
+
+
+def _sample(logits: torch.Tensor, noise: torch.Tensor, choice: torch.Tensor,
+            temperature: float, generator: torch.Generator) -> int:
+    """`TinyLM._sample`'s ops on a CPU (greedy, else Gumbel-max), for TorchScript."""
+    if temperature == 0.0:
+        torch.argmax(logits, out=choice)
+    else:
+        torch.rand(noise.shape, generator=generator, out=noise)
+        noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # Gumbel(0, 1)
+        noise.add_(logits, alpha=1.0 / temperature)
+        torch.argmax(noise, out=choice)
+    return int(choice.item())
+
+
+class Scripted:
+    """The torch path's prefill, sampling and decode step, each compiled once by
+    TorchScript."""
+
+    __slots__ = ("decode", "prefill", "sample")
+
+    def __init__(self, decode: DecodeFn, prefill: DecodeFn, sample: DecodeFn) -> None:
+        self.decode, self.prefill, self.sample = decode, prefill, sample
+
+
+def script_torch_path() -> tuple[Scripted | None, str]:
+    """(the scripted prefill and step, how a step runs), or (None, why not) where TorchScript
+    cannot compile them (a torch without it, or without this file's source): the caller runs
+    the eager ops."""
+    try:
+        with warnings.catch_warnings():
+            # torch 2.13 deprecates torch.jit.script; it works, and this is the one place it
+            # is used (the module's docstring says why and what replaces it where it fails).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = Scripted(torch.jit.script(_decode), torch.jit.script(_prefill),
+                                torch.jit.script(_sample))
+    except Exception as exc:  # any failure to compile means: run eagerly
+        return None, f"eager ops (TorchScript could not compile the step: {exc!r:.200})"
+    return scripted, "one TorchScript call per token"

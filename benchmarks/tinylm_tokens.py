@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--prompt-bytes + --max-tokens must fit the context ({context})", file=sys.stderr)
         return 2
     state = lm.new_state()
+    lm.prime(state)  # as a slot before its first request (TorchScript's compiles)
     prompt = bytes(range(97, 97 + 26)) * (args.prompt_bytes // 26 + 1)
     prompt = prompt[: args.prompt_bytes]
 

@@ -167,13 +167,12 @@ class SlotGenerator:
         self.decode_path = lm.decode_path
 
     def warm_up(self) -> None:
-        """One short generation, so that compiling (or the interpreter's rewrite) happens
-        before the slot takes its first request, and a broken lane fails here. Then, on CUDA,
-        the decode step captured as a graph on the slot's lane (`decode_path` says which)."""
+        """Short generations (`TinyLM.prime`), so that compiling (Triton's, TorchScript's, or
+        the interpreter's rewrite) happens before the slot takes its first request, and a
+        broken lane fails here. Then, on CUDA, the decode step captured as a graph on the
+        slot's lane (`decode_path` says which)."""
         with self._lane():
-            self.lm.start(b"warm up", 2, state=self.state)
-            while self.lm.step(self.state) is not None:
-                pass
+            self.lm.prime(self.state)
             self.decode_path = self.lm.capture(self.state)
 
     def keep_warm(self) -> float | None:

@@ -398,3 +398,37 @@ def test_a_torch_without_torchscript_decodes_eagerly(monkeypatch: pytest.MonkeyP
     assert lm.decode_path.startswith("eager ops (TorchScript could not compile the step")
     assert "no TorchScript here" in lm.decode_path
     assert generate(lm, b"abc", 12) == generate(TinyLM.from_seed(0, script=False), b"abc", 12)
+
+
+PRIMING_PROBE = """
+import pytest
+from kernels.tinylm import TinyLM
+
+lm = TinyLM.from_seed(0)
+fns = (lm._scripted.prefill, lm._scripted.decode, lm._scripted.sample)
+
+def plans():
+    return [len(f.get_debug_state().execution_plans) for f in fns]
+
+with pytest.raises(RuntimeError, match="optimized_plan_"):
+    plans()  # nothing compiled yet: the checks below can fail
+s = lm.new_state()
+lm.prime(s)
+assert plans() == [1, 1, 1], plans()
+s = lm.start(b"a first request", 12, state=s)
+while lm.step(s) is not None:
+    pass
+assert plans() == [1, 1, 1], plans()
+print("primed")
+"""
+
+
+def test_priming_leaves_the_scripted_path_compiled() -> None:
+    """A slot primes before its first request (`SlotGenerator.warm_up`): TorchScript's
+    profiling and optimising calls happen there, so the first request's prefill, sampling
+    and steps run optimised plans. Read on the functions' graph executors (shared by the
+    process: a fresh one): before its optimised plan exists, a function's debug state
+    cannot be read (torch asserts); after `prime` each has one, and serving adds none."""
+    done = subprocess.run([sys.executable, "-c", PRIMING_PROBE], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "primed", done.stderr[-2000:]

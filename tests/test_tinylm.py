@@ -12,6 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 if "triton" not in sys.modules:
@@ -432,3 +433,26 @@ def test_priming_leaves_the_scripted_path_compiled() -> None:
     done = subprocess.run([sys.executable, "-c", PRIMING_PROBE], capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0 and done.stdout.strip() == "primed", done.stderr[-2000:]
+
+
+def test_slots_sharing_the_scripted_functions_generate_as_alone() -> None:
+    """A node's slots share one TinyLM (its scripted functions) and decode on their own
+    threads at once: each stream is the bytes it is alone."""
+    lm = TinyLM.from_seed(0)
+    asks = [(b"slot zero", 0.0, 0), (b"slot one!", 0.9, 5), (b"\x01\x02 two", 1.2, 9)]
+    alone = [generate(lm, p, 120, t, seed) for p, t, seed in asks]
+    states = [lm.new_state() for _ in asks]
+    got: list[list[bytes]] = [[] for _ in asks]
+
+    def slot(i: int) -> None:
+        prompt, temperature, seed = asks[i]
+        for _ in range(15):
+            got[i].append(generate(lm, prompt, 120, temperature, seed, state=states[i]))
+
+    threads = [threading.Thread(target=slot, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [set(g) for g in got] == [{a} for a in alone]
+    assert all(len(g) == 15 for g in got)

@@ -1,23 +1,26 @@
-"""tinylm's CPU decode step (and prefill) as TorchScript functions: the GIL taken once a
-token, not ~60 times.
+"""tinylm's CPU prefill, sampling and decode step as TorchScript functions: the GIL taken once a
+call, not once an op.
 
 The torch path's step (`TinyLM._torch_decode`) is ~60 small ops. Each releases the GIL while
 it runs and takes it back after, and on a node the slot's generating thread shares that GIL
-with the event loop (token messages, pulls, a router's decisions under `plane up`). Whenever
-the loop holds the GIL as an op ends, the step waits for the loop to let go: a stream's
-per-token time then follows the loop's load (TPOT p99/p50 1.6-1.9 at 0.9x and 2x of the stream
-capacity, `benchmarks/streams.py`, against 1.13 for the bare loop alone). With a thread
-spinning Python beside it, the eager step took 307 ms (each op's return waited out Python's
-5 ms switch interval), the scripted one 33 ms (`benchmarks/tinylm_gil.py`).
+with the event loop (token messages, pulls; a router's decisions under `plane up`). Whenever
+the loop holds the GIL as an op ends, the step waits for it to let go. Beside a thread running
+Python in 150 µs bursts, an eager step took 415-432 µs at the p50 against 204-211 µs alone;
+beside one that never sleeps, 386 ms (each op's return waited out Python's 5 ms switch
+interval). Scripted: 234-257 µs, 158 µs alone, and 37 ms (`benchmarks/tinylm_gil.py`).
 
-A scripted function runs its whole graph with the GIL released, and skips Python's dispatch
-per op: the same ops on the same buffers, so the same logits bit for bit
-(`tests/test_tinylm_script.py`), ~25% faster alone on this host.
+A scripted function runs its graph with the GIL released and skips Python's dispatch per op:
+the same ops on the same buffers, so the same logits and caches bit for bit
+(`tests/test_tinylm.py`), ~27% less per token alone (`benchmarks/tinylm_tokens.py`). It did not
+move the plane's stream TPOT p99/p50, whose tail is the host's (BENCHMARKS.md, twenty-sixth
+session).
 
 TorchScript is deprecated (torch 2.13 warns), not removed; `torch.compile` needs a C++
 toolchain on the node and would still return to Python between its kernels. So: scripted
-where it compiles, and the eager step otherwise (`script_decode` says why), never a failed
-node. CUDA does not use this: its step is one CUDA graph (`TinyLM.capture`).
+where it compiles, the eager ops otherwise (`script_torch_path` says why), never a failed
+node. CUDA does not use this: its step is one CUDA graph (`TinyLM.capture`). TorchScript
+profiles a function's first call and optimises on its second: `TinyLM.prime` runs both before
+a slot's first request.
 
 Imports only torch (`scripts/gpu_check.py` runs on a bare GPU box).
 """
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-DecodeFn = Callable[..., Any]
+ScriptFn = Callable[..., Any]
 
 
 def _decode(token: int, pos: int, tokens_w: torch.Tensor, positions_w: torch.Tensor,
@@ -118,7 +121,7 @@ class Scripted:
 
     __slots__ = ("decode", "prefill", "sample")
 
-    def __init__(self, decode: DecodeFn, prefill: DecodeFn, sample: DecodeFn) -> None:
+    def __init__(self, decode: ScriptFn, prefill: ScriptFn, sample: ScriptFn) -> None:
         self.decode, self.prefill, self.sample = decode, prefill, sample
 
 

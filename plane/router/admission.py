@@ -274,28 +274,22 @@ def behind_wait_ms(behind_ms: int) -> int:
     return min(behind_ms, BEHIND_WAIT_CAP_MS)
 
 
-def behind(router: str, waited_ms: int, behind_ms: int) -> Refuse:
+def behind(router: str, waited_ms: int, behind_ms: int, deadline_ms: int) -> Refuse:
     """A request that waited in the router's inbox past its bound while the router was
     behind (`plane.router.inbox`): refused unread, no ticket (no state kept). Come back
-    after as long as it waited, or as the router has been behind (`behind_wait_ms`)."""
+    after as long as it waited, or as the router has been behind (`behind_wait_ms`). One
+    whose own deadline passed while it waited is told `deadline`: go elsewhere now, not back
+    with a request nobody can answer in time (the Retry-After still says what a fresh one
+    could expect here)."""
     wait_ms = max(1, waited_ms, behind_wait_ms(behind_ms))
+    said = f"router {router} is behind (for {behind_ms} ms): this request waited {waited_ms} ms"
+    if waited_ms >= deadline_ms:
+        return Refuse(Status.BUSY, Reason.DEADLINE,
+                      f"{said} unread, past its deadline of {deadline_ms} ms: go elsewhere, "
+                      "or to another router", retry_after_ms=wait_ms)
     return Refuse(Status.BUSY, Reason.BUSY,
-                  f"router {router} is behind (for {behind_ms} ms): this request waited "
-                  f"{waited_ms} ms unread: come back later, or to another router",
+                  f"{said} unread: come back later, or to another router",
                   retry_after_ms=wait_ms)
-
-
-def behind_past_deadline(router: str, waited_ms: int, deadline_ms: int,
-                         behind_ms: int) -> Refuse:
-    """A request refused unread (as `behind`) whose own deadline had already passed in the
-    router's inbox: `deadline`, so its caller goes elsewhere now instead of coming back
-    with a request nobody can answer in time. Retry-After still says how long this router
-    has been behind: what a fresh request of the caller's could expect here."""
-    wait_ms = max(1, waited_ms, behind_wait_ms(behind_ms))
-    return Refuse(Status.BUSY, Reason.DEADLINE,
-                  f"router {router} is behind (for {behind_ms} ms): this request waited "
-                  f"{waited_ms} ms unread, past its deadline of {deadline_ms} ms: go "
-                  "elsewhere, or to another router", retry_after_ms=wait_ms)
 
 
 def owner_silent(owner: str) -> Refuse:

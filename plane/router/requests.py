@@ -317,12 +317,8 @@ class RequestPath:
         hdrs = msg.headers or {}
         rid = echoed_request_id(hdrs) or self._new_rid()
         waited_ms, behind_ms = round(waited_s * 1000), round(behind_s * 1000)
-        deadline_ms = self._asked_deadline_ms(model, hdrs)
-        refusal = (refusals.behind_past_deadline(self.cfg.router_id, waited_ms, deadline_ms,
-                                                 behind_ms)
-                   if waited_ms >= deadline_ms
-                   else refusals.behind(self.cfg.router_id, waited_ms, behind_ms))
-        await self._refuse_early(msg, rid, label, refusal)
+        await self._refuse_early(msg, rid, label, refusals.behind(
+            self.cfg.router_id, waited_ms, behind_ms, self._asked_deadline_ms(model, hdrs)))
 
     def _asked_deadline_ms(self, model: str, hdrs: Mapping[str, str]) -> int:
         """A request's deadline as the caller gave it, else the model's, read without the

@@ -41,6 +41,23 @@ async def fill(nc: Client, sub: Subscription, subject: str,
             await asyncio.sleep(0.005)
 
 
+async def requests_in_inbox(nc: Client, subject: str, clock: Clock,
+                            headers: list[dict[str, str]]) -> tuple[Subscription, Subscription]:
+    """`calibrated` requests with `headers`, in order, held by a subscription on `subject`
+    that an Inbox on `clock` reads; and the subscription their answers come to."""
+    sub = await nc.subscribe(subject)
+    Inbox(sub, max_wait_s=0.05, clock=clock)
+    reply = nc.new_inbox()
+    answers = await nc.subscribe(reply)
+    for h in headers:
+        await nc.publish(subject, calibrated(1000), reply=reply, headers=h)
+    await nc.flush()
+    async with asyncio.timeout(5):
+        while sub.pending_msgs < len(headers):
+            await asyncio.sleep(0.005)
+    return sub, answers
+
+
 async def take(sub: Subscription, clock: Clock, step_s: float) -> Msg:
     clock.now += step_s
     return await sub.next_msg(timeout=1)
@@ -139,17 +156,8 @@ async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None
             client(stack.url) as nc:
         router = stack.routers[0]
         clock = Clock()
-        sub = await nc.subscribe("inbox.stale")
-        Inbox(sub, max_wait_s=0.05, clock=clock)
-        reply = nc.new_inbox()
-        answers = await nc.subscribe(reply)
-        for rid in ("a", "b", "c"):
-            await nc.publish("inbox.stale", calibrated(1000), reply=reply,
-                             headers={Header.REQUEST_ID: rid})
-        await nc.flush()
-        async with asyncio.timeout(5):
-            while sub.pending_msgs < 3:
-                await asyncio.sleep(0.005)
+        sub, answers = await requests_in_inbox(
+            nc, "inbox.stale", clock, [{Header.REQUEST_ID: rid} for rid in ("a", "b", "c")])
         await take(sub, clock, 0.03)  # found over TARGET_S: in order
         clock.now += 0.5  # behind for 500 ms
         msg = await take(sub, clock, 0.0)
@@ -176,18 +184,10 @@ async def test_a_stale_request_past_its_own_deadline_is_refused_deadline() -> No
             client(stack.url) as nc:
         router = stack.routers[0]
         clock = Clock()
-        sub = await nc.subscribe("inbox.deadline")
-        Inbox(sub, max_wait_s=0.05, clock=clock)
-        reply = nc.new_inbox()
-        answers = await nc.subscribe(reply)
         asked = {"a": None, "b": "100", "c": None, "d": None}
-        for rid, deadline in asked.items():
-            h = {Header.REQUEST_ID: rid} | ({Header.DEADLINE_MS: deadline} if deadline else {})
-            await nc.publish("inbox.deadline", calibrated(1000), reply=reply, headers=h)
-        await nc.flush()
-        async with asyncio.timeout(5):
-            while sub.pending_msgs < 4:
-                await asyncio.sleep(0.005)
+        sub, answers = await requests_in_inbox(nc, "inbox.deadline", clock, [
+            {Header.REQUEST_ID: rid} | ({Header.DEADLINE_MS: deadline} if deadline else {})
+            for rid, deadline in asked.items()])
         await take(sub, clock, 0.03)  # "a", found over TARGET_S: in order
         clock.now += 0.3  # behind for 300 ms
         got = [await take(sub, clock, 0.0) for _ in range(3)]  # stale "b", newest "d", stale "c"

@@ -29,7 +29,10 @@ plane() { python3 -m plane "$@"; }
 
 log=$OUT/plane_up.log
 t0=$(date +%s.%N)
-plane up --models calibrated,risk,tinylm --backend "$BACKEND" --log-level info >"$log" 2>&1 &
+# python3 itself in the background, not the `plane` function: $! is then the plane's pid (a
+# function runs in a subshell whose pid the trap's kill would hit, leaving the plane running).
+python3 -m plane up --models calibrated,risk,tinylm --backend "$BACKEND" --log-level info \
+  >"$log" 2>&1 &
 up=$!
 trap 'kill -TERM $up 2>/dev/null; wait $up 2>/dev/null' EXIT
 url=""

@@ -15,6 +15,7 @@ import contextlib
 import faulthandler
 import random
 import sys
+import uuid
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import TextIO
@@ -28,6 +29,7 @@ from nats.aio.msg import Msg
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.replies import ok_headers
 from plane.contract.subjects import Header, Names
+from tests.leftovers import kill_all, left_running
 
 
 def pytest_report_header() -> str:
@@ -60,6 +62,40 @@ def pytest_configure(config: pytest.Config) -> None:
     finally:
         if capman is not None:
             capman.resume_global_capture()
+
+
+# Every process a test starts inherits this mark (set in the session's environment at its
+# start): one still running when the session ends was left behind, a test that did not stop
+# what it started. `scripts/gpu_plane.sh` left a serving `plane up` on every run unnoticed
+# until a session's note found two. Such a session fails, naming them (they are killed).
+SESSION_MARK = "PLANE_TEST_SESSION"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    os.environ[SESSION_MARK] = uuid.uuid4().hex
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    mark = os.environ.get(SESSION_MARK)
+    if not mark:
+        return
+    left = left_running(f"{SESSION_MARK}={mark}")
+    if not left:
+        return
+    kill_all(left)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{len(left)} process(es) that tests started were still running at the end "
+             "(killed now): stop what a test starts",
+             *(f"  {pid}: {cmd}" for pid, cmd in left)]
+    if reporter is not None:
+        reporter.ensure_newline()
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(line, file=sys.stderr)
+    if session.exitstatus == 0:
+        session.exitstatus = 1
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

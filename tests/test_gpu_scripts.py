@@ -8,8 +8,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.leftovers import left_running
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,31 +44,6 @@ def test_gpu_plane_script_runs_the_plane_pulses_and_floor_on_the_cpu(tmp_path: P
     assert "backend: torch" in out and "healthy" in out, out
     assert (tmp_path / "plane_up.log").stat().st_size > 0
     assert left_running(f"OUT={tmp_path}") == [], "the script left processes running"
-
-
-def left_running(marker: str, within_s: float = 10.0) -> list[str]:
-    """Processes still alive (not zombies) whose environment holds `marker` (the OUT a
-    script was given: its children inherit it), after up to `within_s` for a stop under
-    way: what a script left behind."""
-    needle = marker.encode() + b"\0"
-    end = time.monotonic() + within_s
-    while True:
-        alive = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                if needle not in (proc / "environ").read_bytes() + b"\0":
-                    continue
-                stat = (proc / "stat").read_text()
-                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-            if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                alive.append(f"{proc.name}: {cmdline[:120]}")
-        if not alive or time.monotonic() >= end:
-            return alive
-        time.sleep(0.2)
 
 
 def test_gpu_shapes_script_runs_its_shapes_on_the_cpu(tmp_path: Path) -> None:

@@ -126,6 +126,15 @@ def echoed_request_id(headers: Mapping[str, str]) -> str | None:
         return None
 
 
+def asked_deadline_ms(headers: Mapping[str, str]) -> int | None:
+    """The caller's `Plane-Deadline-Ms` when it is valid, else None: for the answers made
+    before the rest of the headers are read (a request refused unread, `plane.router.inbox`)."""
+    try:
+        return _number(headers, Header.DEADLINE_MS, MAX_DEADLINE_MS)
+    except ValueError:
+        return None
+
+
 def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
     """Check what a caller sent. Raises `BadRequest` saying what is wrong; its `request_id` is
     the caller's id when that one is valid, else None (the answer then gets a fresh id)."""

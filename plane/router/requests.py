@@ -12,7 +12,6 @@ the subscriptions and the control plane, and hands each request to `RequestPath.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import time
@@ -35,7 +34,7 @@ from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
 from plane.contract.headers import (
-    decimal,
+    asked_deadline_ms,
     echoed_request_id,
     is_no_responders,
     read_caller,
@@ -317,18 +316,10 @@ class RequestPath:
         hdrs = msg.headers or {}
         rid = echoed_request_id(hdrs) or self._new_rid()
         waited_ms, behind_ms = round(waited_s * 1000), round(behind_s * 1000)
+        # Its deadline as asked (an invalid one: the model's; the refusal is for its wait).
+        deadline_ms = self._deadline_ms(model, asked_deadline_ms(hdrs))
         await self._refuse_early(msg, rid, label, refusals.behind(
-            self.cfg.router_id, waited_ms, behind_ms, self._asked_deadline_ms(model, hdrs)))
-
-    def _asked_deadline_ms(self, model: str, hdrs: Mapping[str, str]) -> int:
-        """A request's deadline as the caller gave it, else the model's, read without the
-        rest of its headers (a request refused unread: `_shed_stale`). Invalid: the default
-        (the refusal is for its wait, not for its headers)."""
-        raw = hdrs.get(Header.DEADLINE_MS)
-        if raw is not None:
-            with contextlib.suppress(ValueError):
-                return decimal(raw, what=Header.DEADLINE_MS, low=1, high=MAX_DEADLINE_MS)
-        return self._deadline_ms(model, None)
+            self.cfg.router_id, waited_ms, behind_ms, deadline_ms))
 
     def _shed_refusal(self, subject: str) -> tuple[str, Refuse]:
         """A flood's refusal for a request on `subject`: come back after about one slot

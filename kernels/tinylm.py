@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from kernels.decode_attention import TorchAttention, decode_attention
 from kernels.launch import capture_graph, interpreter_ready
-from kernels.tinylm_script import Scripted, script_torch_path
+from kernels.tinylm_script import EAGER, TorchSteps, script_torch_path
 
 END = 256  # begins every sequence, ends a generation when sampled
 VOCAB = 257  # 256 byte values and END
@@ -224,15 +224,19 @@ class TinyLM:
         self.device = device
         self.use_kernel = use_kernel
         self.w = weights.to(device)
-        # The torch path on a CPU decodes through one TorchScript call a token where it
-        # compiles (kernels.tinylm_script: the GIL taken once, not per op); `script=False`
-        # keeps the eager ops (the reference the scripted step is tested against). Not on
-        # CUDA: TorchScript would fuse there, and the logits would no longer be the eager
-        # ones bit for bit (the kernel path's CUDA graph is what a GPU slot runs).
-        self._scripted: Scripted | None = None
+        # The torch path's prefill, sampling and step (kernels.tinylm_script, written once):
+        # on a CPU compiled by TorchScript where it compiles (the GIL taken once a call, not
+        # once an op), else run as plain Python (eager ops; `script=False`, the reference the
+        # scripted ones are tested against). Not on CUDA: TorchScript would fuse there, and
+        # the logits would no longer be the eager ones bit for bit (a GPU slot's step is its
+        # CUDA graph; its prefill and sampling stay eager).
+        self._steps: TorchSteps = EAGER
+        self._scripted = False
         self.decode_path = "launches" if use_kernel else "eager ops"
         if not use_kernel and script and device.type == "cpu":
-            self._scripted, self.decode_path = script_torch_path()
+            scripted, self.decode_path = script_torch_path()
+            if scripted is not None:
+                self._steps, self._scripted = scripted, True
 
     @classmethod
     def from_seed(
@@ -308,7 +312,7 @@ class TinyLM:
         then ~4 ms, against ~0.6 ms for a prefill after), so a slot primes before its first
         request (`gpu_node.generation.SlotGenerator.warm_up`). `state` is the next request's
         to reset (`start`)."""
-        for _ in range(PRIME_RUNS if self._scripted is not None else 1):
+        for _ in range(PRIME_RUNS if self._scripted else 1):
             self.start(b"prime", 3, state=state)
             while self.step(state) is not None:
                 pass
@@ -377,25 +381,15 @@ class TinyLM:
         s.pos += 1
 
     def _torch_decode(self, s: GenState, token: int) -> None:
-        """The torch path's step: token and position as host ints (the CPU's cheapest). One
-        scripted call where TorchScript compiled it, else the same ops eagerly."""
-        if (scripted := self._scripted) is not None:
-            args = s.decode_args
-            if args is None:
-                args = s.decode_args = self._decode_args(s)
-            scripted.decode(token, s.pos, *args)
-            return
-        w = self.w
-        torch.add(w.tokens[token], w.positions[s.pos], out=s.x)
-        for i, layer in enumerate(w.layers):
-            self._norm(s.x, s)
-            torch.mv(layer.qkv, s.h, out=s.qkv)
-            s.attention(s.qkv, s.k_cache[i], s.v_cache[i], s.pos, out=s.att)
-            self._layer_rest(s, layer)
-        self._head(s)
+        """The torch path's step (`tinylm_script._decode`, scripted or eager): token and
+        position as host ints (the CPU's cheapest)."""
+        args = s.decode_args
+        if args is None:
+            args = s.decode_args = self._decode_args(s)
+        self._steps.decode(token, s.pos, *args)
 
     def _decode_args(self, s: GenState) -> tuple[object, ...]:
-        """The scripted step's arguments after token and position (`tinylm_script._decode`):
+        """The torch step's arguments after token and position (`tinylm_script._decode`):
         the weights and `s`'s buffers, which never move."""
         w, a = self.w, s.attention
         return (w.tokens, w.positions, [layer.qkv for layer in w.layers],
@@ -470,28 +464,14 @@ class TinyLM:
         """Run `tokens` through the model in one batched pass: fill cache rows 0..P-1 and the
         logits for the token after them. Torch on every path (causal attention over the
         prompt); allocates temporaries of at most [context, d_ff] once per request."""
-        c, w = self.config, self.w
-        n = len(tokens)
+        w = self.w
         ids = torch.tensor(tokens, device=self.device)
-        if (scripted := self._scripted) is not None:  # the same ops, the GIL taken once
-            layers = w.layers
-            scripted.prefill(ids, w.tokens, w.positions, [layer.qkv for layer in layers],
-                             [layer.out for layer in layers], [layer.up for layer in layers],
-                             [layer.down for layer in layers], w.head, w.head_bias, s.logits,
-                             s.k_cache, s.v_cache, RMS_EPS)
-            s.pos = n
-            return
-        x = w.tokens[ids] + w.positions[:n]  # [P, D]
-        for i, layer in enumerate(w.layers):
-            qkv = _rms_norm(x) @ layer.qkv.T  # [P, 3D]
-            q, k, v = qkv.view(n, 3, c.n_heads, c.head_dim).permute(1, 2, 0, 3)  # [H, P, HD]
-            s.k_cache[i, :, :n] = k
-            s.v_cache[i, :, :n] = v
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [H, P, HD]
-            x = x + att.transpose(0, 1).reshape(n, c.d_model) @ layer.out.T
-            x = x + F.silu(_rms_norm(x) @ layer.up.T) @ layer.down.T
-        torch.addmv(w.head_bias, w.head, _rms_norm(x[-1]), out=s.logits)
-        s.pos = n
+        layers = w.layers
+        self._steps.prefill(ids, w.tokens, w.positions, [layer.qkv for layer in layers],
+                            [layer.out for layer in layers], [layer.up for layer in layers],
+                            [layer.down for layer in layers], w.head, w.head_bias, s.logits,
+                            s.k_cache, s.v_cache, RMS_EPS)
+        s.pos = len(tokens)
 
     def _sample(self, s: GenState) -> int:
         """Greedy at temperature 0, else Gumbel-max: argmax(logits / T + Gumbel noise) with
@@ -500,19 +480,9 @@ class TinyLM:
             s.host_logits.copy_(s.logits, non_blocking=True)
             s.logits_ready.record()
             s.logits_ready.synchronize()  # sleeps: see gpu_node.partitions.CudaLane
-        if (scripted := self._scripted) is not None:  # the same ops, the GIL taken once
-            token: int = scripted.sample(s.host_logits, s.noise, s.choice, s.temperature,
-                                         s.generator)
-            return token
-        if s.temperature == 0.0:
-            torch.argmax(s.host_logits, out=s.choice)
-        else:
-            u = s.noise
-            torch.rand(u.shape, generator=s.generator, out=u)
-            u.clamp_(min=1e-20).log_().neg_().log_().neg_()  # Gumbel(0, 1)
-            u.add_(s.host_logits, alpha=1.0 / s.temperature)
-            torch.argmax(u, out=s.choice)
-        return int(s.choice)
+        token: int = self._steps.sample(s.host_logits, s.noise, s.choice, s.temperature,
+                                        s.generator)
+        return token
 
 
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""tinylm's CPU prefill, sampling and decode step as TorchScript functions: the GIL taken once a
-call, not once an op.
+"""tinylm's torch path, written once: the prefill, the sampling and the decode step, run as
+plain Python (eager ops: `EAGER`, the kernel path's prefill and sampling too) or, on a CPU,
+compiled by TorchScript (`script_torch_path`): the GIL taken once a call, not once an op.
 
 The torch path's step (`TinyLM._torch_decode`) is ~60 small ops. Each releases the GIL while
 it runs and takes it back after, and on a node the slot's generating thread shares that GIL
@@ -18,7 +19,7 @@ session).
 TorchScript is deprecated (torch 2.13 warns), not removed; `torch.compile` needs a C++
 toolchain on the node and would still return to Python between its kernels. So: scripted
 where it compiles, the eager ops otherwise (`script_torch_path` says why), never a failed
-node. CUDA does not use this: its step is one CUDA graph (`TinyLM.capture`). TorchScript
+node. CUDA does not compile them: its step is one CUDA graph (`TinyLM.capture`). TorchScript
 profiles a function's first call and optimises on its second: `TinyLM.prime` runs both before
 a slot's first request.
 
@@ -45,8 +46,10 @@ def _decode(token: int, pos: int, tokens_w: torch.Tensor, positions_w: torch.Ten
             qkv: torch.Tensor, att: torch.Tensor, ff: torch.Tensor, logits: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, scores: torch.Tensor,
             row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
-    """`TinyLM._torch_decode` and `TorchAttention` op for op (keep them in step: the test
-    compares the logits bit for bit), written for TorchScript: every buffer an argument."""
+    """One decode step into the slot's buffers: `token` at `pos` appended to the caches, the
+    next token's logits in `logits`. The attention is `TorchAttention`'s, op for op (masked
+    over the whole cache: the same cost at every position). Every buffer an argument, so that
+    TorchScript can compile it."""
     d = x.shape[0]
     n_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     scale = 1.0 / math.sqrt(head_dim)
@@ -86,7 +89,8 @@ def _prefill(ids: torch.Tensor, tokens_w: torch.Tensor, positions_w: torch.Tenso
              down_w: list[torch.Tensor], head: torch.Tensor, head_bias: torch.Tensor,
              logits: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              eps: float) -> None:
-    """`TinyLM._prefill`'s ops (its `_rms_norm` as `_rms_rows`), for TorchScript."""
+    """The prompt `ids` in one batched pass: cache rows 0..P-1 and the logits for the token
+    after them (causal attention; temporaries of at most [context, d_ff])."""
     n = ids.shape[0]
     n_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     d = n_heads * head_dim
@@ -104,7 +108,8 @@ def _prefill(ids: torch.Tensor, tokens_w: torch.Tensor, positions_w: torch.Tenso
 
 def _sample(logits: torch.Tensor, noise: torch.Tensor, choice: torch.Tensor,
             temperature: float, generator: torch.Generator) -> int:
-    """`TinyLM._sample`'s ops on a CPU (greedy, else Gumbel-max), for TorchScript."""
+    """The next token from host `logits`: greedy at temperature 0, else Gumbel-max
+    (argmax(logits / T + Gumbel noise)) with the request's CPU generator."""
     if temperature == 0.0:
         torch.argmax(logits, out=choice)
     else:
@@ -115,9 +120,9 @@ def _sample(logits: torch.Tensor, noise: torch.Tensor, choice: torch.Tensor,
     return int(choice.item())
 
 
-class Scripted:
-    """The torch path's prefill, sampling and decode step, each compiled once by
-    TorchScript."""
+class TorchSteps:
+    """The torch path's prefill, sampling and decode step: the functions above as plain
+    Python (`EAGER`), or each compiled once by TorchScript (`script_torch_path`)."""
 
     __slots__ = ("decode", "prefill", "sample")
 
@@ -125,7 +130,10 @@ class Scripted:
         self.decode, self.prefill, self.sample = decode, prefill, sample
 
 
-def script_torch_path() -> tuple[Scripted | None, str]:
+EAGER = TorchSteps(_decode, _prefill, _sample)
+
+
+def script_torch_path() -> tuple[TorchSteps | None, str]:
     """(the scripted prefill and step, how a step runs), or (None, why not) where TorchScript
     cannot compile them (a torch without it, or without this file's source): the caller runs
     the eager ops."""
@@ -134,8 +142,8 @@ def script_torch_path() -> tuple[Scripted | None, str]:
             # torch 2.13 deprecates torch.jit.script; it works, and this is the one place it
             # is used (the module's docstring says why and what replaces it where it fails).
             warnings.simplefilter("ignore", DeprecationWarning)
-            scripted = Scripted(torch.jit.script(_decode), torch.jit.script(_prefill),
-                                torch.jit.script(_sample))
+            scripted = TorchSteps(torch.jit.script(_decode), torch.jit.script(_prefill),
+                                  torch.jit.script(_sample))
     except Exception as exc:  # any failure to compile means: run eagerly
         return None, f"eager ops (TorchScript could not compile the step: {exc!r:.200})"
     return scripted, "one TorchScript call per token"

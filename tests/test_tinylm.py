@@ -387,7 +387,6 @@ def test_the_scripted_path_leaves_the_eager_paths_logits_bit_for_bit(
         assert torch.equal(a.logits, b.logits) and torch.equal(a.k_cache, b.k_cache)
         steps += 1
     assert eager.step(b) is None and steps == max_tokens and a.finish == b.finish == "length"
-    assert a.decode_args is not None and b.decode_args is None
 
 
 def test_a_torch_without_torchscript_decodes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -406,7 +405,7 @@ import pytest
 from kernels.tinylm import TinyLM
 
 lm = TinyLM.from_seed(0)
-fns = (lm._scripted.prefill, lm._scripted.decode, lm._scripted.sample)
+fns = (lm._steps.prefill, lm._steps.decode, lm._steps.sample)
 
 def plans():
     return [len(f.get_debug_state().execution_plans) for f in fns]

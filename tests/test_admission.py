@@ -14,6 +14,7 @@ from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.contract.subjects import Names
 from plane.router.admission import (
     CALL_TRIP_MAX_AGE_S,
+    NEWCOMER_PARK_SLACK_S,
     PROMISE_MAX_LINKS,
     Admission,
     Ask,
@@ -476,10 +477,30 @@ def test_a_newcomer_whose_caller_would_not_come_back_waits_for_a_slot_about_to_f
     placed = adm.decide(ms, Ask(now_s=0.002, deadline_s=1.0, prediction=MS10,
                                 ticket=d.holder.ticket, park_until_s=d.until_s))
     assert isinstance(placed, Place) and placed.redeemed is d.holder
-    # Callers that come back keep their tickets: no parking then.
+
+
+def test_a_newcomer_whose_caller_comes_back_waits_a_narrow_window_for_a_slot_about_to_free(
+) -> None:
+    """Callers that retry (promises pin): a refusal would cost the caller a trip and leave
+    the slot idle for as long as its holder is late, so a newcomer waits for a slot predicted
+    to free within a quarter of the p50 too, but only until that slot's predicted end plus
+    its spread to the p90 and a millisecond (no 8 ms floor, as a holder gets): a slot that
+    runs long gets it a ticket soon, not after a wait as long as the work."""
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.002)
+    d = adm.decide(ms, ask(0.0))
+    assert isinstance(d, Park) and d.holder.pinned and d.holder.parked
+    assert d.until_s == pytest.approx(0.002 + NEWCOMER_PARK_SLACK_S)
+    # The slot runs on past the window: refused with a ticket, to come back.
+    late = adm.decide(ms, Ask(now_s=d.until_s, deadline_s=1.0, prediction=MS10,
+                              ticket=d.holder.ticket, park_until_s=d.until_s), may_park=False)
+    assert isinstance(late, Refuse) and late.reason == Reason.BUSY
+    assert late.ticket is not None and late.ticket in adm.tickets
+    # A slot that frees later than a quarter of the p50: a ticket at once.
     ms2, adm2 = slots(1), Admission("r")
-    busy_until(ms2, 0.002)
-    assert isinstance(adm2.decide(ms2, ask(0.0)), Refuse)
+    busy_until(ms2, 0.004)
+    r = adm2.decide(ms2, ask(0.0))
+    assert isinstance(r, Refuse) and r.ticket is not None and r.ticket in adm2.tickets
 
 
 def test_promises_nobody_comes_back_for_do_not_refuse_the_next_newcomers() -> None:

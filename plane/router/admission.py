@@ -58,11 +58,19 @@ PARK_MAX_SHARE = 1.0
 # average follows the callers there are now. With REDEMPTION_WEIGHT 0.1, seven no-shows in a
 # row stop pinning: under callers that never retry (`hey`), within about half a second.
 MIN_REDEMPTION = 0.5
-# While promises do not pin (callers do not come back), a newcomer that finds every slot busy
-# but one predicted to free within this share of the p50 service time waits for it (parked,
-# as a holder would) instead of being refused: a refusal nobody redeems leaves the slot idle
-# until the next arrival. One promise per freeing slot, so at most about one waiter per slot.
+# A newcomer that finds every slot busy but one predicted to free (after every open promise)
+# within this share of the p50 service time waits for it (parked, as a holder would) instead
+# of being refused. A refusal nobody redeems (callers that never retry) leaves the slot idle
+# until the next arrival; one that is redeemed costs its caller a trip and leaves the slot
+# idle for as long as its holder is late (at 0.9x of 2 ms work on 2 slots that kept the
+# plane in its chain of promises: 55% of first tries refused, 2.3% with the wait). One
+# promise per freeing slot, so at most about one waiter per slot.
 NEWCOMER_PARK_SHARE = 0.25
+# While callers come back, the newcomer waits only until the slot's predicted end plus its
+# spread to the p90 and this slack, then gets its ticket. (With a holder's window, at least
+# PARK_MIN_S, newcomers waited out slots that ran long and were refused anyway: 3 x 8 ms at
+# 0.9x, whole-wait p99 12-15 -> 26-27 ms; BENCHMARKS.md, eleventh session.)
+NEWCOMER_PARK_SLACK_S = 0.001
 LAPSED_KEEP_S = 0.5
 LAPSED_MAX = 10_000
 # At most this many open promises per healthy slot, so router state stays bounded under any
@@ -642,7 +650,7 @@ class Admission:
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
                 may_promise: bool = True, *, may_park: bool = False) -> Refuse | Park:
         """Refuse `ask`, with a ticket for the next start the promises leave. `may_park`: a
-        newcomer whose caller would not come back may wait here instead."""
+        newcomer for whom a slot frees within moments may wait here instead."""
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
@@ -676,9 +684,9 @@ class Admission:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
         pinned = self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION
-        if (may_park and not pinned and holder is None
+        if (may_park and holder is None
                 and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6):
-            return self._park_newcomer(ms, ask, start_s)
+            return self._park_newcomer(ms, ask, start_s, narrow=pinned)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         told_ms = wait_ms
         if pinned and self._on_call(ms.model, ask):
@@ -710,17 +718,24 @@ class Admission:
             retry_after_ms=told_ms, ticket=promise.ticket,
         )
 
-    def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float) -> Park:
-        """A newcomer whose caller would not come back, when a slot frees within moments:
-        it waits here for that slot, holding it with a promise of its own (kept like a
-        parked holder's: woken by the done-event, refused if the window closes first)."""
+    def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float, *,
+                       narrow: bool) -> Park:
+        """A newcomer, when a slot frees within moments (NEWCOMER_PARK_SHARE): it waits here
+        for that slot, holding it with a promise of its own (kept like a parked holder's:
+        woken by the done-event, refused with a ticket if the window closes first). `narrow`
+        (callers come back): the window is the slot's spread, not a holder's."""
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
             service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
         )
         promise.parked = True
         ms.promises.add(promise)
-        until_s = self._park_until(ms, ask, promise)
+        if narrow:
+            p = ask.prediction
+            until_s = min(start_s + (p.likely_us - p.expected_us) / 1e6 + NEWCOMER_PARK_SLACK_S,
+                          ask.latest_start_s())
+        else:
+            until_s = self._park_until(ms, ask, promise)
         ms.promises.expires_at(promise, until_s + PARK_MARGIN_S)
         self.notes.append(PromiseChange(ms.model, promise, made=True))
         self.tickets[promise.ticket] = promise

@@ -12,7 +12,7 @@ from plane.contract.budget import PRIOR_DECODE_NS, ServiceWindow, TokenRates
 from plane.contract.messages import Reason, Status
 from plane.contract.streams import StreamReader
 from plane.contract.subjects import Header
-from plane.router.admission import Admission, Ask, Place, Refuse
+from plane.router.admission import Admission, Ask, Park, Place, Refuse
 from tests.plane_fixtures import (
     NAMES,
     calibrated,
@@ -123,6 +123,22 @@ def test_a_stream_holder_with_an_inbox_is_on_call_however_short_the_stream() -> 
         told.append((d.retry_after_ms, "or when called" in d.message))
     assert told[0] == (39, False)
     assert told[1][1] and told[1][0] >= 39 + ask.prediction.expected_us // 1000
+
+
+def test_a_stream_newcomer_on_call_is_refused_not_kept_waiting_for_a_slot_about_to_free() -> None:
+    """The slot frees in 2 ms, within a quarter of a 40 ms stream. A newcomer without an
+    inbox waits for it (parked: its holder would be told a time and come late); one that
+    gave an inbox is on call, so it is refused with a ticket and called when the slot
+    frees: a wait here would be in its time to first token."""
+    r = rates(prefill_ns=50_000, decode_ns=400_000)
+    ask = stream_ask(0.0, ttft_s=1.0, stream_s=2.0, r=r, max_tokens=100)
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.002)
+    assert isinstance(adm.decide(ms, ask), Park)
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.002)
+    d = adm.decide(ms, replace(ask, wake="_INBOX.me"))
+    assert isinstance(d, Refuse) and d.ticket is not None and "or when called" in d.message
 
 
 def test_a_promise_that_cannot_start_in_time_for_the_first_token_is_not_made() -> None:

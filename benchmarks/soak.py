@@ -79,7 +79,7 @@ from plane.client.result import header_int  # noqa: E402
 from plane.contract.backoff import RetryPolicy, retry_delay_ms  # noqa: E402
 from plane.contract.embedded import EmbeddedNats  # noqa: E402
 from plane.contract.lifecycle import run  # noqa: E402
-from plane.contract.messages import Reason, Status  # noqa: E402
+from plane.contract.messages import FINAL_REFUSALS, Status  # noqa: E402
 from plane.contract.processes import die_with_parent, stop_by_pid  # noqa: E402
 from plane.contract.quantiles import quantile  # noqa: E402
 from plane.contract.subjects import Header, Names  # noqa: E402
@@ -219,7 +219,7 @@ class Calls:
             return
         self.answered_s[i], self.status[i], self.reason[i] = now, status, reason
         first = self.chain[i]
-        busy = status == Status.BUSY and reason != Reason.DEADLINE
+        busy = status == Status.BUSY and reason not in FINAL_REFUSALS
         if not (busy or status == Status.UNAVAILABLE):  # the SDK retries only these
             return
         if busy and Header.TICKET in h:

@@ -386,15 +386,18 @@ def test_no_promise_a_holder_as_late_as_most_would_miss() -> None:
     assert isinstance(late, Refuse) and late.reason == Reason.DEADLINE and late.ticket is None
 
 
-def test_promises_stop_at_the_horizon_with_a_deadline_refusal() -> None:
+def test_promises_stop_at_the_horizon_with_an_overloaded_refusal() -> None:
+    """Past PROMISE_MAX_LINKS promises a slot the refusal is final and says why: the plane is
+    overloaded, not the caller's deadline (1 s here, which the next start would meet)."""
     ms, adm = slots(2), Admission("r")
     busy_until(ms, 0.010, 0.010)
     for _ in range(PROMISE_MAX_LINKS * 2):
         d = adm.decide(ms, ask(0.0))
         assert isinstance(d, Refuse) and d.reason == Reason.BUSY and d.ticket
     d = adm.decide(ms, ask(0.0))
-    assert isinstance(d, Refuse) and d.reason == Reason.DEADLINE and d.ticket is None
-    assert d.retry_after_ms is not None and d.retry_after_ms > 0
+    assert isinstance(d, Refuse) and d.reason == Reason.OVERLOADED and d.ticket is None
+    assert d.status == Status.BUSY and "overloaded" in d.message and "elsewhere" in d.message
+    assert d.retry_after_ms is not None and 0 < d.retry_after_ms < 1000
 
 
 def test_late_holders_are_not_no_shows() -> None:

@@ -169,11 +169,13 @@ async def test_never_sleeps_past_the_deadline(router: FakeRouter, plane: Client)
     assert info.value.retry_after_ms == 5000 and info.value.attempts == 1
 
 
-async def test_deadline_refusal_is_not_retried(router: FakeRouter, plane: Client) -> None:
-    router.script = lambda n, h: busy(h, after_ms=5, reason=Reason.DEADLINE)
+@pytest.mark.parametrize("reason", [Reason.DEADLINE, Reason.OVERLOADED])
+async def test_a_final_refusal_is_not_retried(router: FakeRouter, plane: Client,
+                                              reason: Reason) -> None:
+    router.script = lambda n, h: busy(h, after_ms=5, reason=reason)
     with pytest.raises(Rejected) as info:
         await plane.invoke("calibrated", {"duration_us": 1}, deadline_ms=1000)
-    assert info.value.reason == "deadline" and len(router.seen) == 1
+    assert info.value.reason == reason.value and len(router.seen) == 1
 
 
 async def test_retries_are_bounded(router: FakeRouter, plane: Client) -> None:

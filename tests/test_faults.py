@@ -126,7 +126,7 @@ async def test_nats_server_restarted_under_load() -> None:
             assert len(lost) <= MAX_LOST_AT_RESTART, (lost, counts)
             # The calls the SDK held back through the outage reach the plane together at the
             # reconnect, a burst past the promise horizon (8 per slot): beyond it they are
-            # refused at once, `deadline` (go elsewhere now). Every call not lost is served
+            # refused at once, `overloaded` (go elsewhere now). Every call not lost is served
             # or refused by the plane, none left to time out; most made before the restart
             # (30, 20 ms apart) are served.
             unserved = {i: (round(t0 - down_s, 2), res.statuses, res.reason)

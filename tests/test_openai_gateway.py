@@ -20,10 +20,12 @@ from openai.types.chat import ChatCompletionMessageParam
 from openapi_spec_validator import validate
 
 from plane.client import Client
+from plane.client.result import Result
 from plane.contract.config import ConnectOptions
 from plane.contract.messages import done_decoder
 from plane.contract.subjects import Header
 from plane.gateway import Gateway, GatewayConfig
+from plane.gateway.openai_compat import from_result
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import NAMES, listen, slots_running, wait_until
 from tests.plane_fixtures import slow_steps as slow
@@ -249,3 +251,18 @@ async def test_openapi_lists_the_streaming_routes(gateway: Gateway) -> None:
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     assert chat["security"] == [{"bearer": []}]
     assert set(chat["responses"]) >= {"200", "400", "404", "429"}
+
+
+@pytest.mark.parametrize(("reason", "retry"), [("busy", "true"), ("deadline", "false"),
+                                               ("overloaded", "false")])
+def test_a_refusal_says_whether_the_openai_client_should_retry(reason: str, retry: str) -> None:
+    """The `openai` package retries a 429 unless `x-should-retry: false`: a final refusal
+    (the caller's deadline cannot be met here, or the plane is overloaded past its promises)
+    must say so, a `busy` one with a Retry-After must not."""
+    result = Result(status=429, body=json.dumps({"error": "no", "reason": reason}).encode(),
+                    headers={Header.REASON: reason, Header.RETRY_AFTER_MS: "7"},
+                    request_id="r1", statuses=(429,))
+    response = from_result(result)
+    assert response.status == 429 and response.headers["x-should-retry"] == retry
+    assert response.headers[Header.RETRY_AFTER_MS] == "7"
+    assert json.loads(response.body)["error"]["code"] == reason

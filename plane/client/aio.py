@@ -47,7 +47,7 @@ from plane.client.wake import EarlyCalls
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.contract.errors import ConfigError
-from plane.contract.messages import Reason, Status
+from plane.contract.messages import FINAL_REFUSALS, Reason, Status
 from plane.contract.natsconn import close
 from plane.contract.replies import now_ms
 from plane.contract.subjects import Header, Names
@@ -266,7 +266,7 @@ class Client:
         self, result: Result, policy: RetryPolicy, tries: int, deadline_at: float
     ) -> float | None:
         """Whether to try again after `result` (the answer to the `tries`-th attempt), and
-        after how long (ms; None: give up). Only a 429 that is not a `deadline` refusal, or a
+        after how long (ms; None: give up). Only a 429 that is not final (`FINAL_REFUSALS`), or a
         503 from the server, is worth another attempt; `deadline_at` is monotonic. Shared by
         `call` and the streams (`plane.client.stream`), which retry only before a start.
 
@@ -278,7 +278,7 @@ class Client:
                 and self.comeback.routers_may_be_returning()):
             left_ms = (deadline_at - time.monotonic()) * 1000
             return ROUTERS_BACK_POLL_MS if left_ms > ROUTERS_BACK_POLL_MS else None
-        retryable = (result.status == Status.BUSY and result.reason != Reason.DEADLINE) or (
+        retryable = (result.status == Status.BUSY and result.reason not in FINAL_REFUSALS) or (
             result.status == Status.UNAVAILABLE and not result.local
         )
         if not retryable:

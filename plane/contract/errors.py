@@ -31,8 +31,9 @@ class BadRequest(PlaneError, ValueError):
 
 
 class Rejected(PlaneError):
-    """Every slot is busy: come back after `retry_after_ms` (or go elsewhere at once when
-    `reason == "deadline"`: no slot frees in time for your deadline)."""
+    """Every slot is busy: come back after `retry_after_ms`, or go elsewhere at once when
+    `reason` is `"deadline"` (no slot frees in time for your deadline) or `"overloaded"`
+    (every slot's promises are taken: the plane is past the load it can promise to)."""
 
     def __init__(
         self, message: str, *, retry_after_ms: int, reason: str = "busy",

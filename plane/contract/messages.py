@@ -27,12 +27,21 @@ class Status(enum.IntEnum):
 class Reason(enum.StrEnum):
     BUSY = "busy"
     DEADLINE = "deadline"
+    # Every slot's promises are taken (PROMISE_MAX_LINKS a slot): the plane is past the load
+    # it can promise anything to, whatever the caller's deadline. Go elsewhere now.
+    OVERLOADED = "overloaded"
     UNHEALTHY = "unhealthy"
     BAD_REQUEST = "bad-request"
     TOO_LARGE = "too-large"
     NO_CAPACITY = "no-capacity"
     TENANT_SHARE = "tenant-share"  # the tenant holds more than its fair share: others first
     TENANT_LIMIT = "tenant-limit"  # the tenant's own max_rate or max_slots
+
+
+# 429s not worth another try at this plane: the caller's deadline cannot be met here, or the
+# plane is overloaded past its promises. The SDK, pulse and the gateway's OpenAI route
+# (`x-should-retry`) give up on these at once; any other 429 is retried after Retry-After-Ms.
+FINAL_REFUSALS = frozenset({Reason.DEADLINE, Reason.OVERLOADED})
 
 
 class Freshness(enum.StrEnum):

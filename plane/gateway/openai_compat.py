@@ -18,8 +18,9 @@ already have (the `openai` package, curl -N) work unchanged:
   ignored.
 - Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: a refusal is
   a 429 with `Retry-After` (seconds) and `Retry-After-Ms` (both of which the `openai`
-  package honours when it retries) and `code` the plane's reason; a `deadline` refusal says
-  `x-should-retry: false` (no slot frees in time: go elsewhere). Bad input is a 400, a model
+  package honours when it retries) and `code` the plane's reason; a `deadline` or
+  `overloaded` refusal says `x-should-retry: false` (no slot frees in time, or the plane is
+  past what it can promise: go elsewhere). Bad input is a 400, a model
   the plane does not stream a 404 `model_not_found`. A stream that fails once started (its
   deadline, a node lost) ends with an `error` data event, then `[DONE]`.
 - Deadlines, request ids and tickets ride in the plane's headers as on `/v1/infer`
@@ -41,7 +42,7 @@ from plane.client.result import Result
 from plane.contract.backoff import NO_RETRY
 from plane.contract.errors import BadRequest
 from plane.contract.headers import read_caller
-from plane.contract.messages import Reason, Status, TinyLMReply, Usage
+from plane.contract.messages import FINAL_REFUSALS, Reason, Status, TinyLMReply, Usage
 from plane.contract.models import MODELS
 from plane.contract.subjects import Header
 from plane.gateway.common import (
@@ -119,7 +120,7 @@ def from_result(result: Result) -> web.Response:
     Retry-After of a 429, the request id)."""
     headers = http_headers(result.headers)
     if result.status == Status.BUSY:
-        headers["x-should-retry"] = "false" if result.reason == Reason.DEADLINE else "true"
+        headers["x-should-retry"] = "false" if result.reason in FINAL_REFUSALS else "true"
     return error_response(result.status, result.error_message(), code=result.reason,
                           headers=headers)
 

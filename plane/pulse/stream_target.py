@@ -35,7 +35,7 @@ from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.headers import is_no_responders
-from plane.contract.messages import Reason
+from plane.contract.messages import FINAL_REFUSALS
 from plane.contract.natsconn import close, connect
 from plane.contract.replies import now_ms
 from plane.contract.streams import ASKED, Kind, StreamBroken, StreamReader
@@ -249,7 +249,7 @@ class StreamTarget:
             if status == 429 and Header.RETRY_AFTER_MS in call.headers:
                 hinted += 1
             delay = None
-            if status == 429 and reason != Reason.DEADLINE:
+            if status == 429 and reason not in FINAL_REFUSALS:
                 delay = retry_delay_ms(
                     spec.policy, attempt=len(statuses),
                     remaining_ms=(retry_until - time.monotonic()) * 1000,

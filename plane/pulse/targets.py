@@ -21,7 +21,7 @@ from plane.client import Client, ClientConfig
 from plane.client.result import header_int
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
-from plane.contract.messages import Status
+from plane.contract.messages import FINAL_REFUSALS, Status
 from plane.contract.replies import now_ms
 from plane.contract.subjects import Header
 from plane.pulse.outcome import ERROR, TIMEOUT, Attempts
@@ -138,7 +138,7 @@ class HttpTarget:
             if status == 429 and after_ms is not None:
                 hinted += 1
             delay = None
-            if status == 429 and rh.get(Header.REASON) != "deadline":
+            if status == 429 and rh.get(Header.REASON) not in FINAL_REFUSALS:
                 delay = retry_delay_ms(
                     self._policy, attempt=len(statuses),
                     remaining_ms=(deadline_at - time.monotonic()) * 1000,

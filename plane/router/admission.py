@@ -78,7 +78,7 @@ NEWCOMER_PARK_SLACK_S = 0.001
 LAPSED_KEEP_S = 0.5
 LAPSED_MAX = 10_000
 # At most this many open promises per healthy slot, so router state stays bounded under any
-# load. Beyond it the refusal says `deadline`: go elsewhere at once. (How far ahead a promise
+# load. Beyond it the refusal says `overloaded`: go elsewhere at once. (How far ahead a promise
 # may be is the caller's deadline's business: its start plus the p99 must fit in it.) Telling
 # callers past it their turns while the arrivals looked like a burst was tried (2026-12-01)
 # and dropped: near saturation (3 x 8 ms at 0.9x of the closed-loop capacity) first retries
@@ -666,9 +666,10 @@ class Admission:
         wait_ms = _wait_ms(due_s, now)
         if len(ms.promises) >= PROMISE_MAX_LINKS * len(free_s):
             return Refuse(
-                Status.BUSY, Reason.DEADLINE,
-                f"every {ms.model} slot already has {PROMISE_MAX_LINKS} callers promised "
-                f"(earliest free in {wait_ms} ms): go elsewhere now, or come back later",
+                Status.BUSY, Reason.OVERLOADED,
+                f"overloaded: every {ms.model} slot already has {PROMISE_MAX_LINKS} callers "
+                f"promised (earliest free in {wait_ms} ms): go elsewhere now, or come back "
+                "later without a ticket",
                 retry_after_ms=wait_ms,
             )
         # A promise its holder cannot keep is worse than none: one due so near the last

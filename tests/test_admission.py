@@ -482,8 +482,7 @@ def test_a_newcomer_whose_caller_would_not_come_back_waits_for_a_slot_about_to_f
     assert isinstance(placed, Place) and placed.redeemed is d.holder
 
 
-def test_a_newcomer_whose_caller_comes_back_waits_a_narrow_window_for_a_slot_about_to_free(
-) -> None:
+def test_a_newcomer_whose_caller_comes_back_waits_for_a_slot_about_to_free_briefly() -> None:
     """Callers that retry (promises pin): a refusal would cost the caller a trip and leave
     the slot idle for as long as its holder is late, so a newcomer waits for a slot predicted
     to free within a quarter of the p50 too, but only until that slot's predicted end plus

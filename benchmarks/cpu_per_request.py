@@ -3,7 +3,7 @@ against a bare nats-py echo responder (the floor) and its own nats-server, in on
 
     .venv/bin/python benchmarks/cpu_per_request.py [--duration 20 | --requests N]
                                                    [--slots 4] [--work-us 0] [--json]
-                                                   [--node-processes 1]
+                                                   [--node-processes 1] [--routers 1]
 
 What runs: two nats-servers on loopback (one per path, so each one's CPU is its path's), the
 floor's echo responder (`floor_responder.py`), and the plane as two processes, `plane router`
@@ -12,7 +12,10 @@ utime + stime of each process from /proc/<pid>/stat (all its threads, in clock t
 each), read just before and just after each measured load. The caller is this process (its
 own uvloop event loop), counted for neither path. Every request is one plain core-NATS
 request, the same code for both paths, with no SDK and no retries: one plane request is one
-router decision.
+router decision. With `--routers N` the plane has N `plane router` processes in one queue
+group, and the router's figure is all of theirs per decision: a request that lands on a
+router that does not make the model's promises and finds no slot free is forwarded to the
+one that does (two more messages, and a decision in each), which the figure counts.
 
 The loads, each on the floor and then on the plane, after a quiet --settle (promises the
 plane made to refused callers, who never come back for them, lapse meanwhile):
@@ -92,8 +95,8 @@ def tree_ticks(pid: int) -> int:
     return cpu_ticks(pid) + sum(tree_ticks(c) for c in children)
 
 
-def read_cpu(pids: Mapping[str, int]) -> dict[str, int]:
-    return {role: tree_ticks(pid) for role, pid in pids.items()}
+def read_cpu(pids: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+    return {role: sum(tree_ticks(pid) for pid in ps) for role, ps in pids.items()}
 
 
 def tree_wakes(pid: int) -> int:
@@ -111,8 +114,8 @@ def tree_wakes(pid: int) -> int:
     return total
 
 
-def read_wakes(pids: Mapping[str, int]) -> dict[str, int]:
-    return {role: tree_wakes(pid) for role, pid in pids.items()}
+def read_wakes(pids: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+    return {role: sum(tree_wakes(pid) for pid in ps) for role, ps in pids.items()}
 
 
 # -- the two paths -------------------------------------------------------------------------
@@ -124,7 +127,7 @@ class System:
     url: str
     subject: str
     headers: dict[str, str] | None
-    pids: dict[str, int]  # role -> PID
+    pids: dict[str, tuple[int, ...]]  # role -> its processes' PIDs (the routers: one or more)
 
     def target(self) -> CoreRequest:
         return CoreRequest(self.url, self.subject, self.headers)
@@ -156,34 +159,40 @@ async def floor_system(logs: Path, body: bytes) -> AsyncIterator[System]:
         async with child([sys.executable, str(REPO / "benchmarks" / "floor_responder.py"),
                           srv.url, FLOOR_SUBJECT], log) as echo:
             floor = System(name="floor", url=srv.url, subject=FLOOR_SUBJECT, headers=None,
-                           pids={"echo": _pid(echo), "nats-server": _pid(srv)})
+                           pids={"echo": (_pid(echo),), "nats-server": (_pid(srv),)})
             await until("echo responder", lambda: _answers(floor, _ok, body), 30, log)
             yield floor
 
 
 @contextlib.asynccontextmanager
 async def plane_system(logs: Path, body: bytes, *, slots: int, deadline_ms: int,
-                       node_processes: int = 1,
+                       node_processes: int = 1, routers: int = 1,
                        router_cmd: Sequence[str] = (str(BIN / "plane"), "router"),
                        ) -> AsyncIterator[System]:
-    """An embedded nats-server, a router (`router_cmd` and its arguments: `plane router`, or
-    benchmarks/router_split.py's probed one) and a node of `slots` slots, answering."""
-    async with EmbeddedNats() as srv:
+    """An embedded nats-server, `routers` routers (`router_cmd` and its arguments: `plane
+    router`, or benchmarks/router_split.py's probed one; one queue group, ids `bench`,
+    `bench2`, ...) and a node of `slots` slots, answering."""
+    async with EmbeddedNats() as srv, contextlib.AsyncExitStack() as stack:
         common = ["--nats", srv.url, "--log-level", "warning"]
         rlog, nlog = logs / "router.log", logs / "node.log"
-        async with (
-            child([*router_cmd, *common, "--router-id", "bench"], rlog) as router,
+        router_pids = []
+        for i in range(routers):
+            rid = "bench" if i == 0 else f"bench{i + 1}"
+            log = rlog if i == 0 else logs / f"router{i + 1}.log"
+            proc = await stack.enter_async_context(
+                child([*router_cmd, *common, "--router-id", rid], log))
+            router_pids.append(_pid(proc))
+        node = await stack.enter_async_context(
             child([str(BIN / "plane"), "node", *common, "--model", MODEL, "--slots", str(slots),
                    "--backend", "torch", "--node-id", "bench",
-                   "--processes", str(node_processes)], nlog) as node,
-        ):
-            plane = System(name="plane", url=srv.url, subject=Names().infer(MODEL),
-                           headers={Header.DEADLINE_MS: str(deadline_ms)},
-                           pids={"router": _pid(router), "node": _pid(node),
-                                 "nats-server": _pid(srv)})
-            await until("plane router", lambda: _answers(plane, _answered, body), 30, rlog)
-            await until("plane node", lambda: _answers(plane, _ok, body), 90, nlog)
-            yield plane
+                   "--processes", str(node_processes)], nlog))
+        plane = System(name="plane", url=srv.url, subject=Names().infer(MODEL),
+                       headers={Header.DEADLINE_MS: str(deadline_ms)},
+                       pids={"router": tuple(router_pids), "node": (_pid(node),),
+                             "nats-server": (_pid(srv),)})
+        await until("plane router", lambda: _answers(plane, _answered, body), 30, rlog)
+        await until("plane node", lambda: _answers(plane, _ok, body), 90, nlog)
+        yield plane
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -313,6 +322,7 @@ class BenchConfig:
     # which plain callers never redeem) has lapsed before the next begins.
     settle_s: float = 2.0
     node_processes: int = 1  # `plane node --processes`: the node's CPU is all its processes'
+    routers: int = 1  # `plane router` processes (one queue group): their CPU together
 
     @property
     def size(self) -> Size:
@@ -366,7 +376,7 @@ async def bench(cfg: BenchConfig, logs: Path) -> Result:
     body = json.dumps({"duration_us": cfg.work_us}).encode()
     async with (floor_system(logs, body) as floor,
                 plane_system(logs, body, slots=cfg.slots, deadline_ms=cfg.deadline_ms,
-                             node_processes=cfg.node_processes) as plane):
+                             node_processes=cfg.node_processes, routers=cfg.routers) as plane):
         systems = (floor, plane)
         for s in systems:
             await measure(s, body, Load("warm-up", callers=1), Size(cfg.warmup, 0.0))
@@ -399,8 +409,8 @@ def print_tables(cfg: BenchConfig, result: Result, console: Console) -> None:
     size = (f"{cfg.size.requests} requests" if cfg.size.requests
             else f"{cfg.size.seconds:g} s") + " per load and path"
     console.print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-                  f"{platform.python_version()}; {cfg.slots} slots over "
-                  f"{cfg.node_processes} node process(es), `{MODEL}` "
+                  f"{platform.python_version()}; {cfg.routers} router(s), {cfg.slots} slots "
+                  f"over {cfg.node_processes} node process(es), `{MODEL}` "
                   f"{cfg.work_us} µs, deadline {cfg.deadline_ms} ms, {size}; "
                   f"CPU from /proc in ticks of {1000 / CLK_TCK:g} ms")
     idle = "; ".join(f"{name}: " + ", ".join(f"{role} {v:.1f}" for role, v in roles.items())
@@ -480,15 +490,18 @@ def to_json(cfg: BenchConfig, result: Result) -> str:
               help="Seconds of quiet before each load and path.")
 @click.option("--node-processes", type=int, default=1, show_default=True,
               help="`plane node --processes`: the slots over this many node processes.")
+@click.option("--routers", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="`plane router` processes (one queue group); the router's figure is all "
+                   "of theirs per decision, forwards between them included.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, not tables.")
 def main(duration_s: float, requests: int | None, slots: int, work_us: int, deadline_ms: int,
          open_factor: float, warmup: int, idle_s: float, settle_s: float, node_processes: int,
-         as_json: bool) -> None:
+         routers: int, as_json: bool) -> None:
     """CPU per request of the plane's router, node and nats-server against a bare echo."""
     cfg = BenchConfig(slots=slots, work_us=work_us, deadline_ms=deadline_ms,
                       requests=requests, duration_s=duration_s, open_factor=open_factor,
                       warmup=warmup, idle_s=idle_s, settle_s=settle_s,
-                      node_processes=node_processes)
+                      node_processes=node_processes, routers=routers)
     with tempfile.TemporaryDirectory(prefix="plane-cpu-") as tmp:
         try:
             result = run(bench(cfg, Path(tmp)))

@@ -116,7 +116,7 @@ async def _run(load: str, slots: int, callers: int, seconds: float) -> None:
             await held.enter_async_context(slots_held(plane, 1))
         async with plane.target() as target:
             await closed_loop(target, body, callers, Size(requests=500, seconds=0))
-            router = plane.pids["router"]
+            router = plane.pids["router"][0]
             t0, w0 = cpu_ticks(router), time.monotonic()
             done = await closed_loop(target, body, callers, Size(requests=None,
                                                                  seconds=seconds))

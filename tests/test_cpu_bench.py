@@ -52,6 +52,24 @@ async def test_cpu_per_request_smoke() -> None:
         len(r["by_load"]) == 4 for r in data["ratios"])
 
 
+async def test_cpu_per_request_two_routers_smoke() -> None:
+    """`--routers 2`: two `plane router` processes in one queue group serve every load, and
+    the routers' CPU (both processes, summed) is read over each."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "cpu_per_request.py"),
+        "--requests", "300", "--warmup", "50", "--idle", "0.5", "--settle", "0", "--slots", "2",
+        "--routers", "2", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    data = json.loads(out)
+    assert data["config"]["routers"] == 2
+    plane = [r for r in data["rows"] if r["system"] == "plane"]
+    assert len(plane) == 4 and all(r["cpu_ticks"]["router"] > 0 for r in plane)
+    assert sum(r["statuses"].get("200", 0) for r in plane[:3]) > 0
+
+
 async def test_interleaved_ab_smoke() -> None:
     """The interleaved before/after (benchmarks/interleaved_ab.py), this tree against
     itself, one short round: both runs measured, one table row each."""

@@ -220,15 +220,24 @@ class PromiseGone(PeerNote, frozen=True, tag="gone"):
     ticket: str
 
 
-class SlotTaken(PeerNote, frozen=True, tag="took"):
-    """A slot taken: busy for about `service_us`, at most `p99_us`; by a kept promise's
-    holder (`ticket`: that promise is gone too) or by a newcomer (no ticket)."""
+class _SlotTakenTerms(PeerNote, frozen=True):
+    """A slot-taken note's first fields, in their wire order (before `router`, `instance`)."""
 
     model: str
     slot: str
     service_us: int
     p99_us: int
     ticket: str | None = None
+
+
+class SlotTaken(_SlotTakenTerms, frozen=True, kw_only=True, tag="took"):
+    """A slot taken: busy for about `service_us`, at most `p99_us`; by a kept promise's
+    holder (`ticket`: that promise is gone too) or by a newcomer (no ticket). `request_id`
+    (the request placed) trails the array, as `PromiseMade.wake` does: a peer that has heard
+    its done-event already (short work ends before the note arrives) does not mark the slot
+    busy again; a router that predates it reads the note without it."""
+
+    request_id: str | None = None
 
 
 class Presence(PeerNote, frozen=True, tag="here"):

@@ -171,7 +171,8 @@ class Peers:
                 if note.ticket is not None:
                     self.admission.drop(ms, note.ticket)
                 view = ms.slots.get(note.slot)
-                if view is not None and view.request_id is None:
+                if (view is not None and view.request_id is None
+                        and not view.was_done(note.request_id)):
                     view.occupy(time.monotonic(), None, note.service_us / 1e6,
                                 note.p99_us / 1e6)
 
@@ -192,7 +193,8 @@ class Peers:
                 else PromiseGone(
                 router=self.router_id, model=n.model, ticket=p.ticket))
 
-    async def tell_taken(self, model: str, view: SlotView, place: Place, ask: Ask) -> None:
+    async def tell_taken(self, model: str, view: SlotView, place: Place, ask: Ask,
+                         request_id: str) -> None:
         """Tell the others the promises changed and the slot we just took, and by whom."""
         await self.tell()
         if self._alone():
@@ -200,7 +202,8 @@ class Peers:
         await self._send(model, SlotTaken(
             router=self.router_id, model=model, slot=view.key,
             ticket=place.redeemed.ticket if place.redeemed is not None else None,
-            service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us))
+            service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us,
+            request_id=request_id))
 
     def _alone(self) -> bool:
         """No other router heard from lately: nobody to tell (nothing on the hot path)."""

@@ -703,7 +703,7 @@ class RequestPath:
                 if p.place.redeemed is not None:
                     self.admission.redeemed(r.ms, p.place.redeemed)
                     self._tickets_honoured(r.model).inc()
-                await self.peers.tell_taken(r.model, view, p.place, r.ask)
+                await self.peers.tell_taken(r.model, view, p.place, r.ask, r.rid)
                 await self._decided(r, "placed", view)
             case TimedOut():
                 self.fair.placed(r.model, r.tenant, r.ask.prediction.expected_us,

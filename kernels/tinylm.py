@@ -231,12 +231,11 @@ class TinyLM:
         # the logits would no longer be the eager ones bit for bit (a GPU slot's step is its
         # CUDA graph; its prefill and sampling stay eager).
         self._steps: TorchSteps = EAGER
-        self._scripted = False
         self.decode_path = "launches" if use_kernel else "eager ops"
         if not use_kernel and script and device.type == "cpu":
             scripted, self.decode_path = script_torch_path()
             if scripted is not None:
-                self._steps, self._scripted = scripted, True
+                self._steps = scripted
 
     @classmethod
     def from_seed(
@@ -312,7 +311,7 @@ class TinyLM:
         then ~4 ms, against ~0.6 ms for a prefill after), so a slot primes before its first
         request (`gpu_node.generation.SlotGenerator.warm_up`). `state` is the next request's
         to reset (`start`)."""
-        for _ in range(PRIME_RUNS if self._scripted else 1):
+        for _ in range(PRIME_RUNS if self._steps is not EAGER else 1):
             self.start(b"prime", 3, state=state)
             while self.step(state) is not None:
                 pass

@@ -147,12 +147,6 @@ def ticket_owner(ticket: str) -> str | None:
         return None
 
 
-def _slot_time_s(ms: ModelSlots, us: int) -> float:
-    """How long a request of `us` (publish to done-event) keeps the next one off its slot:
-    that and the router's turnaround (`ModelSlots.turnaround`)."""
-    return (us + ms.turnaround.mean_us) / 1e6
-
-
 def _within(lo: float, hi: float, x: float) -> float:
     return max(lo, min(hi, x))
 
@@ -492,12 +486,12 @@ class Admission:
         if holder is None:
             protected = [p for p in ms.promises if p.parked or p.due_s + gone_s > now
                          or p.called_s + gone_s > now]
-            hold_s = _slot_time_s(ms, ask.prediction.p99_us)
+            hold_s = ask.prediction.p99_us / 1e6
         else:
             protected = [p for p in ms.promises if p is not holder
                          and p.due_s <= holder.due_s
                          and (p.parked or p.due_s > now or p.called_s + gone_s > now)]
-            hold_s = _slot_time_s(ms, ask.prediction.expected_us)
+            hold_s = ask.prediction.expected_us / 1e6
         # No promise open (the common case below capacity): nothing to simulate.
         return bool(protected) and would_delay(ms.free_times(now), protected, now, hold_s)
 
@@ -714,7 +708,7 @@ class Admission:
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=due_s, told_s=told_s,
             expires_s=told_s + _late_tolerance_s(ask.prediction),
-            service_s=_slot_time_s(ms, ask.prediction.expected_us),
+            service_s=ask.prediction.expected_us / 1e6,
             issued_s=now, pinned=pinned, wake=ask.wake,
         )
         if promise.pinned:
@@ -738,7 +732,7 @@ class Admission:
         (callers come back): the window is the slot's spread, not a holder's."""
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
-            service_s=_slot_time_s(ms, ask.prediction.expected_us), issued_s=ask.now_s, pinned=True,
+            service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
         )
         promise.parked = True
         ms.promises.add(promise)

@@ -111,12 +111,6 @@ class ModelSlots:
     rr: int = 0  # round-robin start, so load spreads over equal slots
     promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
     rates: TokenRates = field(default_factory=TokenRates)  # a generating model's, learned
-    # From a slot's done-event to the next placement on it, for a request that was already
-    # here when it freed (a parked holder woken, one decided behind the done-event): the
-    # router's own turnaround, which no cycle sample holds (each runs from a publish to its
-    # done-event). Under a chain of promises it is paid at every link.
-    turnaround: ServiceWindow = field(
-        default_factory=lambda: ServiceWindow(prior_us=0, max_age_s=CYCLE_MAX_AGE_S))
 
     def apply_advert(self, advert: NodeAdvert, names: Names, now_s: float) -> list[str]:
         """Book a node's advert. A slot is placed on at the subject the plane's names give it
@@ -172,22 +166,8 @@ class ModelSlots:
         return gone
 
     def free_times(self, now_s: float) -> list[float]:
-        """Each healthy slot's predicted free time: what promises are scheduled on. A busy
-        slot's next request starts a turnaround after its done-event."""
-        turn_s = self.turnaround.mean_us / 1e6
-        out = []
-        for v in self.slots.values():
-            if v.healthy:
-                t = v.free_time(now_s)
-                out.append(t + turn_s if t > now_s else t)
-        return out
-
-    def placed(self, view: SlotView, came_s: float, now_s: float, expected_s: float) -> None:
-        """A request that came at `came_s` is placed on `view` now: when it was here before
-        the slot freed, the time since is the router's turnaround (one longer than the
-        cycle is a slot left idle for some other reason, not counted)."""
-        if came_s <= view.freed_s and (gap_s := now_s - view.freed_s) < expected_s:
-            self.turnaround.add(int(gap_s * 1e6), now_s)
+        """Each healthy slot's predicted free time: what promises are scheduled on."""
+        return [v.free_time(now_s) for v in self.slots.values() if v.healthy]
 
     def silent_count(self) -> int:
         """Slots passed over because their stream answered no publish (`silence`)."""

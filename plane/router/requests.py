@@ -769,8 +769,6 @@ class RequestPath:
     def _track(self, view: SlotView, r: Routing, attempt: str) -> InFlight:
         now = time.monotonic()
         ask = r.ask
-        r.ms.placed(view, ask.came_s if ask.came_s is not None else ask.now_s, now,
-                    ask.prediction.expected_us / 1e6)
         view.occupy(now, r.rid, ask.prediction.expected_us / 1e6, ask.prediction.p99_us / 1e6)
         return self.inflight.track(InFlight(
             request_id=r.rid, model=r.model, reply=r.msg.reply, node=view.node, key=view.key,

@@ -445,7 +445,6 @@ class Router(Lifecycle, TaskOwner):
                     self._forget_node(node, f"no heartbeat for {now - seen:.1f} s")
             for ms in self.models.values():
                 ms.window.expire(now)
-                ms.turnaround.expire(now)
                 self.metrics.promises_open.labels(ms.model).set(len(ms.promises))
             for then in self.publisher.expire(now):
                 self._spawn(then(TimedOut()))

@@ -84,6 +84,20 @@ LAPSED_MAX = 10_000
 # and dropped: near saturation (3 x 8 ms at 0.9x of the closed-loop capacity) first retries
 # fell from 97% to 35%, newcomers taking the slots the turns counted on.
 PROMISE_MAX_LINKS = 8
+# A chain of promises that does not drain is a queue: under overload that lasts, every slot
+# keeps its PROMISE_MAX_LINKS promises, and links past the first few only add wait, and error,
+# to every holder's turn (the schedule runs a little behind its promises at each link: at 2x
+# of 2 ms work on 2 slots, slots freed 2.7 ms after the due time at the p50 and holders
+# waited, parked, 6.9 ms at the p99). So once the book has not come down to one promise a
+# slot for STANDING_CYCLES p50 service times (at least STANDING_MIN_S), a slot keeps
+# STANDING_LINKS: enough to stay fed, the rest told `overloaded` at once. A book that drains
+# (bursts below capacity) keeps the full depth. (All at 8 links: 2 x 2 ms at 2x p99/p50
+# 2.0-2.2, whole wait p50 34 ms; at 3: 1.7, 15 ms, 2% fewer answers a second; a single
+# stream slot at 0.9x refused 10% of streams `overloaded` at 3 links all the time. BENCHMARKS.md,
+# twenty-eighth session.)
+STANDING_LINKS = 3
+STANDING_CYCLES = 16
+STANDING_MIN_S = 0.05
 # How late holders come back (`Admission.lateness`): the last LATENESS_WINDOW holders, and
 # before any came back, a trip, a timer and the 2 ms of jitter a client may add (the SDK adds
 # none to a ticket's Retry-After-Ms).
@@ -395,6 +409,8 @@ class Admission:
         # a promise is made only if a holder this late still starts in time (`_refuse`).
         self.lateness: dict[str, ServiceWindow] = {}
         self.call_trips: dict[str, ServiceWindow] = {}  # per model: from a call to the holder
+        # Per model: when its book last held at most one promise a healthy slot (`_links`).
+        self.drained: dict[str, float] = {}
 
     def take_notes(self) -> list[PromiseChange]:
         notes, self.notes = self.notes, []
@@ -445,6 +461,8 @@ class Admission:
                 self._drop_holder(ms, ask)
                 return refusal
         self._expire(ms, ask.now_s, spare=self._spared(ask))
+        if len(ms.promises) <= len(ms.slots):
+            self.drained[ms.model] = ask.now_s  # for `_links`
         holder = self._holder(ms, ask)
         free: list[SlotView] = []
         avoided: list[SlotView] = []
@@ -574,6 +592,17 @@ class Admission:
         self.stats["ticket-valid"] += 1
         return r
 
+    def _links(self, ms: ModelSlots, slots: int, now_s: float, p50_us: int) -> int:
+        """How many promises a slot may hold: PROMISE_MAX_LINKS, or STANDING_LINKS while the
+        book has not drained (to one promise a slot, `decide`) for STANDING_CYCLES service
+        times."""
+        if len(ms.promises) <= slots:
+            return PROMISE_MAX_LINKS
+        standing_s = max(STANDING_MIN_S, STANDING_CYCLES * p50_us / 1e6)
+        if now_s - self.drained.setdefault(ms.model, now_s) <= standing_s:
+            return PROMISE_MAX_LINKS
+        return STANDING_LINKS
+
     def _gone_s(self, model: str) -> float:
         """How long past its due time a promise whose holder is not here still keeps its slot
         time from newcomers: as late as holders come back (the p99), at least GONE_MIN_S."""
@@ -664,12 +693,13 @@ class Admission:
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
         due_s = max(now, start_s + lag_s - RETURN_LEAD_S)
         wait_ms = _wait_ms(due_s, now)
-        if len(ms.promises) >= PROMISE_MAX_LINKS * len(free_s):
+        links = self._links(ms, len(free_s), now, p.p50_us)
+        if len(ms.promises) >= links * len(free_s):
             return Refuse(
                 Status.BUSY, Reason.OVERLOADED,
-                f"overloaded: every {ms.model} slot already has {PROMISE_MAX_LINKS} callers "
-                f"promised (earliest free in {wait_ms} ms): go elsewhere now, or come back "
-                "later without a ticket",
+                f"overloaded: every {ms.model} slot already has {links} callers promised "
+                f"(earliest free in {wait_ms} ms): go elsewhere now, or come back later "
+                "without a ticket",
                 retry_after_ms=wait_ms,
             )
         # A promise its holder cannot keep is worse than none: one due so near the last

@@ -16,6 +16,8 @@ from plane.router.admission import (
     CALL_TRIP_MAX_AGE_S,
     NEWCOMER_PARK_SLACK_S,
     PROMISE_MAX_LINKS,
+    STANDING_CYCLES,
+    STANDING_LINKS,
     Admission,
     Ask,
     Park,
@@ -398,6 +400,53 @@ def test_promises_stop_at_the_horizon_with_an_overloaded_refusal() -> None:
     assert isinstance(d, Refuse) and d.reason == Reason.OVERLOADED and d.ticket is None
     assert d.status == Status.BUSY and "overloaded" in d.message and "elsewhere" in d.message
     assert d.retry_after_ms is not None and 0 < d.retry_after_ms < 1000
+
+
+STANDING_S = STANDING_CYCLES * MS10.p50_us / 1e6  # 0.16 s for 10 ms work
+
+
+def _promise(adm: Admission, ms: ModelSlots, now: float) -> Refuse:
+    d = adm.decide(ms, ask(now))
+    assert isinstance(d, Refuse)
+    return d
+
+
+def test_a_chain_that_does_not_drain_keeps_fewer_promises() -> None:
+    """Overload that lasts: once the book has held more than one promise a slot for
+    STANDING_CYCLES service times, a slot keeps STANDING_LINKS promises, not
+    PROMISE_MAX_LINKS; the others are told `overloaded` at once, and a ticket is given again
+    as soon as the book is below the new depth."""
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.5, 0.5)  # long past the window: the promises do not lapse meanwhile
+    for _ in range(2 * STANDING_LINKS + 2):
+        assert _promise(adm, ms, 0.0).ticket
+    # Within the window a burst may still take the full depth.
+    assert _promise(adm, ms, STANDING_S / 2).ticket
+    assert len(ms.promises) == 2 * STANDING_LINKS + 3 < 2 * PROMISE_MAX_LINKS
+    d = _promise(adm, ms, STANDING_S * 1.1)
+    assert d.reason == Reason.OVERLOADED and d.ticket is None
+    assert f"already has {STANDING_LINKS} callers promised" in d.message
+    # Holders redeemed down to below the standing depth: a ticket again, one at a time.
+    while len(ms.promises) >= 2 * STANDING_LINKS:
+        adm.forget(ms, next(iter(ms.promises)))
+    assert _promise(adm, ms, STANDING_S * 1.2).ticket
+    assert _promise(adm, ms, STANDING_S * 1.2).reason == Reason.OVERLOADED
+
+
+def test_a_chain_that_drains_keeps_its_full_depth() -> None:
+    """Bursts below capacity: a book that came down to one promise a slot within the window
+    may grow to PROMISE_MAX_LINKS a slot again."""
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.5, 0.5)
+    for _ in range(2 * STANDING_LINKS + 2):
+        assert _promise(adm, ms, 0.0).ticket
+    while len(ms.promises) > 1:  # redeemed: the chain drained
+        adm.forget(ms, next(iter(ms.promises)))
+    assert _promise(adm, ms, STANDING_S * 0.9).ticket  # sees the drained book
+    later = STANDING_S * 1.5  # past the window from the start, within it from the drain
+    while len(ms.promises) < 2 * PROMISE_MAX_LINKS:
+        assert _promise(adm, ms, later).ticket
+    assert _promise(adm, ms, later).reason == Reason.OVERLOADED
 
 
 def test_late_holders_are_not_no_shows() -> None:

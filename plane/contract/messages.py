@@ -27,8 +27,9 @@ class Status(enum.IntEnum):
 class Reason(enum.StrEnum):
     BUSY = "busy"
     DEADLINE = "deadline"
-    # Every slot's promises are taken (PROMISE_MAX_LINKS a slot): the plane is past the load
-    # it can promise anything to, whatever the caller's deadline. Go elsewhere now.
+    # Every slot's promises are taken (PROMISE_MAX_LINKS a slot, STANDING_LINKS while the
+    # chain of promises does not drain): the plane is past the load it can promise anything
+    # to, whatever the caller's deadline. Go elsewhere now.
     OVERLOADED = "overloaded"
     UNHEALTHY = "unhealthy"
     BAD_REQUEST = "bad-request"

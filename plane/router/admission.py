@@ -91,12 +91,11 @@ PROMISE_MAX_LINKS = 8
 # waited, parked, 6.9 ms at the p99). So once the book has not come down to one promise a
 # slot for STANDING_CYCLES p50 service times (at least STANDING_MIN_S), a slot keeps
 # STANDING_LINKS: enough to stay fed, the rest told `overloaded` at once. A book that drains
-# (bursts below capacity) keeps the full depth. (All at 8 links: 2 x 2 ms at 2x p99/p50
-# 2.0-2.2, whole wait p50 34 ms; at 3: 1.7, 15 ms, 2% fewer answers a second; a single
-# stream slot at 0.9x refused 10% of streams `overloaded` at 3 links all the time. BENCHMARKS.md,
-# twenty-eighth session.) Not for a holder on call: called when a slot really frees, it
-# does not pay the schedule's error, and a single stream slot kept at 3 links idled between
-# streams: 9% fewer streams a second at 2x.
+# (bursts below capacity) keeps the full depth, and so does a holder on call: called when a
+# slot really frees, it does not pay the schedule's error. (2 x 2 ms at 2x: p99/p50 2.0-2.2
+# and whole wait p50 34 ms at 8 links, 1.7 and 15 ms at 3, 1-3% fewer answers a second. A
+# single stream slot at 3 links idled between streams: 6% of them refused `overloaded` at
+# 0.9x, 9% fewer streams a second at 2x. BENCHMARKS.md, twenty-eighth session.)
 STANDING_LINKS = 3
 STANDING_CYCLES = 16
 STANDING_MIN_S = 0.05

@@ -426,6 +426,11 @@ def test_a_chain_that_does_not_drain_keeps_fewer_promises() -> None:
     d = _promise(adm, ms, STANDING_S * 1.1)
     assert d.reason == Reason.OVERLOADED and d.ticket is None
     assert f"already has {STANDING_LINKS} callers promised" in d.message
+    # A caller on call (a stream that gave an inbox) is called when a slot really frees: it
+    # does not pay the schedule's error, and keeps the full depth.
+    on_call = adm.decide(ms, replace(ask(STANDING_S * 1.1), wake="_INBOX.me",
+                                     first_p99_us=1_000))
+    assert isinstance(on_call, Refuse) and on_call.ticket
     # Holders redeemed down to below the standing depth: a ticket again, one at a time.
     while len(ms.promises) >= 2 * STANDING_LINKS:
         adm.forget(ms, next(iter(ms.promises)))

@@ -423,6 +423,8 @@ def test_a_chain_that_does_not_drain_keeps_fewer_promises() -> None:
     # Within the window a burst may still take the full depth.
     assert _promise(adm, ms, STANDING_S / 2).ticket
     assert len(ms.promises) == 2 * STANDING_LINKS + 3 < 2 * PROMISE_MAX_LINKS
+    assert adm.depth(ms, STANDING_S / 2) == PROMISE_MAX_LINKS
+    assert adm.depth(ms, STANDING_S * 1.1) == STANDING_LINKS  # what the router's gauge says
     d = _promise(adm, ms, STANDING_S * 1.1)
     assert d.reason == Reason.OVERLOADED and d.ticket is None
     assert f"already has {STANDING_LINKS} callers promised" in d.message
@@ -452,6 +454,9 @@ def test_a_chain_that_drains_keeps_its_full_depth() -> None:
     while len(ms.promises) < 2 * PROMISE_MAX_LINKS:
         assert _promise(adm, ms, later).ticket
     assert _promise(adm, ms, later).reason == Reason.OVERLOADED
+    while ms.promises:  # all redeemed, then quiet: the full depth again
+        adm.forget(ms, next(iter(ms.promises)))
+    assert adm.depth(ms, later + 10 * STANDING_S) == PROMISE_MAX_LINKS
 
 
 def test_late_holders_are_not_no_shows() -> None:

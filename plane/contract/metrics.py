@@ -138,6 +138,10 @@ class PlaneMetrics:
         self.promises_open = Gauge(
             "plane_promises_open", "Promises (tickets) a router holds open: slot time booked "
             "for refused callers to come back to", ["model"], registry=r)
+        self.promise_depth = Gauge(
+            "plane_promise_depth", "Promises a slot may hold now for callers told a time: 8, "
+            "or 3 while the chain of promises does not drain (overload that lasts); past "
+            "it a 429 says overloaded", ["model"], registry=r)
         self.tickets_issued = Counter(
             "plane_tickets_issued", "Tickets handed out with 429s", ["model"], registry=r)
         self.tickets_honoured = Counter(

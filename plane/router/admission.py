@@ -410,8 +410,10 @@ class Admission:
         # a promise is made only if a holder this late still starts in time (`_refuse`).
         self.lateness: dict[str, ServiceWindow] = {}
         self.call_trips: dict[str, ServiceWindow] = {}  # per model: from a call to the holder
-        # Per model: when its book last held at most one promise a healthy slot (`_links`).
+        # Per model: when its book last held at most one promise a slot, and how long it may
+        # stand so before a slot keeps fewer promises (`depth`).
         self.drained: dict[str, float] = {}
+        self._standing_s: dict[str, float] = {}
 
     def take_notes(self) -> list[PromiseChange]:
         notes, self.notes = self.notes, []
@@ -463,7 +465,7 @@ class Admission:
                 return refusal
         self._expire(ms, ask.now_s, spare=self._spared(ask))
         if len(ms.promises) <= len(ms.slots):
-            self.drained[ms.model] = ask.now_s  # for `_links`
+            self.drained[ms.model] = ask.now_s  # for `depth`
         holder = self._holder(ms, ask)
         free: list[SlotView] = []
         avoided: list[SlotView] = []
@@ -594,12 +596,18 @@ class Admission:
         return r
 
     def _links(self, ms: ModelSlots, slots: int, now_s: float, p50_us: int) -> int:
-        """How many promises a slot may hold: PROMISE_MAX_LINKS, or STANDING_LINKS while the
-        book has not drained (to one promise a slot, `decide`) for STANDING_CYCLES service
-        times."""
-        if len(ms.promises) <= slots:
+        """How many promises a slot may hold, for a request whose p50 is `p50_us`
+        (`depth`); `slots`: the healthy ones."""
+        self._standing_s[ms.model] = max(STANDING_MIN_S, STANDING_CYCLES * p50_us / 1e6)
+        return self.depth(ms, now_s, slots)
+
+    def depth(self, ms: ModelSlots, now_s: float, slots: int | None = None) -> int:
+        """How many promises a slot of `ms` may hold now (holders told a time):
+        PROMISE_MAX_LINKS, or STANDING_LINKS while the book has not drained (to one promise a
+        slot, `decide`) for STANDING_CYCLES service times (of the last request refused)."""
+        if len(ms.promises) <= (len(ms.slots) if slots is None else slots):
             return PROMISE_MAX_LINKS
-        standing_s = max(STANDING_MIN_S, STANDING_CYCLES * p50_us / 1e6)
+        standing_s = self._standing_s.get(ms.model, STANDING_MIN_S)
         if now_s - self.drained.setdefault(ms.model, now_s) <= standing_s:
             return PROMISE_MAX_LINKS
         return STANDING_LINKS

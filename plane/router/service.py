@@ -446,6 +446,7 @@ class Router(Lifecycle, TaskOwner):
             for ms in self.models.values():
                 ms.window.expire(now)
                 self.metrics.promises_open.labels(ms.model).set(len(ms.promises))
+                self.metrics.promise_depth.labels(ms.model).set(self.admission.depth(ms, now))
             for then in self.publisher.expire(now):
                 self._spawn(then(TimedOut()))
             self.inflight.tick(now)

@@ -433,6 +433,12 @@ def test_a_chain_that_does_not_drain_keeps_fewer_promises() -> None:
     on_call = adm.decide(ms, replace(ask(STANDING_S * 1.1), wake="_INBOX.me",
                                      first_p99_us=1_000))
     assert isinstance(on_call, Refuse) and on_call.ticket
+    # A holder refused again (its slot not free by the end of its wait) keeps a place: its
+    # new promise replaces its old one, while the book comes down to the standing depth.
+    holder = next(iter(ms.promises))
+    again = adm.decide(ms, replace(ask(STANDING_S * 1.1), ticket=holder.ticket), may_park=False)
+    assert isinstance(again, Refuse) and again.ticket and again.ticket != holder.ticket
+    assert len(ms.promises) > 2 * STANDING_LINKS
     # Holders redeemed down to below the standing depth: a ticket again, one at a time.
     while len(ms.promises) >= 2 * STANDING_LINKS:
         adm.forget(ms, next(iter(ms.promises)))

@@ -704,8 +704,11 @@ class Admission:
         wait_ms = _wait_ms(due_s, now)
         pinned = self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION
         on_call = pinned and self._on_call(ms.model, ask)
-        # A holder on call comes when a slot really frees, whatever the schedule's error.
-        links = PROMISE_MAX_LINKS if on_call else self._links(ms, len(free_s), now, p.p50_us)
+        # A holder on call comes when a slot really frees, whatever the schedule's error. A
+        # holder refused again keeps a place (its new promise replaces its old one: the book
+        # does not grow), also while a book that stood comes down to the standing depth.
+        links = PROMISE_MAX_LINKS if on_call or holder is not None else self._links(
+            ms, len(free_s), now, p.p50_us)
         if len(ms.promises) >= links * len(free_s):
             return Refuse(
                 Status.BUSY, Reason.OVERLOADED,

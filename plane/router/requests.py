@@ -52,7 +52,6 @@ from plane.contract.subjects import Header, InvalidToken, check_token
 from plane.contract.tracing import Span, Tracing, epoch_ns_of, trace_headers
 from plane.router import admission as refusals
 from plane.router.admission import (
-    PROMISE_MAX_LINKS,
     Admission,
     Ask,
     Park,
@@ -437,8 +436,10 @@ class RequestPath:
         healthy = ms.healthy_count()
         if not ms.promises and ms.busy_count(now_s) < healthy:
             return None  # not contended: a free slot, nobody promised
+        # The promises the slots may hold now (fewer while the chain stands): each tenant
+        # asking is guaranteed its weight's share of those, not of more than exist.
         over = self.fair.over_share(r.model, r.tenant, now_s, healthy * 1e6,
-                                    PROMISE_MAX_LINKS * healthy)
+                                    self.admission.depth(ms, now_s) * healthy)
         return refusals.tenant_share(r.tenant, over) if over is not None else None
 
     def ended(self, fl: InFlight, status: int, service_us: int, sms: int) -> None:

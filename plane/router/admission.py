@@ -93,7 +93,7 @@ PROMISE_MAX_LINKS = 8
 # STANDING_LINKS: enough to stay fed, the rest told `overloaded` at once. A book that drains
 # (bursts below capacity) keeps the full depth, and so does a holder on call: called when a
 # slot really frees, it does not pay the schedule's error. (2 x 2 ms at 2x: p99/p50 2.0-2.2
-# and whole wait p50 34 ms at 8 links, 1.7 and 15 ms at 3, 1-3% fewer answers a second. A
+# and whole wait p50 34 ms at 8 links, 1.7 and 15 ms at 3, 2-5% fewer answers a second. A
 # single stream slot at 3 links idled between streams: 6% of them refused `overloaded` at
 # 0.9x, 9% fewer streams a second at 2x. BENCHMARKS.md, twenty-eighth session.)
 STANDING_LINKS = 3
@@ -410,10 +410,6 @@ class Admission:
         # a promise is made only if a holder this late still starts in time (`_refuse`).
         self.lateness: dict[str, ServiceWindow] = {}
         self.call_trips: dict[str, ServiceWindow] = {}  # per model: from a call to the holder
-        # Per model: when its book last held at most one promise a slot, and how long it may
-        # stand so before a slot keeps fewer promises (`depth`).
-        self.drained: dict[str, float] = {}
-        self._standing_s: dict[str, float] = {}
 
     def take_notes(self) -> list[PromiseChange]:
         notes, self.notes = self.notes, []
@@ -465,7 +461,7 @@ class Admission:
                 return refusal
         self._expire(ms, ask.now_s, spare=self._spared(ask))
         if len(ms.promises) <= len(ms.slots):
-            self.drained[ms.model] = ask.now_s  # for `depth`
+            ms.drained_s = ask.now_s  # for `depth`
         holder = self._holder(ms, ask)
         free: list[SlotView] = []
         avoided: list[SlotView] = []
@@ -595,20 +591,22 @@ class Admission:
         self.stats["ticket-valid"] += 1
         return r
 
-    def _links(self, ms: ModelSlots, slots: int, now_s: float, p50_us: int) -> int:
+    @staticmethod
+    def _links(ms: ModelSlots, slots: int, now_s: float, p50_us: int) -> int:
         """How many promises a slot may hold, for a request whose p50 is `p50_us`
         (`depth`); `slots`: the healthy ones."""
-        self._standing_s[ms.model] = max(STANDING_MIN_S, STANDING_CYCLES * p50_us / 1e6)
-        return self.depth(ms, now_s, slots)
+        ms.standing_s = STANDING_CYCLES * p50_us / 1e6
+        return Admission.depth(ms, now_s, slots)
 
-    def depth(self, ms: ModelSlots, now_s: float, slots: int | None = None) -> int:
+    @staticmethod
+    def depth(ms: ModelSlots, now_s: float, slots: int | None = None) -> int:
         """How many promises a slot of `ms` may hold now (holders told a time):
         PROMISE_MAX_LINKS, or STANDING_LINKS while the book has not drained (to one promise a
-        slot, `decide`) for STANDING_CYCLES service times (of the last request refused)."""
+        slot, `decide`) for STANDING_CYCLES service times (of the last request refused), at
+        least STANDING_MIN_S. A book never seen drained keeps the full depth."""
         if len(ms.promises) <= (len(ms.slots) if slots is None else slots):
             return PROMISE_MAX_LINKS
-        standing_s = self._standing_s.get(ms.model, STANDING_MIN_S)
-        if now_s - self.drained.setdefault(ms.model, now_s) <= standing_s:
+        if ms.drained_s is None or now_s - ms.drained_s <= max(STANDING_MIN_S, ms.standing_s):
             return PROMISE_MAX_LINKS
         return STANDING_LINKS
 

@@ -111,6 +111,10 @@ class ModelSlots:
     rr: int = 0  # round-robin start, so load spreads over equal slots
     promises: PromiseBook = field(default_factory=PromiseBook)  # pooled over the slots
     rates: TokenRates = field(default_factory=TokenRates)  # a generating model's, learned
+    # When its book last held at most one promise a slot (None: not seen so), and how long it
+    # may stand longer before a slot keeps fewer promises (`Admission.depth`).
+    drained_s: float | None = None
+    standing_s: float = 0.0
 
     def apply_advert(self, advert: NodeAdvert, names: Names, now_s: float) -> list[str]:
         """Book a node's advert. A slot is placed on at the subject the plane's names give it

@@ -610,6 +610,12 @@ class Admission:
             return PROMISE_MAX_LINKS
         return STANDING_LINKS
 
+    @staticmethod
+    def promise_room(ms: ModelSlots, now_s: float) -> int:
+        """How many promises the healthy slots of `ms` may hold now, together (`depth` a
+        slot): what each tenant's guaranteed share of the promises is a share of."""
+        return Admission.depth(ms, now_s) * ms.healthy_count()
+
     def _gone_s(self, model: str) -> float:
         """How long past its due time a promise whose holder is not here still keeps its slot
         time from newcomers: as late as holders come back (the p99), at least GONE_MIN_S."""

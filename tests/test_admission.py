@@ -426,8 +426,8 @@ def test_a_chain_that_does_not_drain_keeps_fewer_promises() -> None:
     assert len(ms.promises) == 2 * STANDING_LINKS + 3 < 2 * PROMISE_MAX_LINKS
     assert adm.depth(ms, STANDING_S / 2) == PROMISE_MAX_LINKS
     assert adm.depth(ms, STANDING_S * 1.1) == STANDING_LINKS  # what the router's gauge says
-    assert adm.promise_room(ms, STANDING_S / 2) == 2 * PROMISE_MAX_LINKS
-    assert adm.promise_room(ms, STANDING_S * 1.1) == 2 * STANDING_LINKS
+    assert adm.promise_room(ms, STANDING_S / 2, 2) == 2 * PROMISE_MAX_LINKS
+    assert adm.promise_room(ms, STANDING_S * 1.1, 2) == 2 * STANDING_LINKS
     d = _promise(adm, ms, STANDING_S * 1.1)
     assert d.reason == Reason.OVERLOADED and d.ticket is None
     assert f"already has {STANDING_LINKS} callers promised" in d.message
@@ -463,16 +463,16 @@ def test_a_tenants_share_of_the_promises_is_of_the_depth_in_force() -> None:
     for _ in range(2 * STANDING_LINKS + 2):  # the book stands past the window
         _promise(adm, ms, 0.0)
     now = STANDING_S * 1.1
-    half = adm.promise_room(ms, now) // 2
+    half = adm.promise_room(ms, now, 2) // 2
     assert half == STANDING_LINKS < PROMISE_MAX_LINKS
     for i in range(half):
         fair.promised("calibrated", "heavy", f"h{i}", 1.0)
-    over = fair.over_share("calibrated", "heavy", now, 2e6, adm.promise_room(ms, now))
+    over = fair.over_share("calibrated", "heavy", now, 2e6, adm.promise_room(ms, now, 2))
     assert over is not None
-    assert fair.over_share("calibrated", "light", now, 2e6, adm.promise_room(ms, now)) is None
+    assert fair.over_share("calibrated", "light", now, 2e6, adm.promise_room(ms, now, 2)) is None
     # Of the full depth (a burst within the window) the heavy tenant's half is not used up.
     assert fair.over_share("calibrated", "heavy", STANDING_S / 2, 2e6,
-                           adm.promise_room(ms, STANDING_S / 2)) is None
+                           adm.promise_room(ms, STANDING_S / 2, 2)) is None
 
 
 def test_a_chain_that_drains_keeps_its_full_depth() -> None:

@@ -611,10 +611,11 @@ class Admission:
         return STANDING_LINKS
 
     @staticmethod
-    def promise_room(ms: ModelSlots, now_s: float) -> int:
-        """How many promises the healthy slots of `ms` may hold now, together (`depth` a
-        slot): what each tenant's guaranteed share of the promises is a share of."""
-        return Admission.depth(ms, now_s) * ms.healthy_count()
+    def promise_room(ms: ModelSlots, now_s: float, healthy: int) -> int:
+        """How many promises the `healthy` slots of `ms` may hold now, together (`depth` a
+        slot, as `_links` counts it): what each tenant's guaranteed share of the promises
+        is a share of."""
+        return Admission.depth(ms, now_s, healthy) * healthy
 
     def _gone_s(self, model: str) -> float:
         """How long past its due time a promise whose holder is not here still keeps its slot

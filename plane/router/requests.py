@@ -439,7 +439,7 @@ class RequestPath:
         # The promises the slots may hold now (fewer while the chain stands): each tenant
         # asking is guaranteed its weight's share of those, not of more than exist.
         over = self.fair.over_share(r.model, r.tenant, now_s, healthy * 1e6,
-                                    self.admission.promise_room(ms, now_s))
+                                    self.admission.promise_room(ms, now_s, healthy))
         return refusals.tenant_share(r.tenant, over) if over is not None else None
 
     def ended(self, fl: InFlight, status: int, service_us: int, sms: int) -> None:

@@ -28,9 +28,11 @@ class CoreRequest:
     """A pulse target: one plain core-NATS request per send, no SDK and no retries, the same
     code for both paths. The floor answers with no status header: that counts as a 200."""
 
-    def __init__(self, url: str, subject: str, headers: dict[str, str] | None) -> None:
+    def __init__(self, url: str, subject: str, headers: dict[str, str] | None,
+                 timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.name = subject
         self._url, self._subject, self._headers = url, subject, headers
+        self._timeout_s = timeout_s
         self._nc: Client | None = None
         self.reasons: Counter[str] = Counter()  # Plane-Reason of every refusal
 
@@ -48,7 +50,7 @@ class CoreRequest:
         assert self._nc is not None
         sent = time.monotonic()
         try:
-            msg = await self._nc.request(self._subject, body, timeout=REQUEST_TIMEOUT_S,
+            msg = await self._nc.request(self._subject, body, timeout=self._timeout_s,
                                          headers=self._headers)
         except TimeoutError:  # nats.errors.TimeoutError is one too
             return Attempts(statuses=(0,), final=TIMEOUT, last_attempt_us=_us_since(sent))

@@ -73,7 +73,13 @@ BIN = Path(sys.executable).parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 FLOOR_SUBJECT = "bench.echo"
 MODEL = "calibrated"
-# The refusals load: each slot held by calls this long, with a deadline to match.
+# The refusals load: each slot held by calls this long (`calibrated`'s longest), one after
+# another, with a deadline to match. A holder waits for its answer as long as the deadline:
+# one that gave up before its call ended sent the next into a plane whose slots were all
+# busy, was refused at once and sent again, in a loop beside the measured callers (the
+# router's CPU for those refusals counted against theirs) that, on Python 3.11, a cancel
+# could not stop (`asyncio.wait_for` drops a cancel that meets a reply just in): the load
+# never ended.
 HOLD_US = 10_000_000
 HOLD_DEADLINE_MS = 30_000
 
@@ -248,11 +254,13 @@ def per_request_us(ticks: Mapping[str, int], statuses: Mapping[str, int],
 async def slots_held(system: System, slots: int) -> AsyncIterator[None]:
     """Every slot of the plane busy with back-to-back `HOLD_US` calls until the block ends
     (one holder per slot, on its own connection); yields once a request is refused."""
-    holder = CoreRequest(system.url, system.subject, {Header.DEADLINE_MS: str(HOLD_DEADLINE_MS)})
+    holder = CoreRequest(system.url, system.subject, {Header.DEADLINE_MS: str(HOLD_DEADLINE_MS)},
+                         timeout_s=HOLD_DEADLINE_MS / 1000 + 5)
     body = json.dumps({"duration_us": HOLD_US}).encode()
+    done = asyncio.Event()  # checked as well as the cancel: see HOLD_US
 
     async def hold() -> None:
-        while True:
+        while not done.is_set():
             await holder.send(body)
 
     async with holder, asyncio.TaskGroup() as tg:
@@ -263,6 +271,7 @@ async def slots_held(system: System, slots: int) -> AsyncIterator[None]:
                         30, Path(os.devnull))
             yield
         finally:
+            done.set()
             for t in tasks:
                 t.cancel()
 

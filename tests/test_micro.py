@@ -8,11 +8,13 @@ import json
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from plane.contract.messages import Reason, Status
 from plane.contract.replies import error_reply
 from plane.contract.subjects import Header
-from tests.plane_fixtures import NAMES, calibrated, header, plane, status
+from plane.router.requests import RequestPath
+from tests.plane_fixtures import NAMES, calibrated, client, header, plane, status
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +58,31 @@ def test_the_service_error_header_is_one_printable_bounded_line() -> None:
     _, long = error_reply("r-3", Status.BUSY, Reason.BUSY, "x" * 300)
     assert len(long[Header.NATS_SERVICE_ERROR]) == 256
     assert long[Header.NATS_SERVICE_ERROR].endswith("...")
+
+
+async def test_a_request_the_router_fails_on_is_answered_500_and_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint's callback is the plane's own (`InferEndpoint._counted`), not nats-py's
+    `Endpoint._handle_request`: a handler that raises still gets its caller one answer, a
+    500, and the endpoint's statistics count it, as nats-py's would."""
+    real = RequestPath.on_request
+
+    async def failing(self: RequestPath, msg: Msg) -> None:
+        if msg.data == b"boom":
+            raise RuntimeError("boom")
+        await real(self, msg)
+
+    monkeypatch.setattr(RequestPath, "on_request", failing)
+    async with (plane(models=("calibrated",), slots=1, backend="torch") as stack,
+                client(stack.url) as nc):
+        failed = await nc.request(NAMES.infer("calibrated"), b"boom", timeout=5)
+        assert header(failed, Header.NATS_SERVICE_ERROR_CODE) == "500"
+        assert "boom" in (header(failed, Header.NATS_SERVICE_ERROR) or "")
+        assert status(await nc.request(NAMES.infer("calibrated"), calibrated(0),
+                                       timeout=5)) == 200
+        stats = json.loads((await nc.request(f"$SRV.STATS.{NAMES.router_service}", b"",
+                                             timeout=2)).data)
+        [infer] = [e for e in stats["endpoints"] if e["name"] == "infer"]
+        assert (infer["num_requests"], infer["num_errors"]) == (2, 1)
+        assert "boom" in infer["last_error"]
+        assert infer["processing_time"] > 0 and infer["average_processing_time"] > 0

@@ -13,13 +13,16 @@ pinned, `pyproject.toml`; `tests/test_micro.py` checks both against it):
   drains the subscription first (every request it brought is answered), then `detach` takes
   the endpoint out of the service so that its stop does not touch the closed subscription;
 - its subscription takes nats-py's default pending limit (half a million messages): `start`
-  puts in its place one with the router's own limit, handing each message to the endpoint's
-  own counting handler, so that a burst costs bounded memory (what overflows is answered,
-  `plane.contract.natsconn.on_overflow`).
+  puts in its place one with the router's own limit, so that a burst costs bounded memory
+  (what overflows is answered, `plane.contract.natsconn.on_overflow`). Its callback counts
+  and times each request in the endpoint's statistics as the endpoint's own handler does
+  (`Endpoint._handle_request`), without the `Request` and the two coroutines it puts
+  around our handler per request.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client
@@ -47,8 +50,7 @@ class InferEndpoint:
                                          metadata=self._metadata)
         endpoint = self._endpoint = self._service._endpoints[-1]
         theirs = endpoint._subscription
-        ours = await nc.subscribe(self._subject, queue=self._queue,
-                                  cb=endpoint._handle_request,
+        ours = await nc.subscribe(self._subject, queue=self._queue, cb=self._counted,
                                   pending_msgs_limit=pending_limit)
         if theirs is not None:
             await theirs.unsubscribe()
@@ -56,7 +58,24 @@ class InferEndpoint:
         return ours
 
     async def _on_request(self, req: Request) -> None:
-        await self._handler(req._msg)
+        await self._handler(req._msg)  # (the endpoint's own subscription, until `start` ends)
+
+    async def _counted(self, msg: Msg) -> None:
+        """`Endpoint._handle_request` on the message itself: count, call, time; a handler
+        that raises is counted an error and answered 500, as there."""
+        endpoint = self._endpoint
+        assert endpoint is not None
+        start_ns = time.perf_counter_ns()
+        endpoint._num_requests += 1
+        try:
+            await self._handler(msg)
+        except Exception as error:
+            endpoint._num_errors += 1
+            endpoint._last_error = repr(error)  # type: ignore[assignment]  # typed None
+            await Request(msg).respond_error("500", repr(error))
+        endpoint._processing_time += time.perf_counter_ns() - start_ns
+        endpoint._average_processing_time = int(
+            endpoint._processing_time / endpoint._num_requests)
 
     def count_error(self, status: int, text: str) -> None:
         if self._endpoint is not None:

@@ -20,6 +20,7 @@ for an answer, past the caller's deadline.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import time
@@ -303,8 +304,15 @@ class Client:
         if timeout_s <= 0:
             b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send")
             return b, h, True
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         try:
             msg = await self.nc.request(subject, body, timeout=timeout_s, headers=headers)
+            if task is not None and task.cancelling() > cancels:
+                # Cancelled as the answer came in: nats-py waits with `asyncio.wait_for`,
+                # which on Python 3.11 drops such a cancel and returns the answer. Keep it,
+                # or a caller's loop that is being stopped goes on calling.
+                raise asyncio.CancelledError
         except ConnectionClosedError:
             raise closed_error(self.nc) from None
         except NatsTimeout:

@@ -22,7 +22,7 @@ from plane.contract.metrics import PlaneMetrics, serve_metrics
 from plane.contract.natsconn import close, connect
 from plane.contract.subjects import Names
 from plane.contract.tracing import Tracing
-from plane.router import Router
+from plane.router import Router, router_connection
 
 # A serving command whose NATS connection was closed for good exits with this, so that its
 # supervisor (systemd, Kubernetes, compose) restarts it.
@@ -39,7 +39,7 @@ class ServeSpec:
 
 async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
     metrics = PlaneMetrics()
-    nc = await connect(spec.connect)
+    nc = await connect(router_connection(spec.connect))
     try:
         with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
             stop = stop_event()

@@ -20,7 +20,7 @@ from plane.contract.metrics import PlaneMetrics, serve_metrics
 from plane.contract.natsconn import connect
 from plane.contract.subjects import Names
 from plane.contract.tracing import Tracing
-from plane.router import Router
+from plane.router import Router, router_connection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +112,8 @@ class PlaneStack(Lifecycle):
             raise
 
     async def _connect(self, name: str, role: str) -> Client:
-        opts = self.cfg.roles.get(role, self.cfg.connect)
-        nc = await connect(replace(opts, url=self.url, name=name))
+        opts = replace(self.cfg.roles.get(role, self.cfg.connect), url=self.url, name=name)
+        nc = await connect(router_connection(opts) if role == "router" else opts)
         self._stack.push_async_callback(nc.close)
         self.clients.append(nc)
         return nc

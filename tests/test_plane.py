@@ -16,10 +16,12 @@ from nats.aio.msg import Msg
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.errors import ConfigError, Unavailable
+from plane.contract.messages import admission_note_decoder
 from plane.contract.natsconn import connect
 from plane.contract.ownership import SLOT_TTL_MARGIN_S, TAKE_WITHIN_S
 from plane.contract.subjects import MSGPACK, Header
 from plane.router.occupancy import CYCLE_MAX_AGE_S
+from plane.router.peers import Peers
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import (
     NAMES,
@@ -176,6 +178,32 @@ async def test_two_routers_never_put_two_requests_on_one_slot() -> None:
         assert codes.count(200) == 2 and codes.count(429) == 18
         both = {r.cfg.router_id for r in stack.routers}
         assert len(both) == 2
+
+
+async def test_a_router_reads_the_other_routers_notes_and_never_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router's connection has no echo (`plane.router.service.router_connection`): the
+    `SlotTaken` note it sends for each placement goes to the other routers and is not handed
+    back to it to be read and dropped."""
+    heard: list[tuple[str, str]] = []  # (the router that read a note, the router that sent it)
+    real = Peers.on_note
+
+    async def on_note(self: Peers, msg: Msg) -> None:
+        heard.append((self.router_id, admission_note_decoder.decode(msg.data).router))
+        await real(self, msg)
+
+    monkeypatch.setattr(Peers, "on_note", on_note)
+    async with plane(models=("calibrated",), slots=2, routers=2) as stack, \
+            client(stack.url) as nc:
+        await wait_until(lambda: all(not r.peers._alone() for r in stack.routers), 5,
+                         "the routers hear each other")
+        for _ in range(40):
+            assert status(await nc.request(NAMES.infer("calibrated"), calibrated(0),
+                                           timeout=5)) == 200
+        own = [h for h in heard if h[0] == h[1]]
+        others = {h[0] for h in heard if h[0] != h[1]}
+        assert not own, own[:3]
+        assert others == {r.cfg.router_id for r in stack.routers}, heard[-5:]
 
 
 async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_gets_it(

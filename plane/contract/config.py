@@ -32,6 +32,9 @@ class ConnectOptions:
     creds: str | None = None
     tls_ca: str | None = None
     name: str = "plane"
+    # The server does not hand this connection what it publishes itself (a router's
+    # connection: `plane.router.service.router_connection`).
+    no_echo: bool = False
 
     def __post_init__(self) -> None:
         if (self.user is None) != (self.password is None):

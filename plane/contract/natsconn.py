@@ -35,6 +35,7 @@ def connect_kwargs(opts: ConnectOptions) -> dict[str, Any]:
         "max_reconnect_attempts": INITIAL_ATTEMPTS,
         "reconnect_time_wait": 0.25,
         "allow_reconnect": True,
+        "no_echo": opts.no_echo,
     }
     if opts.user is not None:
         kw["user"], kw["password"] = opts.user, opts.password

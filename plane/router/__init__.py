@@ -11,6 +11,6 @@ slot publishes and their PubAcks.
 Nothing outside this package imports its parts; the composition root imports `Router`.
 """
 
-from plane.router.service import Router
+from plane.router.service import Router, router_connection
 
-__all__ = ["Router"]
+__all__ = ["Router", "router_connection"]

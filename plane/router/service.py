@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -25,7 +26,7 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from plane.contract import replies
-from plane.contract.config import RouterConfig
+from plane.contract.config import ConnectOptions, RouterConfig
 from plane.contract.doze import Doze
 from plane.contract.identity import Heard, Instances
 from plane.contract.lifecycle import Lifecycle, TaskOwner, cancel_and_wait
@@ -87,6 +88,15 @@ SPREAD_LEADERS_S = 10.0
 # max_control_line).
 WIRE_HEADROOM_BYTES = 16 * 1024
 
+
+
+def router_connection(opts: ConnectOptions) -> ConnectOptions:
+    """A router's connection options: without echo. Nothing a router subscribes to is
+    published by itself (requests, done-events and heartbeats, other routers' notes, PubAcks),
+    but with echo on the server handed it back every admission note it sent (a `SlotTaken`
+    per placement while other routers are up): a message read, decoded and dropped per
+    placement, on top of the others' notes."""
+    return replace(opts, no_echo=True)
 
 
 class Router(Lifecycle, TaskOwner):

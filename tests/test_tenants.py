@@ -126,7 +126,9 @@ async def test_a_heavy_tenant_is_refused_first_and_a_light_one_keeps_its_share(
             # Metering: per tenant, the router's meter agrees with what callers got.
             router = stack.routers[0]
             await asyncio.sleep(0.3)  # the last done-events
-            plane_nc = router.nc
+            # Asked over the node's connection (the plane's account): a router's own has no
+            # echo and does not reach its own endpoints (`router_connection`).
+            plane_nc = stack.nodes[0].nc
             reply = await plane_nc.request(NAMES.router_meter(router.cfg.router_id), b"",
                                            timeout=2)
             meter = json.loads(reply.data)["meter"]

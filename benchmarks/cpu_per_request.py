@@ -4,6 +4,7 @@ against a bare nats-py echo responder (the floor) and its own nats-server, in on
     .venv/bin/python benchmarks/cpu_per_request.py [--duration 20 | --requests N]
                                                    [--slots 4] [--work-us 0] [--json]
                                                    [--node-processes 1] [--routers 1]
+                                                   [--relay]
 
 What runs: two nats-servers on loopback (one per path, so each one's CPU is its path's), the
 floor's echo responder (`floor_responder.py`), and the plane as two processes, `plane router`
@@ -16,6 +17,11 @@ router decision. With `--routers N` the plane has N `plane router` processes in 
 group, and the router's figure is all of theirs per decision: a request that lands on a
 router that does not make the model's promises and finds no slot free is forwarded to the
 one that does (two more messages, and a decision in each), which the figure counts.
+
+With `--relay`, a third path runs between them: `depth_one_relay.py`, the plane's message
+flow with none of its code (its relay in the router's column, its worker in the node's, and
+their own nats-server): the least a depth-one plane built on these messages can cost, so
+that the plane's distance to the floor splits into the flow's share and its own code's.
 
 The loads, each on the floor and then on the plane, after a quiet --settle (promises the
 plane made to refused callers, who never come back for them, lapse meanwhile):
@@ -72,6 +78,7 @@ from plane.pulse.runner import LoadConfig, run_load  # noqa: E402
 BIN = Path(sys.executable).parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 FLOOR_SUBJECT = "bench.echo"
+RELAY_SUBJECT = "bench.relay"
 MODEL = "calibrated"
 # The refusals load: each slot held by calls this long (`calibrated`'s longest), one after
 # another, with a deadline to match. A holder waits for its answer as long as the deadline:
@@ -168,6 +175,31 @@ async def floor_system(logs: Path, body: bytes) -> AsyncIterator[System]:
                            pids={"echo": (_pid(echo),), "nats-server": (_pid(srv),)})
             await until("echo responder", lambda: _answers(floor, _ok, body), 30, log)
             yield floor
+
+
+@contextlib.asynccontextmanager
+async def relay_system(logs: Path, body: bytes, *, slots: int) -> AsyncIterator[System]:
+    """`depth_one_relay.py` with `slots` slots, its worker and its relay as two processes."""
+    relay = [sys.executable, str(REPO / "benchmarks" / "depth_one_relay.py")]
+    async with EmbeddedNats() as srv, contextlib.AsyncExitStack() as stack:
+        wlog, rlog = logs / "relay-worker.log", logs / "relay.log"
+        # The worker first: it makes the stream the relay publishes to.
+        worker = await stack.enter_async_context(
+            child([*relay, srv.url, RELAY_SUBJECT, "--slots", str(slots), "--role", "worker"],
+                  wlog))
+        await until("relay worker", lambda: asyncio.to_thread(_logged, wlog, "ready"), 30, wlog)
+        router = await stack.enter_async_context(
+            child([*relay, srv.url, RELAY_SUBJECT, "--slots", str(slots), "--role", "relay"],
+                  rlog))
+        system = System(name="relay", url=srv.url, subject=RELAY_SUBJECT, headers=None,
+                        pids={"router": (_pid(router),), "node": (_pid(worker),),
+                              "nats-server": (_pid(srv),)})
+        await until("depth-one relay", lambda: _answers(system, _ok, body), 30, rlog)
+        yield system
+
+
+def _logged(log: Path, line: str) -> bool:
+    return log.exists() and line in log.read_text()
 
 
 @contextlib.asynccontextmanager
@@ -279,7 +311,7 @@ async def slots_held(system: System, slots: int) -> AsyncIterator[None]:
 async def measure(system: System, body: bytes, load: Load, size: Size,
                   slots: int = 0) -> Measured:
     async with contextlib.AsyncExitStack() as stack:
-        refusals = load.held and system.name == "plane"
+        refusals = load.held and system.name != "floor"
         if refusals:
             await stack.enter_async_context(slots_held(system, slots))
         target = await stack.enter_async_context(system.target())
@@ -332,6 +364,7 @@ class BenchConfig:
     settle_s: float = 2.0
     node_processes: int = 1  # `plane node --processes`: the node's CPU is all its processes'
     routers: int = 1  # `plane router` processes (one queue group): their CPU together
+    relay: bool = False  # also the depth-one relay (the plane's messages, none of its code)
 
     @property
     def size(self) -> Size:
@@ -373,20 +406,28 @@ class Result:
     @property
     def false_refusals(self) -> Measured:
         """The plane, closed loop, one caller per slot: every 429 there is a false refusal."""
-        return self.rows[3]
+        return [m for m in self.rows if m.system == "plane"][1]
 
-    def pairs(self) -> list[tuple[Measured, Measured]]:
-        """(floor, plane) for each load, in the order they ran."""
+    def pairs(self, system: str = "plane") -> list[tuple[Measured, Measured]]:
+        """(floor, `system`) for each load, in the order they ran."""
         return [(f, p) for f in self.rows if f.system == "floor"
-                for p in self.rows if p.system == "plane" and p.load == f.load]
+                for p in self.rows if p.system == system and p.load == f.load]
+
+    @property
+    def systems(self) -> list[str]:
+        """The paths measured against the floor: the plane, and the relay if it ran."""
+        return [s for s in ("plane", "relay") if any(m.system == s for m in self.rows)]
 
 
 async def bench(cfg: BenchConfig, logs: Path) -> Result:
     body = json.dumps({"duration_us": cfg.work_us}).encode()
     async with (floor_system(logs, body) as floor,
+                contextlib.AsyncExitStack() as maybe,
                 plane_system(logs, body, slots=cfg.slots, deadline_ms=cfg.deadline_ms,
                              node_processes=cfg.node_processes, routers=cfg.routers) as plane):
-        systems = (floor, plane)
+        relay = (await maybe.enter_async_context(relay_system(logs, body, slots=cfg.slots)),
+                 ) if cfg.relay else ()
+        systems = (floor, *relay, plane)  # the plane last: its capacity sets the open load
         for s in systems:
             await measure(s, body, Load("warm-up", callers=1), Size(cfg.warmup, 0.0))
         idle = await idle_cpu(systems, cfg.idle_s)
@@ -425,7 +466,8 @@ def print_tables(cfg: BenchConfig, result: Result, console: Console) -> None:
     idle = "; ".join(f"{name}: " + ", ".join(f"{role} {v:.1f}" for role, v in roles.items())
                      for name, roles in result.idle_ms_per_s.items())
     console.print(f"idle CPU, ms per s: {idle}")
-    t = Table(title="CPU per request, µs (router: per decision; node: per placed request)")
+    t = Table(title="CPU per request, µs (router: per decision; node: per placed request; "
+                    "the relay's relay and worker in those two columns)")
     for col in ("load", "path", "requests", "200/s", "refused 429", "p50 ms", "p99 ms",
                 "router", "node", "echo", "nats-server"):
         t.add_column(col, justify="left" if col in ("load", "path") else "right")
@@ -445,20 +487,22 @@ def print_tables(cfg: BenchConfig, result: Result, console: Console) -> None:
     fr = result.false_refusals
     console.print(f"false refusals (the plane, closed loop, one caller per slot): "
                   f"{fr.refused_share:.1%} of {fr.requests} {fr.reasons or ''}")
-    pairs = result.pairs()
-    r = Table(title="The plane against the floor")
-    r.add_column("ratio")
-    r.add_column("target", justify="right")
-    for f, _ in pairs:
-        r.add_column(f.load, justify="right")
-    for ratio in RATIOS:
-        cells = []
-        for f, p in pairs:
-            v = ratio.of(f, p)
-            cells.append("-" if v is None
-                         else f"[{'green' if v <= ratio.target else 'red'}]{v:.2f}[/]")
-        r.add_row(ratio.name, f"≤ {ratio.target:g}", *cells)
-    console.print(r)
+    for system in result.systems:
+        pairs = result.pairs(system)
+        r = Table(title=f"The {system} against the floor" + (
+            " (the plane's targets, for comparison)" if system == "relay" else ""))
+        r.add_column("ratio")
+        r.add_column("target", justify="right")
+        for f, _ in pairs:
+            r.add_column(f.load, justify="right")
+        for ratio in RATIOS:
+            cells = []
+            for f, p in pairs:
+                v = ratio.of(f, p)
+                cells.append("-" if v is None
+                             else f"[{'green' if v <= ratio.target else 'red'}]{v:.2f}[/]")
+            r.add_row(ratio.name, f"≤ {ratio.target:g}", *cells)
+        console.print(r)
     fewest = min(ticks for m in result.rows for ticks in m.cpu_ticks.values())
     if fewest < 100:
         console.print(f"note: the smallest CPU reading was {fewest} ticks (± 1 tick each): "
@@ -468,16 +512,18 @@ def print_tables(cfg: BenchConfig, result: Result, console: Console) -> None:
 def to_json(cfg: BenchConfig, result: Result) -> str:
     rows = [{**asdict(m), "ok_per_s": m.ok_per_s, "refused_share": m.refused_share}
             for m in result.rows]
-    ratios = [{"name": ratio.name, "target": ratio.target,
-               "by_load": {f.load: ratio.of(f, p) for f, p in result.pairs()}}
-              for ratio in RATIOS]
+    def ratios(system: str) -> list[dict[str, object]]:
+        return [{"name": ratio.name, "target": ratio.target,
+                 "by_load": {f.load: ratio.of(f, p) for f, p in result.pairs(system)}}
+                for ratio in RATIOS]
     return json.dumps({
         "machine": {"arch": platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version()},
         "config": asdict(cfg), "clk_tck": CLK_TCK,
         "idle_ms_per_s": result.idle_ms_per_s, "capacity_per_s": result.capacity_per_s,
         "false_refusal_share": result.false_refusals.refused_share,
-        "rows": rows, "ratios": ratios}, indent=1)
+        "rows": rows, "ratios": ratios("plane"),
+        "relay_ratios": ratios("relay") if cfg.relay else None}, indent=1)
 
 
 @click.command()
@@ -502,15 +548,18 @@ def to_json(cfg: BenchConfig, result: Result) -> str:
 @click.option("--routers", type=click.IntRange(1, 8), default=1, show_default=True,
               help="`plane router` processes (one queue group); the router's figure is all "
                    "of theirs per decision, forwards between them included.")
+@click.option("--relay", is_flag=True,
+              help="Also measure the depth-one relay (depth_one_relay.py): the plane's "
+                   "messages with none of its code.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, not tables.")
 def main(duration_s: float, requests: int | None, slots: int, work_us: int, deadline_ms: int,
          open_factor: float, warmup: int, idle_s: float, settle_s: float, node_processes: int,
-         routers: int, as_json: bool) -> None:
+         routers: int, relay: bool, as_json: bool) -> None:
     """CPU per request of the plane's router, node and nats-server against a bare echo."""
     cfg = BenchConfig(slots=slots, work_us=work_us, deadline_ms=deadline_ms,
                       requests=requests, duration_s=duration_s, open_factor=open_factor,
                       warmup=warmup, idle_s=idle_s, settle_s=settle_s,
-                      node_processes=node_processes, routers=routers)
+                      node_processes=node_processes, routers=routers, relay=relay)
     with tempfile.TemporaryDirectory(prefix="plane-cpu-") as tmp:
         try:
             result = run(bench(cfg, Path(tmp)))

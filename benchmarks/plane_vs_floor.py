@@ -4,8 +4,12 @@ core-NATS request-reply with nats-py on the same server (the floor), in one run.
     .venv/bin/python benchmarks/plane_vs_floor.py [--requests 5000] [--warmup 500]
 
 The plane runs as `plane up --nats URL --models calibrated` (router and node in one process,
-the embedded default's topology); the floor responder is its own process; the caller is this
-process, one request outstanding at a time. Prints a Markdown table (p50, p99, ratio).
+the embedded default's topology); the floor responder is its own process; so is the depth-one
+relay (`depth_one_relay.py`: the plane's messages through a JetStream slot with none of its
+code, relay and worker in one process as `plane up` has router and node), so that the plane's
+distance to the floor splits into its message flow's share and its own code's. The caller is
+this process, one request outstanding at a time, the three paths interleaved in rounds.
+Prints a Markdown table (p50, p99, ratio).
 """
 
 from __future__ import annotations
@@ -75,6 +79,11 @@ async def main() -> None:
                  "bench.echo"], stdout=subprocess.PIPE, text=True)
             procs.append(floor)
             await wait_ready(floor, "ready")
+            relay = subprocess.Popen(
+                [sys.executable, str(ROOT / "benchmarks" / "depth_one_relay.py"), srv.url,
+                 "bench.relay"], stdout=subprocess.PIPE, text=True)
+            procs.append(relay)
+            await wait_ready(relay, "ready")
             up = subprocess.Popen(
                 [*PLANE, "up", "--nats", srv.url, "--models", "calibrated",
                  "--slots", str(args.slots), "--backend", args.backend, "--log-level", "warning"],
@@ -89,12 +98,16 @@ async def main() -> None:
             per = args.requests // rounds
             hf = HdrHistogram(1, 60_000_000, 3)
             hp = HdrHistogram(1, 60_000_000, 3)
+            hr = HdrHistogram(1, 60_000_000, 3)
             for r in range(rounds):
                 hf.add(await closed_loop(nc, "bench.echo", body, per,
+                                         args.warmup if r == 0 else 50, False))
+                hr.add(await closed_loop(nc, "bench.relay", body, per,
                                          args.warmup if r == 0 else 50, False))
                 hp.add(await closed_loop(nc, names.infer("calibrated"), body, per,
                                          args.warmup if r == 0 else 50, True))
             results["bare NATS request-reply (floor)"] = hf
+            results["depth-one relay: the plane's messages, no decisions"] = hr
             results["plane, calibrated 0 us"] = hp
             await nc.close()
         finally:

@@ -122,3 +122,32 @@ async def test_router_limit_smoke() -> None:
     line = next(x for x in out.decode().splitlines() if x.startswith("50/s: "))
     assert line.startswith("50/s: 50 answered 200 in "), line  # far below the router's limit
     assert "final statuses {'200': 50}" in line and 'decisions {"placed": 50}' in line, line
+
+
+async def test_cpu_per_request_relay_smoke() -> None:
+    """`--relay`: the depth-one relay (the plane's messages, none of its code) runs between
+    the floor and the plane on every load, places and refuses as the plane does, its two
+    processes' CPU is read, and its ratios against the floor come out beside the plane's."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "cpu_per_request.py"),
+        "--requests", "300", "--warmup", "50", "--idle", "0.5", "--settle", "0", "--slots", "2",
+        "--relay", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    data = json.loads(out)
+    assert [r["system"] for r in data["rows"]] == ["floor", "relay", "plane"] * 4
+    relay = [r for r in data["rows"] if r["system"] == "relay"]
+    # Closed loops: every request placed (a slot freed by its done-event is taken again even
+    # while the broker still holds the ack: the relay sends again, as the plane does).
+    for r in relay[:2]:
+        assert r["statuses"] == {"200": 300}, r["statuses"]
+        assert set(r["cpu_us"]) == {"router", "node", "nats-server"}
+        assert r["cpu_ticks"]["router"] > 0
+    # Every slot held: every request refused 429, at once.
+    assert relay[3]["statuses"] == {"429": 300}, relay[3]["statuses"]
+    assert {r["name"] for r in data["relay_ratios"]} == {r["name"] for r in data["ratios"]}
+    assert all(len(r["by_load"]) == 4 for r in data["relay_ratios"])
+    assert data["false_refusal_share"] == [r for r in data["rows"] if r["system"] == "plane"][
+        1]["refused_share"]

@@ -274,18 +274,30 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
                    "that waited longer than this unread is refused at once (429, Retry-After) "
                    "instead of decided late. Raise it where deadlines are long and bursts "
                    "should wait rather than come back.")
+@click.option("--models", default=None, metavar="M1,M2",
+              help="Serve these models only (comma-separated; default: every model): their "
+                   "requests, done-events and the other routers' notes on them. Routers split "
+                   "by model read none of each other's traffic, so each adds its own CPU's "
+                   "worth of decisions; a model no running router serves has no responder.")
 def router(nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
            metrics_host: str, replicas: int, log_level: str, router_id: str | None,
-           max_inbox_wait_ms: int) -> None:
+           max_inbox_wait_ms: int, models: str | None) -> None:
     """Serve `<prefix>.infer.<model>` in the queue group plane-routers.
 
     \b
-    Example:
+    Examples:
       plane router --nats nats://127.0.0.1:4222 --metrics-port 9466
+      plane router --nats nats://127.0.0.1:4222 --models risk --router-id r-risk
     """
     configure_logs(log_level)
-    cfg = RouterConfig(names=names_for(prefix), max_inbox_wait_ms=max_inbox_wait_ms)
+    served = (frozenset(m.strip() for m in models.split(",") if m.strip())
+              if models is not None else None)
+    try:
+        cfg = RouterConfig(names=names_for(prefix), max_inbox_wait_ms=max_inbox_wait_ms,
+                           models=served)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     if router_id:
         cfg = replace(cfg, router_id=router_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-router")

@@ -32,6 +32,9 @@ class StackConfig:
     backend: str = "auto"
     nodes_per_model: int = 1
     routers: int = 1
+    # Router i serves router_models[i] only (`plane router --models`); past the tuple's end,
+    # or None: every model.
+    router_models: tuple[frozenset[str] | None, ...] = ()
     metrics_port: int | None = None  # 0: any free port
     metrics_host: str = "127.0.0.1"
     allow_faults: bool = False
@@ -98,8 +101,10 @@ class PlaneStack(Lifecycle):
                     self.nodes.append(await st.enter_async_context(node))
                     first_partition += len(node.slots)
             for i in range(cfg.routers):
-                router_cfg = RouterConfig(names=cfg.names, router_id=f"router{i}",
-                                          **cfg.router_overrides)
+                router_cfg = RouterConfig(
+                    names=cfg.names, router_id=f"router{i}",
+                    models=cfg.router_models[i] if i < len(cfg.router_models) else None,
+                    **cfg.router_overrides)
                 nc = await self._connect(f"plane-router-{i}", "router")
                 self.routers.append(await st.enter_async_context(
                     Router(nc, router_cfg, self.metrics, replicas=cfg.replicas,
@@ -125,7 +130,7 @@ class PlaneStack(Lifecycle):
             await kv.put(key, str(value).encode())
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
-        """Until every router sees every node's healthy slots."""
+        """Until every router sees the healthy slots of every node of the models it serves."""
         import asyncio
 
         want = {n.cfg.model: 0 for n in self.nodes}
@@ -135,7 +140,7 @@ class PlaneStack(Lifecycle):
             while True:
                 if all(
                     (ms := r.models.get(m)) is not None and ms.healthy_count() >= count
-                    for r in self.routers for m, count in want.items()
+                    for r in self.routers for m, count in want.items() if r.cfg.serves(m)
                 ):
                     return
                 await asyncio.sleep(0.02)

@@ -40,23 +40,23 @@ def note(n: AdmissionNote) -> Any:
 
 async def test_the_first_router_by_id_heard_lately_makes_promises() -> None:
     p, _ = peers("router1")
-    assert p.promiser() == "router1"  # alone
+    assert p.promiser("calibrated") == "router1"  # alone
     await p.on_note(note(Presence(router="router0", instance="a")))
-    assert p.promiser() == "router0"
+    assert p.promiser("calibrated") == "router0"
     p.seen_s["router0"] -= 10  # not heard from for longer than GONE_S
-    assert p.promiser() == "router1"
+    assert p.promiser("calibrated") == "router1"
 
 
 async def test_a_router_found_gone_stops_making_promises_at_once_and_comes_back_when_heard(
 ) -> None:
     p, _ = peers("router1")
     await p.on_note(note(Presence(router="router0", instance="a")))
-    assert p.promiser() == "router0"
+    assert p.promiser("calibrated") == "router0"
     p.gone("router0")  # a forward to it found no responder
-    assert p.promiser() == "router1" and p._alone()
+    assert p.promiser("calibrated") == "router1" and p._alone()
     p.gone("router7")  # never heard of: nothing to drop
     await p.on_note(note(Presence(router="router0", instance="b")))  # it was only away
-    assert p.promiser() == "router0" and not p._alone()
+    assert p.promiser("calibrated") == "router0" and not p._alone()
 
 
 async def test_a_promise_made_elsewhere_is_booked_here_and_dropped_when_kept() -> None:

@@ -304,7 +304,8 @@ async def test_a_promiser_that_stops_is_replaced_at_the_first_forward_that_finds
             client(stack.url) as nc:
         x, y = stack.routers
         assert x.cfg.router_id < y.cfg.router_id
-        await wait_until(lambda: y.peers.promiser() == x.cfg.router_id, 5, "y to hear x")
+        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
+                         "y to hear x")
         # Long enough that x's stop and the three calls below end well before it does.
         long = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(1_500_000),
                                               timeout=8, headers={Header.DEADLINE_MS: "5000"}))
@@ -319,7 +320,7 @@ async def test_a_promiser_that_stops_is_replaced_at_the_first_forward_that_finds
                    for m in refusals)
         tried = stack.metrics.registry.get_sample_value("plane_router_forwarded_total", {
             "model": "calibrated", "why": "promise", "outcome": "owner-gone"})
-        assert tried == 1 and y.peers.promiser() == y.cfg.router_id
+        assert tried == 1 and y.peers.promiser("calibrated") == y.cfg.router_id
         assert status(await long) == 200
     async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
             client(stack.url) as nc:

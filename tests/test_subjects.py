@@ -79,6 +79,8 @@ WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
     ("node_slots", ("n1",), [N.slot("risk", "n1", 0), N.slot("calibrated", "n1", 12)],
      [N.slot("risk", "n2", 0), N.done("risk", "n1", 0)]),
     ("done_all", (), [N.done("risk", "n1", 0)], [N.slot("risk", "n1", 0)]),
+    ("done_model", ("risk",), [N.done("risk", "n1", 0), N.done("risk", "n2", 7)],
+     [N.done("calibrated", "n1", 0), N.slot("risk", "n1", 0)]),
     ("admission_all", (), [N.admission("risk"), N.admission("_routers")],
      [N.infer("risk"), N.router_infer("r1", "risk"), N.router_status("r1")]),
     ("health_all", (), [N.health("n1"), N.health("n2")], [N.node_status("n1")]),

@@ -76,9 +76,24 @@ class RouterConfig:
     # forwarded by another router): answered within the bound instead of decided when its
     # budget and promises are long gone.
     max_inbox_wait_ms: int = 50
+    # The models this router serves (`plane router --models`): it listens for their requests,
+    # done-events and the other routers' notes on them only, and makes their promises only
+    # when it is the first by id of the routers that serve them. None: every model. Routers
+    # split by model read none of each other's traffic: a plane whose router's CPU is its
+    # limit gets another router's worth of decisions per model so split.
+    models: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         _token("router id", self.router_id.replace(".", "-"))
+        if self.models is not None:
+            from plane.contract.models import MODELS  # (msgspec specs: not for a bare config)
+
+            if not self.models:
+                raise ConfigError("a router serves at least one model: give --models, or "
+                                  "leave it out to serve every model")
+            if unknown := sorted(self.models - MODELS.keys()):
+                raise ConfigError(f"unknown model(s) {', '.join(unknown)}: the plane's models "
+                                  f"are {', '.join(sorted(MODELS))}")
         if not 1 <= self.max_routing <= 1_000_000:
             raise ConfigError("max_routing must be between 1 and 1,000,000")
         if not 16 <= self.max_pending <= 1_000_000:
@@ -91,6 +106,10 @@ class RouterConfig:
             _token("model", model)
             if not 1 <= ms <= MAX_DEADLINE_MS:
                 raise ConfigError(f"deadline for {model} must be 1..{MAX_DEADLINE_MS} ms")
+
+    def serves(self, model: str) -> bool:
+        """Whether this router takes `model`'s requests (any model, without `models`)."""
+        return self.models is None or model in self.models
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -241,8 +241,13 @@ class SlotTaken(_SlotTakenTerms, frozen=True, kw_only=True, tag="took"):
     request_id: str | None = None
 
 
-class Presence(PeerNote, frozen=True, tag="here"):
-    """A router is there (every second), or asks whether a live router has its id."""
+class Presence(PeerNote, frozen=True, kw_only=True, tag="here"):
+    """A router is there (every second), or asks whether a live router has its id. `models`,
+    those it serves (`plane router --models`; None: every model), trails the array as
+    `PromiseMade.wake` does (keyword-only): a router that predates it reads the presence
+    without it, and one that has it reads an older presence as "every model"."""
+
+    models: tuple[str, ...] | None = None
 
 
 AdmissionNote = PromiseMade | PromiseGone | SlotTaken | Presence

@@ -166,6 +166,10 @@ class Names:
     def done_all(self) -> str:
         return f"{self.prefix}.done.>"
 
+    def done_model(self, model: str) -> str:
+        """One model's done-events (a router that serves some models only)."""
+        return f"{self.prefix}.done.{check_token('model', model)}.>"
+
     def admission(self, model: str) -> str:
         """Where routers tell each other the promises they make and drop, and the slots they
         take."""

@@ -402,7 +402,7 @@ class Admission:
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
         # Whether another router calls the holders of a promise the given router made: the
         # maker while it is alive; once it is gone, the promiser (`Peers.calls_elsewhere`).
-        self.called_elsewhere: Callable[[str], bool] = lambda maker: True
+        self.called_elsewhere: Callable[[str, str], bool] = lambda maker, model: True
         # Promises made or gone since the router last looked (it tells the other routers).
         self.notes: list[PromiseChange] = []
         self.stats: Counter[str] = Counter()  # what ticket holders found (status endpoint)
@@ -538,7 +538,8 @@ class Admission:
             if p.parked or p.slotted:
                 continue
             p.slotted = True
-            if (p.wake is not None and (not p.foreign or not self.called_elsewhere(p.maker))
+            if (p.wake is not None
+                    and (not p.foreign or not self.called_elsewhere(p.maker, ms.model))
                     and p.back_s - now_s >= WAKE_LEAD_S):
                 self.stats["holder-called"] += 1
                 p.called_s = now_s

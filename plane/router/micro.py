@@ -34,8 +34,10 @@ from nats.micro.service import Endpoint, Service
 
 class InferEndpoint:
     def __init__(self, service: Service, *, subject: str, queue: str,
-                 handler: Callable[[Msg], Awaitable[None]], metadata: dict[str, str]) -> None:
+                 handler: Callable[[Msg], Awaitable[None]], metadata: dict[str, str],
+                 name: str = "infer") -> None:
         self._service = service
+        self._name = name
         self._subject = subject
         self._queue = queue
         self._handler = handler
@@ -45,7 +47,7 @@ class InferEndpoint:
     async def start(self, nc: Client, pending_limit: int) -> Subscription:
         """Listen, at most `pending_limit` requests read and not yet handled; the
         subscription (drained at stop)."""
-        await self._service.add_endpoint(name="infer", subject=self._subject,
+        await self._service.add_endpoint(name=self._name, subject=self._subject,
                                          queue_group=self._queue, handler=self._on_request,
                                          metadata=self._metadata)
         endpoint = self._endpoint = self._service._endpoints[-1]

@@ -10,6 +10,11 @@ promises it makes and drops and the slots it takes, and books theirs in its own 
 router that has heard no other for `GONE_S` tells nobody: a plane with one router pays nothing.
 A router that a forward finds gone (no responder on its subject) is dropped at once.
 
+Routers may serve some models only (`RouterConfig.models`; each says which in its presence):
+then each of the above is per model. A model's promises are made by the first by id of the
+routers that serve it, and a router tells (and hears) only the routers that serve the
+models it does: routers split by model pay nothing for each other.
+
 One router per id: a router refuses to start while another live router has its id (their
 tickets and forwarded requests would reach both), and waits for one that is stopping.
 """
@@ -55,22 +60,35 @@ STOPPING_WAIT_S = 10.0  # a router stopping under our id has this long to go (it
 
 class Peers:
     def __init__(self, nc: Client, names: Names, router_id: str, admission: Admission,
-                 model: Callable[[str], ModelSlots]) -> None:
+                 model: Callable[[str], ModelSlots],
+                 models: frozenset[str] | None = None) -> None:
         self.nc = nc
         self.names = names
         self.router_id = router_id
         self.admission = admission
         self._model = model  # the router's ModelSlots for a model (made on first use)
+        self.models = models  # those this router serves (None: every one)
         self.seen_s: dict[str, float] = {}  # other routers, when each last spoke
+        self.serves: dict[str, frozenset[str] | None] = {}  # other routers' models (None: all)
         self._last_heard_s = -math.inf
         self._announced_s = -math.inf
         self.instance = new_instance()
         self._clash_logged_s = -math.inf
 
-    def promiser(self) -> str:
-        """The router that makes promises: the first by id of those heard from lately."""
+    def promiser(self, model: str) -> str:
+        """The router that makes `model`'s promises: the first by id of those that serve it
+        and were heard from lately (we, when none does: a request for it reached us)."""
         if not self.seen_s:
             return self.router_id  # alone (the usual case: asked per request)
+        now = time.monotonic()
+        return min([self.router_id, *(r for r in self.seen_s if self._heard(r, now)
+                                      and self._serving(r, model))])
+
+    def leader(self) -> str:
+        """The first by id of all the routers heard from lately, whatever they serve: the one
+        that does the plane's chores no two should do at once (`Router._spread_leaders`)."""
+        if not self.seen_s:
+            return self.router_id
         now = time.monotonic()
         return min([self.router_id, *(r for r in self.seen_s if self._heard(r, now))])
 
@@ -78,11 +96,19 @@ class Peers:
         """Another router heard from within `GONE_S`."""
         return now - self.seen_s.get(router, -math.inf) <= GONE_S
 
-    def calls_elsewhere(self, maker: str) -> bool:
-        """Whether another router calls the holders of `maker`'s promises (`Plane-Wake`): the
-        maker while it is heard from; once it is gone, the promiser, unless that is us. (A
-        gone maker's holders were told a late fallback: uncalled, they came back late.)"""
-        return self._heard(maker, time.monotonic()) or self.promiser() != self.router_id
+    def _serving(self, router: str, model: str) -> bool:
+        """Whether another router serves `model` (as its last presence said; one not yet
+        heard announce, or of an earlier version, serves every model)."""
+        theirs = self.serves.get(router)
+        return theirs is None or model in theirs
+
+    def calls_elsewhere(self, maker: str, model: str) -> bool:
+        """Whether another router calls the holders of `maker`'s promises for `model`
+        (`Plane-Wake`): the maker while it is heard from; once it is gone, the model's
+        promiser, unless that is us. (A gone maker's holders were told a late fallback:
+        uncalled, they came back late.)"""
+        return (self._heard(maker, time.monotonic())
+                or self.promiser(model) != self.router_id)
 
     def gone(self, router: str) -> None:
         """Nobody listens on `router`'s own subject (a forward to it found no responder): it
@@ -92,9 +118,10 @@ class Peers:
         back with its next announcement (`ANNOUNCE_S`)."""
         if self.seen_s.pop(router, None) is None:
             return
+        self.serves.pop(router, None)
         self._last_heard_s = max(self.seen_s.values(), default=-math.inf)
         log.warning("a router no longer listens: taken for gone", router=self.router_id,
-                    gone=router, promiser=self.promiser())
+                    gone=router, leader=self.leader())
 
     async def announce_if_due(self, now_s: float) -> None:
         if now_s - self._announced_s >= ANNOUNCE_S:
@@ -102,7 +129,8 @@ class Peers:
             await self._send(PRESENCE, self._presence())
 
     def _presence(self) -> Presence:
-        return Presence(router=self.router_id, instance=self.instance)
+        return Presence(router=self.router_id, instance=self.instance,
+                        models=tuple(sorted(self.models)) if self.models is not None else None)
 
     async def ensure_id_free(self, wait_s: float = STOPPING_WAIT_S) -> None:
         """Before the router listens to anything: raise `IdentityInUse` if another live
@@ -155,6 +183,8 @@ class Peers:
         self._last_heard_s = self.seen_s[note.router] = now
         match note:
             case Presence():
+                self.serves[note.router] = (frozenset(note.models) if note.models is not None
+                                            else None)
                 return
             case PromiseMade() if note.model in MODELS:
                 mono_of = time.monotonic() - time.time()  # wall seconds -> our monotonic ones
@@ -183,6 +213,8 @@ class Peers:
             return
         wall_of = time.time() - time.monotonic()  # our monotonic seconds -> wall seconds
         for n in notes:
+            if self._alone(n.model):
+                continue
             p = n.promise
             await self._send(n.model, PromiseMade(
                 router=self.router_id, model=n.model, ticket=p.ticket,
@@ -197,7 +229,7 @@ class Peers:
                          request_id: str) -> None:
         """Tell the others the promises changed and the slot we just took, and by whom."""
         await self.tell()
-        if self._alone():
+        if self._alone(model):
             return
         await self._send(model, SlotTaken(
             router=self.router_id, model=model, slot=view.key,
@@ -205,9 +237,14 @@ class Peers:
             service_us=ask.prediction.expected_us, p99_us=ask.prediction.p99_us,
             request_id=request_id))
 
-    def _alone(self) -> bool:
-        """No other router heard from lately: nobody to tell (nothing on the hot path)."""
-        return time.monotonic() - self._last_heard_s > GONE_S
+    def _alone(self, model: str | None = None) -> bool:
+        """No other router heard from lately (that serves `model`): nobody to tell (nothing
+        on the hot path)."""
+        now = time.monotonic()
+        if now - self._last_heard_s > GONE_S:
+            return True
+        return model is not None and not any(
+            self._heard(r, now) and self._serving(r, model) for r in self.seen_s)
 
     def _clash(self, other: str) -> None:
         now = time.monotonic()

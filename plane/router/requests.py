@@ -213,7 +213,8 @@ class RequestPath:
         # The request subscriptions' inboxes (the service adds them): how far behind it is.
         self.inboxes: list[Inbox] = []
         # Told of each error the router answers (status, text): the micro endpoint's count.
-        self.errored: Callable[[int, str], None] = lambda status, text: None
+        # Counts an error answer in the micro endpoint that took the model's requests.
+        self.errored: Callable[[str, int, str], None] = lambda model, status, text: None
 
     def _setting_changed(self, key: str, value: int | None) -> None:
         if key.startswith(TENANT_LIMITS):
@@ -389,7 +390,7 @@ class RequestPath:
                 first_p99_us, end_deadline_s = first_p99, received + stream_ms / 1000
         # One router makes every promise (so no two promise the same slot time); the others
         # place what fits now and hand it what needs a promise.
-        promiser = self.cfg.router_id if forwarded else self.peers.promiser()
+        promiser = self.cfg.router_id if forwarded else self.peers.promiser(model)
         r = Routing(
             msg=msg, rid=rid, model=model, ms=ms, work_us=work_us,
             max_tokens=shape[1] if shape is not None else 0,
@@ -802,6 +803,6 @@ class RequestPath:
             if r.ticket is not None:
                 self._tickets_issued(model).inc()
         else:
-            self.errored(int(r.status), r.message)
+            self.errored(model, int(r.status), r.message)
         if reply:
             await publish(self.nc, reply, body, block)

@@ -56,7 +56,7 @@ from plane.router.memory import FloodMemory
 from plane.router.micro import InferEndpoint
 from plane.router.occupancy import ModelSlots, slot_key
 from plane.router.parking import ParkingLot
-from plane.router.peers import Peers
+from plane.router.peers import PRESENCE, Peers
 from plane.router.receipt import received_s, stamp_receipt
 from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
@@ -130,7 +130,8 @@ class Router(Lifecycle, TaskOwner):
         self.node_seen_s: dict[str, float] = {}
         self.instances = Instances()  # which process speaks for each node id
         self.parking = ParkingLot()  # holders waiting for a slot to free
-        self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model)
+        self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model,
+                           models=cfg.models)
         self.admission.called_elsewhere = self.peers.calls_elsewhere
         # Ticket holders with an inbox, called back when a slot frees for them.
         self.calls = Calls(nc, self.admission, self.parking, self.peers.tell)
@@ -141,8 +142,8 @@ class Router(Lifecycle, TaskOwner):
         self._request_subs: list[Subscription] = []  # drained, not dropped, at stop
         self._service: Service | None = None
         self._health_sub: Subscription | None = None
-        self._done_sub: Subscription | None = None
-        self._infer: InferEndpoint | None = None
+        self._done_subs: list[Subscription] = []
+        self._infer: dict[str, InferEndpoint] = {}  # by model ("" for every model)
         self._heard = asyncio.Event()  # set by each heartbeat (start-up waits on it)
         # Slot publishes whose PubAck comes to a callback (no task, future or timer each).
         self.publisher = SlotPublisher(nc, cfg.publish_timeout_s, on_busy=self._rouse_watchdog)
@@ -180,10 +181,16 @@ class Router(Lifecycle, TaskOwner):
         # Stamped at receipt: a slot's cycle ends when its done-event arrived, not when this
         # router's loop got round to it (a volley of requests ahead of it in the loop taught
         # the router 50+ ms cycles for a 1 ms model, and it then refused every 50 ms deadline).
-        self._done_sub = stamp_receipt(
-            await self.nc.subscribe(n.done_all(), cb=self._on_done))
-        self._subs.append(self._done_sub)
-        self._subs.append(await self.nc.subscribe(n.admission_all(), cb=self.peers.on_note))
+        served = sorted(self.cfg.models) if self.cfg.models is not None else None
+        # A router that serves some models hears their done-events and notes only: none of
+        # the traffic of the models other routers serve.
+        for subject in ([n.done_all()] if served is None else [n.done_model(m) for m in served]):
+            self._done_subs.append(stamp_receipt(
+                await self.nc.subscribe(subject, cb=self._on_done)))
+        self._subs.extend(self._done_subs)
+        for subject in ([n.admission_all()] if served is None
+                        else [n.admission(PRESENCE), *(n.admission(m) for m in served)]):
+            self._subs.append(await self.nc.subscribe(subject, cb=self.peers.on_note))
         self._subs.append(await self.nc.subscribe(n.router_answered(self.cfg.router_id),
                                                   cb=self._on_answered_query))
         await self.publisher.start()
@@ -201,13 +208,18 @@ class Router(Lifecycle, TaskOwner):
         )
         await self._service.add_endpoint(
             name="meter", subject=n.router_meter(self.cfg.router_id), handler=self._on_meter)
-        # Inference itself is a micro endpoint (listed and counted by $SRV.INFO / STATS).
-        self._infer = InferEndpoint(self._service, subject=n.infer_all(),
-                                    queue=ROUTER_QUEUE_GROUP, handler=self.requests.on_request,
-                                    metadata={"models": ",".join(sorted(MODELS))})
-        self.requests.errored = self._infer.count_error
+        # Inference itself is a micro endpoint (listed and counted by $SRV.INFO / STATS): one
+        # for every model, or one per model served (`infer-<model>`).
+        self._infer = {"": InferEndpoint(
+            self._service, subject=n.infer_all(), queue=ROUTER_QUEUE_GROUP,
+            handler=self.requests.on_request, metadata={"models": ",".join(sorted(MODELS))},
+        )} if served is None else {m: InferEndpoint(
+            self._service, subject=n.infer(m), queue=ROUTER_QUEUE_GROUP,
+            handler=self.requests.on_request, metadata={"models": m}, name=f"infer-{m}",
+        ) for m in served}
+        self.requests.errored = self._count_error
         self._request_subs = [
-            await self._infer.start(self.nc, self.cfg.max_pending),
+            *[await e.start(self.nc, self.cfg.max_pending) for e in self._infer.values()],
             # Our own subject: ticket holders whose retry reached another router come here.
             await self.nc.subscribe(n.router_infer_all(self.cfg.router_id),
                                     cb=self.requests.on_request,
@@ -218,7 +230,14 @@ class Router(Lifecycle, TaskOwner):
             on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)
         await self.nc.flush()
-        log.info("router started", router=self.cfg.router_id, subject=n.infer_all())
+        log.info("router started", router=self.cfg.router_id, models=served or "all",
+                 subject=n.infer_all() if served is None else [n.infer(m) for m in served])
+
+    def _count_error(self, model: str, status: int, text: str) -> None:
+        """An error answer, in the micro endpoint that took the model's requests."""
+        endpoint = self._infer.get(model) or self._infer.get("")
+        if endpoint is not None:
+            endpoint.count_error(status, text)
 
     async def _learn_slots(self, nodes_kv: KeyValue, within_s: float = LEARN_SLOTS_S) -> None:
         """Before joining the queue group, hear the nodes that advertise slots (their
@@ -228,7 +247,7 @@ class Router(Lifecycle, TaskOwner):
             keys = await nodes_kv.keys()
         except Exception:  # no advert at all (a new plane), or the bucket cannot say
             return
-        models = {key.rpartition(".")[2] for key in keys}
+        models = {m for key in keys if self.cfg.serves(m := key.rpartition(".")[2])}
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within_s):
                 while not all((ms := self.models.get(m)) is not None and ms.healthy_count()
@@ -250,8 +269,8 @@ class Router(Lifecycle, TaskOwner):
         # round trip that ends its deliveries, and hands us every request it brought.
         taking = [s for s in self._subs if s in self._request_subs]
         await asyncio.gather(*(self._drain(s) for s in taking))
-        if self._infer is not None:
-            self._infer.detach()
+        for endpoint in self._infer.values():
+            endpoint.detach()
         # Placements whose PubAck is on its way: the broker answers within its timeout.
         await self.publisher.drained(timeout_s)
         pending = [t for t in self._tasks if not t.done()]
@@ -300,8 +319,9 @@ class Router(Lifecycle, TaskOwner):
             self._forget_node(hb.node, "node stopping", draining=True)
             return
         for advert in hb.adverts:
-            if advert.model not in MODELS or advert.node != hb.node:
-                continue  # router state only for the plane's models and the sender's own slots
+            if (advert.model not in MODELS or not self.cfg.serves(advert.model)
+                    or advert.node != hb.node):
+                continue  # state only for the models it serves and the sender's own slots
             for named in self._model(advert.model).apply_advert(advert, self.names, now):
                 log.warning("slot advert ignored: its subject or stream is not the plane's",
                             node=advert.node, named=named[:120])
@@ -420,7 +440,7 @@ class Router(Lifecycle, TaskOwner):
         the next dead server would stop more slots than its share. The router that makes
         promises does it (two would step the same leader down twice)."""
         while True:
-            if self.peers.promiser() == self.cfg.router_id:
+            if self.peers.leader() == self.cfg.router_id:
                 with contextlib.suppress(Exception):
                     await keep_apart(self.nc, self.js, self.names)
             await asyncio.sleep(SPREAD_LEADERS_S)
@@ -519,7 +539,7 @@ class Router(Lifecycle, TaskOwner):
             self.metrics.slots_known.labels(m, "busy").set(ms.busy_count(time.monotonic()))
 
     def _done_pending(self) -> int:
-        return self._done_sub.pending_msgs if self._done_sub is not None else 0
+        return sum(s.pending_msgs for s in self._done_subs)
 
     def _backlog(self) -> int:
         """Requests delivered to us and not read yet."""

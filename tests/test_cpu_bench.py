@@ -151,3 +151,24 @@ async def test_cpu_per_request_relay_smoke() -> None:
     assert all(len(r["by_load"]) == 4 for r in data["relay_ratios"])
     assert data["false_refusal_share"] == [r for r in data["rows"] if r["system"] == "plane"][
         1]["refused_share"]
+
+
+async def test_routers_by_model_smoke() -> None:
+    """benchmarks/routers_by_model.py: each plan (one router, two of every model, two split
+    by model) starts, answers both models, and its routers' CPU is read."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "routers_by_model.py"), "--seconds", "1",
+        "--callers", "1", "--slots", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    rows = [line.split("|") for line in out.decode().splitlines()
+            if line.startswith(("| one", "| two"))]
+    assert [r[1].strip() for r in rows] == [
+        "one router", "two routers, every model", "two routers, split by model"], out.decode()
+    for r in rows:
+        assert int(r[2].strip().replace(",", "")) > 0  # answers a second
+        assert "'200'" in r[3]
+        each = [float(x) for x in r[4].split("+")]
+        assert len(each) == (1 if r[1].strip() == "one router" else 2) and all(each), r

@@ -66,6 +66,7 @@ from plane.contract.ownership import (
     ask_answered,
     attempt_id,
     placement_id,
+    stream_sequence,
     take,
 )
 from plane.contract.provision import stream_of_subject
@@ -538,7 +539,7 @@ class Slot(Generating):
                       headers: dict[str, str]) -> None:
         h = cur.msg.headers or {}
         # By placement and by attempt: a router asks by the one it knows (ownership).
-        self.answered.add(placement_id(self.stream, cur.msg.metadata.sequence.stream))
+        self.answered.add(placement_id(self.stream, stream_sequence(cur.msg)))
         self.answered.add(attempt_id(cur.request_id, h.get(Header.ATTEMPT, "1")))
         await self._done(cur, int(status), service_us)
         headers.update(trace_headers(h))  # the trace, back on the reply

@@ -33,9 +33,21 @@ from nats.js.errors import APIError
 NOT_ANSWERED = 0
 
 
+V1_ACK_TOKENS = 9  # `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`
+
+
 def placement_id(stream: str, seq: int) -> str:
     """One placement of one request: unique, unlike caller request ids (reused by retries)."""
     return f"{stream}:{seq}"
+
+
+def stream_sequence(msg: Msg) -> int:
+    """The stream sequence of a JetStream message, read off its ack subject as nats-py's
+    `msg.metadata.sequence.stream` reads it (both forms, with and without a domain), without
+    the rest of its `Metadata`: a `datetime` and three dataclasses per message, ~4% of a
+    node's CPU per request in py-spy's profile (docs/perf, thirty-first session)."""
+    tokens = Msg.Metadata._get_metadata_fields(msg.reply)  # raises NotJSMessageError
+    return int(tokens[5] if len(tokens) == V1_ACK_TOKENS else tokens[Msg.Ack.StreamSeq])
 
 
 def attempt_id(request_id: str, attempt: str) -> str:

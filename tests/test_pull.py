@@ -5,6 +5,7 @@ consumer was deleted and made again, and says on stop what it delivered that nob
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 import gpu_node.pull as pull_module
-from gpu_node.pull import StandingPull
+from gpu_node.pull import StandingPull, _Delivered
 from tests.plane_fixtures import listen, wait_until
 
 STREAM, SUBJECT, CONSUMER = "PULLTEST", "pulltest.slot", "pulltest_slot"
@@ -242,3 +243,28 @@ async def test_a_503_just_after_a_leader_move_is_the_move_not_an_outage(nc: Clie
     await wait_until(lambda: not outage.reaches, 2, "the slot out of reach")
     assert outage.errors == 1 and reach == [False]
     await outage.stop()
+
+
+async def test_delivered_messages_reach_the_reader_in_order_and_a_cancelled_wait_loses_none(
+) -> None:
+    """The standing pull's hand-off to the slot (a deque and one future, in place of an
+    asyncio.Queue): in order whether the reader waits or not, and a reader cancelled just as
+    a message woke it leaves that message for the next read."""
+    box = _Delivered()
+    a, b, c = (Msg(_client=None, subject=f"m{i}") for i in range(3))  # type: ignore[arg-type]
+    box.put(a)
+    assert await box.get() is a and len(box) == 0
+    reader = asyncio.create_task(box.get())
+    await asyncio.sleep(0)  # the reader waits
+    box.put(b)
+    box.put(c)
+    assert await reader is b and len(box) == 1
+    assert await box.get() is c
+    late = asyncio.create_task(box.get())
+    await asyncio.sleep(0)
+    box.put(a)  # wakes it ...
+    late.cancel()  # ... and it is cancelled before it runs
+    with contextlib.suppress(asyncio.CancelledError):
+        await late
+    assert late.cancelled() and len(box) == 1
+    assert await box.get() is a

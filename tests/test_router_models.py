@@ -5,6 +5,7 @@ traffic."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from click.testing import CliRunner
@@ -70,6 +71,10 @@ async def test_routers_split_by_model_each_serve_their_own_and_read_nothing_of_t
         assert not [n for n in notes if not isinstance(n, Presence)], notes[:3]
         assert {n.models for n in notes if isinstance(n, Presence)} <= {
             ("calibrated",), ("risk",)}
+        for r, serves in ((r_cal, ["calibrated"]), (r_risk, ["risk"])):
+            said = json.loads((await nc.request(NAMES.router_status(r.cfg.router_id), b"",
+                                                timeout=5)).data)
+            assert said["serves"] == serves and list(said["models"]) == serves
         # router0 is first by id but serves no risk: router1 makes risk's promises.
         assert r_risk.peers.promiser("risk") == "router1"
         assert r_cal.peers.promiser("calibrated") == "router0"

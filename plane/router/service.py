@@ -381,6 +381,8 @@ class Router(Lifecycle, TaskOwner):
     async def _on_status(self, req: Any) -> None:
         body = {
             "router": self.cfg.router_id,
+            # What it serves (`plane router --models`), and below what it knows of each.
+            "serves": sorted(self.cfg.models) if self.cfg.models is not None else "all",
             "models": {
                 m: {
                     "slots": len(ms.slots), "healthy": ms.healthy_count(),

@@ -79,7 +79,8 @@ async def _status(nc: Client, subject: str, body: bytes) -> str:
     return (msg.headers or {}).get(Header.STATUS, "200")
 
 
-async def run_plan(plan: str, seconds: float, callers: int, slots: int, slow_us: int) -> str:
+async def run_plan(plan: str, seconds: float, callers: int, slots: int, slow_us: int,
+                   backend: str) -> str:
     names = Names()
     logs = Path(tempfile.mkdtemp(prefix="routers-by-model-"))
     router_cmd = ([sys.executable, __file__, "--serve-router", "--"] if slow_us
@@ -96,7 +97,7 @@ async def run_plan(plan: str, seconds: float, callers: int, slots: int, slow_us:
         for model in BODIES:
             await st.enter_async_context(child(
                 [str(BIN / "plane"), "node", *common, "--model", model, "--slots", str(slots),
-                 "--backend", "torch", "--node-id", f"n-{model}", "--no-freshness"],
+                 "--backend", backend, "--node-id", f"n-{model}", "--no-freshness"],
                 logs / f"{model}.log"))
         conns = [await nats.connect(srv.url) for _ in range(callers * len(BODIES))]
         st.push_async_callback(lambda: asyncio.gather(*(nc.close() for nc in conns)))
@@ -139,15 +140,17 @@ async def run_plan(plan: str, seconds: float, callers: int, slots: int, slow_us:
 @click.option("--slots", default=2, show_default=True, help="Slots per model's node.")
 @click.option("--slow-us", default=0, show_default=True,
               help="Each decision blocks its router's loop this long (0: not slowed).")
+@click.option("--backend", default="torch", show_default=True,
+              help="The nodes' backend (a GPU host: triton; two nodes share its device).")
 @click.option("--serve-router", is_flag=True, hidden=True)
 @click.argument("router_args", nargs=-1, type=click.UNPROCESSED)
-def cli(seconds: float, rounds: int, callers: int, slots: int, slow_us: int,
+def cli(seconds: float, rounds: int, callers: int, slots: int, slow_us: int, backend: str,
         serve_router: bool, router_args: tuple[str, ...]) -> None:
     """Router CPU per request and answers/s: one router, two of every model, two by model."""
     if serve_router:
         sys.exit(serve_slowed_router(list(router_args)))
     os.environ[SLOW_US] = str(slow_us)  # (the slowed router children read it)
-    click.echo(f"{os.cpu_count()} cores; calibrated 0 us and risk, {slots} slots each; "
+    click.echo(f"{os.cpu_count()} cores; calibrated 0 us and risk, {slots} {backend} slots each; "
                f"{callers} closed-loop callers per model; {seconds:g} s per plan"
                + (f"; each decision slowed by {slow_us} us" if slow_us else ""))
     click.echo("| plan | answers/s | final statuses | router CPU per plane request, us "
@@ -155,7 +158,7 @@ def cli(seconds: float, rounds: int, callers: int, slots: int, slow_us: int,
     click.echo("| --- | --- | --- | --- | --- |")
     for _ in range(rounds):
         for plan in PLANS:
-            click.echo(asyncio.run(run_plan(plan, seconds, callers, slots, slow_us)))
+            click.echo(asyncio.run(run_plan(plan, seconds, callers, slots, slow_us, backend)))
 
 
 if __name__ == "__main__":

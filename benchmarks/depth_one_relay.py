@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+from collections import deque
 
 import msgspec
 import nats
@@ -70,7 +71,7 @@ async def relay(nc: Client, subject: str, slots: int) -> None:
     The broker applies a worker's ack a moment after the done-event that follows it has
     reached the relay, so a publish onto a slot just freed can still be refused: sent again
     after the plane's own waits (`plane.router.requests.BROKER_SETTLE_S`)."""
-    free = list(range(slots))
+    free = deque(range(slots))  # the longest free first: its ack has surely landed
     busy: set[int] = set()
     acks = nc.new_inbox()
     tokens = itertools.count()
@@ -86,7 +87,7 @@ async def relay(nc: Client, subject: str, slots: int) -> None:
         if not free:
             await nc.publish(msg.reply, b"no slot free", headers=REFUSED)
             return
-        k = free.pop()
+        k = free.popleft()
         busy.add(k)
         await place(k, msg.data, msg.reply, 0)
 

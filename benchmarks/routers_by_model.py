@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.children import child  # noqa: E402
-from benchmarks.cpu_per_request import BIN, CLK_TCK, cpu_ticks  # noqa: E402
+from benchmarks.cpu_per_request import CLK_TCK, cpu_ticks  # noqa: E402
 from plane.contract.embedded import EmbeddedNats  # noqa: E402
 from plane.contract.subjects import Header, Names  # noqa: E402
 
@@ -49,6 +49,9 @@ PLANS: dict[str, list[list[str] | None]] = {  # plan -> each router's models (No
     "two routers, every model": [None, None],
     "two routers, split by model": [["calibrated"], ["risk"]],
 }
+# `plane` through this interpreter: the same where the project is only on PYTHONPATH (a bare
+# GPU box, as scripts/gpu_plane.sh runs it).
+PLANE = [sys.executable, "-m", "plane"]
 SLOW_US = "PLANE_BENCH_SLOW_US"  # the slowed router child reads its decision's wall time here
 
 
@@ -84,7 +87,7 @@ async def run_plan(plan: str, seconds: float, callers: int, slots: int, slow_us:
     names = Names()
     logs = Path(tempfile.mkdtemp(prefix="routers-by-model-"))
     router_cmd = ([sys.executable, __file__, "--serve-router", "--"] if slow_us
-                  else [str(BIN / "plane"), "router"])
+                  else [*PLANE, "router"])
     async with EmbeddedNats() as srv, contextlib.AsyncExitStack() as st:
         common = ["--nats", srv.url, "--log-level", "warning"]
         pids = []
@@ -96,7 +99,7 @@ async def run_plan(plan: str, seconds: float, callers: int, slots: int, slow_us:
             pids.append(proc.pid)
         for model in BODIES:
             await st.enter_async_context(child(
-                [str(BIN / "plane"), "node", *common, "--model", model, "--slots", str(slots),
+                [*PLANE, "node", *common, "--model", model, "--slots", str(slots),
                  "--backend", backend, "--node-id", f"n-{model}", "--no-freshness"],
                 logs / f"{model}.log"))
         conns = [await nats.connect(srv.url) for _ in range(callers * len(BODIES))]

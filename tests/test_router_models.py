@@ -105,6 +105,23 @@ async def test_a_router_of_every_model_and_one_of_risk_share_risk_only() -> None
             assert status(await nc.request(NAMES.infer("calibrated"), calibrated(0),
                                            timeout=5)) == 200
         assert set(r_risk.models) == {"risk"}  # never heard calibrated's adverts
+        # risk reaches both routers' subscriptions (`plane.infer.>` and `plane.infer.risk`,
+        # one queue group): each request is taken by one of them and answered once.
+        answers: dict[str, list[int]] = {}
+
+        async def on_answer(msg: Msg) -> None:
+            answers.setdefault(msg.subject, []).append(status(msg))
+
+        await nc.subscribe("_INBOX.mixed.*", cb=on_answer)
+        for i in range(40):
+            await nc.publish(NAMES.infer("risk"), RISK_BODY, reply=f"_INBOX.mixed.{i}")
+            await asyncio.sleep(0.005)
+        await wait_until(lambda: len(answers) == 40, 10, "every risk request answered")
+        await asyncio.sleep(0.2)  # (a second answer would come within this)
+        assert all(len(v) == 1 for v in answers.values()), answers
+        took = {r.cfg.router_id: r._infer[k]._endpoint._num_requests  # type: ignore[union-attr]
+                for r, k in ((r_all, ""), (r_risk, "risk"))}
+        assert took["router0"] >= 10 + 1 and took["router1"] >= 1, took  # both took some
 
 
 async def test_presence_says_which_models_and_a_note_goes_only_to_routers_of_its_model(

@@ -150,6 +150,11 @@ async def test_presence_says_which_models_and_a_note_goes_only_to_routers_of_its
     assert p.serves["router0"] is None and not p._alone("calibrated")
     p.gone("router0")
     assert "router0" not in p.serves and not models
+    # A router first by id that does not serve a model is not its promiser, even to itself.
+    q, _ = peers("router0")
+    q.models = RISK
+    await q.on_note(note(Presence(router="router1", instance="b")))  # every model
+    assert q.promiser("calibrated") == "router1" and q.promiser("risk") == "router0"
 
 
 def test_a_presence_with_models_reads_on_a_router_that_predates_them_and_back() -> None:

@@ -81,8 +81,9 @@ class Peers:
         if not self.seen_s:
             return self.router_id  # alone (the usual case: asked per request)
         now = time.monotonic()
-        return min([self.router_id, *(r for r in self.seen_s if self._heard(r, now)
-                                      and self._serving(r, model))])
+        mine = [self.router_id] if self.models is None or model in self.models else []
+        return min([*mine, *(r for r in self.seen_s if self._heard(r, now)
+                             and self._serving(r, model))], default=self.router_id)
 
     def leader(self) -> str:
         """The first by id of all the routers heard from lately, whatever they serve: the one

@@ -29,7 +29,9 @@ import asyncio
 import contextlib
 import itertools
 import json
+import sys
 from collections import deque
+from pathlib import Path
 
 import msgspec
 import nats
@@ -44,13 +46,17 @@ from nats.js.api import (
     StreamConfig,
 )
 
-BROKER_SETTLE_S = (0.0003, 0.0007, 0.0015, 0.003)  # as plane.router.requests's
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the plane's constants
+
+from plane.contract.subjects import Header
+from plane.router.requests import BROKER_SETTLE_S  # the router's own waits
+
 STREAM = "RELAY_SLOTS"
 SLOTS = "relay.slot.*"
 DONE = "relay.done"
 CALLER = "Relay-Caller"  # the header that carries the caller's inbox
-REFUSED = {"Plane-Status": "429", "Plane-Reason": "busy"}  # as the plane says it
-UNAVAILABLE = {"Plane-Status": "503", "Plane-Reason": "unhealthy"}
+REFUSED = {Header.STATUS: "429", Header.REASON: "busy"}  # as the plane says it
+UNAVAILABLE = {Header.STATUS: "503", Header.REASON: "unhealthy"}
 GIVE_UP_TRIES = 300  # ~1 s of 3 ms waits
 
 

@@ -43,6 +43,12 @@ class ConnectOptions:
             raise ConfigError("give either --token or --user/--password, not both")
 
 
+def serves_model(models: frozenset[str] | None, model: str) -> bool:
+    """Whether a router of `models` (`RouterConfig.models`, a peer's presence; None: every
+    model) serves `model`."""
+    return models is None or model in models
+
+
 def _token(kind: str, value: str) -> None:
     try:
         check_token(kind, value)
@@ -109,7 +115,7 @@ class RouterConfig:
 
     def serves(self, model: str) -> bool:
         """Whether this router takes `model`'s requests (any model, without `models`)."""
-        return self.models is None or model in self.models
+        return serves_model(self.models, model)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,16 +24,13 @@ import math
 from collections.abc import Callable
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
+from nats.aio.msg import _V1_TOKEN_COUNT, Msg
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 # A done-event's status when the node did not answer (it finished after the deadline, and
 # the deadline owner answers): the slot is free, the request is not answered by the node.
 NOT_ANSWERED = 0
-
-
-V1_ACK_TOKENS = 9  # `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`
 
 
 def placement_id(stream: str, seq: int) -> str:
@@ -46,8 +43,10 @@ def stream_sequence(msg: Msg) -> int:
     `msg.metadata.sequence.stream` reads it (both forms, with and without a domain), without
     the rest of its `Metadata`: a `datetime` and three dataclasses per message, ~4% of a
     node's CPU per request in py-spy's profile (docs/perf, thirty-first session)."""
+    # nats-py's own split, and its own positions: `$JS.ACK.<stream>.<consumer>.<delivered>.
+    # <sseq>...` (v1), or with the domain and account hash ahead of the stream (v2).
     tokens = Msg.Metadata._get_metadata_fields(msg.reply)  # raises NotJSMessageError
-    return int(tokens[5] if len(tokens) == V1_ACK_TOKENS else tokens[Msg.Ack.StreamSeq])
+    return int(tokens[5] if len(tokens) == _V1_TOKEN_COUNT else tokens[Msg.Ack.StreamSeq])
 
 
 def attempt_id(request_id: str, attempt: str) -> str:

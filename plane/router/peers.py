@@ -32,6 +32,7 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from plane.contract.config import serves_model
 from plane.contract.errors import IdentityInUse
 from plane.contract.identity import answers, new_instance
 from plane.contract.messages import (
@@ -78,20 +79,23 @@ class Peers:
     def promiser(self, model: str) -> str:
         """The router that makes `model`'s promises: the first by id of those that serve it
         and were heard from lately (we, when none does: a request for it reached us)."""
-        if not self.seen_s:
-            return self.router_id  # alone (the usual case: asked per request)
-        now = time.monotonic()
-        mine = [self.router_id] if self.models is None or model in self.models else []
-        return min([*mine, *(r for r in self.seen_s if self._heard(r, now)
-                             and self._serving(r, model))], default=self.router_id)
+        return self._first(model)
 
     def leader(self) -> str:
         """The first by id of all the routers heard from lately, whatever they serve: the one
         that does the plane's chores no two should do at once (`Router._spread_leaders`)."""
+        return self._first(None)
+
+    def _first(self, model: str | None) -> str:
+        """The first by id of the routers heard from lately (us included) that serve `model`
+        (None: any); us when none does."""
         if not self.seen_s:
-            return self.router_id
+            return self.router_id  # alone (the usual case: asked per request)
         now = time.monotonic()
-        return min([self.router_id, *(r for r in self.seen_s if self._heard(r, now))])
+        mine = [self.router_id] if model is None or serves_model(self.models, model) else []
+        return min([*mine, *(r for r in self.seen_s if self._heard(r, now)
+                             and (model is None or self._serving(r, model)))],
+                   default=self.router_id)
 
     def _heard(self, router: str, now: float) -> bool:
         """Another router heard from within `GONE_S`."""
@@ -100,8 +104,7 @@ class Peers:
     def _serving(self, router: str, model: str) -> bool:
         """Whether another router serves `model` (as its last presence said; one not yet
         heard announce, or of an earlier version, serves every model)."""
-        theirs = self.serves.get(router)
-        return theirs is None or model in theirs
+        return serves_model(self.serves.get(router), model)
 
     def calls_elsewhere(self, maker: str, model: str) -> bool:
         """Whether another router calls the holders of `maker`'s promises for `model`

@@ -19,7 +19,7 @@ from plane.contract.subjects import Header
 from plane.router.inbox import INTERVAL_S, TARGET_S, TURN_EVERY_S, Inbox, stale, turn_due
 from plane.router.requests import RequestPath
 from tests.ledger import Ledger
-from tests.plane_fixtures import NAMES, calibrated, client, plane
+from tests.plane_fixtures import NAMES, calibrated, client, plane, status
 
 
 class Clock:
@@ -46,7 +46,7 @@ async def requests_in_inbox(nc: Client, subject: str, clock: Clock,
     """`calibrated` requests with `headers`, in order, held by a subscription on `subject`
     that an Inbox on `clock` reads; and the subscription their answers come to."""
     sub = await nc.subscribe(subject)
-    Inbox(sub, max_wait_s=0.05, clock=clock)
+    Inbox(sub, max_wait_s=0.05, read_first=marked, clock=clock)
     reply = nc.new_inbox()
     answers = await nc.subscribe(reply)
     for h in headers:
@@ -58,6 +58,14 @@ async def requests_in_inbox(nc: Client, subject: str, clock: Clock,
     return sub, answers
 
 
+def marked(msg: Msg) -> bool:
+    """The inbox's test of a promise, for these tests: the header alone (the router's own,
+    `RequestPath.read_first`, checks that the plane issued it:
+    `test_the_router_reads_first_only_what_holds_a_promise_of_the_plane`)."""
+    h = msg.headers or {}
+    return Header.TICKET in h or Header.FORWARDED_BY in h
+
+
 async def take(sub: Subscription, clock: Clock, step_s: float) -> Msg:
     clock.now += step_s
     return await sub.next_msg(timeout=1)
@@ -67,7 +75,7 @@ async def test_a_router_that_keeps_up_reads_in_order() -> None:
     async with plane(models=()) as stack, client(stack.url) as nc:
         clock = Clock()
         sub = await nc.subscribe("inbox.order")
-        Inbox(sub, max_wait_s=0.05, clock=clock)
+        Inbox(sub, max_wait_s=0.05, read_first=marked, clock=clock)
         await fill(nc, sub, "inbox.order", [(str(i), None) for i in range(6)])
         # Each read 1 ms after the last: the oldest's wait stays under TARGET_S... and then
         # over it for less than INTERVAL_S (a queue that forms and clears): in order.
@@ -85,7 +93,7 @@ async def test_behind_it_reads_the_newest_first_and_refuses_the_stale_one_at_a_t
     async with plane(models=()) as stack, client(stack.url) as nc:
         clock = Clock()
         sub = await nc.subscribe("inbox.behind")
-        inbox = Inbox(sub, max_wait_s=0.05, clock=clock)
+        inbox = Inbox(sub, max_wait_s=0.05, read_first=marked, clock=clock)
         await fill(nc, sub, "inbox.behind", [(str(i), None) for i in range(8)])
         assert inbox.behind_s() == 0.0
         # The oldest has waited 30 ms: over TARGET_S, but only just found so: still in order.
@@ -111,7 +119,7 @@ async def test_behind_ticket_holders_are_read_first_and_never_refused_for_their_
     async with plane(models=()) as stack, client(stack.url) as nc:
         clock = Clock()
         sub = await nc.subscribe("inbox.holders")
-        Inbox(sub, max_wait_s=0.05, clock=clock)
+        Inbox(sub, max_wait_s=0.05, read_first=marked, clock=clock)
         ticket = {Header.TICKET: "t1"}
         forwarded = {Header.FORWARDED_BY: "r2"}
         await fill(nc, sub, "inbox.holders", [
@@ -132,11 +140,42 @@ async def test_behind_ticket_holders_are_read_first_and_never_refused_for_their_
         assert stale(rest[0]) is not None and stale(rest[1]) is None
 
 
+async def test_the_router_reads_first_only_what_holds_a_promise_of_the_plane() -> None:
+    """`RequestPath.read_first`, the router's own test: a ticket it issued, a forward on its
+    own subject. A ticket-shaped string no router issued, or the forward's mark on the public
+    subject, is a caller's claim: read in turn like any newcomer's (and refused for its wait
+    when stale)."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        held = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(400_000),
+                                              timeout=5, headers={Header.DEADLINE_MS: "2000"}))
+        await asyncio.sleep(0.1)  # it holds the only slot
+        refused = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                   headers={Header.DEADLINE_MS: "2000"})
+        ticket = (refused.headers or {})[Header.TICKET]
+        public = NAMES.infer("calibrated")
+        own = NAMES.router_infer(router.cfg.router_id, "calibrated")
+
+        def msg(subject: str, headers: dict[str, str] | None) -> Msg:
+            return Msg(nc, subject=subject, headers=headers)
+
+        read_first = router.requests.read_first
+        assert read_first(msg(public, {Header.TICKET: ticket}))
+        assert not read_first(msg(public, {Header.TICKET: f"{router.cfg.router_id}-"
+                                                         "0123456789abcdef"}))
+        assert not read_first(msg(public, {Header.TICKET: "t1"}))
+        assert not read_first(msg(public, {Header.FORWARDED_BY: "r2"}))
+        assert read_first(msg(own, {Header.FORWARDED_BY: "r2"}))
+        assert not read_first(msg(public, None))
+        assert status(await held) == 200
+
+
 async def test_a_run_of_reads_lets_the_loop_turn_every_millisecond() -> None:
     async with plane(models=()) as stack, client(stack.url) as nc:
         clock = Clock()
         sub = await nc.subscribe("inbox.turns")
-        Inbox(sub, max_wait_s=0.05, clock=clock)
+        Inbox(sub, max_wait_s=0.05, read_first=marked, clock=clock)
         await fill(nc, sub, "inbox.turns", [(str(i), None) for i in range(6)])
         step = TURN_EVERY_S * 0.4
         turns = [turn_due(await take(sub, clock, step)) for _ in range(6)]

@@ -21,7 +21,7 @@ from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.subjects import Header
 from plane.stack import PlaneStack, StackConfig
-from tests.plane_fixtures import NAMES, calibrated, status
+from tests.plane_fixtures import NAMES, calibrated, status, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -206,3 +206,35 @@ async def test_a_caller_across_an_import_is_not_put_on_call(tmp_path: Path) -> N
         finally:
             for nc in (heavy, light, inside):
                 await nc.close()
+
+
+@pytest.mark.parametrize("forged", [
+    {Header.TICKET: "r-0123456789ab.42"},  # not even a ticket's shape
+    {Header.TICKET: "router0-0123456789abcdef"},  # the shape, as of this plane's router
+    {Header.TICKET: "ghost-0123456789abcdef"},  # as of a router that does not exist
+    {Header.FORWARDED_BY: "some-router"},  # a forward's mark, on the public subject
+    {Header.FORWARDED_BY: "some-router", Header.REPLY_TO: "_INBOX.elsewhere"},
+])
+async def test_a_tenant_cannot_pass_its_limit_with_forged_router_headers(
+        tmp_path: Path, forged: dict[str, str]) -> None:
+    """A tenant's limit holds against a caller that sends what only the plane sends: a
+    ticket no router issued, or the mark of a forward between routers (which comes on a
+    router's own subject, never on `plane.infer.<model>`). Such a request is judged as the
+    newcomer it is: past the tenant's `max_rate`, refused `tenant-limit`."""
+    async with accounts_plane(tmp_path, slots=2) as (url, stack):
+        inside = await nats.connect(_user_url(url, "plane"))
+        heavy = await nats.connect(_user_url(url, "heavy"))
+        try:
+            kv = await inside.jetstream().key_value(NAMES.config_bucket)
+            router = stack.routers[0]
+            await kv.put("max_rate.HEAVY", b"1")
+            await wait_until(lambda: router.requests._limits_set, 5.0, "the limit seen")
+            answers = [await heavy.request(NAMES.infer("calibrated"), calibrated(0), timeout=5,
+                                           headers={**forged, Header.DEADLINE_MS: "1000"})
+                       for _ in range(4)]
+            reasons = [(status(m), (m.headers or {}).get(Header.REASON)) for m in answers]
+            assert (429, "tenant-limit") in reasons, reasons
+            assert all(s in (200, 429) for s, _ in reasons), reasons
+        finally:
+            await heavy.close()
+            await inside.close()

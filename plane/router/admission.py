@@ -411,6 +411,14 @@ class Admission:
         self.lateness: dict[str, ServiceWindow] = {}
         self.call_trips: dict[str, ServiceWindow] = {}  # per model: from a call to the holder
 
+    def issued(self, ticket: str) -> bool:
+        """Whether `ticket` is one the plane gave out that this router has in its books: its
+        own promises (open, unpinned or lapsed a moment ago) and the others' it was told of.
+        A ticket-shaped string that is none of these is a caller's claim, not a promise
+        (forged, or so old it was forgotten): its request is judged as a newcomer's."""
+        return (ticket in self.tickets or ticket in self.foreign or ticket in self._unpinned
+                or ticket in self._lapsed)
+
     def take_notes(self) -> list[PromiseChange]:
         notes, self.notes = self.notes, []
         return notes

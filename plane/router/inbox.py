@@ -41,7 +41,6 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from plane.contract.subjects import Header
 from plane.router.receipt import received_s, stamp_receipt
 
 TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
@@ -58,8 +57,12 @@ class Inbox:
     """The discipline of one request subscription's queue (see the module)."""
 
     def __init__(self, sub: Subscription, *, max_wait_s: float,
+                 read_first: Callable[[Msg], bool],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_wait_s = max_wait_s
+        # Whether a message holds a promise (`RequestPath.read_first`): a ticket a router
+        # issued, a forward from another router; read first while behind.
+        self._read_first = read_first
         self._clock = clock
         queue: asyncio.Queue[Msg] = sub._pending_queue
         self._items: deque[Msg] = queue._queue  # type: ignore[attr-defined]
@@ -77,7 +80,7 @@ class Inbox:
 
     def _noted(self, msg: Msg) -> None:
         """A message just queued: a ticket holder's or a forwarded one is tracked."""
-        if (hdrs := msg.headers) and (Header.TICKET in hdrs or Header.FORWARDED_BY in hdrs):
+        if msg.headers and self._read_first(msg):
             self._holders.append(msg)
 
     def behind_s(self) -> float:

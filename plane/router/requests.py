@@ -253,7 +253,7 @@ class RequestPath:
             # bounded). Come back after about one slot cycle.
             await self._shed(msg)
             return
-        if Header.FORWARDED_BY in (hdrs := msg.headers or {}) and not await self._taken_over(
+        if self._forwarded(msg, hdrs := msg.headers or {}) and not await self._taken_over(
                 msg, hdrs):
             return
         if self._done_pending():
@@ -264,6 +264,24 @@ class RequestPath:
             await asyncio.sleep(0)
         await self._route_one(msg)
 
+    def _forwarded(self, msg: Msg, hdrs: Mapping[str, str]) -> bool:
+        """Whether `msg` is a forward from another router: marked so, on this router's own
+        subject, the only one forwards are sent to. The mark on `plane.infer.<model>` is a
+        caller's claim (it would pass the tenant's limits, make this router promise in the
+        promiser's place and put it first in a router that is behind): ignored there."""
+        return Header.FORWARDED_BY in hdrs and msg.subject.startswith(self._own_prefix)
+
+    def read_first(self, msg: Msg) -> bool:
+        """Whether the inbox reads `msg` first while the router is behind (and never refuses
+        it for its wait): it holds the plane's promise, a forward from another router or a
+        ticket a router issued (`Admission.issued`), not merely a header that says so."""
+        if not (hdrs := msg.headers):
+            return False
+        if self._forwarded(msg, hdrs):
+            return True
+        ticket = hdrs.get(Header.TICKET)
+        return ticket is not None and self.admission.issued(ticket)
+
     async def _taken_over(self, msg: Msg, hdrs: Mapping[str, str]) -> bool:
         """A request another router forwarded to this one (a ticket of ours, or one that needs
         a promise), on our own subject: when it names the caller's reply (`Plane-Reply-To`),
@@ -273,7 +291,7 @@ class RequestPath:
         each), and a stream's caller that goes away is seen by the node. False: dropped, as
         it came when its forwarder gives up on it (and answers the caller itself)."""
         reply_to = hdrs.get(Header.REPLY_TO)
-        if reply_to is None or not msg.subject.startswith(self._own_prefix):
+        if reply_to is None:
             return True  # a forwarder of an earlier version relays the answer: answer it
         until = hdrs.get(Header.FORWARD_UNTIL, "")
         if until.isdigit() and replies.now_ms() > int(until) - FORWARD_MARGIN_MS:
@@ -369,7 +387,7 @@ class RequestPath:
         except (InvalidToken, BadRequest) as exc:
             await self._refuse_early(msg, rid, label, refusals.bad_request(str(exc)))
             return
-        forwarded = Header.FORWARDED_BY in hdrs  # never forwarded twice
+        forwarded = self._forwarded(msg, hdrs)  # never forwarded twice
         owner = ticket_owner(caller.ticket) if caller.ticket else None
         ms = self._model(model)
         first_p99_us = end_deadline_s = None
@@ -409,12 +427,14 @@ class RequestPath:
                     came_s=received),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
-        if not caller.ticket and not forwarded and (refusal := self._tenant_refusal(r, now)):
+        if owner is not None and owner != self.cfg.router_id and not forwarded:
+            # Its maker judges it (the ticket's promise, the tenant's limits when the ticket
+            # is no promise of its own).
+            self._spawn(self._decide_slowly(r, None, ticket_owner=owner))
+            return
+        if refusal := self._tenant_refusal(r, now):
             await self._refuse(msg, rid, model, refusal, r.tenant)
             await self._decided(r, "refused")
-            return
-        if owner is not None and owner != self.cfg.router_id and not forwarded:
-            self._spawn(self._decide_slowly(r, None, ticket_owner=owner))
             return
         match decision := self.admission.decide(ms, r.ask, may_promise=r.may_promise):
             case Park() | Refuse(delegate=True):
@@ -426,7 +446,13 @@ class RequestPath:
         """The tenant's own limits, then (only while the slots are contended: none free, or
         holders promised) its fair share: a tenant over it is refused first, so that the
         others keep being admitted. A ticket holder was promised its turn: never refused
-        here; nor a request another router forwarded (it judged it)."""
+        here (a ticket the plane issued, `Admission.issued`: any other is a newcomer's
+        claim); nor a request another router forwarded without a ticket (it judged it)."""
+        if r.ask.ticket is not None:
+            if self.admission.issued(r.ask.ticket):
+                return None
+        elif r.forwarded:
+            return None
         if self._limits_set:
             over_limit = self.fair.limit(r.model, r.tenant, now_s, r.ask.prediction.expected_us)
             if over_limit is not None:
@@ -466,6 +492,11 @@ class RequestPath:
         if ticket_owner is not None:
             if await self._forward(r, ticket_owner, "ticket"):
                 await self._decided(r, "forwarded")
+                return
+            # Its maker is gone (or never was: a forged ticket): judged here.
+            if refusal := self._tenant_refusal(r, time.monotonic()):
+                await self._refuse(r.msg, r.rid, r.model, refusal, r.tenant)
+                await self._decided(r, "refused")
                 return
             decision = self.admission.decide(r.ms, r.ask, may_promise=r.may_promise)
         assert decision is not None

@@ -226,7 +226,8 @@ class Router(Lifecycle, TaskOwner):
                                     pending_msgs_limit=self.cfg.max_pending),
         ]
         for sub in self._request_subs:
-            self.requests.inboxes.append(Inbox(sub, max_wait_s=self.cfg.max_inbox_wait_ms / 1000))
+            self.requests.inboxes.append(Inbox(sub, max_wait_s=self.cfg.max_inbox_wait_ms / 1000,
+                                               read_first=self.requests.read_first))
             on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)
         await self.nc.flush()

@@ -1,7 +1,9 @@
 """The seam between a node's slot and the compute: a `Backend` makes one `SlotRunner` per slot.
 
-A runner's methods are blocking and are only ever called from that slot's own thread
-(never on the event loop). Backends:
+A runner's `run_*` methods and `probe` are blocking and run on that slot's own thread (or on
+the event loop while its calls are known short: `Slot._call`). Its `start_*` methods launch
+device work without waiting for it; the slot awaits its end on the event loop
+(`gpu_node.device_wait`), with no thread hop. Backends:
 
 - `torch`: CPU serving, torch ops into preallocated buffers.
 - `triton`: the kernels in kernels/ on a CUDA GPU, one SM partition (green context or stream)
@@ -23,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gpu_node.device_wait import DeviceWork, TimedWork
 from gpu_node.pinned import RowPacker, Staged
 from kernels.risk import FEATURES, HIDDEN, RiskWeights, risk_reference, risk_reference_out
 from plane.contract.config import BACKENDS
@@ -43,9 +46,25 @@ __all__ = [
 
 
 class SlotRunner(Protocol):
+    # Whether `start_*` may be used (a CUDA slot whose check of them at warm-up passed).
+    loop_waits: bool
+
     def run_risk(self, features: Sequence[float]) -> float: ...
 
     def run_calibrated(self, duration_us: int) -> None: ...
+
+    def start_calibrated(self, duration_us: int) -> DeviceWork:
+        """`run_calibrated`, launched: its end is awaited on the loop (`device_wait`)."""
+        ...
+
+    def start_risk(self, features: Sequence[float]) -> DeviceWork | None:
+        """`run_risk`, launched (its score from `risk_score` once done); None where a risk
+        request is compute on the CPU, not device work: `run_risk` it is, then."""
+        ...
+
+    def risk_score(self) -> float:
+        """The score of the risk request `start_risk` launched, once it is done."""
+        ...
 
     def probe(self) -> bool: ...
 
@@ -91,10 +110,22 @@ class TorchSlot:
         risk_reference_out(self.x.host, self._w, b2=self._b2, hidden=self._hidden, out=self.y.host)
         return float(self.y.host_np[0])
 
+    loop_waits = True  # `calibrated` is the only device work here, and a timed one
+
     def run_calibrated(self, duration_us: int) -> None:
         # A timed wait off the event loop, as device work would be: N slots give N x capacity.
         if duration_us > 0:
             time.sleep(duration_us / 1e6)
+
+    def start_calibrated(self, duration_us: int) -> DeviceWork:
+        # The same wait, as device work launched: it ends at a time, awaited on the loop.
+        return TimedWork(duration_us / 1e6)
+
+    def start_risk(self, features: Sequence[float]) -> DeviceWork | None:
+        return None  # compute on this CPU: `run_risk`
+
+    def risk_score(self) -> float:
+        return float(self.y.host_np[0])
 
     def probe(self) -> bool:
         return 0.0 <= self.run_risk([0.0] * FEATURES) <= 1.0

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from gpu_node.compute import SlotRunner
+from gpu_node.device_wait import DeviceWork
 
 T = TypeVar("T")
 
@@ -84,6 +85,38 @@ class WatchedRunner:
 
     def run_calibrated(self, duration_us: int, expected_s: float = 0.005) -> None:
         self._call(lambda: self._inner.run_calibrated(duration_us), expected_s)
+
+    @property
+    def loop_waits(self) -> bool:
+        """Whether requests may launch work and await it on the loop: the runner can, and no
+        fault is injected (a hang or a slow call blocks where it runs: the slot's thread)."""
+        return self._inner.loop_waits and self._mode == "none"
+
+    def start_calibrated(self, duration_us: int, expected_s: float = 0.005) -> DeviceWork:
+        """Launched, not awaited: the call is in progress until `end`, which the slot calls
+        once the work is done (or given up on)."""
+        self.begin(expected_s)
+        try:
+            return self._inner.start_calibrated(duration_us)
+        except BaseException:
+            self.end()
+            raise
+
+    def start_risk(self, features: Sequence[float],
+                   expected_s: float = 0.005) -> DeviceWork | None:
+        """As `start_calibrated`; None (no call in progress): `run_risk` it is."""
+        self.begin(expected_s)
+        try:
+            work = self._inner.start_risk(features)
+        except BaseException:
+            self.end()
+            raise
+        if work is None:
+            self.end()
+        return work
+
+    def risk_score(self) -> float:
+        return self._inner.risk_score()
 
     def probe(self, expected_s: float = 0.005) -> bool:
         return self._call(self._inner.probe, expected_s)

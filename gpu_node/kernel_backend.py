@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gpu_node.device_wait import DeviceWork, EventWork, TimedWork
 from gpu_node.partitions import (
     GREEN_CONTEXT,
     NONE,
@@ -68,6 +69,10 @@ class KernelSlot:
         self.duration = Staged((1,), torch.int64, device)  # calibrated: µs to spin
         # How each kind of request runs: "launches", "a CUDA graph", or why not (the log).
         self.risk_path = self.calibrated_path = "launches"
+        # Whether `start_*` serve requests, their ends awaited on the event loop: on CUDA once
+        # `warm_up` has checked them against `run_*`; off a GPU, `calibrated` is a timed wait.
+        self.loop_waits = not self._on_cuda
+        self.wait_path = "on the event loop" if self.loop_waits else "on the slot's thread"
         self._tokens = itertools.cycle(range(1, 1 << 20))
         self.probe_in.host.copy_(torch.arange(PROBE_SIZE, dtype=torch.int32) * 7919)
         self.probe_in.upload_no_sync()
@@ -142,6 +147,59 @@ class KernelSlot:
             self._lane.record_done()
         self._lane.wait()
 
+    def start_calibrated(self, duration_us: int) -> DeviceWork:
+        if not self._on_cuda:
+            return TimedWork(duration_us / 1e6)
+        if not 0 <= duration_us <= MAX_DURATION_US:  # the kernel reads it unchecked
+            raise ValueError(f"calibrated: duration_us={duration_us} outside "
+                             f"0..{MAX_DURATION_US}")  # fmt: skip
+        self.duration.host_np[0] = duration_us
+        with self._lane.stream_context():
+            if self.calibrated_graph is not None:
+                self.calibrated_graph.replay()
+            else:
+                self._calibrated_launches()
+            return EventWork(self._cuda_lane().mark(), duration_us / 1e6)
+
+    def start_risk(self, features: Sequence[float]) -> DeviceWork | None:
+        if not self._on_cuda:
+            return None  # the interpreter computes on this CPU: `run_risk`
+        self._packer.pack(features)
+        with self._lane.stream_context():
+            if self.risk_graph is not None:
+                self.risk_graph.replay()
+            else:
+                self._risk_launches()
+            return EventWork(self._cuda_lane().mark(), 0.0)  # µs of work: poll at once
+
+    def risk_score(self) -> float:
+        return float(self.y.host_np[0])
+
+    def _cuda_lane(self) -> CudaLane:
+        assert isinstance(self._lane, CudaLane)
+        return self._lane
+
+    def _check_loop_waits(self) -> str:
+        """`start_*` against `run_*` (warm-up, on the slot's thread, after the graphs): kept
+        only when a launched risk request scores what `run_risk` scores, bit for bit, and a
+        launched calibrated one spins for its duration. Returns how requests are awaited, or
+        why on the slot's thread (the start-up log)."""
+        row = [((i * 53) % 13 - 6) / 5 for i in range(FEATURES)]
+        try:
+            want = self.run_risk(row)
+            work = self.start_risk(row)
+            assert work is not None
+            _spin_until_done(work)
+            if (got := self.risk_score()) != want:
+                return f"on the slot's thread (launched, risk scored {got!r}, not {want!r})"
+            _spin_until_done(self.start_calibrated(50))
+            if not 50_000 <= self.spun_ns() < 50_000 + 5_000_000:
+                return f"on the slot's thread (launched, calibrated spun {self.spun_ns()} ns)"
+        except Exception as e:  # any failure: the thread's way, as before
+            return f"on the slot's thread (launched: {type(e).__name__}: {e})"
+        self.loop_waits = True
+        return "on the event loop"
+
     def _calibrated_launches(self) -> None:
         """A calibrated request's device work: its duration in, the spin, the ns spun out."""
         self.duration.upload_no_sync()
@@ -165,7 +223,8 @@ class KernelSlot:
 
     def request_paths(self) -> str:
         """How this slot runs each kind of request (for the start-up log)."""
-        return f"risk requests: {self.risk_path}, calibrated requests: {self.calibrated_path}"
+        return (f"risk requests: {self.risk_path}, calibrated requests: {self.calibrated_path},"
+                f" awaited {self.wait_path}")
 
     def warm_up(self) -> None:
         """Run each kernel once, so that compiling (or the interpreter's rewrite) happens
@@ -178,6 +237,7 @@ class KernelSlot:
         if self._on_cuda:
             self.risk_path = self._capture_risk()
             self.calibrated_path = self._capture_calibrated()
+            self.wait_path = self._check_loop_waits()
 
     def spun_ns(self) -> int:
         """How long the last calibrated request's slowest program spun (CUDA only)."""
@@ -267,3 +327,12 @@ def _plan_cuda(
     if green is not None and len(green.groups) < plan.slots:  # the driver made fewer
         plan = dataclasses.replace(plan, slots=len(green.groups))
     return plan, green
+
+
+def _spin_until_done(work: DeviceWork, timeout_s: float = 10.0) -> None:
+    """Wait for launched work off the loop (the warm-up's check): a short sleep per look."""
+    give_up = time.monotonic() + timeout_s
+    while not work.done():
+        if time.monotonic() > give_up:
+            raise TimeoutError("launched work not done within 10 s")
+        time.sleep(0.0001)

@@ -285,6 +285,7 @@ class Node(Lifecycle, TaskOwner):
                 names=self.names, node=self.cfg.node_id, spec=self.spec,
                 metrics=self.metrics,
                 pull_expiry_s=self.cfg.pull_expiry_s, inline_work_us=self._inline_work_us(),
+                device_waits=self.cfg.device_waits == "loop",
                 enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
                 sms=partition_sms(self.backend), tracing=self.tracing,

@@ -149,6 +149,7 @@ class CudaLane:
         """Whether waits sleep (True) or spin; set between requests only."""
         self._blocking = value
         self._done = torch.cuda.Event(blocking=value)  # type: ignore[no-untyped-call]
+        self._loop_done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # (queried only)
 
     def stream_context(self) -> contextlib.AbstractContextManager[Any]:
         """Launches inside go to this lane's stream. On the thread `bind_thread` bound, a
@@ -170,6 +171,13 @@ class CudaLane:
 
     def wait(self) -> None:
         self._done.synchronize()
+
+    def mark(self) -> torch.cuda.Event:
+        """An event recorded after the work launched so far, for the loop to `query`
+        (`gpu_node.device_wait.EventWork`): its own, apart from the one the slot's thread
+        waits on, since a probe may run there meanwhile."""
+        self._loop_done.record(self.stream)
+        return self._loop_done
 
 
 # --------------------------------------------------------------------------------------------

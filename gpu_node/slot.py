@@ -1,9 +1,11 @@
 """One slot: a share of the device (an SM partition on CUDA) that owns one depth-one subject.
 
 The slot claims its subject with a pull consumer (`max_ack_pending=1`) and one standing pull
-request (gpu_node/pull.py), runs each request on its own thread (gpu_node/slot_thread.py), or on
-the event loop while its calls are known shorter than the hop to that thread and back
-(`Slot._call`, `NodeConfig.inline_work_us`: a CPU's only, by default), then acks (which frees
+request (gpu_node/pull.py). Device work it launches on the event loop and awaits there
+(gpu_node/device_wait.py: no thread hop); compute on the CPU runs on its own thread
+(gpu_node/slot_thread.py), or on the event loop while its calls are known shorter than the hop
+to that thread and back (`Slot._call`, `NodeConfig.inline_work_us`: a CPU's only, by
+default). Then it acks (which frees
 the subject), publishes the done-event and answers the caller, in that order, so the slot is
 free before the caller hears back. When a router may
 already have acted on the request (past its deadline, disconnected, or whenever the node says
@@ -34,6 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
 from gpu_node.current import Current
+from gpu_node.device_wait import DeviceWork, LoopTimer, finished
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator
 from gpu_node.pull import StandingPull
@@ -111,7 +114,8 @@ class Slot(Generating):
     def __init__(
         self, *, k: int, runner: WatchedRunner, nc: Client, js: JetStreamContext, names: Names,
         node: str, spec: ModelSpec, metrics: PlaneMetrics, pull_expiry_s: float,
-        inline_work_us: int = 0, enrich: Enrich | None = None, answered: RecentIds | None = None,
+        inline_work_us: int = 0, device_waits: bool = True, enrich: Enrich | None = None,
+        answered: RecentIds | None = None,
         must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
         generator: SlotGenerator | None = None, stream_reply: str = "",
         changed: Callable[[], None] | None = None,
@@ -128,6 +132,8 @@ class Slot(Generating):
         self.pull_expiry_s = pull_expiry_s
         self.inline_work_us = inline_work_us
         self._short_calls = 0  # calls in a row that took at most inline_work_us (`_call`)
+        self.device_waits = device_waits  # device work awaited on the loop (`_waits_on_loop`)
+        self._timer = LoopTimer()  # those waits' timer (`gpu_node.device_wait`)
         self.enrich = enrich
         self.answered = answered if answered is not None else RecentIds()
         self.must_take = must_take or (lambda fetched_s: False)
@@ -334,6 +340,7 @@ class Slot(Generating):
         if self._unreached is not None:
             await cancel_and_wait(self._unreached)
         self.thread.shutdown()
+        self._timer.close()
 
     # -- data path --------------------------------------------------------------------------
     def renew_pull(self) -> None:
@@ -430,9 +437,17 @@ class Slot(Generating):
             if isinstance(req, TinyLMRequest):
                 return await self._generate(req)
             if isinstance(req, CalibratedRequest):
-                await self._call(work_us, self.runner.run_calibrated, req.duration_us,
-                                 expected_s)
+                if self._waits_on_loop():
+                    await self._device(self.runner.start_calibrated(req.duration_us,
+                                                                    expected_s))
+                else:
+                    await self._call(work_us, self.runner.run_calibrated, req.duration_us,
+                                     expected_s)
                 return CalibratedReply(duration_us=req.duration_us)
+            if self._waits_on_loop() and (
+                    work := self.runner.start_risk(req.features, expected_s)) is not None:
+                await self._device(work)
+                return RiskReply(score=self.runner.risk_score())
             score = await self._call(work_us, self.runner.run_risk, req.features, expected_s)
             return RiskReply(score=score)
         finally:
@@ -442,6 +457,21 @@ class Slot(Generating):
     def idle(self) -> bool:
         """No request on this slot and no call running for it, here or on its thread."""
         return self.current is None and self.runner.call_started_s is None
+
+    def _waits_on_loop(self) -> bool:
+        """Device work is launched here and awaited on the loop (`gpu_node.device_wait`):
+        the node's way (`NodeConfig.device_waits`), and the runner's (checked at warm-up on
+        a GPU; never with a fault injected)."""
+        return self.device_waits and self.runner.loop_waits
+
+    async def _device(self, work: DeviceWork) -> None:
+        """Until launched `work` is done; the runner's call ends with it (or with a cancel:
+        a withdrawal, the node stopping), so that the supervisor sees the slot idle again and
+        probes it (a device that hung shows there)."""
+        try:
+            await finished(work, self._timer)
+        finally:
+            self.runner.end()
 
     def _may_run_here(self) -> bool:
         """Calls may run on the event loop (inline calls on, a CPU's default) and no fault

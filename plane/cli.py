@@ -20,6 +20,7 @@ import click
 from plane.auth.cli import auth
 from plane.contract.config import (
     BACKENDS,
+    DEVICE_WAITS,
     MAX_DEADLINE_MS,
     ConnectOptions,
     NodeConfig,
@@ -228,12 +229,17 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               help="This process's GIL switch interval: how soon a busy event loop hands the "
                    "GIL to a slot's thread (0: Python's 5 ms). Default: 200 on a GPU, "
                    "Python's on a CPU.")
+@click.option("--device-waits", type=click.Choice(DEVICE_WAITS), default="loop",
+              show_default=True,
+              help="How a slot waits for its device work: launched and awaited on the event "
+                   "loop (no thread hop per request; on a GPU, where its warm-up check "
+                   "passes), or on the slot's own thread.")
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
          freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int | None,
-         gil_switch_us: int | None) -> None:
+         gil_switch_us: int | None, device_waits: str) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
@@ -245,7 +251,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults,
                      gpu_sample_period_s=gpu_sample_ms / 1000, inline_work_us=inline_work_us,
-                     gil_switch_us=gil_switch_us)
+                     gil_switch_us=gil_switch_us, device_waits=device_waits)
     if node_id:
         cfg = replace(cfg, node_id=node_id)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,

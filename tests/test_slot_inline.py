@@ -42,8 +42,11 @@ class Where:
 async def test_short_calls_run_on_the_loop_and_long_or_faulty_ones_on_the_thread() -> None:
     # A limit far above a 0 us call, so that a busy host (a call's thread preempted between
     # its start and its end) does not make a short call look long.
+    # (Calibrated requests go through `_call` only with device waits on the slot's thread:
+    # on the loop they are launched and awaited, `tests/test_device_wait.py`.)
     async with plane(models=("calibrated",), slots=1, backend="torch", allow_faults=True,
-                     node_overrides={"inline_work_us": 2_000}) as stack, \
+                     node_overrides={"inline_work_us": 2_000, "device_waits": "thread"}) \
+            as stack, \
             client(stack.url) as nc:
         slot = stack.nodes[0].slots[0]
         assert slot.inline_work_us == 2_000

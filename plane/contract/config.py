@@ -118,6 +118,9 @@ class RouterConfig:
         return serves_model(self.models, model)
 
 
+DEVICE_WAITS = ("loop", "thread")  # `NodeConfig.device_waits`
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeConfig:
     names: Names = field(default_factory=Names)
@@ -166,6 +169,16 @@ class NodeConfig:
     # helped 2 slots of 5 ms at 2x and cost 3 slots of 1.5 ms (CPU-bound) a tenth of their
     # answers (BENCHMARKS.md, "GPU" and "Twenty-fourth session").
     gil_switch_us: int | None = None
+    # How a slot waits for its device work (`gpu_node.device_wait`): "loop", launched on the
+    # event loop and its end awaited there (a timerfd to its predicted end, then a poll of
+    # its CUDA event), or "thread", launched and waited for on the slot's own thread. On a
+    # GPU, "loop" holds only for slots whose warm-up check of it passed; compute on a CPU
+    # (the torch backend's risk, a generation) and a slot with a fault injected stay on the
+    # thread either way. On the 2-core CPU host, 4 slots of calibrated 2 ms at 0.9x of the
+    # closed-loop capacity: newcomers refused at their first try 1% against 72% (the slot
+    # threads' wakes waited for a core), at 2x 1,085 answers a second against 916
+    # (BENCHMARKS.md, "Thirty-second session").
+    device_waits: str = "loop"
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0
     # Accept fault-injection commands on `<prefix>.fault.<node>` (tests and drills only).
@@ -185,6 +198,9 @@ class NodeConfig:
             raise ConfigError("device_share must be at least 1")
         if self.gil_switch_us is not None and not 0 <= self.gil_switch_us <= 100_000:
             raise ConfigError("gil_switch_us must be between 0 and 100,000 (us)")
+        if self.device_waits not in DEVICE_WAITS:
+            raise ConfigError(f"device_waits must be one of {', '.join(DEVICE_WAITS)}, "
+                              f"got {self.device_waits!r}")
         if self.slots is not None and not 1 <= self.slots <= MAX_SLOTS:
             raise ConfigError(f"--slots must be between 1 and {MAX_SLOTS}")
         if self.backend not in BACKENDS:

@@ -562,6 +562,47 @@ def tinylm_section(device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def device_waits(slot: KernelSlot, n: int = 200, duration_us: int = 2000) -> None:
+    """Requests launched and awaited on an event loop (`gpu_node.device_wait`), as a node's
+    slot serves them by default, against the slot thread's way (launch and synchronise)."""
+    import asyncio
+
+    from gpu_node.device_wait import LoopTimer, finished
+
+    section(f"8. device work awaited on the event loop ({n} calibrated {duration_us} us, "
+            f"{n} risk)")
+    print(f"  slot 0: {slot.request_paths()}")
+    check(slot.loop_waits, "the warm-up check of launched work passed (awaited on the loop)")
+    if not slot.loop_waits:
+        return
+    row = [((i * 29) % 17 - 8) / 6 for i in range(FEATURES)]
+    want = slot.run_risk(row)
+    thread_us = wall_us(lambda: slot.run_calibrated(duration_us), n)
+
+    async def on_loop() -> tuple[np.ndarray, list[float]]:
+        timer = LoopTimer()
+        took, scores = [], []
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await finished(slot.start_calibrated(duration_us), timer)
+                took.append((time.perf_counter() - t0) * 1e6)
+                work = slot.start_risk(row)
+                assert work is not None
+                await finished(work, timer)
+                scores.append(slot.risk_score())
+        finally:
+            timer.close()
+        return np.array(took), scores
+
+    loop_us, scores = asyncio.run(on_loop())
+    print(f"  calibrated, launch to done: slot's way {pct(thread_us)}; on the loop "
+          f"{pct(loop_us)}")
+    check(all(x == want for x in scores), "risk launched and awaited on the loop scores as "
+          "run_risk does, every time")
+    check(float(np.min(loop_us)) >= duration_us, "no loop wait ends before its work")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print(
@@ -591,6 +632,7 @@ def main() -> int:
     pinned(slots[0])
     nvml_sample(device)
     tinylm_section(device)
+    device_waits(slots[0])
     print(f"\ngpu_check: {time.perf_counter() - t_start:.0f} s, ", end="")
     if failures:
         print(f"{len(failures)} FAILED:\n  " + "\n  ".join(failures))

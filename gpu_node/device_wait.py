@@ -7,7 +7,9 @@ for device time, the clock). Before, the slot's own thread made the call and wai
 driver (or in `time.sleep`): two thread hand-offs a request, the job to the thread and its
 result back through the loop's self-pipe, each the wake of a thread that, on a loaded host,
 first waits for a core. On this project's 2-core host that wait was most of a short
-request's overhead on its slot (BENCHMARKS.md, "Thirty-second session").
+request's overhead on its slot: 4 slots of 2 ms at 0.9x of their closed-loop capacity refused
+84-95% of newcomers at their first try, and 2-27% with the wait here; at 2x they answered
+858-866 requests a second, and 1,014-1,042 (BENCHMARKS.md, "Thirty-second session").
 
 The timer: asyncio's and uvloop's own fire on whole milliseconds, uvloop's up to one early (an
 `asyncio.sleep(0.002)` measured 1.1-2.3 ms here), which would shorten or stretch 2 ms of work

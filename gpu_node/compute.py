@@ -93,6 +93,8 @@ class Backend(Protocol):
 class TorchSlot:
     """CPU slot: every tensor is allocated once, here; a request allocates none."""
 
+    loop_waits = True  # `calibrated` is the only device work here, and a timed one
+
     def __init__(self, weights: RiskWeights) -> None:
         cpu = torch.device("cpu")
         self._w = weights
@@ -109,8 +111,6 @@ class TorchSlot:
         self._packer.pack(features)
         risk_reference_out(self.x.host, self._w, b2=self._b2, hidden=self._hidden, out=self.y.host)
         return float(self.y.host_np[0])
-
-    loop_waits = True  # `calibrated` is the only device work here, and a timed one
 
     def run_calibrated(self, duration_us: int) -> None:
         # A timed wait off the event loop, as device work would be: N slots give N x capacity.

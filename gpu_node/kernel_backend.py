@@ -95,13 +95,17 @@ class KernelSlot:
     def run_risk(self, features: Sequence[float]) -> float:
         self._packer.pack(features)
         with self._lane.stream_context():
-            if self.risk_graph is not None:
-                self.risk_graph.replay()
-            else:
-                self._risk_launches()
+            self._launch_risk()
             self._lane.record_done()
         self._lane.wait()
         return float(self.y.host_np[0])
+
+    def _launch_risk(self) -> None:
+        """The packed risk request's work, on the current stream: its graph, or launches."""
+        if self.risk_graph is not None:
+            self.risk_graph.replay()
+        else:
+            self._risk_launches()
 
     def _risk_launches(self) -> None:
         """A risk request's device work, on the current stream: features in, the kernel, the
@@ -135,30 +139,27 @@ class KernelSlot:
             if duration_us > 0:
                 time.sleep(duration_us / 1e6)
             return
+        with self._lane.stream_context():
+            self._launch_calibrated(duration_us)
+            self._lane.record_done()
+        self._lane.wait()
+
+    def _launch_calibrated(self, duration_us: int) -> None:
+        """A calibrated request's work, on the current stream: its graph, or launches."""
         if not 0 <= duration_us <= MAX_DURATION_US:  # the kernel reads it unchecked
             raise ValueError(f"calibrated: duration_us={duration_us} outside "
                              f"0..{MAX_DURATION_US}")  # fmt: skip
         self.duration.host_np[0] = duration_us
-        with self._lane.stream_context():
-            if self.calibrated_graph is not None:
-                self.calibrated_graph.replay()
-            else:
-                self._calibrated_launches()
-            self._lane.record_done()
-        self._lane.wait()
+        if self.calibrated_graph is not None:
+            self.calibrated_graph.replay()
+        else:
+            self._calibrated_launches()
 
     def start_calibrated(self, duration_us: int) -> DeviceWork:
         if not self._on_cuda:
             return TimedWork(duration_us / 1e6)
-        if not 0 <= duration_us <= MAX_DURATION_US:  # the kernel reads it unchecked
-            raise ValueError(f"calibrated: duration_us={duration_us} outside "
-                             f"0..{MAX_DURATION_US}")  # fmt: skip
-        self.duration.host_np[0] = duration_us
         with self._lane.stream_context():
-            if self.calibrated_graph is not None:
-                self.calibrated_graph.replay()
-            else:
-                self._calibrated_launches()
+            self._launch_calibrated(duration_us)
             return EventWork(self._cuda_lane().mark(), duration_us / 1e6)
 
     def start_risk(self, features: Sequence[float]) -> DeviceWork | None:
@@ -166,10 +167,7 @@ class KernelSlot:
             return None  # the interpreter computes on this CPU: `run_risk`
         self._packer.pack(features)
         with self._lane.stream_context():
-            if self.risk_graph is not None:
-                self.risk_graph.replay()
-            else:
-                self._risk_launches()
+            self._launch_risk()
             return EventWork(self._cuda_lane().mark(), 0.0)  # µs of work: poll at once
 
     def risk_score(self) -> float:

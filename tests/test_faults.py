@@ -194,6 +194,44 @@ async def test_a_message_that_lands_after_its_router_answered_it_is_not_answered
         assert answers["late-2"][0].headers[Header.NODE] == view.node
 
 
+async def test_two_requests_a_caller_gave_one_id_stay_apart_in_the_ownership_protocol() -> None:
+    """Router and node name a placement by `<request id>#<attempt>` where the broker cannot
+    say who answers, and the router finds such a placement's message by it: a caller that
+    gives two requests one id (its to choose) must not have one taken or answered for the
+    other. Each placement's `Plane-Attempt` on the slot message is the caller's made unique
+    (read off the slot subject here), and a message of the same id but another placement is
+    not the router's to find."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        view = next(iter(router.models["calibrated"].slots.values()))
+        copies = await nc.subscribe(view.subject)  # a core copy of each slot publish
+        await nc.flush()
+        for _ in range(2):
+            m = await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5,
+                                 headers={Header.REQUEST_ID: "dup", Header.ATTEMPT: "1"})
+            assert (m.headers or {})[Header.STATUS] == "200"
+        attempts = [(await copies.next_msg(timeout=5)).headers[Header.ATTEMPT]
+                    for _ in range(2)]
+        assert attempts[0] != attempts[1] and all(a.startswith("1~") for a in attempts)
+        # A message of that id left on the subject (the slot stopped fetching) belongs to
+        # the placement whose attempt it carries.
+        slot = stack.nodes[0].slots[0]
+        await slot.withdraw("test")
+        await nc.jetstream().publish(view.subject, calibrated(0), headers={
+            Header.REQUEST_ID: "dup", Header.ATTEMPT: attempts[1], Header.REPLY_TO: "_INBOX.x"})
+        now = time.monotonic()
+
+        def placement(attempt: str) -> InFlight:
+            return InFlight(request_id="dup", model="calibrated", reply="_INBOX.x",
+                            node=view.node, key=view.key, placed_s=now, tenant="default",
+                            subject=view.subject, stream=view.stream, deadline_s=now + 5,
+                            answer_by_s=now + 6, attempt=attempt)
+
+        assert await router.inflight._find(placement(attempts[0])) is None
+        assert await router.inflight._find(placement(attempts[1])) is not None
+
+
 async def test_a_slot_whose_claim_fails_after_a_reconnect_is_claimed_again() -> None:
     """The embedded server's restart loses its memory-stored slot streams: the node makes
     them again and claims its slots anew. A claim that fails then (JetStream still electing

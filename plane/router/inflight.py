@@ -41,7 +41,7 @@ class InFlight(msgspec.Struct):
     placing: bool = True  # the publish has not returned yet: not ours to resolve
     resolving: bool = False
     max_tokens: int = 0  # a generation's (what its done-event's tokens are a share of)
-    attempt: str = "1"  # the caller's `Plane-Attempt`, as on the slot message
+    attempt: str = "1"  # `Plane-Attempt` as on the slot message: the caller's, made unique
 
 
 Answer = Callable[[InFlight, Status, Reason, str], Awaitable[None]]
@@ -149,6 +149,8 @@ class InFlightBook:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(2):
                 msg = await self._js.get_last_msg(fl.stream, fl.subject)
-            if (msg.headers or {}).get(Header.REQUEST_ID) == fl.request_id:
+            h = msg.headers or {}
+            # Ours by its attempt too: a caller may give two requests one id.
+            if h.get(Header.REQUEST_ID) == fl.request_id and h.get(Header.ATTEMPT) == fl.attempt:
                 return int(msg.seq or 0) or None
         return None

@@ -675,7 +675,10 @@ class RequestPath:
             Header.DEADLINE_MS: str(deadline_ms),
             Header.WORK_US: str(r.work_us),
             Header.ROUTER: self.cfg.router_id,
-            Header.ATTEMPT: hdrs.get(Header.ATTEMPT, "1"),
+            # The caller's attempt, made this placement's own (a caller may give two requests
+            # one id): how router and node name it when the broker cannot say who answers
+            # (`plane.contract.ownership.attempt_id`; a node reads it as an opaque string).
+            Header.ATTEMPT: f"{hdrs.get(Header.ATTEMPT, '1')}~{self._new_rid()}",
             # A backstop that frees an orphaned slot; it outlives any takeover (ownership).
             Header.NATS_TTL: slot_ttl(end_ms),
         }

@@ -177,7 +177,8 @@ class NodeConfig:
     # thread either way. On the 2-core CPU host, 4 slots of calibrated 2 ms at 0.9x of the
     # closed-loop capacity: newcomers refused at their first try 2-27% against 84-95% (the
     # slot threads' wakes waited for a core), at 2x 1,014-1,042 answers a second against
-    # 858-866 (BENCHMARKS.md, "Thirty-second session").
+    # 858-866; 4 slots of 20 ms at 2x answered 1.2-1.5% fewer, not yet explained
+    # (BENCHMARKS.md, "Thirty-second session").
     device_waits: str = "loop"
     # Shutdown: how long in-flight work may take to finish before it is answered 503.
     drain_timeout_s: float = 5.0

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/overload_2x.py [--duration 60] [--slots 4] [--work-us 20000]
                                                [--deadline-ms 1000] [--routers 1] [--no-retry]
+                                               [--device-waits loop|thread]
 
 One run: an embedded nats-server, `plane up --nats URL --models calibrated --slots N` as its
 own process (router and node), `--routers` - 1 more `plane router` processes (the routers
@@ -151,13 +152,17 @@ async def main() -> None:
                     help="each request's Plane-Deadline-Ms (retries included)")
     ap.add_argument("--no-retry", action="store_true",
                     help="callers that never come back: goodput against the capacity")
+    ap.add_argument("--device-waits", choices=("loop", "thread"), default=None,
+                    help="`plane up --device-waits` (default: plane up's own)")
     args = ap.parse_args()
     body = json.dumps({"duration_us": args.work_us}).encode()
     async with EmbeddedNats() as srv:
         up = subprocess.Popen(
             [str(BIN / "plane"), "up", "--nats", srv.url, "--models", "calibrated",
              "--slots", str(args.slots), "--log-level", "warning",
-             "--metrics-port", str(args.metrics_port)], stdout=subprocess.PIPE, text=True)
+             "--metrics-port", str(args.metrics_port),
+             *(["--device-waits", args.device_waits] if args.device_waits else [])],
+            stdout=subprocess.PIPE, text=True)
         more = [subprocess.Popen(
             [str(BIN / "plane"), "router", "--nats", srv.url, "--router-id", f"router{i + 1}",
              "--log-level", "warning", "--metrics-port", str(args.metrics_port + 1 + i)])

@@ -8,6 +8,7 @@
 #   benchmarks/overload_ab.sh SLOTS WORK_US ROUNDS SECONDS TREE [TREE ...]
 #   e.g. benchmarks/overload_ab.sh 2 5000 2 10 /tmp/base .
 #   ROUTERS=2 benchmarks/overload_ab.sh ...   # that many routers (default 1)
+#   DEVICE_WAITS=thread benchmarks/overload_ab.sh ...   # plane up --device-waits (trees that have it)
 set -euo pipefail
 slots=$1 work=$2 rounds=$3 seconds=$4
 shift 4
@@ -16,7 +17,8 @@ for _ in $(seq "$rounds"); do
   for tree in "$@"; do
     tree=$(cd "$tree" && pwd)
     out=$(cd "$repo" && PYTHONPATH=$tree .venv/bin/python "$tree/benchmarks/overload_2x.py" \
-      --duration "$seconds" --slots "$slots" --work-us "$work" --routers "${ROUTERS:-1}" 2>&1)
+      --duration "$seconds" --slots "$slots" --work-us "$work" --routers "${ROUTERS:-1}" \
+      ${DEVICE_WAITS:+--device-waits "$DEVICE_WAITS"} 2>&1)
     cap=$(grep '^capacity' <<<"$out" | sed 's/.*: \([0-9.]*\) req.*/\1/')
     grep -E '^\| [02]' <<<"$out" | awk -v t="$tree" -v c="$cap" -F'|' '{
       printf "%s cap %s |%s| accepted/s %s | p50 %s p99 %s p99/p50 %s | refused first %s | first-retry %s | retries %s | whole %s\n",

@@ -146,6 +146,13 @@ log_option = click.option("--log-level", default="info", show_default=True,
                           type=click.Choice(["debug", "info", "warning", "error"]))
 
 
+device_waits_option = click.option(
+    "--device-waits", type=click.Choice(DEVICE_WAITS), default="loop", show_default=True,
+    help="How a slot waits for its device work: launched and awaited on the event loop (no "
+         "thread hop per request; on a GPU, where its warm-up check passes), or on the "
+         "slot's own thread.")
+
+
 def serving_options(f: F) -> F:
     """What every serving command (up, node, router) takes: connection, prefix, metrics,
     replicas, log level."""
@@ -170,10 +177,12 @@ def serving_options(f: F) -> F:
 @click.option("--auth", "auth_dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="Run the embedded server with DIR/nats.conf (`plane auth init DIR`); each "
                    "part connects with its role, and the tenants' settings go to PLANE_CONFIG.")
+@device_waits_option
 def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
        creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
        metrics_host: str, replicas: int, log_level: str, models: str, slots: int | None,
-       backend: str, demo: bool, port: int | None, auth_dir: str | None) -> None:
+       backend: str, demo: bool, port: int | None, auth_dir: str | None,
+       device_waits: str) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router, nodes, metrics.
 
     \b
@@ -197,7 +206,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
         names=names_for(prefix), models=model_list, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
-        freshness=True,
+        freshness=True, node_overrides={"device_waits": device_waits},
     )
     _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir))
 
@@ -229,11 +238,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
               help="This process's GIL switch interval: how soon a busy event loop hands the "
                    "GIL to a slot's thread (0: Python's 5 ms). Default: 200 on a GPU, "
                    "Python's on a CPU.")
-@click.option("--device-waits", type=click.Choice(DEVICE_WAITS), default="loop",
-              show_default=True,
-              help="How a slot waits for its device work: launched and awaited on the event "
-                   "loop (no thread hop per request; on a GPU, where its warm-up check "
-                   "passes), or on the slot's own thread.")
+@device_waits_option
 def node(nats_url: str | None, user: str | None, password: str | None, token: str | None,
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_node.device_wait import DeviceWork, TimedWork
+from gpu_node.device_wait import CALIBRATED, DeviceWork, TimedWork
 from gpu_node.pinned import RowPacker, Staged
 from kernels.risk import FEATURES, HIDDEN, RiskWeights, risk_reference, risk_reference_out
 from plane.contract.config import BACKENDS
@@ -46,8 +46,9 @@ __all__ = [
 
 
 class SlotRunner(Protocol):
-    # Whether `start_*` may be used (a CUDA slot whose check of them at warm-up passed).
-    loop_waits: bool
+    # The kinds of request whose device work `start_*` launches, to be awaited on the loop
+    # (`RISK`, `CALIBRATED`); on CUDA only once the warm-up check of them passed.
+    launches: frozenset[str]
 
     def run_risk(self, features: Sequence[float]) -> float: ...
 
@@ -57,9 +58,9 @@ class SlotRunner(Protocol):
         """`run_calibrated`, launched: its end is awaited on the loop (`device_wait`)."""
         ...
 
-    def start_risk(self, features: Sequence[float]) -> DeviceWork | None:
-        """`run_risk`, launched (its score from `risk_score` once done); None where a risk
-        request is compute on the CPU, not device work: `run_risk` it is, then."""
+    def start_risk(self, features: Sequence[float]) -> DeviceWork:
+        """`run_risk`, launched (its score from `risk_score` once done); only where `RISK` is
+        in `launches` (elsewhere a risk request is compute on the CPU: `run_risk`)."""
         ...
 
     def risk_score(self) -> float:
@@ -93,7 +94,7 @@ class Backend(Protocol):
 class TorchSlot:
     """CPU slot: every tensor is allocated once, here; a request allocates none."""
 
-    loop_waits = True  # `calibrated` is the only device work here, and a timed one
+    launches = frozenset({CALIBRATED})  # its only device work, and a timed one
 
     def __init__(self, weights: RiskWeights) -> None:
         cpu = torch.device("cpu")
@@ -121,11 +122,11 @@ class TorchSlot:
         # The same wait, as device work launched: it ends at a time, awaited on the loop.
         return TimedWork(duration_us / 1e6)
 
-    def start_risk(self, features: Sequence[float]) -> DeviceWork | None:
-        return None  # compute on this CPU: `run_risk`
+    def start_risk(self, features: Sequence[float]) -> DeviceWork:
+        raise NotImplementedError("risk is compute on this CPU: run_risk")
 
     def risk_score(self) -> float:
-        return float(self.y.host_np[0])
+        raise NotImplementedError("risk is compute on this CPU: run_risk")
 
     def probe(self) -> bool:
         return 0.0 <= self.run_risk([0.0] * FEATURES) <= 1.0

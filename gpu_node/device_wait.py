@@ -33,6 +33,9 @@ import os
 import time
 from typing import Protocol
 
+# The kinds of request whose device work a runner may launch (`SlotRunner.launches`).
+RISK, CALIBRATED = "risk", "calibrated"
+
 # After the predicted end, how often a slot looks whether its device work is done: first
 # after POLL_FIRST_S, then twice as long each time, up to POLL_MAX_S (work that overran its
 # prediction by a lot is a hang in the making: the health supervisor's business).

@@ -86,34 +86,27 @@ class WatchedRunner:
     def run_calibrated(self, duration_us: int, expected_s: float = 0.005) -> None:
         self._call(lambda: self._inner.run_calibrated(duration_us), expected_s)
 
-    @property
-    def loop_waits(self) -> bool:
-        """Whether requests may launch work and await it on the loop: the runner can, and no
-        fault is injected (a hang or a slow call blocks where it runs: the slot's thread)."""
-        return self._inner.loop_waits and self._mode == "none"
+    def launches(self, kind: str) -> bool:
+        """Whether a request of `kind` may be launched and awaited on the loop: the runner
+        launches it, and no fault is injected (a hang or a slow call blocks where it runs:
+        the slot's thread)."""
+        return kind in self._inner.launches and self._mode == "none"
 
-    def start_calibrated(self, duration_us: int, expected_s: float = 0.005) -> DeviceWork:
+    def _launch(self, fn: Callable[[], DeviceWork], expected_s: float) -> DeviceWork:
         """Launched, not awaited: the call is in progress until `end`, which the slot calls
         once the work is done (or given up on)."""
         self.begin(expected_s)
         try:
-            return self._inner.start_calibrated(duration_us)
+            return fn()
         except BaseException:
             self.end()
             raise
 
-    def start_risk(self, features: Sequence[float],
-                   expected_s: float = 0.005) -> DeviceWork | None:
-        """As `start_calibrated`; None (no call in progress): `run_risk` it is."""
-        self.begin(expected_s)
-        try:
-            work = self._inner.start_risk(features)
-        except BaseException:
-            self.end()
-            raise
-        if work is None:
-            self.end()
-        return work
+    def start_calibrated(self, duration_us: int, expected_s: float = 0.005) -> DeviceWork:
+        return self._launch(lambda: self._inner.start_calibrated(duration_us), expected_s)
+
+    def start_risk(self, features: Sequence[float], expected_s: float = 0.005) -> DeviceWork:
+        return self._launch(lambda: self._inner.start_risk(features), expected_s)
 
     def risk_score(self) -> float:
         return self._inner.risk_score()

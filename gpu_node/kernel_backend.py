@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gpu_node.device_wait import DeviceWork, EventWork, TimedWork
+from gpu_node.device_wait import CALIBRATED, RISK, DeviceWork, EventWork, TimedWork
 from gpu_node.partitions import (
     GREEN_CONTEXT,
     NONE,
@@ -71,8 +71,8 @@ class KernelSlot:
         self.risk_path = self.calibrated_path = "launches"
         # Whether `start_*` serve requests, their ends awaited on the event loop: on CUDA once
         # `warm_up` has checked them against `run_*`; off a GPU, `calibrated` is a timed wait.
-        self.loop_waits = not self._on_cuda
-        self.wait_path = "on the event loop" if self.loop_waits else "on the slot's thread"
+        self.launches = frozenset() if self._on_cuda else frozenset({CALIBRATED})
+        self.wait_path = "on the slot's thread" if self._on_cuda else "on the event loop"
         self._tokens = itertools.cycle(range(1, 1 << 20))
         self.probe_in.host.copy_(torch.arange(PROBE_SIZE, dtype=torch.int32) * 7919)
         self.probe_in.upload_no_sync()
@@ -162,9 +162,9 @@ class KernelSlot:
             self._launch_calibrated(duration_us)
             return EventWork(self._cuda_lane().mark(), duration_us / 1e6)
 
-    def start_risk(self, features: Sequence[float]) -> DeviceWork | None:
+    def start_risk(self, features: Sequence[float]) -> DeviceWork:
         if not self._on_cuda:
-            return None  # the interpreter computes on this CPU: `run_risk`
+            raise NotImplementedError("the interpreter computes risk on this CPU: run_risk")
         self._packer.pack(features)
         with self._lane.stream_context():
             self._launch_risk()
@@ -185,9 +185,7 @@ class KernelSlot:
         row = [((i * 53) % 13 - 6) / 5 for i in range(FEATURES)]
         try:
             want = self.run_risk(row)
-            work = self.start_risk(row)
-            assert work is not None
-            _spin_until_done(work)
+            _spin_until_done(self.start_risk(row))
             if (got := self.risk_score()) != want:
                 return f"on the slot's thread (launched, risk scored {got!r}, not {want!r})"
             _spin_until_done(self.start_calibrated(50))
@@ -195,7 +193,7 @@ class KernelSlot:
                 return f"on the slot's thread (launched, calibrated spun {self.spun_ns()} ns)"
         except Exception as e:  # any failure: the thread's way, as before
             return f"on the slot's thread (launched: {type(e).__name__}: {e})"
-        self.loop_waits = True
+        self.launches = frozenset({RISK, CALIBRATED})
         return "on the event loop"
 
     def _calibrated_launches(self) -> None:

@@ -36,7 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
 from gpu_node.current import Current
-from gpu_node.device_wait import DeviceWork, LoopTimer, finished
+from gpu_node.device_wait import CALIBRATED, RISK, DeviceWork, LoopTimer, finished
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator
 from gpu_node.pull import StandingPull
@@ -437,16 +437,15 @@ class Slot(Generating):
             if isinstance(req, TinyLMRequest):
                 return await self._generate(req)
             if isinstance(req, CalibratedRequest):
-                if self._waits_on_loop():
+                if self._waits_on_loop(CALIBRATED):
                     await self._device(self.runner.start_calibrated(req.duration_us,
                                                                     expected_s))
                 else:
                     await self._call(work_us, self.runner.run_calibrated, req.duration_us,
                                      expected_s)
                 return CalibratedReply(duration_us=req.duration_us)
-            if self._waits_on_loop() and (
-                    work := self.runner.start_risk(req.features, expected_s)) is not None:
-                await self._device(work)
+            if self._waits_on_loop(RISK):
+                await self._device(self.runner.start_risk(req.features, expected_s))
                 return RiskReply(score=self.runner.risk_score())
             score = await self._call(work_us, self.runner.run_risk, req.features, expected_s)
             return RiskReply(score=score)
@@ -458,11 +457,12 @@ class Slot(Generating):
         """No request on this slot and no call running for it, here or on its thread."""
         return self.current is None and self.runner.call_started_s is None
 
-    def _waits_on_loop(self) -> bool:
-        """Device work is launched here and awaited on the loop (`gpu_node.device_wait`):
-        the node's way (`NodeConfig.device_waits`), and the runner's (checked at warm-up on
-        a GPU; never with a fault injected)."""
-        return self.device_waits and self.runner.loop_waits
+    def _waits_on_loop(self, kind: str) -> bool:
+        """A request of `kind` is launched here and awaited on the loop
+        (`gpu_node.device_wait`): the node's way (`NodeConfig.device_waits`), and the
+        runner's for that kind (device work, checked at warm-up on a GPU; never with a fault
+        injected)."""
+        return self.device_waits and self.runner.launches(kind)
 
     async def _device(self, work: DeviceWork) -> None:
         """Until launched `work` is done; the runner's call ends with it (or with a cancel:

@@ -567,13 +567,14 @@ def device_waits(slot: KernelSlot, n: int = 200, duration_us: int = 2000) -> Non
     slot serves them by default, against the slot thread's way (launch and synchronise)."""
     import asyncio
 
-    from gpu_node.device_wait import LoopTimer, finished
+    from gpu_node.device_wait import CALIBRATED, RISK, LoopTimer, finished
 
     section(f"8. device work awaited on the event loop ({n} calibrated {duration_us} us, "
             f"{n} risk)")
     print(f"  slot 0: {slot.request_paths()}")
-    check(slot.loop_waits, "the warm-up check of launched work passed (awaited on the loop)")
-    if not slot.loop_waits:
+    check(slot.launches == {RISK, CALIBRATED},
+          "the warm-up check of launched work passed (awaited on the loop)")
+    if slot.launches != {RISK, CALIBRATED}:
         return
     row = [((i * 29) % 17 - 8) / 6 for i in range(FEATURES)]
     want = slot.run_risk(row)
@@ -587,9 +588,7 @@ def device_waits(slot: KernelSlot, n: int = 200, duration_us: int = 2000) -> Non
                 t0 = time.perf_counter()
                 await finished(slot.start_calibrated(duration_us), timer)
                 took.append((time.perf_counter() - t0) * 1e6)
-                work = slot.start_risk(row)
-                assert work is not None
-                await finished(work, timer)
+                await finished(slot.start_risk(row), timer)
                 scores.append(slot.risk_score())
         finally:
             timer.close()

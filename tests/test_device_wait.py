@@ -14,7 +14,7 @@ import time
 import pytest
 
 from gpu_node import device_wait
-from gpu_node.device_wait import LoopTimer, TimedWork, finished
+from gpu_node.device_wait import CALIBRATED, RISK, LoopTimer, TimedWork, finished
 from plane.contract.messages import FaultCommand, json_encoder
 from plane.contract.subjects import Header
 from tests.plane_fixtures import NAMES, calibrated, client, plane, status, wait_until
@@ -99,7 +99,8 @@ async def test_calibrated_work_is_awaited_on_the_loop_without_the_slot_thread() 
     async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
             client(stack.url) as nc:
         slot = stack.nodes[0].slots[0]
-        assert slot._waits_on_loop()
+        assert slot._waits_on_loop(CALIBRATED)
+        assert not slot._waits_on_loop(RISK)  # compute on this CPU: the inline or thread way
         for us in (1_000, 3_000, 0, 2_000) * 3:
             m = await nc.request(NAMES.infer("calibrated"), calibrated(us), timeout=5)
             assert status(m) == 200, m.headers
@@ -121,7 +122,7 @@ async def test_told_thread_or_with_a_fault_the_slot_waits_on_its_thread() -> Non
         cmd = FaultCommand(k=0, mode="slow", extra_us=1)
         assert (await nc.request(NAMES.fault(stack.nodes[0].cfg.node_id),
                                  json_encoder.encode(cmd), timeout=5)).data == b"ok"
-        assert not slot._waits_on_loop()
+        assert not slot._waits_on_loop(CALIBRATED)
         m = await nc.request(NAMES.infer("calibrated"), calibrated(1_000), timeout=5)
         assert status(m) == 200
         assert slot.thread.started

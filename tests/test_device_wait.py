@@ -92,6 +92,41 @@ async def test_a_wait_polls_past_the_predicted_end_until_the_work_is_done() -> N
         timer.close()
 
 
+async def test_a_wait_aims_early_by_the_loops_lateness_and_still_ends_with_the_work() -> None:
+    """A loop kept busy (a callback holding it 300 us every 100 us, as other slots' messages
+    do) resumes a timer's waiter late: the timer learns a lead (bounded), a wait aims that
+    much before the work's end, and still returns only once the work is done and never
+    before its predicted end."""
+    loop = asyncio.get_running_loop()
+    busy = True
+
+    def hold() -> None:
+        t = time.monotonic() + 0.0003
+        while time.monotonic() < t:
+            pass
+        if busy:
+            loop.call_later(0.0001, hold)
+
+    timer = LoopTimer()
+    try:
+        await finished(TimedWork(0.0005), timer)
+        assert timer.lead_s <= device_wait.LEAD_STEP_S  # one step at a time
+        loop.call_soon(hold)
+        for _ in range(150):
+            await finished(TimedWork(0.0005), timer)
+        assert 0.0 < timer.lead_s <= device_wait.LEAD_MAX_S
+        for _ in range(30):
+            work = TimedWork(0.001)
+            await finished(work, timer)
+            assert time.monotonic() >= work.end_s
+            late = SlowToSay(0.001, 0.0005)
+            await finished(late, timer)
+            assert time.monotonic() >= late.really_s
+    finally:
+        busy = False
+        timer.close()
+
+
 async def test_calibrated_work_is_awaited_on_the_loop_without_the_slot_thread() -> None:
     """The torch backend's calibrated request is device time's stand-in: launched (a time to
     end at) and awaited on the loop, its slot's thread never started; each answer's

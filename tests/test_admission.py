@@ -28,6 +28,7 @@ from plane.router.fairness import FairShare
 from plane.router.occupancy import ModelSlots
 from plane.router.promises import (
     ON_TIME_SLACK_S,
+    TAIL_FRESH_S,
     Promise,
     PromiseBook,
     next_start,
@@ -823,6 +824,54 @@ def test_the_fast_schedule_agrees_with_the_plain_one() -> None:
         assert fast == _plain_would_delay(free, promises, now, hold), (free, promises, hold)
         answers[fast] += 1
     assert min(answers.values()) > 5_000  # both answers well covered
+
+
+def test_the_promise_book_runs_its_schedule_again_only_when_it_must() -> None:
+    """`PromiseBook.next_start` gives what `next_start` gives: at one moment, exactly, through
+    promises added at the end (run through the kept tail alone), added in the middle, kept or
+    expired (run again), and over another number of slots; a moment more than TAIL_FRESH_S
+    later, it runs the book again and sees the slots as they are then."""
+    rng = random.Random(11)
+    for _ in range(300):
+        now = rng.choice([0.0, 0.004])
+        free = [rng.uniform(0, 0.02) for _ in range(rng.randint(1, 6))]
+        book = PromiseBook()
+        for i in range(rng.randint(0, 12)):
+            book.add(Promise(ticket=f"a{i}", due_s=rng.uniform(0, 0.03), expires_s=1.0,
+                             service_s=rng.uniform(0.0005, 0.005)))
+        for step in range(12):
+            assert book.next_start(free, now) == next_start(free, list(book), now)
+            last = max((p.due_s for p in book), default=now)
+            match rng.choice(["end", "middle", "keep", "expire", "slots"]):
+                case "end":
+                    book.add(Promise(ticket=f"e{step}", due_s=last + rng.uniform(0, 0.003),
+                                     expires_s=1.0, service_s=rng.uniform(0.0005, 0.005)))
+                case "middle":
+                    book.add(Promise(ticket=f"m{step}", due_s=rng.uniform(0, last),
+                                     expires_s=1.0, service_s=0.002))
+                case "keep" if len(book):
+                    book.remove(rng.choice(list(book)))
+                case "expire" if len(book):
+                    victim = rng.choice(list(book))
+                    book.expires_at(victim, now - 0.001)
+                    assert book.expire(now) == [victim]
+                case "slots":
+                    free = [*free, now]
+    book = PromiseBook()
+    book.add(Promise(ticket="x", due_s=0.0, expires_s=1.0, service_s=0.002))
+    assert book.next_start([0.001], 0.0) == 0.003
+    # Within TAIL_FRESH_S the slot's own move (it freed early) is left out; after, seen.
+    assert book.next_start([0.0], TAIL_FRESH_S / 2) == 0.003
+    later = 2 * TAIL_FRESH_S
+    assert book.next_start([later], later) == later + 0.002
+    # A promise kept (its holder placed on the slot now) leaves the tail: the slot time the
+    # schedule gave it is that placement's. As it would be run again with the slot taken:
+    book.add(Promise(ticket="y", due_s=later, expires_s=1.0, service_s=0.002))
+    assert book.next_start([later], later) == later + 0.004
+    x = next(iter(book))
+    book.remove(x, kept=True)  # x's holder placed on the slot, free until now
+    taken = [later + 0.002]  # the slot, busy with x now
+    assert book.next_start(taken, later) == next_start(taken, list(book), later)
 
 
 def test_the_promise_book_expires_each_promise_once_its_time_has_passed() -> None:

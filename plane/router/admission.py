@@ -27,7 +27,7 @@ from plane.contract.messages import Reason, Status
 from plane.contract.subjects import InvalidToken, check_token
 from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
-from plane.router.promises import Promise, next_start, simulate, would_delay
+from plane.router.promises import Promise, simulate, would_delay
 
 # A promise is kept this long past its due time for a late holder (then released). It covers
 # the reply's trip, the caller's timer, the SDK's jitter (up to 2 ms) and a caller's process
@@ -481,7 +481,7 @@ class Admission:
             if holder is not None:
                 # Kept: its slot time is this placement now (the router tells the others
                 # where it went).
-                self.forget(ms, holder, tell=False)
+                self.forget(ms, holder, tell=False, kept=True)
             return Place(free + avoided, holder)
         if holder is None:
             return self._refuse(ms, ask, None, may_promise, may_park=may_park)
@@ -561,7 +561,7 @@ class Admission:
 
     def redeemed(self, ms: ModelSlots, promise: Promise) -> None:
         """The holder was placed: its promise is kept (and out of the book already)."""
-        self.forget(ms, promise)
+        self.forget(ms, promise, kept=True)
 
     def _holder(self, ms: ModelSlots, ask: Ask) -> Promise | None:
         if ask.ticket is None:
@@ -696,11 +696,14 @@ class Admission:
                 del book[ticket]
                 self._count(model, redeemed=False)
 
-    def forget(self, ms: ModelSlots, p: Promise, *, tell: bool = True) -> None:
+    def forget(self, ms: ModelSlots, p: Promise, *, tell: bool = True,
+               kept: bool = False) -> None:
+        """`p` is out of the book: `kept` (its holder placed now: `PromiseBook.remove`), or
+        lapsed, replaced or dropped."""
         self.tickets.pop(p.ticket, None)
         self.foreign.pop(p.ticket, None)
         p.parked = False
-        if ms.promises.remove(p) and tell:
+        if ms.promises.remove(p, kept=kept) and tell:
             self.notes.append(PromiseChange(ms.model, p, made=False))
 
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
@@ -711,7 +714,7 @@ class Admission:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
         free_s = ms.free_times(now)
-        start_s = next_start(free_s, ms.promises, now)
+        start_s = ms.promises.next_start(free_s, now)
         p = ask.prediction
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
         due_s = max(now, start_s + lag_s - RETURN_LEAD_S)

@@ -23,6 +23,18 @@ from dataclasses import dataclass
 
 # A promise counts as kept when its holder can start within this long of its due time.
 ON_TIME_SLACK_S = 0.001
+# How long the schedule's tail (each slot's availability after every promise in the book) is
+# used again for the next refusal without running the book through it again (`PromiseBook.
+# next_start`). Under overload nearly every request is refused once, and each refusal asked
+# when a promise made after all the others can start: a simulation linear in the book, which
+# holds up to PROMISE_MAX_LINKS promises a slot (`benchmarks/admission_cost.py`: 43 us a
+# refusal at 32 slots, 85 at 64, on this project's CPU host). Within this long the slots'
+# own moves are left out (a slot that frees earlier or later than predicted: the schedule
+# errs by that much anyway), a promise kept (its holder placed: the slot time it was given is
+# that placement now) leaves it as it is, and a promise added at the end of the book is run
+# through the tail alone; any other change of the book (a promise expired, replaced, moved)
+# runs it all again. Retry-After is told in whole milliseconds.
+TAIL_FRESH_S = 0.000_25
 
 
 @dataclass(slots=True)
@@ -140,11 +152,14 @@ def would_delay(free_s: Sequence[float], protected: Sequence[Promise], now_s: fl
 class PromiseBook:
     """One model's pinned promises, in due order."""
 
-    __slots__ = ("_dues", "_expires_floor_s", "_items")
+    __slots__ = ("_dues", "_expires_floor_s", "_items", "_tail", "_tail_at_s")
 
     def __init__(self) -> None:
         self._items: list[Promise] = []
         self._dues: list[float] = []
+        # The schedule's tail (`next_start`) and when it was run; None: to run again.
+        self._tail: list[float] | None = None
+        self._tail_at_s = 0.0
         # No promise expires before this: `expire` looks at none until then (it runs on every
         # decision, and a model's book holds up to PROMISE_MAX_LINKS promises a slot under
         # overload). An expiry moved earlier goes through `expires_at`; later, a floor stays one.
@@ -162,14 +177,39 @@ class PromiseBook:
         self._dues.insert(i, p.due_s)
         if p.expires_s < self._expires_floor_s:
             self._expires_floor_s = p.expires_s
+        if self._tail is not None:
+            if i == len(self._items) - 1:  # after every other: through the tail alone
+                _advance(self._tail, (p,), self._tail_at_s)
+            else:
+                self._tail = None
 
-    def remove(self, p: Promise) -> bool:
+    def remove(self, p: Promise, *, kept: bool = False) -> bool:
+        """Take `p` out of the book. `kept`: its holder was placed now, and the slot time the
+        schedule gave it is that placement's, which the tail holds already (within the
+        slots' own moves, as `next_start` takes them); otherwise the schedule runs again."""
         for i, q in enumerate(self._items):
             if q is p:
                 del self._items[i]
                 del self._dues[i]
+                if not kept:
+                    self._tail = None
                 return True
         return False
+
+    def next_start(self, free_s: Sequence[float], now_s: float) -> float:
+        """When a promise made now after every one in the book can start (`next_start` of
+        the slots' free times `free_s` and the book), from the tail run at most TAIL_FRESH_S
+        ago for as many slots when there is one."""
+        tail = self._tail
+        if (tail is None or now_s - self._tail_at_s > TAIL_FRESH_S
+                or now_s < self._tail_at_s or len(tail) != len(free_s)):
+            tail = _slots_heap(free_s, now_s)
+            if not tail:
+                self._tail = None
+                return now_s
+            _advance(tail, self._items, now_s)
+            self._tail, self._tail_at_s = tail, now_s
+        return tail[0] if tail[0] > now_s else now_s
 
     def expires_at(self, p: Promise, expires_s: float) -> None:
         """`p` (in this book) now expires at `expires_s`: the only way to move it earlier."""
@@ -192,5 +232,6 @@ class PromiseBook:
         if gone:
             self._items = [p for p in self._items if p.expires_s >= now_s or p is spare]
             self._dues = [p.due_s for p in self._items]
+            self._tail = None
         self._expires_floor_s = min((p.expires_s for p in self._items), default=float("inf"))
         return gone

@@ -81,6 +81,29 @@ async def test_one_pull_request_delivers_many_messages_one_at_a_time(nc: Client)
     assert await pull.stop() == 0
 
 
+async def test_deliveries_are_taken_as_read_and_nothing_is_left_pending(nc: Client) -> None:
+    """Messages reach the slot as nats-py reads them, not through the subscription's queue:
+    the queue stays empty and nats-py's pending count at zero (left to grow, it would call
+    the pull a slow consumer and drop deliveries), with deliveries and heartbeats alike."""
+    pull = await _started(nc, expires_s=2)
+    sub = pull._sub
+    assert sub is not None
+    js = nc.jetstream()
+    for i in range(30):
+        await js.publish(SUBJECT, b"x" * 1000 + str(i).encode())
+        assert (await _take(pull, 1))[0].endswith(str(i).encode())
+        assert sub._pending_queue.qsize() == 0 and sub._pending_size == 0
+    heard = pull._heard_s
+    await wait_until(lambda: pull._heard_s > heard, 5, "an idle heartbeat")  # status 100
+    assert sub._pending_queue.qsize() == 0 and sub._pending_size == 0
+    # Handed on within nats-py's own call, before any other task runs:
+    sub._pending_size += 3  # as nats-py counts a message in before it queues it
+    sub._pending_queue.put_nowait(Msg(_client=nc, subject=SUBJECT, data=b"abc"))
+    assert pull.held == 1 and sub._pending_size == 0
+    assert (await pull.next()).data == b"abc"
+    await pull.stop()
+
+
 async def test_the_pull_is_renewed_before_it_expires(nc: Client) -> None:
     await _setup(nc)
     requests = await _count_pull_requests(nc)

@@ -39,6 +39,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from plane.contract.taken_as_read import take_as_read
+
 log = structlog.get_logger("plane.slot")
 
 BATCH = 10_000
@@ -86,26 +88,6 @@ class _Delivered:
         return self._items.popleft()
 
 
-def _take_as_read(sub: Subscription, take: Callable[[Msg], None]) -> None:
-    """Hand `sub`'s messages to `take` as nats-py reads them off the socket, not through the
-    subscription's queue and the task that awaits it: a delivery then reaches the slot's own
-    task one turn of the event loop sooner (one task wake per request less on the node). The
-    queue's `put_nowait` is replaced (as `plane.router.receipt` wraps it; a private attribute
-    of the nats-py version pinned in pyproject.toml): nothing is queued, so the
-    subscription's task waits on an empty queue until the unsubscribe ends it, and what
-    nats-py counted as pending is taken off again at once. `take` runs inside nats-py's read
-    loop: whatever it raises is logged here, never left to end that loop."""
-
-    def put_nowait(msg: Msg) -> None:
-        sub._pending_size -= len(msg.data)
-        try:
-            take(msg)
-        except Exception:
-            log.exception("a delivery could not be taken", subject=msg.subject)
-
-    sub._pending_queue.put_nowait = put_nowait  # type: ignore[method-assign,assignment]
-
-
 class StandingPull:
     def __init__(self, nc: Client, stream: str, consumer: str, *, expires_s: float,
                  api_prefix: str = "$JS.API", heartbeat_s: float | None = None,
@@ -143,7 +125,7 @@ class StandingPull:
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
         self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
-        _take_as_read(self._sub, self._take)
+        take_as_read(self._sub, self._take)  # a delivery wakes the slot's task at once
         try:
             await self._issue()
         except BaseException:
@@ -225,7 +207,7 @@ class StandingPull:
                 self._on_reach(ok)
 
     async def _on_msg(self, msg: Msg) -> None:
-        """What nats-py calls (it takes only coroutines); `_take_as_read` goes round it."""
+        """What nats-py would call (it takes only coroutines); `take_as_read` goes round it."""
         self._take(msg)
 
     def _take(self, msg: Msg) -> None:

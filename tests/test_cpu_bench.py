@@ -104,7 +104,7 @@ async def test_router_split_smoke() -> None:
     rows = {line.split("|")[1].strip(): line.split("|")[3].strip()
             for line in text.splitlines() if line.startswith("| ") and "function" not in line}
     for probed in ("RequestPath.on_request", "Admission.decide", "SlotPublisher._on_ack",
-                   "Router._on_done"):
+                   "Router._done_read"):
         # (a broker's depth refusal, published again, is one more PubAck now and then)
         assert 0.95 <= float(rows.get(probed, "0")) <= 1.1, (probed, text)
 

@@ -38,13 +38,13 @@ RISK = frozenset({"risk"})
 async def test_routers_split_by_model_each_serve_their_own_and_read_nothing_of_the_other(
         monkeypatch: pytest.MonkeyPatch) -> None:
     read: list[tuple[str, str]] = []  # (router, subject) of every done-event each one read
-    real_on_done = Router._on_done
+    real_done_read = Router._done_read
 
-    async def on_done(self: Router, msg: Msg) -> None:
+    def done_read(self: Router, msg: Msg) -> None:
         read.append((self.cfg.router_id, msg.subject))
-        await real_on_done(self, msg)
+        real_done_read(self, msg)
 
-    monkeypatch.setattr(Router, "_on_done", on_done)
+    monkeypatch.setattr(Router, "_done_read", done_read)
     async with plane(models=("calibrated", "risk"), slots=1, routers=2,
                      router_models=(CALIBRATED, RISK)) as stack, client(stack.url) as nc:
         r_cal, r_risk = stack.routers

@@ -32,14 +32,16 @@ class Calls:
         self._parking = parking
         self._tell = tell  # the other routers: a called promise is due now
 
-    async def freed(self, ms: ModelSlots, now: float) -> None:
-        """A slot of `ms` freed: a holder parked here takes it; else the holder it goes to
-        is called."""
+    def freed(self, ms: ModelSlots, now: float) -> Promise | None:
+        """A slot of `ms` freed: a holder parked here takes it (woken now); else the holder
+        it goes to is called: its promise is returned, for `call`."""
         if self._parking.wake_one(ms.model):
-            return
-        await self._call(self._admission.slot_for(ms, now))
+            return None
+        p = self._admission.slot_for(ms, now)
+        return p if p is not None and p.called_s and p.wake is not None else None
 
-    async def _call(self, p: Promise | None) -> None:
-        if p is not None and p.called_s and p.wake is not None:
-            await publish(self._nc, p.wake, b"", {Header.TICKET: p.ticket})
-            await self._tell()
+    async def call(self, p: Promise) -> None:
+        """Tell the holder of `p` (on its inbox) to come now."""
+        assert p.wake is not None
+        await publish(self._nc, p.wake, b"", {Header.TICKET: p.ticket})
+        await self._tell()

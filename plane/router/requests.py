@@ -164,7 +164,6 @@ class RouterParts:
     settings: LiveSettings
     spawn: Callable[[Coroutine[Any, Any, None]], object]
     reprovision: Callable[[], Coroutine[Any, Any, None]]
-    done_pending: Callable[[], int]  # done-events read and not yet handled
     tracing: Tracing = field(default_factory=Tracing.off)
 
 
@@ -190,7 +189,6 @@ class RequestPath:
         self.settings = parts.settings
         self._spawn = parts.spawn
         self._reprovision = parts.reprovision
-        self._done_pending = parts.done_pending
         self.tracing = parts.tracing
         self.max_body_bytes = parts.cfg.max_body_bytes  # at most what the server carries
         # Ids for requests that came without one: unique to this router's life (a NUID drawn
@@ -256,12 +254,6 @@ class RequestPath:
         if self._forwarded(msg, hdrs := msg.headers or {}) and not await self._taken_over(
                 msg, hdrs):
             return
-        if self._done_pending():
-            # Done-events read before this request are still queued for their own task: let
-            # them land first (one turn of the loop; they were scheduled before us), so a
-            # slot whose caller already has its answer is seen free. Deciding ahead of them
-            # refused callers = slots 13% of the time.
-            await asyncio.sleep(0)
         await self._route_one(msg)
 
     def _forwarded(self, msg: Msg, hdrs: Mapping[str, str]) -> bool:

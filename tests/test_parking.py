@@ -35,3 +35,20 @@ async def test_a_holder_whose_window_closes_is_skipped() -> None:
     await asyncio.sleep(0)
     assert lot.wake_one("m")  # the timed-out holder is passed over, the waiting one woken
     assert await woken
+
+
+async def test_a_place_held_before_its_wait_is_woken_by_a_slot_that_frees_in_between() -> None:
+    """The router parks a holder in one step and its task waits in a later one: a done-event
+    read in between wakes the place it holds, and the wait that begins after returns at
+    once; a place whose wait never begins is passed over once released."""
+    lot = ParkingLot()
+    loop = asyncio.get_running_loop()
+    place = lot.hold("m", 1.0)
+    assert lot.waiting("m") == 1
+    assert lot.wake_one("m")  # the slot frees before the holder's task runs
+    assert await asyncio.wait_for(lot.wait("m", 1.0, loop.time() + 5.0, place), 1.0)
+    gone = lot.hold("m", 0.5)
+    ParkingLot.release(gone)  # its task failed before it waited
+    later = asyncio.create_task(lot.wait("m", 2.0, loop.time() + 5.0))
+    await asyncio.sleep(0)
+    assert lot.wake_one("m") and await later  # the released place passed over

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 
 @dataclass(order=True, slots=True)
-class _Waiter:
+class InLine:
+    """A holder's place in its model's line: set when a freed slot wakes it."""
+
     due_s: float
     seq: int
     woken: asyncio.Future[None] = field(compare=False)
@@ -23,15 +25,31 @@ class _Waiter:
 
 class ParkingLot:
     def __init__(self) -> None:
-        self._lines: dict[str, list[_Waiter]] = {}
+        self._lines: dict[str, list[InLine]] = {}
         self._seq = itertools.count()
 
-    async def wait(self, model: str, due_s: float, until_s: float) -> bool:
-        """Wait until a slot of `model` frees for us or `until_s` (loop time) passes; True
-        when woken."""
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(due_s, next(self._seq), loop.create_future())
+    def hold(self, model: str, due_s: float) -> InLine:
+        """A place in `model`'s line from now, for a holder whose wait (`wait`) begins a
+        moment later, on a task of its own: a slot that frees in between (a done-event is
+        taken as it is read, before that task first runs) wakes it all the same, where it
+        found nobody parked, left the slot to the next promise, and the holder, parked after
+        it, waited for the next one (at 2x of 4 slots of 2 ms: the accepted p99/p50 2.6
+        against 1.9). `release` it if the wait never begins."""
+        waiter = InLine(due_s, next(self._seq), asyncio.get_running_loop().create_future())
         heapq.heappush(self._lines.setdefault(model, []), waiter)
+        return waiter
+
+    @staticmethod
+    def release(place: InLine) -> None:
+        """A place held and not waited on (or waited on and over): passed over from now."""
+        if not place.woken.done():
+            place.woken.cancel()
+
+    async def wait(self, model: str, due_s: float, until_s: float,
+                   place: InLine | None = None) -> bool:
+        """Wait until a slot of `model` frees for us or `until_s` (loop time) passes; True
+        when woken. `place`: one taken in the line before (`hold`), woken perhaps already."""
+        waiter = place if place is not None else self.hold(model, due_s)
         try:
             async with asyncio.timeout_at(until_s):
                 await waiter.woken
@@ -39,8 +57,7 @@ class ParkingLot:
         except TimeoutError:
             return False
         finally:
-            if not waiter.woken.done():
-                waiter.woken.cancel()  # left in the heap; skipped when it comes up
+            self.release(waiter)  # left in the heap; skipped when it comes up
 
     def wake_one(self, model: str) -> bool:
         """A slot of `model` freed: wake the holder due first. False when nobody waits."""

@@ -64,7 +64,7 @@ from plane.router.inbox import Inbox, stale, turn_due
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
-from plane.router.parking import ParkingLot
+from plane.router.parking import InLine, ParkingLot
 from plane.router.peers import Peers
 from plane.router.receipt import received_s
 from plane.router.slot_publish import (
@@ -429,7 +429,10 @@ class RequestPath:
             await self._decided(r, "refused")
             return
         match decision := self.admission.decide(ms, r.ask, may_promise=r.may_promise):
-            case Park() | Refuse(delegate=True):
+            case Park():  # in line from now: the task that waits runs a moment later
+                self._spawn(self._decide_slowly(r, decision, place=self.parking.hold(
+                    model, decision.holder.due_s)))
+            case Refuse(delegate=True):
                 self._spawn(self._decide_slowly(r, decision))
             case Place() | Refuse():
                 await self._conclude(r, decision, parked=False)
@@ -470,17 +473,21 @@ class RequestPath:
             self.meter.used(fl.tenant, fl.model, service_us, sms)
 
     async def _decide_slowly(self, r: Routing, decision: Place | Park | Refuse | None, *,
-                             ticket_owner: str | None = None) -> None:
+                             ticket_owner: str | None = None,
+                             place: InLine | None = None) -> None:
         """What must wait: a ticket holder's retry that belongs to another router (forwarded
-        to it), a holder parked until a slot frees, a refusal that needs the promiser."""
+        to it), a holder parked until a slot frees (its `place` in the line held already),
+        a refusal that needs the promiser."""
         self._waiting += 1
         try:
-            await self._decide_waiting(r, decision, ticket_owner)
+            await self._decide_waiting(r, decision, ticket_owner, place)
         finally:
             self._waiting -= 1
+            if place is not None:
+                self.parking.release(place)
 
     async def _decide_waiting(self, r: Routing, decision: Place | Park | Refuse | None,
-                              ticket_owner: str | None) -> None:
+                              ticket_owner: str | None, place: InLine | None = None) -> None:
         if ticket_owner is not None:
             if await self._forward(r, ticket_owner, "ticket"):
                 await self._decided(r, "forwarded")
@@ -492,7 +499,8 @@ class RequestPath:
                 return
             decision = self.admission.decide(r.ms, r.ask, may_promise=r.may_promise)
         assert decision is not None
-        decided, parked = await self._admit(r.ms, r.ask, decision, may_promise=r.may_promise)
+        decided, parked = await self._admit(r.ms, r.ask, decision, may_promise=r.may_promise,
+                                            place=place)
         if isinstance(decided, Refuse) and decided.delegate:
             if await self._forward(r, r.promiser, "promise"):
                 await self._decided(r, "forwarded")
@@ -617,8 +625,10 @@ class RequestPath:
             await sub.unsubscribe()
 
     async def _admit(self, ms: ModelSlots, ask: Ask, decision: Place | Park | Refuse, *,
-                     may_promise: bool) -> tuple[Place | Refuse, bool]:
-        """Wait out a parked holder's decision; the final one, and whether it was parked."""
+                     may_promise: bool, place: InLine | None = None
+                     ) -> tuple[Place | Refuse, bool]:
+        """Wait out a parked holder's decision; the final one, and whether it was parked.
+        `place`: its place in the line, held when it was first parked."""
         parked = isinstance(decision, Park)
         if parked:
             self.metrics.parked.labels(ms.model).inc()
@@ -627,7 +637,8 @@ class RequestPath:
             # then look again, until the park window closes.
             loop_until = asyncio.get_running_loop().time() + (
                 decision.until_s - time.monotonic())
-            await self.parking.wait(ms.model, decision.holder.due_s, loop_until)
+            await self.parking.wait(ms.model, decision.holder.due_s, loop_until, place)
+            place = None  # (a park after this one takes its place as it waits)
             now = time.monotonic()
             ask = msgspec.structs.replace(ask.later(now), park_until_s=decision.until_s,
                                           ticket=decision.holder.ticket)  # a parked newcomer's too

@@ -163,8 +163,9 @@ class KernelSlot:
             return EventWork(self._cuda_lane().mark(), duration_us / 1e6)
 
     def start_risk(self, features: Sequence[float]) -> DeviceWork:
-        if not self._on_cuda:
-            raise NotImplementedError("the interpreter computes risk on this CPU: run_risk")
+        if not self._on_cuda:  # the interpreter computes on this CPU (not in `launches`)
+            self.run_risk(features)
+            return TimedWork(0.0)
         self._packer.pack(features)
         with self._lane.stream_context():
             self._launch_risk()

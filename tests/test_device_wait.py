@@ -182,3 +182,19 @@ async def test_a_slot_withdrawn_while_it_waits_answers_once_and_is_idle_after() 
         assert not slot.thread.started
         with pytest.raises(TimeoutError):
             await answers.next_msg(timeout=0.5)
+
+
+def test_a_cpu_runner_asked_to_launch_risk_computes_it_now() -> None:
+    """Risk is compute on a CPU, not in the runner's `launches` (the slot calls `run_risk`);
+    asked to launch it all the same, the runner computes it at once: done, the same score."""
+    from gpu_node.compute import TorchSlot
+    from kernels.risk import FEATURES, RiskWeights
+
+    slot = TorchSlot(RiskWeights.from_seed(4))
+    assert RISK not in slot.launches
+    row = [(i % 7 - 3) / 4 for i in range(FEATURES)]
+    want = slot.run_risk(row)
+    slot.run_risk([0.0] * FEATURES)  # another score in the output first
+    work = slot.start_risk(row)
+    assert work.done()
+    assert slot.risk_score() == want

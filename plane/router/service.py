@@ -346,8 +346,7 @@ class Router(Lifecycle, TaskOwner):
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
                 view.finished(now, ev.request_id)
-                if (called := self.calls.freed(ms, now)) is not None:
-                    self._spawn(self.calls.call(called))
+                self._slot_freed(ms, now)
             fl = self.inflight.entries.get(key)
             if fl is not None and fl.request_id == ev.request_id:
                 self._placed_done(ms, fl, ev, now)
@@ -383,8 +382,12 @@ class Router(Lifecycle, TaskOwner):
         if ms is not None and view is not None and view.request_id == fl.request_id:
             now = time.monotonic()
             view.release(now)
-            if (called := self.calls.freed(ms, now)) is not None:
-                self._spawn(self.calls.call(called))
+            self._slot_freed(ms, now)
+
+    def _slot_freed(self, ms: ModelSlots, now: float) -> None:
+        """A slot of `ms` is free: a parked holder woken, or the one it goes to called."""
+        if (called := self.calls.freed(ms, now)) is not None:
+            self._spawn(self.calls.call(called))
 
     async def _on_status(self, req: Any) -> None:
         body = {

@@ -214,7 +214,8 @@ class SlotGenerator:
                     finish = stop.reason
                 else:
                     watch.begin(max(FLOOR_STEP_S, len(prompt) * PREFILL_PER_BYTE_MARGIN_S))
-                    lm.start(prompt, req.max_tokens, req.temperature, req.seed, state=s)
+                    lm.start(prompt, req.max_tokens, req.temperature, req.seed, top_p=req.top_p,
+                             state=s)
                 t1 = time.perf_counter_ns()
                 if progress is not None and finish is None:  # the prefill ran
                     progress.prefill_us = max(1, (t1 - t0) // 1000)

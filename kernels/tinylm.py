@@ -5,7 +5,8 @@ positions) over 256 byte values plus one special token, END, that both begins ev
 and ends a generation when sampled. Weights are generated deterministically from a seed with
 `torch.Generator`: nothing is downloaded, and the same seed is the same model on every device.
 
-How a slot drives it (the house rule: no tensor is allocated per token):
+How a slot drives it (the house rule: no tensor is allocated per token, but a nucleus's sort on
+the host when a request asks for `top_p` < 1):
 
     lm = TinyLM.from_seed(0, device, use_kernel=True)   # once per node
     state = lm.new_state()                              # once per slot: KV cache, workspace
@@ -27,7 +28,8 @@ prefill(len(prompt)) + max_tokens x one step (benchmarks/tinylm_tokens.py measur
 
 Sampling happens on the host from a copy of the logits with a CPU `torch.Generator` seeded by
 the request (Gumbel-max), so a prompt, seed and temperature give the same bytes on every
-device and path, up to the logits' tolerance. Temperature 0 is greedy (argmax).
+device and path, up to the logits' tolerance. Temperature 0 is greedy (argmax); `top_p` below 1
+samples from the nucleus only (the likeliest tokens whose probabilities add up to it).
 
 Imports only torch, triton and numpy, so that `scripts/gpu_check.py` can use it on a bare GPU
 box.
@@ -203,6 +205,7 @@ class GenState:
     produced: int = 0
     max_tokens: int = 0
     temperature: float = 0.0
+    top_p: float = 1.0
     finish: Finish | None = None  # None while the stream runs
 
     def __post_init__(self) -> None:
@@ -284,6 +287,7 @@ class TinyLM:
         temperature: float = 0.0,
         seed: int = 0,
         *,
+        top_p: float = 1.0,
         state: GenState | None = None,
     ) -> GenState:
         """Check the request, prefill the prompt into `state` (a new one if None), return it.
@@ -295,13 +299,16 @@ class TinyLM:
             raise ValueError(f"tinylm: max_tokens must be at least 1, got {max_tokens}")
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"tinylm: temperature must be finite and >= 0, got {temperature}")
+        if not 0.0 <= top_p <= 1.0:
+            raise ValueError(f"tinylm: top_p must be in 0..1, got {top_p}")
         if not 0 <= seed < 2**63:
             raise ValueError(f"tinylm: seed must be in 0..2**63-1, got {seed}")
         if len(prompt) + max_tokens > self.config.context:
             raise ContextTooLong(len(prompt), max_tokens, self.config.context)
         s = state if state is not None else self.new_state()
         s.generator.manual_seed(seed)
-        s.produced, s.max_tokens, s.temperature, s.finish = 0, max_tokens, temperature, None
+        s.produced, s.max_tokens, s.finish = 0, max_tokens, None
+        s.temperature, s.top_p = temperature, top_p
         self._prefill(s, [END, *prompt])
         return s
 
@@ -474,13 +481,14 @@ class TinyLM:
 
     def _sample(self, s: GenState) -> int:
         """Greedy at temperature 0, else Gumbel-max: argmax(logits / T + Gumbel noise) with
-        the request's CPU generator, on the host copy of the logits. Allocates nothing."""
+        the request's CPU generator, on the host copy of the logits, over the nucleus when
+        `top_p` < 1. Allocates nothing, but the nucleus's sort (host memory, 257 values)."""
         if s.logits_ready is not None:  # CUDA: device -> pinned host, after the step
             s.host_logits.copy_(s.logits, non_blocking=True)
             s.logits_ready.record()
             s.logits_ready.synchronize()  # sleeps: see gpu_node.partitions.CudaLane
         token: int = self._steps.sample(s.host_logits, s.noise, s.choice, s.temperature,
-                                        s.generator)
+                                        s.top_p, s.generator)
         return token
 
 

@@ -107,17 +107,36 @@ def _prefill(ids: torch.Tensor, tokens_w: torch.Tensor, positions_w: torch.Tenso
 
 
 def _sample(logits: torch.Tensor, noise: torch.Tensor, choice: torch.Tensor,
-            temperature: float, generator: torch.Generator) -> int:
+            temperature: float, top_p: float, generator: torch.Generator) -> int:
     """The next token from host `logits`: greedy at temperature 0, else Gumbel-max
-    (argmax(logits / T + Gumbel noise)) with the request's CPU generator."""
+    (argmax(logits / T + Gumbel noise)) with the request's CPU generator, over the nucleus
+    (`_nucleus`) when `top_p` < 1."""
     if temperature == 0.0:
         torch.argmax(logits, out=choice)
     else:
         torch.rand(noise.shape, generator=generator, out=noise)
         noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # Gumbel(0, 1)
         noise.add_(logits, alpha=1.0 / temperature)
+        if top_p < 1.0:
+            _nucleus(logits, noise, temperature, top_p)
         torch.argmax(noise, out=choice)
     return int(choice.item())
+
+
+def _nucleus(logits: torch.Tensor, noise: torch.Tensor, temperature: float,
+             top_p: float) -> None:
+    """Nucleus (top-p) sampling: only the most likely tokens whose probabilities at
+    `temperature` add up to `top_p` may be drawn (at least the likeliest one; `top_p` 0 is
+    greedy), the others' noise set to -inf. The same draws from the generator as without it,
+    so a seed's stream changes only where a token outside the nucleus would have been drawn.
+    The one step that allocates per token (a sort of the vocabulary, ~20 µs on a CPU), and
+    only for a request that asks for it."""
+    kept, order = torch.sort(logits, descending=True)
+    kept.sub_(float(kept[0])).div_(temperature).exp_()  # unnormalised, likeliest first
+    torch.cumsum(kept, 0, out=kept)
+    n = int(torch.searchsorted(kept, kept[-1] * top_p).item()) + 1
+    if n < kept.shape[0]:
+        noise.index_fill_(0, order[n:], float("-inf"))
 
 
 class TorchSteps:

@@ -118,15 +118,26 @@ async def test_chat_whole_and_streamed(stack: PlaneStack, oa: openai.AsyncOpenAI
     assert all(c.object == "chat.completion.chunk" and c.usage is None for c in chunks)
 
 
-async def test_temperature_and_seed_reach_the_plane(stack: PlaneStack,
-                                                    oa: openai.AsyncOpenAI) -> None:
+async def test_temperature_top_p_and_seed_reach_the_plane(stack: PlaneStack,
+                                                          oa: openai.AsyncOpenAI) -> None:
     async with Client.connect(stack.url) as c:
         r = await c.invoke(MODEL, {"prompt": "x", "max_tokens": 30, "temperature": 1.5,
                                    "seed": 42}, deadline_ms=5000)
+        nucleus = await c.invoke(MODEL, {"prompt": "x", "max_tokens": 30, "temperature": 1.5,
+                                         "seed": 42, "top_p": 0.3}, deadline_ms=5000)
     sampled = await oa.completions.create(model=MODEL, prompt="x", max_tokens=30,
                                           temperature=1.5, seed=42)
     assert sampled.choices[0].text == r.json()["text"]
-    assert sampled.choices[0].text != await plane_text(stack, 30, "x")  # not greedy
+    greedy = await plane_text(stack, 30, "x")
+    assert sampled.choices[0].text != greedy  # not greedy
+    narrowed = await oa.completions.create(model=MODEL, prompt="x", max_tokens=30,
+                                           temperature=1.5, seed=42, top_p=0.3)
+    assert narrowed.choices[0].text == nucleus.json()["text"] != sampled.choices[0].text
+    only_likeliest = await oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=30,
+        temperature=1.5, seed=42, top_p=0.0)
+    assert only_likeliest.choices[0].message.content == await plane_text(
+        stack, 30, "user: x\nassistant:")  # top_p 0: the likeliest token each time
 
 
 async def test_a_busy_plane_is_a_rate_limit_error(stack: PlaneStack, admin: NATS,
@@ -187,6 +198,12 @@ async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOp
     with pytest.raises(openai.BadRequestError, match="temperature"):
         await oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                          temperature=3.0)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        await oa.completions.create(model=MODEL, prompt="x", temperature=1.0, top_p=1.5)
+    with pytest.raises(openai.BadRequestError, match=r"'user'.*got 'usr' - at `\$\.messages\[0\]`"):
+        await oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "usr", "content": "x"}],  # type: ignore[misc, list-item]
+            max_tokens=4)
     async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="wrong-token",
                                   max_retries=0) as stranger:
         with pytest.raises(openai.AuthenticationError):

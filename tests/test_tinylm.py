@@ -58,8 +58,9 @@ PROMPTS = [b"", b"a", b"The plane streams tokens.", bytes(range(0, 256, 7)), b"x
 
 
 def generate(lm: TinyLM, prompt: bytes, max_tokens: int, temperature: float = 0.0,
-             seed: int = 0, state: GenState | None = None) -> bytes:  # fmt: skip
-    s = lm.start(prompt, max_tokens, temperature, seed, state=state)
+             seed: int = 0, state: GenState | None = None,
+             top_p: float = 1.0) -> bytes:
+    s = lm.start(prompt, max_tokens, temperature, seed, top_p=top_p, state=state)
     out = bytearray()
     while (token := lm.step(s)) is not None:
         out.append(token)
@@ -259,6 +260,52 @@ def test_a_seed_gives_the_same_bytes_and_another_seed_others(torch_lm: TinyLM) -
     assert generate(torch_lm, b"Once", 32, 1.0, seed=43) != first
 
 
+def nucleus_of(logits: torch.Tensor, temperature: float, top_p: float) -> set[int]:
+    """The tokens top-p sampling may draw, from the probabilities as a textbook states them:
+    the likeliest first, until their sum reaches top_p (at least one)."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    ranked = sorted(range(len(probs)), key=lambda t: -float(probs[t]))
+    kept, total = [], 0.0
+    for t in ranked:
+        kept.append(t)
+        total += float(probs[t])
+        if total >= top_p:
+            break
+    return set(kept)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 0.5), (2.0, 0.8)])
+def test_top_p_draws_only_from_the_nucleus(torch_lm: TinyLM, temperature: float,
+                                           top_p: float) -> None:
+    prompt, outside = b"Once upon", 0
+    for seed in range(6):
+        out = generate(torch_lm, prompt, 24, temperature, seed, top_p=top_p)
+        tokens = [END, *prompt]
+        for byte in out:
+            logits = reference_logits(torch_lm.w, tokens)[-1]
+            nucleus = nucleus_of(logits, temperature, top_p)
+            assert byte in nucleus, (seed, len(tokens), byte, sorted(nucleus))
+            tokens.append(byte)
+        # Without the nucleus, the same seed draws outside it: top_p changes the stream.
+        unbounded = generate(torch_lm, prompt, 24, temperature, seed)
+        tokens = [END, *prompt]
+        for byte in unbounded:
+            nucleus = nucleus_of(reference_logits(torch_lm.w, tokens)[-1], temperature, top_p)
+            outside += byte not in nucleus
+            tokens.append(byte)
+            if byte not in nucleus:
+                break
+    assert outside >= 3
+
+
+def test_top_p_one_is_plain_sampling_and_zero_the_likeliest_token(torch_lm: TinyLM) -> None:
+    for seed in (0, 7, 2**40):
+        assert generate(torch_lm, b"Once", 32, 1.2, seed, top_p=1.0) == generate(
+            torch_lm, b"Once", 32, 1.2, seed)
+        assert generate(torch_lm, b"Once", 32, 1.2, seed, top_p=0.0) == generate(
+            torch_lm, b"Once", 32)  # greedy
+
+
 def test_the_model_seed_changes_the_model() -> None:
     assert generate(TinyLM.from_seed(0), b"hi", 16) != generate(TinyLM.from_seed(1), b"hi", 16)
 
@@ -329,6 +376,9 @@ def test_a_request_longer_than_the_context_is_refused(
         ({"temperature": float("inf")}, "temperature"),
         ({"seed": -1}, "seed"),
         ({"seed": 2**63}, "seed"),
+        ({"top_p": -0.01}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
     ],
 )
 def test_bad_requests_are_refused(torch_lm: TinyLM, kwargs: dict[str, float], match: str) -> None:
@@ -365,11 +415,11 @@ def test_interpreter_tests_in_a_fresh_process() -> None:
 # The torch path's scripted prefill and step (kernels.tinylm_script): the eager ops, bit for bit
 
 
-@pytest.mark.parametrize(("prompt", "temperature", "seed"),
-                         [(b"hello, plane", 0.0, 0), (b"\x00\xff any bytes", 0.8, 7),
-                          (b"x" * 200, 1.3, 2**40)])
+@pytest.mark.parametrize(("prompt", "temperature", "seed", "top_p"),
+                         [(b"hello, plane", 0.0, 0, 1.0), (b"\x00\xff any bytes", 0.8, 7, 1.0),
+                          (b"x" * 200, 1.3, 2**40, 1.0), (b"nucleus", 1.5, 3, 0.6)])
 def test_the_scripted_path_leaves_the_eager_paths_logits_bit_for_bit(
-        prompt: bytes, temperature: float, seed: int) -> None:
+        prompt: bytes, temperature: float, seed: int, top_p: float) -> None:
     w = TinyLMWeights.from_seed(3)
     no_end = dataclasses.replace(w, head_bias=w.head_bias.index_fill(0, torch.tensor(END), -1e9))
     scripted = TinyLM(no_end, torch.device("cpu"), use_kernel=False)
@@ -377,8 +427,8 @@ def test_the_scripted_path_leaves_the_eager_paths_logits_bit_for_bit(
     assert (scripted.decode_path, eager.decode_path) == ("one TorchScript call per token",
                                                           "eager ops")
     max_tokens = scripted.config.context - len(prompt) - 1  # to the end of the context
-    a = scripted.start(prompt, max_tokens, temperature, seed)
-    b = eager.start(prompt, max_tokens, temperature, seed)  # the prefill: scripted too
+    a = scripted.start(prompt, max_tokens, temperature, seed, top_p=top_p)
+    b = eager.start(prompt, max_tokens, temperature, seed, top_p=top_p)  # prefill: scripted too
     assert torch.equal(a.logits, b.logits) and torch.equal(a.k_cache, b.k_cache)
     assert torch.equal(a.v_cache, b.v_cache) and a.pos == b.pos == len(prompt) + 1
     steps = 0

@@ -84,13 +84,15 @@ TINYLM_MAX_TEMPERATURE = 2.0
 
 class TinyLMRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A generation: `prompt` (UTF-8; its bytes are the model's tokens), up to `max_tokens`
-    bytes out. Temperature 0 is greedy; a seed makes sampling repeatable."""
+    bytes out. Temperature 0 is greedy; a seed makes sampling repeatable; `top_p` below 1
+    samples from the nucleus only (the likeliest tokens whose probabilities add up to it)."""
 
     prompt: Annotated[str, msgspec.Meta(max_length=TINYLM_MAX_PROMPT)]
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=TINYLM_CONTEXT - 1)] = (
         TINYLM_DEFAULT_MAX_TOKENS)
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=TINYLM_MAX_TEMPERATURE)] = 0.0
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    top_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
 
     @property
     def prompt_bytes(self) -> bytes:

@@ -11,11 +11,12 @@ already have (the `openai` package, curl -N) work unchanged:
   `stream: false` (one JSON completion with `usage`) or `stream: true` (Server-Sent Events
   in OpenAI's chunk shape, `data: [DONE]` last; a usage chunk before it when
   `stream_options.include_usage`). `GET /v1/models` lists the models that stream.
-- `max_tokens` (chat: also `max_completion_tokens`), `temperature` and `seed` are the
-  plane's own (`tinylm`: greedy, temperature 0, when none is given, where OpenAI's default
-  is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `echo`, `best_of`,
-  `suffix`, tools) is a 400 naming it; other sampling knobs (`top_p`, penalties) are
-  ignored.
+- `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p` and `seed` are
+  the plane's own (`tinylm`: greedy, temperature 0, when none is given, where OpenAI's
+  default is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `echo`, `best_of`,
+  `suffix`, tools) is a 400 naming it; the penalties (`frequency_penalty`,
+  `presence_penalty`) are ignored. A chat message's role is one of OpenAI's (`system`,
+  `developer`, `user`, `assistant`, `tool`, `function`), else a 400.
 - Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: a refusal is
   a 429 with `Retry-After` (seconds) and `Retry-After-Ms` (both of which the `openai`
   package honours when it retries) and `code` the plane's reason; a `deadline` or
@@ -228,7 +229,8 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
         return error_response(400, f"not supported by the plane: {', '.join(bad)}",
                               code="unsupported_parameter"), model
     body = _json.encode(PlaneBody(prompt=prompt, max_tokens=asked.tokens(),
-                                  temperature=asked.temperature, seed=asked.seed))
+                                  temperature=asked.temperature, seed=asked.seed,
+                                  top_p=asked.top_p))
     args = call_args(caller, request)
     created = int(time.time())  # a wall-clock stamp, as OpenAI's
     if asked.stream:

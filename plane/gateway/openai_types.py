@@ -21,6 +21,7 @@ class _Asked(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,9 +64,19 @@ class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
     text: str | None = None
 
 
+# OpenAI's roles: any other is a 400 that names these (a typo would otherwise be rendered into
+# the prompt as it came).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:  # msgspec reports it at its path, `$.messages[i]`
+            raise ValueError(f"role must be one of {', '.join(map(repr, CHAT_ROLES))}, "
+                             f"got {self.role!r}")
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -105,6 +116,7 @@ class PlaneBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_tokens: int | None = None
     temperature: float | None = None
     seed: int | None = None
+    top_p: float | None = None
 
 
 # -- what they get back -------------------------------------------------------------------

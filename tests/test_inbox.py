@@ -7,16 +7,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
+import nats
 import nats.errors
 import pytest
+import uvloop
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.publish import publish
+from plane.contract.soon_flush import use_soon_flush
 from plane.contract.subjects import Header
-from plane.router.inbox import INTERVAL_S, TARGET_S, TURN_EVERY_S, Inbox, stale, turn_due
+from plane.contract.taken_as_read import take_as_read
+from plane.router.inbox import (
+    INTERVAL_S,
+    TARGET_S,
+    TURN_EVERY_S,
+    Inbox,
+    stale,
+    turn,
+    turn_due,
+)
 from plane.router.requests import RequestPath
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, client, plane, status
@@ -185,6 +200,64 @@ async def test_a_run_of_reads_lets_the_loop_turn_every_millisecond() -> None:
         await fill(nc, sub, "inbox.turns", [("after", None)])
         # The queue was emptied: its task waited for this one, so the loop turned.
         assert not turn_due(await take(sub, clock, 0.01))
+
+
+async def a_read_set_off_during_a_turn(url: str) -> bool:
+    """A done-event in the socket as a backlog turns (`turn`): read as it is read, it wakes a
+    parked holder, who publishes. Whether that publish was written when the turn ended."""
+    router = await nats.connect(url)
+    try:
+        use_soon_flush(router)
+        woken = asyncio.get_running_loop().create_future()
+        take_as_read(await router.subscribe("done"), lambda msg: woken.set_result(None))
+        await router.flush()
+
+        async def holder() -> None:
+            await woken
+            await publish(router, "slot", b"placed", {"Plane-Request-Id": "r1"})
+
+        parked = asyncio.create_task(holder())
+        await asyncio.sleep(0)  # it waits on its future
+        # The backlog's run: the loop blocked while the node's done-event reaches our socket
+        # (sent here on a blocking socket, so that nothing of it is read before the turn).
+        publish_blocking(url, "done", b"{}")
+        time.sleep(0.05)  # noqa: ASYNC251 (the loop blocked is the point: a backlog's run)
+        await turn()
+        written = parked.done() and not router._pending
+        await parked
+        return written
+    finally:
+        await router.close()
+
+
+def publish_blocking(url: str, subject: str, payload: bytes) -> None:
+    """A core NATS publish on a plain socket, its PONG awaited: no event loop runs."""
+    host, port = url.removeprefix("nats://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.recv(4096)  # INFO
+        s.sendall(b'CONNECT {"verbose":false}\r\nPUB ' + subject.encode()
+                  + b" %d\r\n" % len(payload) + payload + b"\r\nPING\r\n")
+        got = b""
+        while b"PONG" not in got:
+            got += s.recv(4096)
+
+
+def on_uvloop(url: str) -> bool:
+    return uvloop.run(a_read_set_off_during_a_turn(url))
+
+
+async def test_a_turn_lets_what_a_read_sets_off_run_to_its_write(
+        nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backlog resumes only once the done-event read in the turn has woken the holder, the
+    holder has published and the publish is on the socket, on the loop the tests use and on
+    the one the plane runs (uvloop). A turn of one round leaves it all for later (the backlog
+    runs first at each step)."""
+    for _ in range(3):
+        assert await a_read_set_off_during_a_turn(nats_server.url)
+        assert await asyncio.to_thread(on_uvloop, nats_server.url)
+    monkeypatch.setattr("plane.router.inbox.TURN_ROUNDS", 1)
+    assert not await asyncio.to_thread(on_uvloop, nats_server.url)
+    assert not await a_read_set_off_during_a_turn(nats_server.url)
 
 
 async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None:

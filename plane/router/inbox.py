@@ -21,8 +21,10 @@ the bound after CoDel):
   router has been behind): it costs a reply, not a decision, and its caller learns within
   about that bound instead of a second later. A holder is never refused for its wait.
 - A run of reads back to back marks, every `TURN_EVERY_S`, a message before which the loop
-  is to turn (`RequestPath.on_request`): the socket is read and the done-events heard while
-  a backlog is worked through.
+  is to turn (`RequestPath.on_request`, `turn`): the socket is read and the done-events heard
+  while a backlog is worked through, and what they set off (a parked holder placed, a
+  node's delivery started and answered, in `plane up`) is done and written before the
+  backlog resumes.
 
 The discipline sits in the subscription's own queue (nats-py's `_pending_queue`, an
 `asyncio.Queue`: its `put_nowait` wrapped by `plane.router.receipt` to stamp the receipt and
@@ -48,6 +50,18 @@ INTERVAL_S = 0.020  # formed this long without clearing: the router is behind
 # Requests handled back to back for this long: let the loop turn before the next (the
 # socket read, done-events handled first: `RequestPath.on_request`).
 TURN_EVERY_S = 0.001
+# A turn is this many rounds of the loop, not one. A task that yields once is back at the head
+# of the next round, ahead of what the socket's read set off: on uvloop round 1 polls the
+# sockets and queues nats-py's read tasks, round 2 runs them (a done-event frees a slot and
+# wakes a parked holder; in `plane up` a slot's delivery wakes its slot), round 3 runs the
+# woken (the holder decides and publishes, the slot answers), round 4 writes what they
+# published (`plane.contract.soon_flush`); the stdlib loop takes one round more (its reads'
+# callbacks run after the turning task's). Resumed after one round, the backlog ran ahead of
+# each of those steps for another TURN_EVERY_S: a freed slot waited ~3 ms for its next
+# request under a flood (`plane up`, 2 slots of 5 ms, `hey -c 50` through the gateway: 200s
+# in 5 s 1,005 and 1,036 with one round, 1,014 and 1,003 with two, 1,162 and 1,160 with
+# four, 1,124 and 1,162 with eight; BENCHMARKS.md, thirty-fourth session).
+TURN_ROUNDS = 5
 # On a Msg to be refused unread: (how long it waited, how long the router has been behind), s.
 _STALE = "_plane_stale"
 _TURN = "_plane_turn"  # on a Msg before which the loop is to turn
@@ -151,3 +165,10 @@ def stale(msg: Msg) -> tuple[float, float] | None:
 def turn_due(msg: Msg) -> bool:
     """Whether the loop is to turn before `msg` is handled."""
     return getattr(msg, _TURN, False)
+
+
+async def turn() -> None:
+    """Let the loop turn TURN_ROUNDS times: what the socket's read sets off runs to its
+    write before the caller goes on."""
+    for _ in range(TURN_ROUNDS):
+        await asyncio.sleep(0)

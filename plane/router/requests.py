@@ -60,7 +60,7 @@ from plane.router.admission import (
     ticket_owner,
 )
 from plane.router.fairness import FairShare
-from plane.router.inbox import Inbox, stale, turn_due
+from plane.router.inbox import Inbox, stale, turn, turn_due
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
@@ -241,7 +241,7 @@ class RequestPath:
             # to turn every 32 requests: ~10 ms on a GPU host's saturated router (~300 us a
             # decision), 58 ms in `benchmarks/router_limit.py`, whose goodput that cut from
             # 648/s to 83/s.
-            await asyncio.sleep(0)
+            await turn()
         if (late := stale(msg)) is not None:
             await self._shed_stale(msg, *late)
             return

@@ -84,10 +84,14 @@ async def main() -> None:
                  "bench.relay"], stdout=subprocess.PIPE, text=True)
             procs.append(relay)
             await wait_ready(relay, "ready")
+            # In this tree: `python -m` puts the working directory first on sys.path, ahead
+            # of PYTHONPATH, so run from elsewhere it ran that directory's plane (an A/B of
+            # `PYTHONPATH=<tree> <tree>/benchmarks/plane_vs_floor.py` from a checkout timed
+            # the checkout twice).
             up = subprocess.Popen(
                 [*PLANE, "up", "--nats", srv.url, "--models", "calibrated",
                  "--slots", str(args.slots), "--backend", args.backend, "--log-level", "warning"],
-                stdout=subprocess.PIPE, text=True)
+                stdout=subprocess.PIPE, text=True, cwd=ROOT)
             procs.append(up)
             await wait_ready(up, "Ctrl-C")
             nc = await nats.connect(srv.url)

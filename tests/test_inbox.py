@@ -1,6 +1,6 @@
 """The order in which a router reads its requests (`plane.router.inbox`): in order while it
 keeps up; once behind, ticket holders first, then the newest, the stale refused unread one
-between two decisions; the loop let turn every millisecond of a run. Messages go through a
+between two decisions; the loop let turn every TURN_EVERY_S of a run. Messages go through a
 real server into a real subscription; the inbox's clock is ours, so the waits are exact."""
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ async def test_the_router_reads_first_only_what_holds_a_promise_of_the_plane() -
         assert status(await held) == 200
 
 
-async def test_a_run_of_reads_lets_the_loop_turn_every_millisecond() -> None:
+async def test_a_run_of_reads_lets_the_loop_turn_every_turn_every_s() -> None:
     async with plane(models=()) as stack, client(stack.url) as nc:
         clock = Clock()
         sub = await nc.subscribe("inbox.turns")

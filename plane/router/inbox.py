@@ -48,8 +48,13 @@ from plane.router.receipt import received_s, stamp_receipt
 TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
 INTERVAL_S = 0.020  # formed this long without clearing: the router is behind
 # Requests handled back to back for this long: let the loop turn before the next (the
-# socket read, done-events handled first: `RequestPath.on_request`).
-TURN_EVERY_S = 0.001
+# socket read, done-events handled first: `RequestPath.on_request`). It bounds how long a
+# freed slot, a woken holder or (in `plane up`) a slot's delivery waits behind a backlog:
+# under a flood (`benchmarks/gateway_flood.py`, 2 slots of 5 ms, 50 hey workers) 200s a
+# second 229 with 1 ms, 241-242 with 0.5 ms, 251 with 0.25 ms (each turn costs its rounds,
+# ~20 us: a router saturated by its decisions, a GPU host's, turns before most of them at
+# 0.25 ms). BENCHMARKS.md, thirty-fourth session.
+TURN_EVERY_S = 0.0005
 # A turn is this many rounds of the loop, not one. A task that yields once is back at the head
 # of the next round, ahead of what the socket's read set off: on uvloop round 1 polls the
 # sockets and queues nats-py's read tasks, round 2 runs them (a done-event frees a slot and
@@ -57,10 +62,11 @@ TURN_EVERY_S = 0.001
 # woken (the holder decides and publishes, the slot answers), round 4 writes what they
 # published (`plane.contract.soon_flush`); the stdlib loop takes one round more (its reads'
 # callbacks run after the turning task's). Resumed after one round, the backlog ran ahead of
-# each of those steps for another TURN_EVERY_S: a freed slot waited ~3 ms for its next
-# request under a flood (`plane up`, 2 slots of 5 ms, `hey -c 50` through the gateway: 200s
-# in 5 s 1,005 and 1,036 with one round, 1,014 and 1,003 with two, 1,162 and 1,160 with
-# four, 1,124 and 1,162 with eight; BENCHMARKS.md, thirty-fourth session).
+# each of those steps for another TURN_EVERY_S: under a flood (`plane up`, 2 slots of 5 ms,
+# `hey -c 50` through the gateway) a freed slot's cycle took 4.4 ms beyond its work on
+# average, 3.1 ms with these rounds, and the 200s a second went from 210 to 229
+# (`benchmarks/gateway_flood.py`; two rounds were no better than one, four as good as
+# eight; BENCHMARKS.md, thirty-fourth session).
 TURN_ROUNDS = 5
 # On a Msg to be refused unread: (how long it waited, how long the router has been behind), s.
 _STALE = "_plane_stale"

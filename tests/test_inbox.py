@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import time
 
@@ -221,7 +222,9 @@ async def a_read_set_off_during_a_turn(url: str) -> bool:
         # The backlog's run: the loop blocked while the node's done-event reaches our socket
         # (sent here on a blocking socket, so that nothing of it is read before the turn).
         publish_blocking(url, "done", b"{}")
-        time.sleep(0.05)  # noqa: ASYNC251 (the loop blocked is the point: a backlog's run)
+        sock = router._transport._io_writer.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        readable, _, _ = select.select([sock], [], [], 10)  # the loop blocked, as by a backlog
+        assert readable, "the done-event did not reach the router's socket"
         await turn()
         written = parked.done() and not router._pending
         await parked

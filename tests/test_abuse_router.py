@@ -74,15 +74,19 @@ async def test_router_reports_a_connection_closed_for_good() -> None:
 async def test_a_flood_is_shed_at_once_and_each_request_answered_once() -> None:
     """More requests in hand (awaiting their PubAck, parked, forwarded) than `max_routing`:
     the rest are refused 429 on arrival, with no state per request, and every request still
-    gets exactly one answer. (A limit of one: any request that arrives while a placement
-    awaits the broker's answer is shed.)"""
+    gets exactly one answer. (A limit of one: any request handled while a placement awaits
+    the broker's answer is shed. Work of 0 us frees the slots at once, so that placements,
+    and their waits for the broker, come all through the flood: with 20 ms of work only the
+    first two were placed, and a loop that let their PubAcks in before the next request,
+    as a slow host's turns do, shed nothing.)"""
     async with plane(models=("calibrated",), slots=2, backend="torch",
                      router_overrides={"max_routing": 1}) as stack:
         nc = await nats.connect(stack.url)
         try:
             # Fewer than the subscription's pending limit (512), so none is dropped by nats-py
-            # (answered with a fresh id: the drop leaves no headers, see design.md).
-            ledger = await flood(nc, 500, work_us=20_000)
+            # (answered with a fresh id: the drop leaves no headers, see design.md). Unread
+            # until all are in the socket: read back to back, as a flood is.
+            ledger = await flood(nc, 500, work_us=0, unread_s=0.2)
             await ledger.settle(20)
             assert ledger.unanswered() == [] and ledger.answered_twice() == []
             shed = stack.metrics.shed.labels("calibrated")._value.get()

@@ -49,12 +49,13 @@ TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
 INTERVAL_S = 0.020  # formed this long without clearing: the router is behind
 # Requests handled back to back for this long: let the loop turn before the next (the
 # socket read, done-events handled first: `RequestPath.on_request`). It bounds how long a
-# freed slot, a woken holder or (in `plane up`) a slot's delivery waits behind a backlog:
-# under a flood (`benchmarks/gateway_flood.py`, 2 slots of 5 ms, 50 hey workers) 200s a
-# second 229 with 1 ms, 241-242 with 0.5 ms, 251 with 0.25 ms (each turn costs its rounds,
-# ~20 us: a router saturated by its decisions, a GPU host's, turns before most of them at
-# 0.25 ms). BENCHMARKS.md, thirty-fourth session.
-TURN_EVERY_S = 0.0005
+# freed slot, a woken holder or (in `plane up`) a slot's delivery waits behind a backlog,
+# and each turn adds what runs in it to the wait of the requests behind: under a flood
+# (`benchmarks/gateway_flood.py`, 2 slots of 5 ms, 50 hey workers) 200s a second 229 with 1
+# ms, 241-242 with 0.5 ms, 251 with 0.25 ms; but at 2x of 4 slots of 2 ms the refusals
+# decided within 1 ms of their receipt fell from 99.9% to 98.2-99.3% with 0.5 ms (99.9-100%
+# with 1 ms): "refused at once" is the promise. BENCHMARKS.md, thirty-fourth session.
+TURN_EVERY_S = 0.001
 # A turn is this many rounds of the loop, not one. A task that yields once is back at the head
 # of the next round, ahead of what the socket's read set off: on uvloop round 1 polls the
 # sockets and queues nats-py's read tasks, round 2 runs them (a done-event frees a slot and

@@ -37,15 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.children import child, until  # noqa: E402
+from benchmarks.cpu_per_request import CLK_TCK, cpu_ticks  # noqa: E402
 from plane.contract.processes import free_port  # noqa: E402
 
 PLANE = [sys.executable, "-m", "plane"]
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime
 
 
 def serves(log: Path) -> bool:
@@ -71,14 +66,15 @@ def ready(url: str) -> bool:
 
 async def flood(hey: str, base: str, body: str, workers: int, duration_s: float,
                 pids: tuple[int, int, int], ideal_per_s: float) -> dict[str, float]:
-    cpu0 = tuple(cpu_s(p) for p in pids)
+    cpu0 = tuple(cpu_ticks(p) for p in pids)
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         hey, "-z", f"{duration_s}s", "-c", str(workers), "-m", "POST", "-d", body,
         f"{base}/v1/infer/calibrated", stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     wall_s = time.monotonic() - t0
-    up_cpu, gw_cpu, nats_cpu = (cpu_s(p) - c for p, c in zip(pids, cpu0, strict=True))
+    up_cpu, gw_cpu, nats_cpu = ((cpu_ticks(p) - c) / CLK_TCK
+                                for p, c in zip(pids, cpu0, strict=True))
     codes = {int(c): int(n)
              for c, n in re.findall(r"\[(\d{3})\]\s+(\d+) responses", out.decode())}
     total = sum(codes.values())

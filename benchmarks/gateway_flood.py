@@ -64,13 +64,22 @@ def ready(url: str) -> bool:
         return False
 
 
-async def flood(hey: str, base: str, body: str, workers: int, duration_s: float,
+def hey_load(spec: str) -> tuple[int, float | None]:
+    """`N` (hey's workers, each sending its next request when answered) or `N@Q` (each worker
+    at most Q requests a second: hey's -q, a rate; hey's workers then send together)."""
+    workers, _, rate = spec.partition("@")
+    return int(workers), float(rate) if rate else None
+
+
+async def flood(hey: str, base: str, body: str, spec: str, duration_s: float,
                 pids: tuple[int, int, int], ideal_per_s: float) -> dict[str, float]:
+    workers, rate = hey_load(spec)
     cpu0 = tuple(cpu_ticks(p) for p in pids)
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        hey, "-z", f"{duration_s}s", "-c", str(workers), "-m", "POST", "-d", body,
-        f"{base}/v1/infer/calibrated", stdout=asyncio.subprocess.PIPE)
+        hey, "-z", f"{duration_s}s", "-c", str(workers), *(("-q", f"{rate:g}") if rate else ()),
+        "-m", "POST", "-d", body, f"{base}/v1/infer/calibrated",
+        stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     wall_s = time.monotonic() - t0
     up_cpu, gw_cpu, nats_cpu = ((cpu_ticks(p) - c) / CLK_TCK
@@ -78,11 +87,16 @@ async def flood(hey: str, base: str, body: str, workers: int, duration_s: float,
     codes = {int(c): int(n)
              for c, n in re.findall(r"\[(\d{3})\]\s+(\d+) responses", out.decode())}
     total = sum(codes.values())
-    return {"workers": workers, "requests_per_s": total / duration_s,
+    # hey's latency distribution is of every answer, 429s (fast) and 200s alike.
+    pcts = {int(q): float(v) * 1000
+            for q, v in re.findall(r"(\d+)% in ([0-9.]+) secs", out.decode())}
+    return {"workers": workers, "rate_per_worker": rate or 0.0,
+            "requests_per_s": total / duration_s,
             "ok_per_s": codes.get(200, 0) / duration_s,
             "refused_per_s": codes.get(429, 0) / duration_s,
             "other": total - codes.get(200, 0) - codes.get(429, 0),
             "ideal_per_s": ideal_per_s,
+            "p50_ms": pcts.get(50, 0.0), "p99_ms": pcts.get(99, 0.0),
             "cpu_up": up_cpu / wall_s, "cpu_gateway": gw_cpu / wall_s,
             "cpu_nats": nats_cpu / wall_s}
 
@@ -112,9 +126,9 @@ async def floods(hey: str, args: argparse.Namespace, logs: Path) -> list[dict[st
             await warm.wait()
             assert up.pid is not None and gw.pid is not None
             server = nats_server_of(up.pid)
-            return [await flood(hey, base, body, int(n), args.duration,
+            return [await flood(hey, base, body, spec, args.duration,
                                 (up.pid, gw.pid, server), args.slots * 1e6 / args.work_us)
-                    for n in args.concurrency.split(",")]
+                    for spec in args.concurrency.split(",")]
 
 
 async def main() -> None:
@@ -123,7 +137,8 @@ async def main() -> None:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--work-us", type=int, default=5000)
     ap.add_argument("--concurrency", default="4,50",
-                    help="hey's workers, one run each, in this order, on one plane")
+                    help="hey's workers, one run each, in this order, on one plane; N@Q: "
+                         "N workers at most Q requests a second each (hey -q)")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per run")
     ap.add_argument("--log-level", default="info", choices=("info", "warning"),
                     help="of plane up and the gateway (info: their defaults, sampled lines)")
@@ -141,13 +156,16 @@ async def main() -> None:
           f"{platform.python_version()}; {args.slots} slots x {args.work_us} us calibrated, "
           f"`plane up` + `plane gateway` (log level {args.log_level}), hey for "
           f"{args.duration:.0f} s per row\n")
-    print("| hey workers | requests/s | 200/s | of the slots' ideal | 429/s | other | CPU plane up "
-          "| CPU gateway | CPU nats-server |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| hey workers | requests/s | 200/s | of the slots' ideal | 429/s | other "
+          "| p50 / p99 ms (all answers) | CPU plane up | CPU gateway | CPU nats-server |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['workers']} | {r['requests_per_s']:.0f} | {r['ok_per_s']:.1f} | "
+        workers = (f"{r['workers']} at {r['rate_per_worker']:g}/s"
+                   if r["rate_per_worker"] else f"{r['workers']}")
+        print(f"| {workers} | {r['requests_per_s']:.0f} | {r['ok_per_s']:.1f} | "
               f"{r['ok_per_s'] / r['ideal_per_s']:.1%} | {r['refused_per_s']:.0f} | "
-              f"{r['other']:.0f} | {r['cpu_up']:.0%} | {r['cpu_gateway']:.0%} | "
+              f"{r['other']:.0f} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} | {r['cpu_up']:.0%} | "
+              f"{r['cpu_gateway']:.0%} | "
               f"{r['cpu_nats']:.0%} |")
 
 

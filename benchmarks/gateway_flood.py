@@ -72,12 +72,14 @@ def hey_load(spec: str) -> tuple[int, float | None]:
 
 
 async def flood(hey: str, base: str, body: str, spec: str, duration_s: float,
-                pids: tuple[int, int, int], ideal_per_s: float) -> dict[str, float]:
+                pids: tuple[int, int, int], ideal_per_s: float,
+                wait_ms: int | None = None) -> dict[str, float]:
     workers, rate = hey_load(spec)
     cpu0 = tuple(cpu_ticks(p) for p in pids)
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         hey, "-z", f"{duration_s}s", "-c", str(workers), *(("-q", f"{rate:g}") if rate else ()),
+        *(("-H", f"Plane-Wait-Ms: {wait_ms}") if wait_ms else ()),
         "-m", "POST", "-d", body, f"{base}/v1/infer/calibrated",
         stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
@@ -90,7 +92,7 @@ async def flood(hey: str, base: str, body: str, spec: str, duration_s: float,
     # hey's latency distribution is of every answer, 429s (fast) and 200s alike.
     pcts = {int(q): float(v) * 1000
             for q, v in re.findall(r"(\d+)% in ([0-9.]+) secs", out.decode())}
-    return {"workers": workers, "rate_per_worker": rate or 0.0,
+    return {"workers": workers, "rate_per_worker": rate or 0.0, "wait_ms": wait_ms or 0,
             "requests_per_s": total / duration_s,
             "ok_per_s": codes.get(200, 0) / duration_s,
             "refused_per_s": codes.get(429, 0) / duration_s,
@@ -127,8 +129,9 @@ async def floods(hey: str, args: argparse.Namespace, logs: Path) -> list[dict[st
             assert up.pid is not None and gw.pid is not None
             server = nats_server_of(up.pid)
             return [await flood(hey, base, body, spec, args.duration,
-                                (up.pid, gw.pid, server), args.slots * 1e6 / args.work_us)
-                    for spec in args.concurrency.split(",")]
+                                (up.pid, gw.pid, server), args.slots * 1e6 / args.work_us,
+                                wait_ms)
+                    for wait_ms in args.wait_ms for spec in args.concurrency.split(",")]
 
 
 async def main() -> None:
@@ -140,6 +143,9 @@ async def main() -> None:
                     help="hey's workers, one run each, in this order, on one plane; N@Q: "
                          "N workers at most Q requests a second each (hey -q)")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per run")
+    ap.add_argument("--wait-ms", type=lambda v: [int(x) or None for x in v.split(",")],
+                    default=[None], help="hey sends Plane-Wait-Ms: N (0: none); several, "
+                    "comma separated: every concurrency with each, in turn")
     ap.add_argument("--log-level", default="info", choices=("info", "warning"),
                     help="of plane up and the gateway (info: their defaults, sampled lines)")
     ap.add_argument("--json", action="store_true")
@@ -162,6 +168,8 @@ async def main() -> None:
     for r in rows:
         workers = (f"{r['workers']} at {r['rate_per_worker']:g}/s"
                    if r["rate_per_worker"] else f"{r['workers']}")
+        if r["wait_ms"]:
+            workers += f", Plane-Wait-Ms {r['wait_ms']:g}"
         print(f"| {workers} | {r['requests_per_s']:.0f} | {r['ok_per_s']:.1f} | "
               f"{r['ok_per_s'] / r['ideal_per_s']:.1%} | {r['refused_per_s']:.0f} | "
               f"{r['other']:.0f} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} | {r['cpu_up']:.0%} | "

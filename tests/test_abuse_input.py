@@ -88,6 +88,7 @@ BAD_HEADERS: list[dict[str, str]] = [
     {Header.AVOID_NODE: "bad.node"},
     {Header.AVOID_NODE: "n" * 65},
     {Header.CONTENT_TYPE: "a" * 200},
+    *({Header.WAIT_MS: v} for v in ("0", "-1", "+5", "5.0", "600001", "\u00b2", "1" * 50)),
     # The router publishes to a wake inbox: never a wildcard, never a subject outside the
     # callers' inboxes (a slot's would put an empty message on the slot).
     *({Header.WAKE: v} for v in (
@@ -118,7 +119,7 @@ async def test_router_refuses_every_bad_caller_header_400_and_echoes_the_valid_i
         assert not wrong, wrong
         m = await ask(nc, {Header.DEADLINE_MS: "600000", Header.ATTEMPT: "2",
                            Header.AVOID_NODE: "node9", Header.TICKET: "r-x-00000000",
-                           Header.WAKE: "_INBOX.Ab-1_z.2"})
+                           Header.WAKE: "_INBOX.Ab-1_z.2", Header.WAIT_MS: "600000"})
         assert status(m) == 200
     assert stack.routers[0].nc.stats["reconnects"] == 0
 

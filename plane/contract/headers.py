@@ -17,6 +17,7 @@ Limits (also in docs/design.md, "Headers"):
   Plane-Attempt      ASCII decimal, 1..MAX_ATTEMPT
   Plane-Ticket       1..128 visible ASCII characters
   Plane-Avoid-Node   a node name: 1..64 of A-Z a-z 0-9 _ -
+  Plane-Wait-Ms      ASCII decimal, 1..MAX_DEADLINE_MS
   Plane-Wake         an inbox: `_INBOX.` then dot-separated tokens of A-Z a-z 0-9 _ -, at most
                      128 characters (the router publishes to it: never a wildcard, never
                      a subject outside the callers' inboxes, such as a slot's)
@@ -85,6 +86,7 @@ class CallerHeaders(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False  # `Plane-Stream: 1`: answer as a stream
     stream_deadline_ms: int | None = None  # budget for the whole stream (streams only)
     wake: str | None = None  # the caller's inbox, where the router calls a holder back
+    wait_ms: int | None = None  # how long it will wait for its start rather than a 429
 
 
 def _wake(headers: Mapping[str, str]) -> str | None:
@@ -163,6 +165,7 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
             stream=_stream(headers),
             stream_deadline_ms=_number(headers, Header.STREAM_DEADLINE_MS, MAX_DEADLINE_MS),
             wake=_wake(headers),
+            wait_ms=_number(headers, Header.WAIT_MS, MAX_DEADLINE_MS),
         )
     except InvalidToken:
         raise BadRequest(f"{Header.AVOID_NODE} must be a node name (1..64 of A-Z a-z 0-9 _ -), "

@@ -55,6 +55,9 @@ class Header:
     # Request: an inbox of the caller's (`_INBOX.` and tokens) where the router says, with a
     # message carrying the ticket, that a promised slot freed before the ticket's Retry-After.
     WAKE = "Plane-Wake"
+    # Request: how long (ms) a newcomer will wait at the router for its start rather than be
+    # refused (a caller that does not retry a 429; docs/design.md, "Retry-After").
+    WAIT_MS = "Plane-Wait-Ms"
     # Request: the tenant, as a trusted sender inside the plane's own account says (the HTTP
     # gateway, from its bearer tokens). A tenant's own requests arrive through a service
     # import, and then the server's `Nats-Request-Info` names its account instead.

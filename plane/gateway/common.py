@@ -124,6 +124,8 @@ def call_args(caller: CallerHeaders, request: web.Request) -> CallOptions:
     extra = {h: v for h in TRACE_HEADERS if (v := http.get(h)) and len(v) <= TRACE_HEADER_MAX}
     if tenant := request.get(TENANT_KEY):
         extra[Header.TENANT] = tenant
+    if caller.wait_ms is not None:
+        extra[Header.WAIT_MS] = str(caller.wait_ms)
     if extra:
         args["headers"] = extra
     return args

@@ -69,6 +69,10 @@ def _request_headers(*, streams: bool = False) -> list[dict[str, Any]]:
         _header(Header.TICKET, visible, "The ticket of an earlier 429, sent back on the retry."),
         _header(Header.AVOID_NODE, {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                 "A node that just answered 503: place this request elsewhere."),
+        _header(Header.WAIT_MS, {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS},
+                "How long you will wait (ms, from receipt) for the request's start rather "
+                "than be refused: for a caller that does not retry a 429. Absent: refused at "
+                "once when no slot is free in time (429 with Retry-After)."),
     ]
 
 

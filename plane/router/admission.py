@@ -70,26 +70,16 @@ MIN_REDEMPTION = 0.5
 # 4.2 ms against 1.9 ms for holders). One promise per freeing slot, so at most about one
 # waiter per slot.
 NEWCOMER_PARK_SHARE = 0.25
-# While callers do not come back (promises do not pin: `MIN_REDEMPTION`), a refusal is a
-# request lost, and a burst of them (a Kafka consumer's batch, `hey -q`'s workers sending
-# together) found the slots busy and was refused but for one a slot: `hey -c 10 -q 28`
-# through the gateway on 2 slots of 5 ms, ~0.9x of the capacity, got 56 answers a second
-# (two a burst), 20% of what it sent. So such a newcomer waits (parked, as above) for a
-# start predicted within NO_SHOW_PARK_CYCLES of its expected slot time from now (its
-# deadline allowing), but only while the newcomers of the last NO_SHOW_WINDOW_CYCLES p50
-# slot times (at least NO_SHOW_WINDOW_MIN_S; `ModelSlots.arrivals`) are no more than the
-# slots serve in that time plus one such burst: a burst is absorbed, a wait that drains; a
-# load past the capacity is refused as before, at once, and no queue stands. (Waiting
-# whatever the load, a queue stood under a load that lasts: at 2x of 2 x 5 ms and 4 x 20 ms
-# the answers a second stayed 101-104% of the closed loop's, as without the wait, and every
-# answer waited: p50 6.8 -> 27.5 ms, 23.6 -> 79.8 ms. Judged instead by whether the waiting
-# emptied now and then, as CoDel does, the wait grew back between the moments a slot freed
-# with nobody waiting: 4 x 20 ms at 2x, p99 81-85 ms against 28 ms.) The first moments of an
-# overload look like a burst: up to that many a slot wait then. Callers who come back are
-# told a time instead (a ticket): their wait is outside the plane, not in its latency.
-NO_SHOW_PARK_CYCLES = 4.0
-NO_SHOW_WINDOW_CYCLES = 16
-NO_SHOW_WINDOW_MIN_S = 0.05
+# A newcomer that says how long it will wait for its start (`Plane-Wait-Ms`: a caller that
+# will not come back, a batch sent at once) waits, parked for its own start in the schedule,
+# when that start is within its wait and its deadline, and is refused (with its ticket, as
+# any) when it is not or when its slot runs past the wait. Without it a burst larger than the
+# slots was refused but for one request a slot (`hey -c 10 -q 28` through the gateway, 2
+# slots of 5 ms, ~0.9x of the capacity: 20% of the requests answered 200). The plane does
+# not choose this wait for a caller: waiting for callers that never came back whenever the
+# newcomers stayed under the capacity plus a burst (tried) held a queue at the start of
+# every overload, for as long as the load took to tell from a burst (1.5x of 2 x 100 ms:
+# seconds, the accepted p99 several times the p50), and "refused at once" is the promise.
 # While callers come back, the newcomer waits only until the slot's predicted end plus its
 # spread to the p90 and this slack, then gets its ticket. (With a holder's window, at least
 # PARK_MIN_S, newcomers waited out slots that ran long and were refused anyway: 3 x 8 ms at
@@ -223,6 +213,8 @@ class Ask(msgspec.Struct, frozen=True):
     # When it reached the router (monotonic; None: `now_s`). A holder is on time if it came
     # in time, however long the router then took to get to it (`Admission._spared`).
     came_s: float | None = None
+    # How long it may wait here for its start, from when it came (`Plane-Wait-Ms`; 0: none).
+    wait_s: float = 0.0
 
     @property
     def judged_s(self) -> float:
@@ -491,8 +483,6 @@ class Admission:
         if len(ms.promises) <= len(ms.slots):
             ms.drained_s = ask.now_s  # for `depth`
         holder = self._holder(ms, ask)
-        if holder is None and ask.park_until_s is None:
-            ms.arrivals.add(ask.now_s)  # a newcomer (`_within_capacity`)
         free: list[SlotView] = []
         avoided: list[SlotView] = []
         for view in ms.ordered():
@@ -772,13 +762,11 @@ class Admission:
         if not may_promise:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
-        if may_park and holder is None and not on_call:
-            if start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6:
+        if may_park and holder is None:
+            if ask.wait_s and start_s <= min(self._waits_until(ask), ask.latest_start_s()):
+                return self._park_newcomer(ms, ask, start_s, narrow=False, asked=True)
+            if not on_call and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6:
                 return self._park_newcomer(ms, ask, start_s, narrow=pinned)
-            if (not pinned and start_s - now <= NO_SHOW_PARK_CYCLES * p.expected_us / 1e6
-                    and start_s <= ask.latest_start_s()
-                    and self._within_capacity(ms, len(free_s), p)):
-                return self._park_newcomer(ms, ask, start_s, narrow=False, deep=True)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         told_ms = wait_ms
         if on_call:
@@ -811,23 +799,18 @@ class Admission:
         )
 
     @staticmethod
-    def _within_capacity(ms: ModelSlots, slots: int, p: Prediction) -> bool:
-        """Whether the newcomers of the last window (`ModelSlots.arrivals`, decayed over it)
-        are no more than `slots` serve in it at the expected slot time, and a burst of
-        NO_SHOW_PARK_CYCLES a slot besides (checked as a burst comes: its own newcomers
-        count)."""
-        window_s = max(NO_SHOW_WINDOW_MIN_S, NO_SHOW_WINDOW_CYCLES * p.p50_us / 1e6)
-        served = slots * (window_s / (p.expected_us / 1e6) + NO_SHOW_PARK_CYCLES)
-        return ms.arrivals.within(window_s) <= served
+    def _waits_until(ask: Ask) -> float:
+        """Until when a newcomer that said how long it waits (`Ask.wait_s`) may wait."""
+        return (ask.came_s if ask.came_s is not None else ask.now_s) + ask.wait_s
 
     def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float, *,
-                       narrow: bool, deep: bool = False) -> Park:
-        """A newcomer, when a slot frees within moments (NEWCOMER_PARK_SHARE), or (`deep`)
-        while callers do not come back, when its start is near (NO_SHOW_PARK_CYCLES): it
-        waits here for that start, holding it with a promise of its own (kept like a parked
-        holder's: woken by the done-event, refused with a ticket if the window closes
-        first). `narrow` (callers come back): the window is the slot's spread, not a
-        holder's; `deep`: until its start plus the spread to the p99."""
+                       narrow: bool, asked: bool = False) -> Park:
+        """A newcomer, when a slot frees within moments (NEWCOMER_PARK_SHARE), or (`asked`)
+        one whose start is within the wait it asked for: it waits here for that start,
+        holding it with a promise of its own (kept like a parked holder's: woken by the
+        done-event, refused with a ticket if the window closes first). `narrow` (callers come
+        back): the window is the slot's spread, not a holder's; `asked`: until the start
+        plus the spread to the p99, within the wait."""
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
             service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
@@ -835,16 +818,16 @@ class Admission:
         promise.parked = True
         ms.promises.add(promise)
         p = ask.prediction
-        if narrow:
-            until_s = min(start_s + (p.likely_us - p.expected_us) / 1e6 + NEWCOMER_PARK_SLACK_S,
-                          ask.latest_start_s())
-        elif deep:
+        if asked:
             until_s = min(start_s + (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S,
+                          self._waits_until(ask), ask.latest_start_s())
+        elif narrow:
+            until_s = min(start_s + (p.likely_us - p.expected_us) / 1e6 + NEWCOMER_PARK_SLACK_S,
                           ask.latest_start_s())
         else:
             until_s = self._park_until(ms, ask, promise)
         ms.promises.expires_at(promise, until_s + PARK_MARGIN_S)
         self.notes.append(PromiseChange(ms.model, promise, made=True))
         self.tickets[promise.ticket] = promise
-        self.stats["newcomer-parked"] += 1
+        self.stats["newcomer-waits" if asked else "newcomer-parked"] += 1
         return Park(until_s, promise)

@@ -7,7 +7,6 @@ Pure bookkeeping, no I/O; times are monotonic seconds passed in by the caller.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from plane.contract.budget import ServiceWindow, TokenRates
@@ -104,25 +103,6 @@ class SlotView:
 
 
 @dataclass(slots=True)
-class Arrivals:
-    """A count of events that decays exponentially: about those of a window of time."""
-
-    count: float = 0.0
-    at_s: float = 0.0
-    window_s: float = 0.05
-
-    def add(self, now_s: float) -> None:
-        self.count = self.count * math.exp(min(0.0, self.at_s - now_s) / self.window_s) + 1
-        self.at_s = now_s
-
-    def within(self, window_s: float) -> float:
-        """The events of about the last `window_s` (as of the last event; the decay follows
-        the window it is asked for)."""
-        self.window_s = window_s
-        return self.count
-
-
-@dataclass(slots=True)
 class ModelSlots:
     model: str
     slots: dict[str, SlotView] = field(default_factory=dict)
@@ -135,8 +115,6 @@ class ModelSlots:
     # may stand longer before a slot keeps fewer promises (`Admission.depth`).
     drained_s: float | None = None
     standing_s: float = 0.0
-    # How fast newcomers come (`Admission._within_capacity`).
-    arrivals: Arrivals = field(default_factory=Arrivals)
 
     def apply_advert(self, advert: NodeAdvert, names: Names, now_s: float) -> list[str]:
         """Book a node's advert. A slot is placed on at the subject the plane's names give it

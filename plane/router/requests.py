@@ -416,7 +416,7 @@ class RequestPath:
                     # its inbox is in its own account, out of the router's reach; told the
                     # usual Retry-After, not one that counts on a call.
                     wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake,
-                    came_s=received),
+                    came_s=received, wait_s=(caller.wait_ms or 0) / 1000),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if owner is not None and owner != self.cfg.router_id and not forwarded:

@@ -12,6 +12,7 @@ from plane.contract.backoff import NO_RETRY, RetryPolicy
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import run as run_on_uvloop
+from plane.contract.subjects import Header
 from plane.pulse.api import pulse as run_pulse
 from plane.pulse.bodies import DEFAULT_DURATION_US, DEFAULT_MAX_TOKENS, body_from_option
 from plane.pulse.report import print_table, to_json, write_out
@@ -21,6 +22,11 @@ from plane.pulse.stream_cli import StreamOptions, run_stream_pulse
 from plane.pulse.targets import HttpTarget, NatsTarget, Target
 
 NO_DEADLINE_WAIT_MS = 30_000  # the SDK's own wait for a call without a deadline
+
+
+def plane_wait(start_wait_ms: int | None) -> dict[str, str]:
+    """`--wait-ms` as the request header that says it (none without it)."""
+    return {} if start_wait_ms is None else {Header.WAIT_MS: str(start_wait_ms)}
 
 
 def _headers(raw: tuple[str, ...]) -> dict[str, str]:
@@ -55,6 +61,10 @@ def _headers(raw: tuple[str, ...]) -> dict[str, str]:
 @click.option("--timeout-ms", type=click.IntRange(1, 2 * MAX_DEADLINE_MS), default=None,
               help="How long to wait for an answer, retries included (default: deadline + "
                    f"1000, or {NO_DEADLINE_WAIT_MS} without --deadline-ms).")
+@click.option("--wait-ms", "start_wait_ms", type=click.IntRange(1, MAX_DEADLINE_MS),
+              default=None,
+              help="Send Plane-Wait-Ms: each request waits up to this long at the router for "
+                   "its start rather than be refused (callers that do not retry).")
 @click.option("--retry/--no-retry", default=False, show_default=True,
               help="Retry 429s as the SDK does (Retry-After, ticket, backoff).")
 @click.option("--max-attempts", type=int, default=4, show_default=True)
@@ -89,7 +99,7 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
           creds: str | None, tls_ca: str | None, url: str | None, model: str,
           body: str | None, duration_us: int, rate: float, duration_s: float,
           arrivals: str | None, concurrency: int, deadline_ms: int | None,
-          timeout_ms: int | None, retry: bool,
+          timeout_ms: int | None, start_wait_ms: int | None, retry: bool,
           max_attempts: int, headers: tuple[str, ...], as_json: bool, out_dir: Path | None,
           progress: bool | None, stream: bool, stream_deadline_ms: int | None,
           max_tokens: int, capacity_x: float | None, callers: int, capacity_s: float,
@@ -139,10 +149,11 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
         target: Target
         if url is not None:
             target = HttpTarget(url, deadline_ms=deadline, timeout_ms=wait_ms, policy=policy,
-                                concurrency=concurrency, headers=_headers(headers))
+                                concurrency=concurrency, headers={
+                                    **_headers(headers), **plane_wait(start_wait_ms)})
         elif opts is not None:
             target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy,
-                                wait_ms=wait_ms)
+                                wait_ms=wait_ms, headers=plane_wait(start_wait_ms))
         else:
             raise ConfigError("give --nats URL (the plane) or --url URL (an HTTP endpoint)")
     except ConfigError as exc:

@@ -47,9 +47,11 @@ class NatsTarget:
     waited for up to `wait_ms`."""
 
     def __init__(self, opts: ConnectOptions, *, model: str, deadline_ms: int | None,
-                 policy: RetryPolicy, wait_ms: int | None = None) -> None:
+                 policy: RetryPolicy, wait_ms: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.name = f"nats {opts.url} model={model}"
         self._opts, self._model, self._deadline_ms = opts, model, deadline_ms
+        self._headers = headers or None  # sent on every request (`--wait-ms`)
         self._config = ClientConfig(policy=policy) if wait_ms is None else ClientConfig(
             policy=policy, wait_ms=wait_ms)
         self._stack: contextlib.AsyncExitStack | None = None
@@ -70,7 +72,8 @@ class NatsTarget:
 
     async def send(self, body: bytes) -> Attempts:
         assert self._client is not None
-        r = await self._client.call(self._model, body, deadline_ms=self._deadline_ms)
+        r = await self._client.call(self._model, body, deadline_ms=self._deadline_ms,
+                                    headers=self._headers)
         if r.local:
             final = TIMEOUT if r.status == Status.DEADLINE else ERROR
             statuses = (*r.statuses[:-1], 0)

@@ -110,3 +110,17 @@ async def test_deadline_header_only_when_the_caller_sends_one(
         assert r.status == 200
     assert Header.DEADLINE_MS not in seen[0]  # the router's live deadline applies
     assert 1 <= int(seen[1][Header.DEADLINE_MS]) <= 70
+
+
+async def test_wait_header_passes_on_only_when_the_caller_sends_one(
+        gateway: Gateway, http: aiohttp.ClientSession, seen: list[dict[str, str]]) -> None:
+    """`Plane-Wait-Ms` (a caller that waits for its start rather than retry a 429) reaches
+    the router as the caller sent it (`call_args`, which the OpenAI routes use too); none
+    otherwise."""
+    url = f"{gateway.url}/v1/infer/calibrated"
+    async with http.post(url, json={"duration_us": 1}) as r:
+        assert r.status == 200
+    async with http.post(url, json={"duration_us": 1}, headers={Header.WAIT_MS: "50"}) as r:
+        assert r.status == 200
+    assert Header.WAIT_MS not in seen[0]
+    assert seen[1][Header.WAIT_MS] == "50"

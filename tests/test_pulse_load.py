@@ -159,34 +159,31 @@ async def test_pulse_sends_a_deadline_only_when_asked(nats_server: EmbeddedNats)
     finally:
         await runner.cleanup()
 
-    async with client(nats_server.url) as nc:
+    seen = await _header_over_nats(nats_server.url, Header.DEADLINE_MS)
+    assert seen and set(seen) == {None}
+    seen = await _header_over_nats(nats_server.url, Header.DEADLINE_MS, "--deadline-ms", "700")
+    assert seen and all(v is not None and 0 < int(v) <= 700 for v in seen)
+
+
+async def _header_over_nats(url: str, name: str, *args: str) -> list[str | None]:
+    """Header `name` of each request `plane pulse --nats url *args` sent (None: absent), as a
+    stand-in router answering them saw it."""
+    seen: list[str | None] = []
+    async with client(url) as nc:
         async def respond(msg: Msg) -> None:
-            seen.append((msg.headers or {}).get(Header.DEADLINE_MS))
+            seen.append((msg.headers or {}).get(name))
             await msg.respond(b'{"duration_us": 1}')
 
         await nc.subscribe(NAMES.infer("calibrated"), cb=respond)
         await nc.flush()
-        seen.clear()
-        await _pulse_cli("--nats", nats_server.url)
-        assert seen and set(seen) == {None}
-        seen.clear()
-        await _pulse_cli("--nats", nats_server.url, "--deadline-ms", "700")
-        assert seen and all(v is not None and 0 < int(v) <= 700 for v in seen)
+        await _pulse_cli("--nats", url, *args)
+    return seen
 
 
 async def test_pulse_sends_a_wait_only_when_asked(nats_server: EmbeddedNats) -> None:
     """`--wait-ms N` puts `Plane-Wait-Ms: N` on every request (callers that do not retry say
     how long they wait for a start); without it none goes out."""
-    seen: list[str | None] = []
-    async with client(nats_server.url) as nc:
-        async def respond(msg: Msg) -> None:
-            seen.append((msg.headers or {}).get(Header.WAIT_MS))
-            await msg.respond(b'{"duration_us": 1}')
-
-        await nc.subscribe(NAMES.infer("calibrated"), cb=respond)
-        await nc.flush()
-        await _pulse_cli("--nats", nats_server.url)
-        assert seen and set(seen) == {None}
-        seen.clear()
-        await _pulse_cli("--nats", nats_server.url, "--wait-ms", "50")
-        assert seen and set(seen) == {"50"}
+    seen = await _header_over_nats(nats_server.url, Header.WAIT_MS)
+    assert seen and set(seen) == {None}
+    seen = await _header_over_nats(nats_server.url, Header.WAIT_MS, "--wait-ms", "50")
+    assert seen and set(seen) == {"50"}

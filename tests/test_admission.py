@@ -605,6 +605,12 @@ def test_a_newcomer_that_says_how_long_it_waits_waits_for_its_start_within_it() 
     busy_until(ms3, 0.008)
     late = msgspec.structs.replace(ask(0.0, deadline_s=0.015), wait_s=0.030, came_s=0.0)
     assert isinstance(adm3.decide(ms3, late), Refuse)
+    # A start that leaves no room for a holder's lateness (3 ms before any came back) but
+    # fits the deadline: a newcomer that waits here is not late, so it waits.
+    ms4, adm4 = slots(1), Admission("r")
+    busy_until(ms4, 0.008)
+    tight = msgspec.structs.replace(ask(0.0, deadline_s=0.0195), wait_s=0.030, came_s=0.0)
+    assert isinstance(adm4.decide(ms4, tight), Park)
     # The first slot frees: the newcomer parked first is placed on it, its promise kept.
     ms.slots["n/0"].release(0.008)
     first = min(parked, key=lambda p: p.holder.due_s)

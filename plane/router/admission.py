@@ -746,6 +746,11 @@ class Admission:
                 "without a ticket",
                 retry_after_ms=wait_ms,
             )
+        if (may_park and may_promise and holder is None and ask.wait_s
+                and start_s <= min(self._waits_until(ask), ask.latest_start_s())):
+            # It waits here for its start (no trip back to be late by: the lateness of
+            # holders, below, is not its).
+            return self._park_newcomer(ms, ask, start_s, narrow=False, asked=True)
         # A promise its holder cannot keep is worse than none: one due so near the last
         # start its deadline allows that a holder as late as most (the p99 of the lateness
         # seen) misses it is refused at once, `deadline`, as one past it is. (At 100 ms
@@ -762,11 +767,9 @@ class Admission:
         if not may_promise:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
-        if may_park and holder is None:
-            if ask.wait_s and start_s <= min(self._waits_until(ask), ask.latest_start_s()):
-                return self._park_newcomer(ms, ask, start_s, narrow=False, asked=True)
-            if not on_call and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6:
-                return self._park_newcomer(ms, ask, start_s, narrow=pinned)
+        if (may_park and holder is None and not on_call
+                and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6):
+            return self._park_newcomer(ms, ask, start_s, narrow=pinned)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         told_ms = wait_ms
         if on_call:

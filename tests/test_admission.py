@@ -6,7 +6,6 @@ import heapq
 import random
 from collections import Counter
 
-import msgspec
 import pytest
 from msgspec.structs import replace
 
@@ -585,7 +584,7 @@ def test_a_newcomer_that_says_how_long_it_waits_waits_for_its_start_within_it() 
     once, with its ticket, as without a wait. A wait never keeps one past its wait."""
     ms, adm = slots(2), Admission("r")
     busy_until(ms, 0.008, 0.009)
-    wait = msgspec.structs.replace(ask(0.0), wait_s=0.030, came_s=0.0)
+    wait = replace(ask(0.0), wait_s=0.030, came_s=0.0)
     parked: list[Park] = []
     while isinstance(d := adm.decide(ms, wait), Park):
         parked.append(d)
@@ -603,14 +602,23 @@ def test_a_newcomer_that_says_how_long_it_waits_waits_for_its_start_within_it() 
     # A deadline the start would miss (its p99 after it): refused, not parked.
     ms3, adm3 = slots(1), Admission("r")
     busy_until(ms3, 0.008)
-    late = msgspec.structs.replace(ask(0.0, deadline_s=0.015), wait_s=0.030, came_s=0.0)
+    late = replace(ask(0.0, deadline_s=0.015), wait_s=0.030, came_s=0.0)
     assert isinstance(adm3.decide(ms3, late), Refuse)
     # A start that leaves no room for a holder's lateness (3 ms before any came back) but
     # fits the deadline: a newcomer that waits here is not late, so it waits.
     ms4, adm4 = slots(1), Admission("r")
     busy_until(ms4, 0.008)
-    tight = msgspec.structs.replace(ask(0.0, deadline_s=0.0195), wait_s=0.030, came_s=0.0)
+    tight = replace(ask(0.0, deadline_s=0.0195), wait_s=0.030, came_s=0.0)
     assert isinstance(adm4.decide(ms4, tight), Park)
+    # A wait shorter than a slot about to free (2 ms, within the quarter of the p50 every
+    # newcomer may wait for): the caller said 1 ms, so it is not kept 2: refused at once.
+    ms5, adm5 = slots(1), Admission("r")
+    busy_until(ms5, 0.002)
+    assert isinstance(adm5.decide(ms5, ask(0.0)), Park)  # no wait said: it waits
+    ms5, adm5 = slots(1), Admission("r")
+    busy_until(ms5, 0.002)
+    brief = replace(ask(0.0), wait_s=0.001, came_s=0.0)
+    assert isinstance(adm5.decide(ms5, brief), Refuse)
     # The first slot frees: the newcomer parked first is placed on it, its promise kept.
     ms.slots["n/0"].release(0.008)
     first = min(parked, key=lambda p: p.holder.due_s)

@@ -24,7 +24,7 @@ from plane.pulse.targets import HttpTarget, NatsTarget, Target
 NO_DEADLINE_WAIT_MS = 30_000  # the SDK's own wait for a call without a deadline
 
 
-def plane_wait(start_wait_ms: int | None) -> dict[str, str]:
+def _wait_header(start_wait_ms: int | None) -> dict[str, str]:
     """`--wait-ms` as the request header that says it (none without it)."""
     return {} if start_wait_ms is None else {Header.WAIT_MS: str(start_wait_ms)}
 
@@ -150,10 +150,10 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
         if url is not None:
             target = HttpTarget(url, deadline_ms=deadline, timeout_ms=wait_ms, policy=policy,
                                 concurrency=concurrency, headers={
-                                    **_headers(headers), **plane_wait(start_wait_ms)})
+                                    **_headers(headers), **_wait_header(start_wait_ms)})
         elif opts is not None:
             target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy,
-                                wait_ms=wait_ms, headers=plane_wait(start_wait_ms))
+                                wait_ms=wait_ms, headers=_wait_header(start_wait_ms))
         else:
             raise ConfigError("give --nats URL (the plane) or --url URL (an HTTP endpoint)")
     except ConfigError as exc:

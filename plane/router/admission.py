@@ -746,11 +746,13 @@ class Admission:
                 "without a ticket",
                 retry_after_ms=wait_ms,
             )
-        if (may_park and may_promise and holder is None and ask.wait_s
-                and start_s <= min(self._waits_until(ask), ask.latest_start_s())):
+        if may_park and may_promise and holder is None and ask.wait_s:
             # It waits here for its start (no trip back to be late by: the lateness of
-            # holders, below, is not its).
-            return self._park_newcomer(ms, ask, start_s, narrow=False, asked=True)
+            # holders, below, is not its), and never past the wait it said.
+            latest_s = min(self._waits_until(ask), ask.latest_start_s())
+            if start_s <= latest_s:
+                return self._park_newcomer(ms, ask, start_s, min(
+                    start_s + (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S, latest_s))
         # A promise its holder cannot keep is worse than none: one due so near the last
         # start its deadline allows that a holder as late as most (the p99 of the lateness
         # seen) misses it is refused at once, `deadline`, as one past it is. (At 100 ms
@@ -767,9 +769,13 @@ class Admission:
         if not may_promise:
             return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
                           retry_after_ms=wait_ms, delegate=True)
-        if (may_park and holder is None and not on_call
+        if (may_park and holder is None and not on_call and not ask.wait_s
                 and start_s - now <= NEWCOMER_PARK_SHARE * p.p50_us / 1e6):
-            return self._park_newcomer(ms, ask, start_s, narrow=pinned)
+            # While callers come back, only until the slot's end plus its spread to the p90
+            # (NEWCOMER_PARK_SLACK_S); else a holder's window (`_park_until`).
+            return self._park_newcomer(ms, ask, start_s, min(
+                start_s + (p.likely_us - p.expected_us) / 1e6 + NEWCOMER_PARK_SLACK_S,
+                ask.latest_start_s()) if pinned else None)
         due_s = now + wait_ms / 1000  # the whole millisecond the caller will wait
         told_ms = wait_ms
         if on_call:
@@ -806,31 +812,23 @@ class Admission:
         """Until when a newcomer that said how long it waits (`Ask.wait_s`) may wait."""
         return (ask.came_s if ask.came_s is not None else ask.now_s) + ask.wait_s
 
-    def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float, *,
-                       narrow: bool, asked: bool = False) -> Park:
-        """A newcomer, when a slot frees within moments (NEWCOMER_PARK_SHARE), or (`asked`)
-        one whose start is within the wait it asked for: it waits here for that start,
-        holding it with a promise of its own (kept like a parked holder's: woken by the
-        done-event, refused with a ticket if the window closes first). `narrow` (callers come
-        back): the window is the slot's spread, not a holder's; `asked`: until the start
-        plus the spread to the p99, within the wait."""
+    def _park_newcomer(self, ms: ModelSlots, ask: Ask, start_s: float,
+                       until_s: float | None) -> Park:
+        """A newcomer, when a slot frees within moments (NEWCOMER_PARK_SHARE), or one whose
+        start is within the wait it asked for (`Ask.wait_s`): it waits here for that start
+        until `until_s` (None: a holder's window, `_park_until`), holding it with a promise
+        of its own (kept like a parked holder's: woken by the done-event, refused with a
+        ticket if the window closes first)."""
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
             service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
         )
         promise.parked = True
         ms.promises.add(promise)
-        p = ask.prediction
-        if asked:
-            until_s = min(start_s + (p.p99_us - p.p50_us) / 1e6 + PARK_MARGIN_S,
-                          self._waits_until(ask), ask.latest_start_s())
-        elif narrow:
-            until_s = min(start_s + (p.likely_us - p.expected_us) / 1e6 + NEWCOMER_PARK_SLACK_S,
-                          ask.latest_start_s())
-        else:
+        if until_s is None:
             until_s = self._park_until(ms, ask, promise)
         ms.promises.expires_at(promise, until_s + PARK_MARGIN_S)
         self.notes.append(PromiseChange(ms.model, promise, made=True))
         self.tickets[promise.ticket] = promise
-        self.stats["newcomer-waits" if asked else "newcomer-parked"] += 1
+        self.stats["newcomer-waits" if ask.wait_s else "newcomer-parked"] += 1
         return Park(until_s, promise)

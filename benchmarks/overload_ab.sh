@@ -9,6 +9,7 @@
 #   e.g. benchmarks/overload_ab.sh 2 5000 2 10 /tmp/base .
 #   ROUTERS=2 benchmarks/overload_ab.sh ...   # that many routers (default 1)
 #   DEVICE_WAITS=thread benchmarks/overload_ab.sh ...   # plane up --device-waits (trees that have it)
+#   CAPACITY=1100 benchmarks/overload_ab.sh ...   # every tree offered the same loads (trees that take it)
 set -euo pipefail
 slots=$1 work=$2 rounds=$3 seconds=$4
 shift 4
@@ -18,6 +19,7 @@ for _ in $(seq "$rounds"); do
     tree=$(cd "$tree" && pwd)
     out=$(cd "$repo" && PYTHONPATH=$tree .venv/bin/python "$tree/benchmarks/overload_2x.py" \
       --duration "$seconds" --slots "$slots" --work-us "$work" --routers "${ROUTERS:-1}" \
+      ${CAPACITY:+--capacity "$CAPACITY"} \
       ${DEVICE_WAITS:+--device-waits "$DEVICE_WAITS"} 2>&1)
     cap=$(grep '^capacity' <<<"$out" | sed 's/.*: \([0-9.]*\) req.*/\1/')
     grep -E '^\| [02]' <<<"$out" | awk -v t="$tree" -v c="$cap" -F'|' '{

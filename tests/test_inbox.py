@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.contract.embedded import EmbeddedNats
+from plane.contract.messages import FINAL_REFUSALS, Reason
 from plane.contract.publish import publish
 from plane.contract.soon_flush import use_soon_flush
 from plane.contract.subjects import Header
@@ -264,9 +265,10 @@ async def test_a_turn_lets_what_a_read_sets_off_run_to_its_write(
 
 
 async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None:
-    """A request the inbox marks stale reaches the real router: a 429 `busy` at once, whose
-    Retry-After is as long as it waited (longer than the router has been behind), no ticket,
-    the count of `plane_router_behind_total`, and nothing after it."""
+    """A request the inbox marks stale reaches the real router: a 429 at once, final
+    (`overloaded`: go elsewhere, no ticket to come back with), whose Retry-After is as long as
+    it waited (longer than the router has been behind), the count of
+    `plane_router_behind_total`, and nothing after it."""
     async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
             client(stack.url) as nc:
         router = stack.routers[0]
@@ -281,7 +283,8 @@ async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None
         await router.requests.on_request(msg)
         answer = await answers.next_msg(timeout=5)
         h = answer.headers or {}
-        assert h[Header.STATUS] == "429" and h[Header.REASON] == "busy", h
+        assert h[Header.STATUS] == "429" and h[Header.REASON] == "overloaded", h
+        assert Reason(h[Header.REASON]) in FINAL_REFUSALS  # the SDK does not come back
         assert h[Header.REQUEST_ID] == "b"
         assert int(h[Header.RETRY_AFTER_MS]) == 530  # waited 530 ms; behind for 500
         assert Header.TICKET not in h
@@ -294,7 +297,7 @@ async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None
 async def test_a_stale_request_past_its_own_deadline_is_refused_deadline() -> None:
     """Refused unread after its deadline had passed in the inbox: 429 `deadline` (go
     elsewhere now), the Retry-After still the router's; one within its deadline (the model's
-    default, 1 s for `calibrated`) is refused `busy` as before."""
+    default, 1 s for `calibrated`) is refused `overloaded`, as any request refused unread."""
     async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
             client(stack.url) as nc:
         router = stack.routers[0]
@@ -318,7 +321,7 @@ async def test_a_stale_request_past_its_own_deadline_is_refused_deadline() -> No
         assert int(h1[Header.RETRY_AFTER_MS]) == 330  # waited 330 ms, past its 100
         assert "past its deadline of 100 ms" in json.loads(first.data)["error"]
         assert (h2[Header.REQUEST_ID], h2[Header.STATUS], h2[Header.REASON]) == (
-            "c", "429", "busy"), h2
+            "c", "429", "overloaded"), h2
         assert router.metrics.behind.labels("calibrated")._value.get() == 2
         with pytest.raises(nats.errors.TimeoutError):  # exactly one answer each
             await answers.next_msg(timeout=0.3)
@@ -326,7 +329,7 @@ async def test_a_stale_request_past_its_own_deadline_is_refused_deadline() -> No
 
 async def test_a_router_behind_on_a_flood_answers_each_request_once() -> None:
     """The real router, its decisions slowed to 3 ms each (its CPU as the plane's limit),
-    200 requests at once: it falls behind, refuses unread (429 `busy`, "behind", a
+    200 requests at once: it falls behind, refuses unread (429 `overloaded`, "behind", a
     Retry-After of at least the bound) what waited past `max_inbox_wait_ms`, places the
     newest, and every request gets exactly one answer."""
     async with plane(models=("calibrated",), slots=4, backend="torch") as stack, \
@@ -354,5 +357,5 @@ async def test_a_router_behind_on_a_flood_answers_each_request_once() -> None:
         assert ledger.statuses()[200] > 0, ledger.statuses()
         wait_ms = router.cfg.max_inbox_wait_ms
         assert all(int(a.headers[Header.RETRY_AFTER_MS]) >= wait_ms for a in unread)
-        assert all(Header.TICKET not in a.headers for a in unread)
+        assert all(Header.TICKET not in a.headers and a.reason == "overloaded" for a in unread)
         assert router.metrics.behind.labels("calibrated")._value.get() == len(unread)

@@ -315,19 +315,25 @@ def behind_wait_ms(behind_ms: int) -> int:
 
 def behind(router: str, waited_ms: int, behind_ms: int, deadline_ms: int) -> Refuse:
     """A request that waited in the router's inbox past its bound while the router was
-    behind (`plane.router.inbox`): refused unread, no ticket (no state kept). Come back
-    after as long as it waited, or as the router has been behind (`behind_wait_ms`). One
-    whose own deadline passed while it waited is told `deadline`: go elsewhere now, not back
-    with a request nobody can answer in time (the Retry-After still says what a fresh one
-    could expect here)."""
+    behind (`plane.router.inbox`): refused unread, no ticket (no state kept), and final:
+    `overloaded` (its own deadline passed while it waited: `deadline`). The router's CPU,
+    not the slots, is the limit then, and nothing it could promise brings the caller back
+    to a start: told to come back after as long as the router had been behind (a retryable
+    `busy`), callers came back as newcomers into the same backlog and were refused again (at
+    2x of 4 slots of 1 ms, 45-58% of first retries succeeded; a ticket instead brought every
+    one of them back into the backlog, and a slowed router's decisions lagged 9 s,
+    BENCHMARKS.md, thirty-sixth session). Go elsewhere now; the Retry-After says when a
+    fresh request may find room here (as long as it waited, or as the router has been
+    behind, `behind_wait_ms`)."""
     wait_ms = max(1, waited_ms, behind_wait_ms(behind_ms))
     said = f"router {router} is behind (for {behind_ms} ms): this request waited {waited_ms} ms"
     if waited_ms >= deadline_ms:
         return Refuse(Status.BUSY, Reason.DEADLINE,
                       f"{said} unread, past its deadline of {deadline_ms} ms: go elsewhere, "
                       "or to another router", retry_after_ms=wait_ms)
-    return Refuse(Status.BUSY, Reason.BUSY,
-                  f"{said} unread: come back later, or to another router",
+    return Refuse(Status.BUSY, Reason.OVERLOADED,
+                  f"{said} unread: it is past what it can decide in time; go elsewhere now "
+                  "(another router), or come back after Retry-After-Ms without a ticket",
                   retry_after_ms=wait_ms)
 
 

@@ -282,9 +282,9 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
               default=RouterConfig.max_inbox_wait_ms,
               show_default=True,
               help="While the router is behind on its inbox (its CPU is the limit), a request "
-                   "that waited longer than this unread is refused at once (429, Retry-After) "
-                   "instead of decided late. Raise it where deadlines are long and bursts "
-                   "should wait rather than come back.")
+                   "that waited longer than this unread is refused at once (429 overloaded, "
+                   "final: go elsewhere) instead of decided late. Raise it where deadlines are "
+                   "long and bursts should wait rather than be refused.")
 @click.option("--models", default=None, metavar="M1,M2",
               help="Serve these models only (comma-separated; default: every model): their "
                    "requests, done-events and the other routers' notes on them. Routers split "

@@ -17,9 +17,10 @@ the bound after CoDel):
   first (their promise is for a time), then the newest request: it is decided in the
   present, so its budget, its promise and a holder's return all mean what they say.
 - A request that has waited more than `max_wait_s` by then is refused unread, one between
-  two decisions (`RequestPath._shed_stale`: come back after as long as it waited, or as the
-  router has been behind): it costs a reply, not a decision, and its caller learns within
-  about that bound instead of a second later. A holder is never refused for its wait.
+  two decisions (`RequestPath._shed_stale`: 429 `overloaded`, final, its Retry-After as long
+  as it waited, or as the router has been behind): it costs a reply, not a decision, and its
+  caller learns within about that bound instead of a second later. A holder is never
+  refused for its wait.
 - A run of reads back to back marks, every `TURN_EVERY_S`, a message before which the loop
   is to turn (`RequestPath.on_request`, `turn`): the socket is read and the done-events heard
   while a backlog is worked through, and what they set off (a parked holder placed, a

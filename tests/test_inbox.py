@@ -132,6 +132,24 @@ async def test_behind_it_reads_the_newest_first_and_refuses_the_stale_one_at_a_t
         assert abs(inbox.behind_s() - (INTERVAL_S + 0.005)) < 1e-9
 
 
+async def test_behind_a_caller_that_said_it_waits_is_decided_in_the_stale_turn() -> None:
+    """A request whose caller said it waits for its start (`Plane-Wait-Ms`) longer than it
+    has waited is read, oldest first, in the turn a stale one would be refused in, unmarked;
+    past its own wait (or with a wait that is not valid) it is refused as any stale one."""
+    async with plane(models=()) as stack, client(stack.url) as nc:
+        clock = Clock()
+        sub = await nc.subscribe("inbox.waits")
+        Inbox(sub, max_wait_s=0.05, read_first=marked, clock=clock)
+        await fill(nc, sub, "inbox.waits", [
+            ("0", None), ("w1", {Header.WAIT_MS: "1000"}), ("w2", {Header.WAIT_MS: "60"}),
+            ("w3", {Header.WAIT_MS: "1e3"}), ("4", None), ("5", None)])
+        assert (await take(sub, clock, 0.030)).data == b"0"  # over TARGET_S: in order
+        clock.now += INTERVAL_S + 0.050  # behind; each has waited 100 ms
+        got = [await take(sub, clock, 0.0) for _ in range(5)]
+        assert [m.data for m in got] == [b"w1", b"5", b"w2", b"4", b"w3"]
+        assert [stale(m) is not None for m in got] == [False, False, True, False, True]
+
+
 async def test_behind_ticket_holders_are_read_first_and_never_refused_for_their_wait() -> None:
     async with plane(models=()) as stack, client(stack.url) as nc:
         clock = Clock()
@@ -359,3 +377,39 @@ async def test_a_router_behind_on_a_flood_answers_each_request_once() -> None:
         assert all(int(a.headers[Header.RETRY_AFTER_MS]) >= wait_ms for a in unread)
         assert all(Header.TICKET not in a.headers and a.reason == "overloaded" for a in unread)
         assert router.metrics.behind.labels("calibrated")._value.get() == len(unread)
+
+
+async def test_a_burst_whose_callers_said_they_wait_is_decided_not_refused_for_its_wait() -> None:
+    """The same slowed router, 120 requests at once whose callers each said they wait up to
+    5 s for their start (`Plane-Wait-Ms`, as a batch consumer's would): the router falls
+    behind, but refuses none of them unread for its wait in its inbox: each is decided
+    (placed, or, when the slowed router's late done-events leave its slots looking busy past
+    a waiter's window, refused as a decision refuses: a ticket, or the book's word), exactly
+    once. Refused unread, each said "behind"."""
+    async with plane(models=("calibrated",), slots=4, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        decide = RequestPath._route_one
+
+        async def slow(self: RequestPath, msg: Msg) -> None:
+            end = time.perf_counter() + 0.003
+            while time.perf_counter() < end:
+                pass
+            await decide(self, msg)
+
+        ledger = await Ledger(nc).start()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(RequestPath, "_route_one", slow)
+            for _ in range(120):
+                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 8000,
+                                  {Header.WAIT_MS: "5000"})
+            await nc.flush()
+            await ledger.settle(30)
+        assert ledger.unanswered() == [] and ledger.answered_twice() == []
+        answers = [ledger.first(i) for i in ledger.answers]
+        assert not [a for a in answers if a.status != 200
+                    and "behind" in json.loads(a.msg.data)["error"]]
+        assert router.metrics.behind.labels("calibrated")._value.get() == 0
+        assert ledger.statuses()[200] >= 60, ledger.statuses()
+        assert all(a.status == 200 or (a.reason == "busy") == (Header.TICKET in a.headers)
+                   for a in answers)

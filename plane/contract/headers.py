@@ -137,6 +137,16 @@ def asked_deadline_ms(headers: Mapping[str, str]) -> int | None:
         return None
 
 
+def asked_wait_ms(headers: Mapping[str, str]) -> int | None:
+    """The caller's `Plane-Wait-Ms` when it is valid, else None: for the inbox, which tells
+    a request that waits as long as its caller said it would from one waiting too long
+    (`plane.router.inbox`), before the rest of the headers are read."""
+    try:
+        return _number(headers, Header.WAIT_MS, MAX_DEADLINE_MS)
+    except ValueError:
+        return None
+
+
 def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
     """Check what a caller sent. Raises `BadRequest` saying what is wrong; its `request_id` is
     the caller's id when that one is valid, else None (the answer then gets a fresh id)."""

@@ -20,7 +20,9 @@ the bound after CoDel):
   two decisions (`RequestPath._shed_stale`: 429 `overloaded`, final, its Retry-After as long
   as it waited, or as the router has been behind): it costs a reply, not a decision, and its
   caller learns within about that bound instead of a second later. A holder is never
-  refused for its wait.
+  refused for its wait, nor a request whose caller said it waits longer for its start
+  (`Plane-Wait-Ms`, a burst's): it is decided in that turn, oldest first, while its wait
+  lasts.
 - A run of reads back to back marks, every `TURN_EVERY_S`, a message before which the loop
   is to turn (`RequestPath.on_request`, `turn`): the socket is read and the done-events heard
   while a backlog is worked through, and what they set off (a parked holder placed, a
@@ -44,6 +46,7 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from plane.contract.headers import asked_wait_ms
 from plane.router.receipt import received_s, stamp_receipt
 
 TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
@@ -140,9 +143,11 @@ class Inbox:
         if waited > self.max_wait_s and self._shed_turn:
             # The stale are refused one between two decisions, not all before the next: a
             # refusal costs the router a reply, and a run of them ages the fresh requests
-            # behind it past the bound in turn.
+            # behind it past the bound in turn. One whose caller said it waits longer for
+            # its start (`Plane-Wait-Ms`) is decided in that turn instead, while it has.
             self._shed_turn = False
-            setattr(head, _STALE, (waited, now - self._above_since))
+            if not head.headers or waited > (asked_wait_ms(head.headers) or 0) / 1000:
+                setattr(head, _STALE, (waited, now - self._above_since))
             return items.popleft()
         self._shed_turn = True
         return items.pop()

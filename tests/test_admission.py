@@ -591,7 +591,8 @@ def test_a_newcomer_that_says_how_long_it_waits_waits_for_its_start_within_it() 
     assert isinstance(d, Refuse) and d.ticket is not None and d.reason == Reason.BUSY
     starts = sorted(p.holder.due_s for p in parked)
     assert starts == pytest.approx([0.008, 0.009, 0.018, 0.019, 0.028, 0.029])
-    assert all(p.holder.due_s <= p.until_s <= 0.030 for p in parked)
+    # Each waits until its wait ends, whatever the spread (its slot may run late).
+    assert all(p.holder.due_s <= p.until_s == pytest.approx(0.030) for p in parked)
     assert adm.stats["newcomer-waits"] == 6
     # Without a wait, the same burst: refused at once (the slots free in 8 and 9 ms, past a
     # quarter of the p50), a ticket each.

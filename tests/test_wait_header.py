@@ -6,9 +6,14 @@ requests, as any language sends them."""
 
 from __future__ import annotations
 
+import asyncio
+
 import nats
 import pytest
 
+from plane.client import Client
+from plane.contract.backoff import NO_RETRY
+from plane.contract.errors import ConfigError
 from plane.contract.subjects import Header
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, plane
@@ -56,3 +61,27 @@ async def test_a_burst_that_says_how_long_it_waits_is_started_within_the_wait() 
             assert max(refused_ms) < 3 * WORK_US / 1000, refused_ms
         finally:
             await nc.close()
+
+
+async def test_the_sdk_says_how_long_it_waits_for_its_start() -> None:
+    """`Client.call(..., start_wait_ms=)` sends `Plane-Wait-Ms`: six calls at once on two
+    slots of 30 ms from a caller that never retries are all started within a wait of 1 s,
+    where without it some are refused; a wait out of range is the caller's error, raised
+    before anything is sent."""
+    async with plane(models=("calibrated",), slots=2, backend="torch") as stack, \
+            Client.connect(stack.url) as c:
+        body = calibrated(WORK_US)
+        for _ in range(4):  # the slots' cycle estimate, one request at a time
+            await c.call("calibrated", body, deadline_ms=5000)
+
+        async def six(**kw: int) -> list[int]:
+            results = await asyncio.gather(*(c.call("calibrated", body, deadline_ms=5000,
+                                                    policy=NO_RETRY, **kw) for _ in range(6)))
+            return [r.status for r in results]
+
+        assert await six(start_wait_ms=1000) == [200] * 6
+        # (Then without: the refused are promised slot time that the next burst, sent at
+        # once, would wait behind.)
+        assert (await six()).count(429) >= 2
+        with pytest.raises(ConfigError, match="start_wait_ms"):
+            await c.call("calibrated", body, start_wait_ms=0)

@@ -33,7 +33,12 @@ from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
+from plane.client.attempt import (
+    attempt_headers_for,
+    encode_payload,
+    local_reply,
+    with_start_wait,
+)
 from plane.client.connection import (
     CONNECT_ATTEMPTS,
     ROUTERS_BACK_POLL_MS,
@@ -139,11 +144,15 @@ class Client:
         deadline_ms: int | None = None,
         policy: RetryPolicy | None = None,
         request_id: str | None = None,
+        start_wait_ms: int | None = None,
     ) -> Result:
         """Call `model` and return its 200 `Result`; raise `Rejected`, `BadRequest`,
-        `DeadlineExceeded` or `Unavailable` (with `attempts`) for anything else."""
+        `DeadlineExceeded` or `Unavailable` (with `attempts`) for anything else.
+        `start_wait_ms` (`Plane-Wait-Ms`): how long to wait at the router for the request's
+        start rather than be refused 429 (see `call`)."""
         result = await self.call(
-            model, payload, deadline_ms=deadline_ms, policy=policy, request_id=request_id
+            model, payload, deadline_ms=deadline_ms, policy=policy, request_id=request_id,
+            start_wait_ms=start_wait_ms,
         )
         return result.raise_for_status()
 
@@ -162,18 +171,20 @@ class Client:
         first_attempt: int = 1,
         content_type: str | None = None,
         headers: Mapping[str, str] | None = None,
+        start_wait_ms: int | None = None,
     ) -> TokenStream:
         """A generation read as it is made (`plane.client.stream`): iterate it for its
         text pieces (`async for piece in plane.stream("tinylm", {...}, deadline_ms=500)`),
         or enter it (`async with`) to close it for sure. `deadline_ms` is the budget for the
         first token (refusals are retried within it, as `call` retries); `stream_deadline_ms`
-        the whole stream's (default: the plane's). Nothing is sent until it is iterated,
-        entered or started."""
+        the whole stream's (default: the plane's); `start_wait_ms` as `call`'s. Nothing is
+        sent until it is iterated, entered or started."""
         return TokenStream(
             self, model, payload, deadline_ms=deadline_ms,
             stream_deadline_ms=stream_deadline_ms, policy=policy, request_id=request_id,
             raise_errors=raise_errors, ticket=ticket, avoid_node=avoid_node,
-            first_attempt=first_attempt, content_type=content_type, headers=headers)
+            first_attempt=first_attempt, content_type=content_type,
+            headers=with_start_wait(headers, start_wait_ms))
 
     async def call(
         self,
@@ -188,9 +199,16 @@ class Client:
         first_attempt: int = 1,
         content_type: str | None = None,
         headers: Mapping[str, str] | None = None,
+        start_wait_ms: int | None = None,
     ) -> Result:
         """Like `invoke`, but returns the final answer whatever its status (never raises for
-        a status). The gateway and `plane pulse` use this to see every reply as it was."""
+        a status). The gateway and `plane pulse` use this to see every reply as it was.
+        `start_wait_ms` (`Plane-Wait-Ms`, 1..600000): how long this caller waits at the router
+        for its start rather than be refused 429 when no slot is free (for a burst sent at
+        once, a batch: started within it, in turn, or refused at once as without it; a
+        caller that retries its 429s needs none). Not `ClientConfig.wait_ms`, the bound on
+        the whole call when it sets no deadline."""
+        headers = with_start_wait(headers, start_wait_ms)
         subject = self.config.names.infer(model)  # raises InvalidToken on a bad name
         if deadline_ms is None:
             deadline_ms = self.config.deadline_ms(model)

@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from plane.contract.config import MAX_DEADLINE_MS
+from plane.contract.errors import ConfigError
 from plane.contract.messages import Reason, Status, error_body
 from plane.contract.subjects import Header
 
@@ -19,6 +21,17 @@ def encode_payload(payload: Any) -> bytes:
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
     return _encoder.encode(payload)
+
+
+def with_start_wait(headers: Mapping[str, str] | None,
+                    start_wait_ms: int | None) -> Mapping[str, str] | None:
+    """The caller's headers plus `Plane-Wait-Ms` when it says how long it waits at the router
+    for its start rather than be refused (a burst from a caller that does not retry)."""
+    if start_wait_ms is None:
+        return headers
+    if not 1 <= start_wait_ms <= MAX_DEADLINE_MS:
+        raise ConfigError(f"start_wait_ms must be 1..{MAX_DEADLINE_MS} ms")
+    return {**(headers or {}), Header.WAIT_MS: str(start_wait_ms)}
 
 
 def attempt_headers_for(

@@ -35,7 +35,7 @@ from plane.router.inbox import (
     turn_due,
 )
 from plane.router.requests import RequestPath
-from tests.ledger import Ledger
+from tests.ledger import Answer, Ledger
 from tests.plane_fixtures import NAMES, calibrated, client, plane, status
 
 
@@ -345,32 +345,43 @@ async def test_a_stale_request_past_its_own_deadline_is_refused_deadline() -> No
             await answers.next_msg(timeout=0.3)
 
 
+async def burst_at_a_slowed_router(nc: Client, n: int, deadline_ms: int,
+                                   headers: dict[str, str] | None = None) -> Ledger:
+    """`n` requests at once at the real router, its decisions slowed to 3 ms each (its CPU as
+    the plane's limit); each answered exactly once."""
+    decide = RequestPath._route_one
+
+    async def slow(self: RequestPath, msg: Msg) -> None:
+        end = time.perf_counter() + 0.003
+        while time.perf_counter() < end:
+            pass
+        await decide(self, msg)
+
+    ledger = await Ledger(nc).start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RequestPath, "_route_one", slow)
+        for _ in range(n):
+            await ledger.send(NAMES.infer("calibrated"), calibrated(0), deadline_ms, headers)
+        await nc.flush()
+        await ledger.settle(30)
+    assert ledger.unanswered() == [] and ledger.answered_twice() == []
+    return ledger
+
+
+def refused_unread(ledger: Ledger) -> list[Answer]:
+    return [a for i in ledger.answers if (a := ledger.first(i)).status == 429
+            and "behind" in json.loads(a.msg.data)["error"]]
+
+
 async def test_a_router_behind_on_a_flood_answers_each_request_once() -> None:
-    """The real router, its decisions slowed to 3 ms each (its CPU as the plane's limit),
-    200 requests at once: it falls behind, refuses unread (429 `overloaded`, "behind", a
-    Retry-After of at least the bound) what waited past `max_inbox_wait_ms`, places the
-    newest, and every request gets exactly one answer."""
+    """A slowed router, 200 requests at once: it falls behind, refuses unread (429
+    `overloaded`, "behind", a Retry-After of at least the bound) what waited past
+    `max_inbox_wait_ms`, places the newest, and every request gets exactly one answer."""
     async with plane(models=("calibrated",), slots=4, backend="torch") as stack, \
             client(stack.url) as nc:
         router = stack.routers[0]
-        decide = RequestPath._route_one
-
-        async def slow(self: RequestPath, msg: Msg) -> None:
-            end = time.perf_counter() + 0.003
-            while time.perf_counter() < end:
-                pass
-            await decide(self, msg)
-
-        ledger = await Ledger(nc).start()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(RequestPath, "_route_one", slow)
-            for _ in range(200):
-                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 2000)
-            await nc.flush()
-            await ledger.settle(30)
-        assert ledger.unanswered() == [] and ledger.answered_twice() == []
-        unread = [a for i in ledger.answers if (a := ledger.first(i)).status == 429
-                  and "behind" in json.loads(a.msg.data)["error"]]
+        ledger = await burst_at_a_slowed_router(nc, 200, 2000)
+        unread = refused_unread(ledger)
         assert unread, ledger.statuses()
         assert ledger.statuses()[200] > 0, ledger.statuses()
         wait_ms = router.cfg.max_inbox_wait_ms
@@ -382,34 +393,16 @@ async def test_a_router_behind_on_a_flood_answers_each_request_once() -> None:
 async def test_a_burst_whose_callers_said_they_wait_is_decided_not_refused_for_its_wait() -> None:
     """The same slowed router, 120 requests at once whose callers each said they wait up to
     5 s for their start (`Plane-Wait-Ms`, as a batch consumer's would): the router falls
-    behind, but refuses none of them unread for its wait in its inbox: each is decided
-    (placed, or, when the slowed router's late done-events leave its slots looking busy past
-    a waiter's window, refused as a decision refuses: a ticket, or the book's word), exactly
-    once. Refused unread, each said "behind"."""
+    behind, but refuses none of them unread for its wait in its inbox: each is decided,
+    exactly once: started within its wait, or refused as a decision refuses (a waiter holds a
+    promise, and past the promises a slot may hold the book says `overloaded`). Refused
+    unread, each would say "behind"."""
     async with plane(models=("calibrated",), slots=4, backend="torch") as stack, \
             client(stack.url) as nc:
         router = stack.routers[0]
-        decide = RequestPath._route_one
-
-        async def slow(self: RequestPath, msg: Msg) -> None:
-            end = time.perf_counter() + 0.003
-            while time.perf_counter() < end:
-                pass
-            await decide(self, msg)
-
-        ledger = await Ledger(nc).start()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(RequestPath, "_route_one", slow)
-            for _ in range(120):
-                await ledger.send(NAMES.infer("calibrated"), calibrated(0), 8000,
-                                  {Header.WAIT_MS: "5000"})
-            await nc.flush()
-            await ledger.settle(30)
-        assert ledger.unanswered() == [] and ledger.answered_twice() == []
-        answers = [ledger.first(i) for i in ledger.answers]
-        assert not [a for a in answers if a.status != 200
-                    and "behind" in json.loads(a.msg.data)["error"]]
+        ledger = await burst_at_a_slowed_router(nc, 120, 8000, {Header.WAIT_MS: "5000"})
+        assert not refused_unread(ledger)
         assert router.metrics.behind.labels("calibrated")._value.get() == 0
         assert ledger.statuses()[200] >= 60, ledger.statuses()
         assert all(a.status == 200 or (a.reason == "busy") == (Header.TICKET in a.headers)
-                   for a in answers)
+                   for a in map(ledger.first, ledger.answers))

@@ -175,6 +175,26 @@ async def test_behind_ticket_holders_are_read_first_and_never_refused_for_their_
         assert stale(rest[0]) is not None and stale(rest[1]) is None
 
 
+async def test_past_its_pending_limit_the_inbox_still_queues_ticket_holders() -> None:
+    """A queue at its pending limit (`max_pending`) drops a newcomer (nats-py answers it,
+    `RequestPath.overflowed`) but still queues a ticket holder, as many as the limit again:
+    dropped, a holder was answered without its promise (it cannot be told apart there)."""
+    async with plane(models=()) as stack, client(stack.url) as nc:
+        clock = Clock()
+        sub = await nc.subscribe("inbox.full", pending_msgs_limit=4)
+        Inbox(sub, max_wait_s=0.05, read_first=marked, clock=clock)
+        await fill(nc, sub, "inbox.full", [(str(i), None) for i in range(4)])
+        for body, h in [("n", None), *((f"h{i}", {Header.TICKET: f"t{i}"}) for i in range(6)),
+                        ("n2", None)]:
+            await nc.publish("inbox.full", body.encode(), headers=h)
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        got = []
+        while sub.pending_msgs:
+            got.append((await take(sub, clock, 0.001)).data.decode())
+        assert got == ["0", "1", "2", "3", "h0", "h1", "h2", "h3"], got
+
+
 async def test_the_router_reads_first_only_what_holds_a_promise_of_the_plane() -> None:
     """`RequestPath.read_first`, the router's own test: a ticket it issued, a forward on its
     own subject. A ticket-shaped string no router issued, or the forward's mark on the public

@@ -16,6 +16,7 @@ is pinned in pyproject.toml and `tests/test_receipt.py` checks the stamp on a re
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -26,14 +27,26 @@ _RECEIVED = "_plane_received_s"  # on the Msg (a plain dataclass): monotonic sec
 
 
 def stamp_receipt(sub: Subscription, *, clock: Callable[[], float] = time.monotonic,
-                  then: Callable[[Msg], None] | None = None) -> Subscription:
+                  then: Callable[[Msg], None] | None = None,
+                  past_limit: Callable[[Msg], bool] | None = None) -> Subscription:
     """Make `sub` stamp each message with its receipt time (`clock`) from now on, and hand
-    each one queued to `then` (`plane.router.inbox` notes its ticket holders)."""
-    queue = sub._pending_queue
+    each one queued to `then` (`plane.router.inbox` notes its ticket holders). A message
+    `past_limit` accepts is queued even when the queue holds its pending limit already (a
+    ticket holder's: its promise is for a time; the inbox bounds how many)."""
+    queue: asyncio.Queue[Msg] = sub._pending_queue
     put = queue.put_nowait
 
     def stamped(item: Msg) -> None:
-        put(item)  # raises QueueFull past the pending limit: nats-py answers it, unstamped
+        try:
+            put(item)
+        except asyncio.QueueFull:
+            if past_limit is None or not past_limit(item):
+                raise  # nats-py answers it (`RequestPath.overflowed`), unstamped
+            # What `asyncio.Queue.put_nowait` does, less its test of the limit.
+            queue._put(item)
+            queue._unfinished_tasks += 1  # type: ignore[attr-defined]
+            queue._finished.clear()  # type: ignore[attr-defined]
+            queue._wakeup_next(queue._getters)  # type: ignore[attr-defined]
         mark_received(item, clock())
         if then is not None:
             then(item)

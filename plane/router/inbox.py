@@ -113,8 +113,8 @@ class Inbox:
         """Whether `msg`, come when the queue holds its limit, is queued all the same: a ticket
         holder's or a forward (read first while behind), while the holders tracked stay under
         the limit too (a ticket sent again and again is no more room). Dropped by nats-py,
-        it was answered without a ticket, its promise gone: at 2x of 8 slots of 1 ms, with
-        thousands dropped, a third of the tickets went unredeemed."""
+        it was answered as a newcomer, its promise gone: the overflow's answer has only the
+        subject and reply to go by (at 2x of 8 slots of 1 ms here, thousands dropped)."""
         return bool(msg.headers) and len(self._holders) < self._limit and self._read_first(msg)
 
     def behind_s(self) -> float:

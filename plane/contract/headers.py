@@ -128,21 +128,13 @@ def echoed_request_id(headers: Mapping[str, str]) -> str | None:
         return None
 
 
-def asked_deadline_ms(headers: Mapping[str, str]) -> int | None:
-    """The caller's `Plane-Deadline-Ms` when it is valid, else None: for the answers made
-    before the rest of the headers are read (a request refused unread, `plane.router.inbox`)."""
+def asked_ms(headers: Mapping[str, str], name: str) -> int | None:
+    """The caller's `name` (`Plane-Deadline-Ms`, `Plane-Wait-Ms`: ms, 1..MAX_DEADLINE_MS) when
+    it is valid, else None: for what is decided before the rest of the headers are read (a
+    request refused unread, the inbox telling one that waits as long as its caller said from
+    one waiting too long: `plane.router.inbox`)."""
     try:
-        return _number(headers, Header.DEADLINE_MS, MAX_DEADLINE_MS)
-    except ValueError:
-        return None
-
-
-def asked_wait_ms(headers: Mapping[str, str]) -> int | None:
-    """The caller's `Plane-Wait-Ms` when it is valid, else None: for the inbox, which tells
-    a request that waits as long as its caller said it would from one waiting too long
-    (`plane.router.inbox`), before the rest of the headers are read."""
-    try:
-        return _number(headers, Header.WAIT_MS, MAX_DEADLINE_MS)
+        return _number(headers, name, MAX_DEADLINE_MS)
     except ValueError:
         return None
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import click
 
 from plane.cli import EXIT_UNHEALTHY, connect_options, make_connect
+from plane.client.attempt import with_start_wait
 from plane.contract.backoff import NO_RETRY, RetryPolicy
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import run as run_on_uvloop
-from plane.contract.subjects import Header
 from plane.pulse.api import pulse as run_pulse
 from plane.pulse.bodies import DEFAULT_DURATION_US, DEFAULT_MAX_TOKENS, body_from_option
 from plane.pulse.report import print_table, to_json, write_out
@@ -22,11 +22,6 @@ from plane.pulse.stream_cli import StreamOptions, run_stream_pulse
 from plane.pulse.targets import HttpTarget, NatsTarget, Target
 
 NO_DEADLINE_WAIT_MS = 30_000  # the SDK's own wait for a call without a deadline
-
-
-def _wait_header(start_wait_ms: int | None) -> dict[str, str]:
-    """`--wait-ms` as the request header that says it (none without it)."""
-    return {} if start_wait_ms is None else {Header.WAIT_MS: str(start_wait_ms)}
 
 
 def _headers(raw: tuple[str, ...]) -> dict[str, str]:
@@ -147,13 +142,14 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
         return
     try:
         target: Target
+        wait = dict(with_start_wait(None, start_wait_ms) or {})  # --wait-ms: Plane-Wait-Ms
         if url is not None:
             target = HttpTarget(url, deadline_ms=deadline, timeout_ms=wait_ms, policy=policy,
                                 concurrency=concurrency, headers={
-                                    **_headers(headers), **_wait_header(start_wait_ms)})
+                                    **_headers(headers), **wait})
         elif opts is not None:
             target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy,
-                                wait_ms=wait_ms, headers=_wait_header(start_wait_ms))
+                                wait_ms=wait_ms, headers=wait)
         else:
             raise ConfigError("give --nats URL (the plane) or --url URL (an HTTP endpoint)")
     except ConfigError as exc:

@@ -46,7 +46,8 @@ from collections.abc import Callable
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from plane.contract.headers import asked_wait_ms
+from plane.contract.headers import asked_ms
+from plane.contract.subjects import Header
 from plane.router.receipt import received_s, stamp_receipt
 
 TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
@@ -155,7 +156,7 @@ class Inbox:
             # behind it past the bound in turn. One whose caller said it waits longer for
             # its start (`Plane-Wait-Ms`) is decided in that turn instead, while it has.
             self._shed_turn = False
-            if not head.headers or waited > (asked_wait_ms(head.headers) or 0) / 1000:
+            if not head.headers or waited > (asked_ms(head.headers, Header.WAIT_MS) or 0) / 1000:
                 setattr(head, _STALE, (waited, now - self._above_since))
             return items.popleft()
         self._shed_turn = True

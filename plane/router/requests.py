@@ -34,7 +34,7 @@ from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
 from plane.contract.headers import (
-    asked_deadline_ms,
+    asked_ms,
     echoed_request_id,
     is_no_responders,
     read_caller,
@@ -327,7 +327,7 @@ class RequestPath:
         rid = echoed_request_id(hdrs) or self._new_rid()
         waited_ms, behind_ms = round(waited_s * 1000), round(behind_s * 1000)
         # Its deadline as asked (an invalid one: the model's; the refusal is for its wait).
-        deadline_ms = self._deadline_ms(model, asked_deadline_ms(hdrs))
+        deadline_ms = self._deadline_ms(model, asked_ms(hdrs, Header.DEADLINE_MS))
         await self._refuse_early(msg, rid, label, refusals.behind(
             self.cfg.router_id, waited_ms, behind_ms, deadline_ms))
 

@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import json
 import re
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ from nats.js.errors import Error as JsError
 from plane.auth.store import AuthDir
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.errors import ConfigError
 from plane.contract.processes import free_port
 from plane.contract.provision import START_WITHIN_S, ProvisionPlan, ensure_all, stream_of_subject
 from plane.contract.subjects import Header
@@ -85,23 +87,39 @@ async def cluster(plan: ProvisionPlan | None = None,
     has a meta leader and the plane's streams exist as `plan` lays them out (by default,
     three replicas). With `auth`, every server runs its nats.conf (the roles) and the
     streams are made as its admin."""
-    cluster_ports = [free_port() for _ in range(SERVERS)]
-    servers = [
-        EmbeddedNats(NatsServerSpec(
-            server_name=f"n{i}", cluster_name="plane-test", cluster_port=cluster_ports[i],
-            routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
-            extra_args=["-c", str(auth.conf)] if auth is not None else [],
-        ))
-        for i in range(SERVERS)
-    ]
+    servers = await _start_servers(auth)
     try:
-        await asyncio.gather(*(s.start() for s in servers))
         await provision_when_ready(",".join(s.url for s in servers),
                                    plan or ProvisionPlan(names=NAMES, replicas=REPLICAS),
                                    auth=auth)
         yield servers
     finally:
         await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
+
+
+async def _start_servers(auth: AuthDir | None, tries: int = 3) -> list[EmbeddedNats]:
+    """The three servers, routed to each other. A route port is chosen here (a JetStream
+    cluster needs its routes configured) and bound by its server later: taken meanwhile (by
+    some connection's local port, as happened once in CI), that server cannot listen and
+    `start` says so; then again with other ports."""
+    for attempt in range(tries):
+        ports = [free_port() for _ in range(SERVERS)]
+        servers = [
+            EmbeddedNats(NatsServerSpec(
+                server_name=f"n{i}", cluster_name="plane-test", cluster_port=ports[i],
+                routes=[f"nats://127.0.0.1:{p}" for j, p in enumerate(ports) if j != i],
+                extra_args=["-c", str(auth.conf)] if auth is not None else [],
+            ))
+            for i in range(SERVERS)
+        ]
+        started = await asyncio.gather(*(s.start() for s in servers), return_exceptions=True)
+        if not any(isinstance(r, BaseException) for r in started):
+            return servers
+        await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if attempt == tries - 1 or not all(isinstance(r, ConfigError) for r in failed):
+            raise failed[0]
+    raise AssertionError("unreachable")
 
 
 def _login(auth: AuthDir | None) -> dict[str, str]:
@@ -527,3 +545,19 @@ def _report(ledger: Ledger, t_kill: float, checker: SubjectChecker, plane_on_vic
         f"kill, {checker.failures} failed); plane connections on the victim {plane_on_victim}; "
         f"slot stream leader now {new_leader}\nby send time from the kill:\n{lines}"
     )
+
+
+async def test_a_server_that_cannot_bind_its_route_port_fails_to_start() -> None:
+    """nats-server says "ready" before it binds its route port, then exits when that port is
+    taken: `start` waits for the route listener too, so the cluster is not one peer short."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = EmbeddedNats(NatsServerSpec(
+            server_name="n0", cluster_name="plane-test", cluster_port=port,
+            routes=[f"nats://127.0.0.1:{free_port()}"]))
+        with pytest.raises(ConfigError, match=f"cannot listen on {port}: the port is in use"):
+            await server.start()
+        await server.close()
+        assert not server.running

@@ -21,7 +21,9 @@ from plane.contract.processes import ChildProcess
 _LISTEN_RE = re.compile(rb"Listening for client connections on [\d.]+:(\d+)")
 _CLUSTER_RE = re.compile(rb"Listening for route connections on [\d.]+:(\d+)")
 _READY_RE = re.compile(rb"Server is ready")
-_IN_USE_RE = re.compile(rb"Error listening on port: ([\d.]+:\d+).*address already in use")
+# The client port's and the route port's (which nats-server binds after "Server is ready").
+_IN_USE_RE = re.compile(
+    rb"Error listening on (?:router )?port: ([\d.:]+\d).*address already in use")
 
 
 def nats_server_binary() -> str:
@@ -100,6 +102,7 @@ class EmbeddedNats(ChildProcess):
         if self.running:
             return
         stream = await self._spawn(*self._args(), log_on_stdout=False)
+        ready = routed = False
         try:
             async with asyncio.timeout(timeout_s):
                 while True:
@@ -114,7 +117,12 @@ class EmbeddedNats(ChildProcess):
                     self._remember(line)
                     if m := _LISTEN_RE.search(line):
                         self.port = int(m.group(1))
-                    if _READY_RE.search(line):
+                    routed = routed or bool(_CLUSTER_RE.search(line))
+                    # In a cluster, ready is not enough: the route port is bound after it, and
+                    # a server that cannot bind it exits (a cluster one peer short, where a
+                    # stream of three replicas has "no suitable peers for placement").
+                    ready = ready or bool(_READY_RE.search(line))
+                    if ready and (routed or self.spec.cluster_name is None):
                         break
         except BaseException:
             await self.stop()

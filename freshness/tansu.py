@@ -20,6 +20,9 @@ from plane.contract.processes import ChildProcess, free_port
 
 log = structlog.get_logger("freshness.tansu")
 
+# What tansu logs (then exits) when its listener's port is taken.
+_ADDR_IN_USE = "AddrInUse"
+
 
 def tansu_binary() -> str:
     try:
@@ -60,11 +63,24 @@ class EmbeddedTansu(ChildProcess):
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self, timeout_s: float = 15.0) -> None:
+    async def start(self, timeout_s: float = 15.0, *, tries: int = 3) -> None:
+        """Start it; on a port of its own choosing (none in the spec), a port taken between
+        choosing it and tansu binding it is chosen again, `tries` times in all."""
         if self.running:
             return
-        if not self.spec.port:
+        if self.spec.port:
+            return await self._start(timeout_s)
+        for attempt in range(tries):
             self.spec.port = free_port()
+            try:
+                return await self._start(timeout_s)
+            except RuntimeError:
+                if attempt == tries - 1 or _ADDR_IN_USE not in self._last_log():
+                    self.spec.port = 0
+                    raise
+                log.info("tansu's port was taken meanwhile: another", port=self.spec.port)
+
+    async def _start(self, timeout_s: float) -> None:
         listen = f"tcp://127.0.0.1:{self.spec.port}"
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RUST_LOG": "warn"}
         stream = await self._spawn(
@@ -87,6 +103,8 @@ class EmbeddedTansu(ChildProcess):
         async with asyncio.timeout(timeout_s):
             while True:
                 if not self.running:
+                    if self._log_task is not None:  # its last lines (why it exited)
+                        await asyncio.wait({self._log_task}, timeout=1.0)
                     raise RuntimeError(f"tansu exited at start:\n{self._last_log()}")
                 try:
                     _, w = await asyncio.open_connection("127.0.0.1", self.spec.port)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ from freshness.records import (
 from freshness.tansu import EmbeddedTansu
 from plane.app import main
 from plane.contract.errors import ConfigError
+from plane.contract.processes import free_port
 from plane.contract.subjects import TRACE_HEADERS, Header, Names
 
 __all__ = ["kafka_topic", "tansu"]  # fixtures, imported for pytest
@@ -348,3 +350,23 @@ async def test_two_bridges_share_a_group_exactly_once(
     msgs = await subject_messages(nc, NAMES, subject)
     ids = [(m.headers[Header.KAFKA_PARTITION], m.headers[Header.KAFKA_OFFSET]) for m in msgs]
     assert len(ids) == len(set(ids)) == 2000
+
+
+async def test_tansu_chooses_another_port_when_its_port_is_taken_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port chosen free, then bound by something else (a connection's local port: bound,
+    not listening) before tansu binds it: tansu exits, and the next try has another port."""
+    import freshness.tansu as tansu_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        ports = iter([busy])
+        monkeypatch.setattr(tansu_module, "free_port",
+                            lambda: next(ports, None) or free_port())
+        async with EmbeddedTansu() as kafka:
+            assert kafka.port != busy
+            _, w = await asyncio.open_connection("127.0.0.1", kafka.port)
+            w.close()
+            # The first try did meet the taken port (its log says so), the second started.
+            assert any(b"AddrInUse" in line for line in kafka.log_tail)

@@ -62,7 +62,10 @@ print("  " + ", ".join(f"{k}={r(s[k])}" for k in sys.argv[1:] if k in s))
 pulse() {  # label, then pulse's options
   local label=$1; shift
   echo "== $label"
-  plane pulse --nats "$url" --duration "$SECONDS_EACH" --json --no-progress "$@" |
+  # --concurrency: pulse drops (never sends) arrivals past that many in flight; 512 was met
+  # on a slow 2-core CI run, the load generator behind on its own answers, not the plane.
+  plane pulse --nats "$url" --duration "$SECONDS_EACH" --json --no-progress \
+    --concurrency 4096 "$@" |
     summary rate sent answered ok_per_s dropped status_counts refusal_rate \
       first_retry_success mean_retries within_deadline_share p50_ms p99_ms p999_ms \
       p99_over_p50 verdict

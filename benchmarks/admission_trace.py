@@ -66,7 +66,7 @@ class Recorder:
                 at_s=now, ticket=ask.ticket, parked_before=ask.park_until_s is not None,
                 late_ms=(now - mine.due_s) * 1000 if mine is not None else None,
                 free_in_ms=[(max(now, v.expected_free_s) - now) * 1000 if v.busy else 0.0
-                            for v in ms.ordered()],
+                            for v in ms.slots.values()],
                 promises=[(p.ticket[-4:], (p.due_s - now) * 1000, p.parked)
                           for p in list(ms.promises)[:4]])
             out = original(adm, ms, ask, **kw)

@@ -191,6 +191,30 @@ def test_avoided_node_goes_last() -> None:
     assert isinstance(d, Place) and d.candidates[0].node == "m" and d.candidates[-1].node == "n"
 
 
+def test_free_slots_are_offered_round_robin_and_busy_ones_never() -> None:
+    """Each decision starts its candidates one slot further on (load spreads over equal
+    slots); a busy slot is no candidate, a healthy slot taken by another router's request
+    (ours unknown) is once its p50 has passed, an unhealthy one never."""
+    ms = slots(4)
+    views = list(ms.slots.values())
+    views[1].occupy(0.0, "ours", 0.010, 0.011)
+    views[2].occupy(0.0, None, 0.010, 0.011)
+    views[3].healthy = False
+    adm = Admission("r")
+    for now in (0.001, 0.002):
+        d = adm.decide(ms, Ask(now_s=now, deadline_s=1, prediction=MS10))
+        assert isinstance(d, Place) and [v.k for v in d.candidates] == [0]
+    d = adm.decide(ms, Ask(now_s=0.0105, deadline_s=1, prediction=MS10))
+    assert isinstance(d, Place) and sorted(v.k for v in d.candidates) == [0, 2]
+    starts = []
+    for i in range(4):
+        ms.rr = i
+        d = adm.decide(ms, Ask(now_s=0.0105, deadline_s=1, prediction=MS10))
+        assert isinstance(d, Place)
+        starts.append(d.candidates[0].k)
+    assert starts.count(0) == 2 and starts.count(2) == 2, starts
+
+
 def test_service_window_percentiles(rng) -> None:  # type: ignore[no-untyped-def]
     w = ServiceWindow(size=1000, prior_us=5)
     assert (w.p50_us, w.p99_us) == (5, 5)

@@ -366,7 +366,7 @@ Check = Callable[[ModelSlots, Ask], Refuse | None]
 
 
 def check_capacity(ms: ModelSlots, ask: Ask) -> Refuse | None:
-    if ms.healthy_count() == 0:
+    if not ms.any_healthy():
         if ms.silent_count():
             return Refuse(
                 Status.UNAVAILABLE, Reason.UNHEALTHY,
@@ -489,11 +489,7 @@ class Admission:
         if len(ms.promises) <= len(ms.slots):
             ms.drained_s = ask.now_s  # for `depth`
         holder = self._holder(ms, ask)
-        free: list[SlotView] = []
-        avoided: list[SlotView] = []
-        for view in ms.ordered():
-            if view.healthy and view.is_free(ask.now_s):
-                (avoided if view.node == ask.avoid_node else free).append(view)
+        free, avoided = ms.free_now(ask.now_s, ask.avoid_node)
         if (free or avoided) and not self._would_break_a_promise(ms, ask, holder,
                                                                  self._gone_s(ms.model)):
             if holder is not None:

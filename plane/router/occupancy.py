@@ -66,8 +66,8 @@ class SlotView:
         ms behind two generations stalled for 130 ms on a loaded host, with most of its
         deadline left (tests/test_pulse_streams.py, 2 of 20 runs). Within the p99 the rule is
         unchanged: a later promise there leaves a slot that frees on time idle."""
-        if self.is_free(now_s):
-            return now_s
+        if not self.busy or (self.request_id is None and now_s >= self.expected_free_s):
+            return now_s  # free (`is_free`, inlined: this runs for every slot on a refusal)
         if now_s < self.expected_free_s:
             return self.expected_free_s
         overrun_s = now_s - self.expected_free_s
@@ -180,16 +180,33 @@ class ModelSlots:
     def healthy_count(self) -> int:
         return sum(1 for v in self.slots.values() if v.healthy)
 
+    def any_healthy(self) -> bool:
+        """`healthy_count() > 0`, from the first healthy slot on (every decision asks)."""
+        return any(v.healthy for v in self.slots.values())
+
     def busy_count(self, now_s: float) -> int:
         return sum(1 for v in self.slots.values() if not v.is_free(now_s))
 
-    def ordered(self) -> list[SlotView]:
-        """Slots in round-robin order starting after the last one used."""
+    def free_now(self, now_s: float, avoid_node: str | None = None,
+                 ) -> tuple[list[SlotView], list[SlotView]]:
+        """The healthy slots free now, in round-robin order from after the last start: those
+        not on `avoid_node`, and those on it. One pass, `is_free` inlined: under overload
+        every decision scans every slot and finds none (64 slots: a third of a refusal's
+        time went to this scan and its copies)."""
+        free: list[SlotView] = []
+        avoided: list[SlotView] = []
         views = list(self.slots.values())
-        if not views:
-            return views
-        self.rr = (self.rr + 1) % len(views)
-        return views[self.rr :] + views[: self.rr]
+        n = len(views)
+        if not n:
+            return free, avoided
+        self.rr = start = (self.rr + 1) % n
+        for i in range(start, start + n):
+            v = views[i - n] if i >= n else views[i]
+            if v.healthy and (not v.busy or (v.request_id is None
+                                             and now_s >= v.expected_free_s)):
+                (avoided if v.node == avoid_node else free).append(v)
+        return free, avoided
+
 
 
 def slot_key(node: str, k: int) -> str:

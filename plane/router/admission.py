@@ -489,7 +489,8 @@ class Admission:
         if len(ms.promises) <= len(ms.slots):
             ms.drained_s = ask.now_s  # for `depth`
         holder = self._holder(ms, ask)
-        free, avoided = ms.free_now(ask.now_s, ask.avoid_node)
+        scan = ms.free_now(ask.now_s, ask.avoid_node)
+        free, avoided = scan.free, scan.avoided
         if (free or avoided) and not self._would_break_a_promise(ms, ask, holder,
                                                                  self._gone_s(ms.model)):
             if holder is not None:
@@ -498,7 +499,8 @@ class Admission:
                 self.forget(ms, holder, tell=False, kept=True)
             return Place(free + avoided, holder)
         if holder is None:
-            return self._refuse(ms, ask, None, may_promise, may_park=may_park)
+            return self._refuse(ms, ask, None, may_promise, may_park=may_park,
+                                healthy=scan.healthy)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
         if may_park:
             until_s = ask.park_until_s or self._park_until(ms, ask, holder)
@@ -508,7 +510,7 @@ class Admission:
                 holder.expires_s = max(holder.expires_s, until_s + PARK_MARGIN_S)
                 return Park(until_s, holder)
         self.stats["holder-refused-after-park" if ask.park_until_s else "holder-refused"] += 1
-        return self._refuse(ms, ask, holder, may_promise)
+        return self._refuse(ms, ask, holder, may_promise, healthy=scan.healthy)
 
     @staticmethod
     def _would_break_a_promise(ms: ModelSlots, ask: Ask, holder: Promise | None,
@@ -721,13 +723,16 @@ class Admission:
             self.notes.append(PromiseChange(ms.model, p, made=False))
 
     def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
-                may_promise: bool = True, *, may_park: bool = False) -> Refuse | Park:
+                may_promise: bool = True, *, may_park: bool = False,
+                healthy: int | None = None) -> Refuse | Park:
         """Refuse `ask`, with a ticket for the next start the promises leave. `may_park`: a
-        newcomer for whom a slot frees within moments may wait here instead."""
+        newcomer for whom a slot frees within moments may wait here instead. `healthy`: how
+        many slots are healthy, when the caller counted them already."""
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
-        healthy = ms.healthy_count()
+        if healthy is None:
+            healthy = ms.healthy_count()
         start_s = ms.promises.next_start(lambda: ms.free_times(now), now, healthy)
         p = ask.prediction
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6

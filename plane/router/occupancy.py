@@ -103,6 +103,16 @@ class SlotView:
 
 
 @dataclass(slots=True)
+class FreeNow:
+    """`ModelSlots.free_now`: the free slots not on the node to avoid, those on it, and how
+    many slots are healthy."""
+
+    free: list[SlotView]
+    avoided: list[SlotView]
+    healthy: int
+
+
+@dataclass(slots=True)
 class ModelSlots:
     model: str
     slots: dict[str, SlotView] = field(default_factory=dict)
@@ -187,25 +197,23 @@ class ModelSlots:
     def busy_count(self, now_s: float) -> int:
         return sum(1 for v in self.slots.values() if not v.is_free(now_s))
 
-    def free_now(self, now_s: float, avoid_node: str | None = None,
-                 ) -> tuple[list[SlotView], list[SlotView]]:
-        """The healthy slots free now, in round-robin order from after the last start: those
-        not on `avoid_node`, and those on it. One pass, `is_free` inlined: under overload
-        every decision scans every slot and finds none (64 slots: a third of a refusal's
-        time went to this scan and its copies)."""
-        free: list[SlotView] = []
-        avoided: list[SlotView] = []
+    def free_now(self, now_s: float, avoid_node: str | None = None) -> FreeNow:
+        """The healthy slots free now, in round-robin order from after the last start. One
+        pass, `is_free` inlined: under overload every decision scans every slot and finds
+        none (64 slots: a third of a refusal's time went to this scan and its copies)."""
+        scan = FreeNow([], [], 0)
         views = list(self.slots.values())
         n = len(views)
         if not n:
-            return free, avoided
+            return scan
         self.rr = start = (self.rr + 1) % n
         for i in range(start, start + n):
             v = views[i - n] if i >= n else views[i]
-            if v.healthy and (not v.busy or (v.request_id is None
-                                             and now_s >= v.expected_free_s)):
-                (avoided if v.node == avoid_node else free).append(v)
-        return free, avoided
+            if v.healthy:
+                scan.healthy += 1
+                if not v.busy or (v.request_id is None and now_s >= v.expected_free_s):
+                    (scan.avoided if v.node == avoid_node else scan.free).append(v)
+        return scan
 
 
 

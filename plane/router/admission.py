@@ -731,9 +731,9 @@ class Admission:
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
-        if healthy is None:
-            healthy = ms.healthy_count()
-        start_s = ms.promises.next_start(lambda: ms.free_times(now), now, healthy)
+        free_s = ms.free_times_when_read(
+            now, ms.healthy_count() if healthy is None else healthy)
+        start_s = ms.promises.next_start(free_s, now)
         p = ask.prediction
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
         due_s = max(now, start_s + lag_s - RETURN_LEAD_S)
@@ -744,8 +744,8 @@ class Admission:
         # holder refused again keeps a place (its new promise replaces its old one: the book
         # does not grow), also while a book that stood comes down to the standing depth.
         links = PROMISE_MAX_LINKS if on_call or holder is not None else self._links(
-            ms, healthy, now, p.p50_us)
-        if len(ms.promises) >= links * healthy:
+            ms, len(free_s), now, p.p50_us)
+        if len(ms.promises) >= links * len(free_s):
             return Refuse(
                 Status.BUSY, Reason.OVERLOADED,
                 f"overloaded: every {ms.model} slot already has {links} callers promised "

@@ -7,7 +7,9 @@ Pure bookkeeping, no I/O; times are monotonic seconds passed in by the caller.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from plane.contract.budget import ServiceWindow, TokenRates
 from plane.contract.messages import NodeAdvert
@@ -52,7 +54,9 @@ class SlotView:
         when it is another router's request, and when it is the ack of the request just done,
         still on its way into the stream (a loaded broker), no done-event will come. Held to
         the p99, such slots sat idle while callers were refused busy (the cluster test saw
-        bursts of a hundred). The broker refuses again if it is still taken: one publish."""
+        bursts of a hundred). The broker refuses again if it is still taken: one publish.
+        (Inlined in `free_time` and `ModelSlots.free_now`, which run for every slot on
+        every refusal: change the three together.)"""
         return not self.busy or (self.request_id is None and now_s >= self.expected_free_s)
 
     def free_time(self, now_s: float) -> float:
@@ -183,6 +187,12 @@ class ModelSlots:
         """Each healthy slot's predicted free time: what promises are scheduled on."""
         return [v.free_time(now_s) for v in self.slots.values() if v.healthy]
 
+    def free_times_when_read(self, now_s: float, healthy: int) -> Sequence[float]:
+        """`free_times`, computed when first read; its length (`healthy`, counted already)
+        before. The promise schedule reads them only when its tail is stale
+        (`PromiseBook.next_start`), and a refusal asks on every decision under overload."""
+        return _FreeTimes(self, now_s, healthy)
+
     def silent_count(self) -> int:
         """Slots passed over because their stream answered no publish (`silence`)."""
         return sum(1 for v in self.slots.values() if v.silent_until_s)
@@ -215,6 +225,33 @@ class ModelSlots:
                     (scan.avoided if v.node == avoid_node else scan.free).append(v)
         return scan
 
+
+class _FreeTimes(Sequence[float]):
+    """`ModelSlots.free_times_when_read`."""
+
+    __slots__ = ("_healthy", "_ms", "_now_s", "_times")
+
+    def __init__(self, ms: ModelSlots, now_s: float, healthy: int) -> None:
+        self._ms, self._now_s, self._healthy = ms, now_s, healthy
+        self._times: list[float] | None = None
+
+    def _read(self) -> list[float]:
+        if self._times is None:
+            self._times = self._ms.free_times(self._now_s)
+        return self._times
+
+    def __len__(self) -> int:
+        return self._healthy
+
+    @overload
+    def __getitem__(self, i: int) -> float: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[float]: ...
+    def __getitem__(self, i: int | slice) -> float | Sequence[float]:
+        return self._read()[i]
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self._read())
 
 
 def slot_key(node: str, k: int) -> str:

@@ -40,17 +40,34 @@ def _wait_for_line(log: Path, proc: subprocess.Popen[bytes], timeout_s: float) -
     raise AssertionError(f"plane up printed no line in {timeout_s} s")
 
 
+def _plane_up_on_a_free_port(log: Path, err: Path,
+                             tries: int = 3) -> tuple[int, subprocess.Popen[bytes], str]:
+    """`plane up --port P` on a port free a moment before, and its log's first line:
+    again on another port when P was taken meanwhile (plane up says "in use" and exits)."""
+    for attempt in range(tries):
+        port = _free_port()
+        with log.open("wb") as out, err.open("wb") as errs:
+            proc = subprocess.Popen([PLANE, "up", "--port", str(port), "--models",
+                                     "risk,tinylm", "--log-level", "warning"],
+                                    stdout=out, stderr=errs)
+        try:
+            # Redirected to a file, still the first line at once (not at exit).
+            return port, proc, _wait_for_line(log, proc, 90)
+        except AssertionError:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if attempt == tries - 1 or "in use" not in err.read_text():
+                raise
+    raise AssertionError("unreachable")
+
+
 def test_readme_python_blocks_run_against_plane_up_on_a_fixed_port(tmp_path: Path) -> None:
     blocks = python_blocks()
     assert len(blocks) >= 2 and all(README_URL in b for b in blocks), blocks
-    port = _free_port()
     log, err = tmp_path / "up.log", tmp_path / "up.err"
-    with log.open("wb") as out, err.open("wb") as errs:
-        proc = subprocess.Popen([PLANE, "up", "--port", str(port), "--models", "risk,tinylm",
-                                 "--log-level", "warning"], stdout=out, stderr=errs)
+    port, proc, first = _plane_up_on_a_free_port(log, err)
     try:
-        # Redirected to a file, still the first line at once (not at exit).
-        first = _wait_for_line(log, proc, 90)
         url = f"nats://127.0.0.1:{port}"
         assert first == f"plane is up: NATS {url}", first
         for i, block in enumerate(blocks):

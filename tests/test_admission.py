@@ -428,6 +428,19 @@ def test_promises_stop_at_the_horizon_with_an_overloaded_refusal() -> None:
     assert d.retry_after_ms is not None and 0 < d.retry_after_ms < 1000
 
 
+def test_the_promise_horizon_counts_healthy_slots_only() -> None:
+    """Three slots, one unhealthy: the other two hold PROMISE_MAX_LINKS promises each, no
+    more (the count the free-slot scan makes as it goes)."""
+    ms, adm = slots(3), Admission("r")
+    busy_until(ms, 0.010, 0.010, 0.010)
+    list(ms.slots.values())[2].healthy = False
+    for _ in range(PROMISE_MAX_LINKS * 2):
+        d = adm.decide(ms, ask(0.0))
+        assert isinstance(d, Refuse) and d.reason == Reason.BUSY and d.ticket
+    d = adm.decide(ms, ask(0.0))
+    assert isinstance(d, Refuse) and d.reason == Reason.OVERLOADED and d.ticket is None
+
+
 STANDING_S = STANDING_CYCLES * MS10.p50_us / 1e6  # 0.16 s for 10 ms work
 
 

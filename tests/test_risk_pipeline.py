@@ -37,6 +37,21 @@ async def test_risk_demo_bridges_and_scores_every_record_once() -> None:
         assert not report.ok and "NOT OK" in text and "deadline" in text, text
 
 
+def test_a_ticket_redeemed_on_a_second_return_says_so() -> None:
+    """Refused again with a new ticket (its slot ran past the holder's park window), the
+    SDK's retry comes back with that one: a 200 in the end, and the story tells both."""
+    story = TicketStory(burst=6, placed=2, refused=4, ticket="r-1", retry_after_ms=102,
+                        redeemed_status=200, redeemed_node="n", redeemed_after_ms=240.0,
+                        returns=2)
+    assert story.ok
+    text = "\n".join(story.render())
+    assert ("with the ticket: refused again 1 time(s) with a new ticket (its slot ran late), "
+            "then 200 on n") in text, text
+    once = TicketStory(burst=6, placed=2, refused=4, ticket="r-1", retry_after_ms=102,
+                       redeemed_status=200, redeemed_node="n", redeemed_after_ms=210.0)
+    assert "with the ticket: 200 on n" in "\n".join(once.render())
+
+
 def test_demo_verdict_is_ok_only_when_every_answer_met_its_contract() -> None:
     plan = DemoPlan(deadline_ms=50)
     ticket = TicketStory(burst=6, placed=2, refused=4, ticket="r-1", retry_after_ms=90,

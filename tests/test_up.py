@@ -84,11 +84,13 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
 def test_plane_up_demo_prints_answers_and_refusals() -> None:
     out = subprocess.run([PLANE, "up", "--demo", "--log-level", "warning"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"risk: 200 \{\"score\":0\.\d+", out.stdout)
     assert "calibrated: 200" in out.stdout
     assert re.search(r"refused with Plane-Ticket \S+, Retry-After-Ms \d+", out.stdout)
-    assert re.search(r"with the ticket: 200 on node0-calibrated", out.stdout)
+    # (Refused again with a new ticket when its slot ran late, it says so: CI's host once.)
+    assert re.search(r"with the ticket: (refused again \d+ time\(s\) with a new ticket "
+                     r"\(its slot ran late\), then )?200 on node0-calibrated", out.stdout)
     assert "demo: OK" in out.stdout
 
 

@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from plane.contract.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PLANE = str(Path(sys.executable).parent / "plane")
 README_URL = "nats://127.0.0.1:4222"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def python_blocks() -> list[str]:
@@ -45,7 +41,7 @@ def _plane_up_on_a_free_port(log: Path, err: Path,
     """`plane up --port P` on a port free a moment before, and its log's first line:
     again on another port when P was taken meanwhile (plane up says "in use" and exits)."""
     for attempt in range(tries):
-        port = _free_port()
+        port = free_port()
         with log.open("wb") as out, err.open("wb") as errs:
             proc = subprocess.Popen([PLANE, "up", "--port", str(port), "--models",
                                      "risk,tinylm", "--log-level", "warning"],

@@ -10,7 +10,6 @@ import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -21,6 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from plane.contract.processes import free_port
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import RISK_BODY, calibrated, client
 
@@ -144,11 +144,6 @@ def _scrape(port: int) -> str:
         return resp.read().decode()  # type: ignore[no-any-return]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 async def _bridge_scrape(nats_url: str) -> str | None:
     """/metrics of a real `plane bridge` on tansu; None when tansu is not installed here."""
@@ -169,7 +164,7 @@ async def _bridge_scrape(nats_url: str) -> str | None:
                       ["card-1:" + json.dumps({"card": "card-1", "amount": 12.5})])
         text = ""
         for _ in range(3):  # a port taken between choosing it and the bridge binding it
-            port = _free_port()
+            port = free_port()
             proc = await asyncio.create_subprocess_exec(
                 PLANE, "bridge", "--nats", nats_url, "--kafka", kafka.bootstrap,
                 "--topic", "transactions", "--start", "earliest", "--metrics-port", str(port),

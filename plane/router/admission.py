@@ -499,8 +499,7 @@ class Admission:
                 self.forget(ms, holder, tell=False, kept=True)
             return Place(free + avoided, holder)
         if holder is None:
-            return self._refuse(ms, ask, None, may_promise, may_park=may_park,
-                                healthy=scan.healthy)
+            return self._refuse(ms, ask, None, scan.healthy, may_promise, may_park=may_park)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
         if may_park:
             until_s = ask.park_until_s or self._park_until(ms, ask, holder)
@@ -510,7 +509,7 @@ class Admission:
                 holder.expires_s = max(holder.expires_s, until_s + PARK_MARGIN_S)
                 return Park(until_s, holder)
         self.stats["holder-refused-after-park" if ask.park_until_s else "holder-refused"] += 1
-        return self._refuse(ms, ask, holder, may_promise, healthy=scan.healthy)
+        return self._refuse(ms, ask, holder, scan.healthy, may_promise)
 
     @staticmethod
     def _would_break_a_promise(ms: ModelSlots, ask: Ask, holder: Promise | None,
@@ -722,17 +721,15 @@ class Admission:
         if ms.promises.remove(p, kept=kept) and tell:
             self.notes.append(PromiseChange(ms.model, p, made=False))
 
-    def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None,
-                may_promise: bool = True, *, may_park: bool = False,
-                healthy: int | None = None) -> Refuse | Park:
-        """Refuse `ask`, with a ticket for the next start the promises leave. `may_park`: a
-        newcomer for whom a slot frees within moments may wait here instead. `healthy`: how
-        many slots are healthy, when the caller counted them already."""
+    def _refuse(self, ms: ModelSlots, ask: Ask, holder: Promise | None, healthy: int,
+                may_promise: bool = True, *, may_park: bool = False) -> Refuse | Park:
+        """Refuse `ask`, with a ticket for the next start the promises leave. `healthy`: how
+        many slots are healthy (`ModelSlots.free_now` counted them). `may_park`: a newcomer
+        for whom a slot frees within moments may wait here instead."""
         if holder is not None:
             self.forget(ms, holder)  # a new promise replaces the old one
         now = ask.now_s
-        free_s = ms.free_times_when_read(
-            now, ms.healthy_count() if healthy is None else healthy)
+        free_s = ms.free_times_when_read(now, healthy)
         start_s = ms.promises.next_start(free_s, now)
         p = ask.prediction
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6

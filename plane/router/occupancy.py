@@ -55,8 +55,8 @@ class SlotView:
         still on its way into the stream (a loaded broker), no done-event will come. Held to
         the p99, such slots sat idle while callers were refused busy (the cluster test saw
         bursts of a hundred). The broker refuses again if it is still taken: one publish.
-        (Inlined in `free_time` and `ModelSlots.free_now`, which run for every slot on
-        every refusal: change the three together.)"""
+        (Inlined in `ModelSlots.free_now`, which runs for every slot on every decision:
+        change the two together.)"""
         return not self.busy or (self.request_id is None and now_s >= self.expected_free_s)
 
     def free_time(self, now_s: float) -> float:
@@ -70,8 +70,8 @@ class SlotView:
         ms behind two generations stalled for 130 ms on a loaded host, with most of its
         deadline left (tests/test_pulse_streams.py, 2 of 20 runs). Within the p99 the rule is
         unchanged: a later promise there leaves a slot that frees on time idle."""
-        if not self.busy or (self.request_id is None and now_s >= self.expected_free_s):
-            return now_s  # free (`is_free`, inlined: this runs for every slot on a refusal)
+        if self.is_free(now_s):
+            return now_s
         if now_s < self.expected_free_s:
             return self.expected_free_s
         overrun_s = now_s - self.expected_free_s

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 # A promise counts as kept when its holder can start within this long of its due time.
@@ -196,18 +196,14 @@ class PromiseBook:
                 return True
         return False
 
-    def next_start(self, free_s: Sequence[float] | Callable[[], Sequence[float]],
-                   now_s: float, slots: int | None = None) -> float:
+    def next_start(self, free_s: Sequence[float], now_s: float) -> float:
         """When a promise made now after every one in the book can start (`next_start` of
         the slots' free times `free_s` and the book), from the tail run at most TAIL_FRESH_S
-        ago for as many slots when there is one. `free_s` may be what computes them, with
-        `slots` how many there are: computed only when the tail is not fresh (one call per
-        slot, on most refusals under overload)."""
+        ago for as many slots when there is one."""
         tail = self._tail
-        n = len(free_s) if slots is None else slots  # type: ignore[arg-type]
         if (tail is None or now_s - self._tail_at_s > TAIL_FRESH_S
-                or now_s < self._tail_at_s or len(tail) != n):
-            tail = _slots_heap(free_s() if callable(free_s) else free_s, now_s)
+                or now_s < self._tail_at_s or len(tail) != len(free_s)):
+            tail = _slots_heap(free_s, now_s)
             if not tail:
                 self._tail = None
                 return now_s

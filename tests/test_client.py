@@ -265,15 +265,16 @@ async def test_leaving_after_the_server_went_away_is_clean() -> None:
 async def test_a_cancel_that_meets_the_answer_stops_the_call(router: FakeRouter,
                                                              plane: Client) -> None:
     """A call cancelled in the very turn its answer comes in ends cancelled, not retried.
-    nats-py waits for the answer with `asyncio.wait_for`, which on Python 3.11 drops such a
-    cancel and returns the answer: the SDK's retry loop (or a caller's own loop, being
-    stopped) then went on calling. The cancel is made to meet the answer here, not left to
-    chance: it is sent from the answer's own future."""
+    nats-py's `request` waited for the answer with `asyncio.wait_for`, which on Python 3.11
+    drops such a cancel and returns the answer: the SDK's retry loop (or a caller's own loop,
+    being stopped) then went on calling. The SDK now waits on the answer's own future
+    (`plane.client.reply_inbox`); the cancel is made to meet the answer here, not left to
+    chance: it is sent from that future."""
     router.script = lambda n, h: busy(h, after_ms=5)  # a 429: the call would come back
     call = asyncio.create_task(plane.invoke("calibrated", {"duration_us": 0}))
-    while not plane.nc._resp_map:  # the request is out, its answer's future waiting
-        await asyncio.sleep(0)  # (nats-py makes the map anew at the first request)
-    [answer] = plane.nc._resp_map.values()
+    while not plane.replies._waiting:  # the request is out, its answer's future waiting
+        await asyncio.sleep(0)
+    [answer] = plane.replies._waiting.values()
     answer.add_done_callback(lambda _: call.cancel())
     with pytest.raises(asyncio.CancelledError):
         await call

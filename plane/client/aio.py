@@ -20,11 +20,9 @@ for an answer, past the caller's deadline.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -34,6 +32,7 @@ from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.client.attempt import (
+    RequestIds,
     attempt_headers_for,
     encode_payload,
     local_reply,
@@ -47,6 +46,7 @@ from plane.client.connection import (
     closed_error,
     open_connection,
 )
+from plane.client.reply_inbox import ReplyInbox
 from plane.client.result import Result, header_int, reply_status
 from plane.client.stream import TokenStream
 from plane.client.wake import EarlyCalls
@@ -119,6 +119,9 @@ class Client:
         self.calls = EarlyCalls(nc) if self.config.early_calls else None
         self.comeback = Comeback(nc)
         self.on_close = OnClose(nc)
+        self.replies = ReplyInbox(nc)
+        self.request_ids = RequestIds()
+        self.on_close.add(self.replies, self.replies.fail_all)
         if self.calls is not None:
             self.on_close.add(self.calls, self.calls.wake_all)
 
@@ -219,7 +222,7 @@ class Client:
         budget_ms = deadline_ms if deadline_ms is not None else self.config.wait_ms
         policy = policy or self.config.policy
         body = encode_payload(payload)
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or self.request_ids.next()
         deadline_at = time.monotonic() + budget_ms / 1000
         statuses: list[int] = []
         waited_ms = 0.0
@@ -300,7 +303,7 @@ class Client:
         retryable = (result.status == Status.BUSY and result.reason not in FINAL_REFUSALS) or (
             result.status == Status.UNAVAILABLE and not result.local
         )
-        if not retryable:
+        if not retryable or tries >= policy.max_attempts:
             return None
         busy = result.status == Status.BUSY
         return retry_delay_ms(
@@ -322,15 +325,8 @@ class Client:
         if timeout_s <= 0:
             b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send")
             return b, h, True
-        task = asyncio.current_task()
-        cancels = task.cancelling() if task is not None else 0
         try:
-            msg = await self.nc.request(subject, body, timeout=timeout_s, headers=headers)
-            if task is not None and task.cancelling() > cancels:
-                # Cancelled as the answer came in: nats-py waits with `asyncio.wait_for`,
-                # which on Python 3.11 drops such a cancel and returns the answer. Keep it,
-                # or a caller's loop that is being stopped goes on calling.
-                raise asyncio.CancelledError
+            msg = await self.replies.request(subject, body, headers, timeout_s)
         except ConnectionClosedError:
             raise closed_error(self.nc) from None
         except NatsTimeout:

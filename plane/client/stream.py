@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -94,7 +93,7 @@ class TokenStream:
             raise ConfigError("stream_deadline_ms must be positive and at least deadline_ms "
                               "(the budget for the first token)")
         self.model = model
-        self.request_id = request_id or uuid.uuid4().hex
+        self.request_id = request_id or client.request_ids.next()
         self.raise_errors = raise_errors
         self._deadline_ms = deadline_ms
         self._stream_deadline_ms = stream_deadline_ms

@@ -1,0 +1,99 @@
+"""A client's requests and their replies, through one inbox subscription of its own.
+
+nats-py's `request` is the largest part of what a call costs its caller (`Client.call`, so
+the gateway per HTTP request and `plane pulse` per try): per request it reads two random
+bytes from the OS for the reply's token, builds the header block in `publish`, waits with
+`asyncio.wait_for` (on Python 3.11 a callback and a second future besides the timer, and it
+drops a cancel that comes as the answer does), and the reply reaches the waiting call one
+task's turn after it is read (the response subscription's queue and task). Here:
+
+- one wildcard subscription `<inbox>.*` per client, its messages taken as nats-py reads them
+  (`plane.contract.taken_as_read`): a reply resolves its call at once;
+- a reply's token is a counter, unique under the subscription's own inbox (a NUID);
+- the request goes out as `plane.contract.publish` writes it;
+- the wait is the future's alone, ended by a timer (`NatsTimeout`) or the connection's close
+  (`fail_all`: `plane.client.connection.OnClose`).
+
+The answers are nats-py's `Msg`s, and the errors nats-py's (`NatsTimeout`,
+`NoRespondersError`, `ConnectionClosedError`, `ConnectionDrainingError`), so that callers
+read them as they read `nc.request`'s. `benchmarks/sdk_call.py` measures both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import ConnectionClosedError, ConnectionDrainingError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from plane.contract.publish import publish
+from plane.contract.taken_as_read import take_as_read
+
+NO_RESPONDERS = "503"  # the server's status on a request nobody is subscribed to
+
+
+def _time_out(future: asyncio.Future[Msg]) -> None:
+    if not future.done():
+        future.set_exception(NatsTimeout())
+
+
+class ReplyInbox:
+    """The client's reply subscription (made at the first request; it lives as long as the
+    connection) and the requests waiting on it."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._prefix = ""  # `<inbox>.`: a reply's subject is this and its token
+        self._sub: Subscription | None = None
+        self._subscribing = asyncio.Lock()
+        self._tokens = itertools.count()
+        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+
+    async def request(self, subject: str, payload: bytes, headers: dict[str, str],
+                      timeout_s: float) -> Msg:
+        """`nc.request(subject, payload, timeout=timeout_s, headers=headers)`, cheaper."""
+        if self._nc.is_draining_pubs:
+            raise ConnectionDrainingError
+        if self._sub is None:
+            await self._subscribe()
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Msg] = loop.create_future()
+        self._waiting[token] = future
+        timer = loop.call_later(timeout_s, _time_out, future)
+        try:
+            await publish(self._nc, subject, payload, headers, reply=self._prefix + token)
+            msg = await future
+        finally:
+            timer.cancel()
+            del self._waiting[token]
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:  # as nats-py reads it
+            raise NoRespondersError
+        return msg
+
+    def fail_all(self) -> None:
+        """End every request waiting: the connection closed, no reply can come."""
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(ConnectionClosedError())
+
+    async def _subscribe(self) -> None:
+        async with self._subscribing:  # two first requests at once subscribe once
+            if self._sub is not None:
+                return
+            prefix = f"{self._nc.new_inbox()}."
+            sub = await self._nc.subscribe(f"{prefix}*", cb=self._never)
+            take_as_read(sub, self._take)
+            self._prefix, self._sub = prefix, sub
+
+    def _take(self, msg: Msg) -> None:
+        future = self._waiting.get(msg.subject[len(self._prefix):])
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def _never(self, msg: Msg) -> None:
+        """What nats-py would call (it takes only coroutines); `take_as_read` goes round it."""

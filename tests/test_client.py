@@ -280,3 +280,32 @@ async def test_a_cancel_that_meets_the_answer_stops_the_call(router: FakeRouter,
         await call
     await asyncio.sleep(0.05)  # past its Retry-After: a dropped cancel would have retried
     assert len(router.seen) == 1
+
+
+async def test_concurrent_calls_each_get_their_own_answer(nc: NATS, plane: Client) -> None:
+    """Every call's reply comes on the client's one reply inbox (`plane.client.reply_inbox`),
+    told apart by its token: 200 calls in flight, answered in reverse order of arrival, each
+    get the answer made for them (the responder puts the request id in the body), and the
+    ids the client made for them are all different."""
+    held: list[Msg] = []
+    everyone = asyncio.Event()
+
+    async def answer_backwards(msg: Msg) -> None:
+        held.append(msg)
+        if len(held) == 200:
+            everyone.set()
+            for m in reversed(held):
+                rid = (m.headers or {})[Header.REQUEST_ID]
+                await nc.publish(m.reply, rid.encode(), headers=ok_headers(rid, "n1", 0, 1))
+
+    sub = await nc.subscribe(Names().infer_all(), cb=answer_backwards)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            *(plane.call("calibrated", {"duration_us": 0}, deadline_ms=5000)
+              for _ in range(200))), 10)
+    finally:
+        await sub.unsubscribe()
+    assert everyone.is_set()
+    assert [r.body.decode() for r in results] == [r.request_id for r in results]
+    assert len({r.request_id for r in results}) == 200
+    assert not plane.replies._waiting  # nothing left behind

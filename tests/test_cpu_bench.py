@@ -176,3 +176,22 @@ async def test_routers_by_model_smoke() -> None:
         assert "'200'" in r[3]
         each = [float(x) for x in r[4].split("+")]
         assert len(each) == (1 if r[1].strip() == "one router" else 2) and all(each), r
+
+
+async def test_sdk_call_smoke() -> None:
+    """benchmarks/sdk_call.py: both paths call the refusing responder at each concurrency,
+    and the caller's CPU per call is read for each row."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "sdk_call.py"), "--calls", "200",
+        "--concurrency", "1,20", "--rounds", "1", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    rows = json.loads(out)
+    assert sorted((r["path"], r["concurrency"]) for r in rows) == [
+        ("Client.call", 1), ("Client.call", 20), ("nats-py request", 1),
+        ("nats-py request", 20)]
+    for r in rows:
+        # 200 calls cost the caller CPU (tens of µs each, at least a clock tick in all).
+        assert r["cpu_us_per_call"] > 0 and r["calls_per_s"] > 0, r

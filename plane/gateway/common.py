@@ -92,6 +92,8 @@ async def read_body(request: web.Request, config: GatewayConfig) -> bytes:
     if request.content_length is not None and request.content_length > config.max_body_bytes:
         raise BodyRefused(Status.TOO_LARGE, Reason.TOO_LARGE, too_large)
     try:
+        if request.content.is_eof():  # all of it arrived with the head: nothing to wait for
+            return await request.read()
         # A body trickled in (slow POST) holds a connection as a slow head would.
         async with asyncio.timeout(config.body_timeout_s):
             return await request.read()
@@ -138,7 +140,9 @@ def observe(request: web.Request, model: str, response: web.StreamResponse,
     label = model if model in MODELS else "_unknown"
     took_s = time.monotonic() - started
     request.app[METRICS_KEY].observe(label, response.status, took_s)
-    request.app[CANONICAL_KEY].line(
-        "http request", error=response.status >= 500, method=request.method,
-        path=request.path, model=label, status=response.status,
-        request_id=response.headers.get(Header.REQUEST_ID), us=int(took_s * 1e6))
+    canonical, error = request.app[CANONICAL_KEY], response.status >= 500
+    if canonical.due(error=error):  # most lines are sampled away: their fields never built
+        canonical.write(
+            "http request", error=error, method=request.method, path=request.path,
+            model=label, status=response.status,
+            request_id=response.headers.get(Header.REQUEST_ID), us=int(took_s * 1e6))

@@ -32,11 +32,11 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from plane.client import Client  # noqa: E402
-from plane.contract.backoff import NO_RETRY  # noqa: E402
-from plane.contract.config import ConnectOptions  # noqa: E402
-from plane.contract.embedded import EmbeddedNats  # noqa: E402
-from plane.contract.subjects import Header, Names  # noqa: E402
+from plane.client import Client
+from plane.contract.backoff import NO_RETRY
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats
+from plane.contract.subjects import Header, Names
 
 MODEL = "calibrated"
 BODY = b'{"duration_us": 0}'

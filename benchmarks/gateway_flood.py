@@ -163,8 +163,9 @@ async def main() -> None:
           f"`plane up` + `plane gateway` (log level {args.log_level}), hey for "
           f"{args.duration:.0f} s per row\n")
     print("| hey workers | requests/s | 200/s | of the slots' ideal | 429/s | other "
-          "| p50 / p99 ms (all answers) | CPU plane up | CPU gateway | CPU nats-server |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| p50 / p99 ms (all answers) | CPU plane up | CPU gateway | gateway µs a request "
+          "| CPU nats-server |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         workers = (f"{r['workers']} at {r['rate_per_worker']:g}/s"
                    if r["rate_per_worker"] else f"{r['workers']}")
@@ -174,6 +175,7 @@ async def main() -> None:
               f"{r['ok_per_s'] / r['ideal_per_s']:.1%} | {r['refused_per_s']:.0f} | "
               f"{r['other']:.0f} | {r['p50_ms']:.1f} / {r['p99_ms']:.1f} | {r['cpu_up']:.0%} | "
               f"{r['cpu_gateway']:.0%} | "
+              f"{1e6 * r['cpu_gateway'] / max(r['requests_per_s'], 1e-9):.0f} | "
               f"{r['cpu_nats']:.0%} |")
 
 

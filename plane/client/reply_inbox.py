@@ -1,7 +1,7 @@
 """A client's requests and their replies, through one inbox subscription of its own.
 
-nats-py's `request` is the largest part of what a call costs its caller (`Client.call`, so
-the gateway per HTTP request and `plane pulse` per try): per request it reads two random
+nats-py's `request` costs a caller more than it needs (`Client.call`'s every try: the
+gateway's per HTTP request, `plane pulse`'s per attempt): per request it reads two random
 bytes from the OS for the reply's token, builds the header block in `publish`, waits with
 `asyncio.wait_for` (on Python 3.11 a callback and a second future besides the timer, and it
 drops a cancel that comes as the answer does), and the reply reaches the waiting call one

@@ -3,10 +3,12 @@ with a reply inbox, every message on that inbox fed to `StreamReader` (the one r
 docs/design.md "Streams"), until its one final message.
 
 One wildcard subscription (`<inbox>.*`) carries every stream of the run, each attempt on an
-inbox of its own (`<inbox>.<n>`): the cheapest way to read thousands of streams, and a
-message's arrival time is taken first thing in the callback. A message on an inbox whose
-stream has already ended (a second final message, a token after `end`) is counted in
-`after_final`: the contract says there are none.
+inbox of its own (`<inbox>.<n>`): the cheapest way to read thousands of streams. Its
+messages are taken as nats-py reads them (`plane.contract.taken_as_read`), not one task's
+turn later: a message's arrival time is when it came off the socket, and the load generator
+spends no wake-up per token message on the cores it shares with the plane. A message on an
+inbox whose stream has already ended (a second final message, a token after `end`) is
+counted in `after_final`: the contract says there are none.
 
 With a retry policy a 429 is retried as the SDK retries a request: at its Retry-After-Ms
 (when the server's clock is trusted), or when the router calls its holder first (the
@@ -40,6 +42,7 @@ from plane.contract.natsconn import close, connect
 from plane.contract.replies import now_ms
 from plane.contract.streams import ASKED, Kind, StreamBroken, StreamReader
 from plane.contract.subjects import Header, Names
+from plane.contract.taken_as_read import take_as_read
 from plane.pulse.stream_outcome import BROKEN, ERROR, TIMEOUT, StreamOutcome
 
 # The server's own status line on a request nobody listens to (nats-py puts it in `Status`).
@@ -141,9 +144,9 @@ class StreamTarget:
         self._early = EarlyCalls(self._nc)
         self._wake = await self._early.inbox()
         self._prefix = self._nc.new_inbox()
-        await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_msg,
-                                 pending_msgs_limit=_PENDING_MSGS,
-                                 pending_bytes_limit=_PENDING_BYTES)
+        take_as_read(await self._nc.subscribe(
+            f"{self._prefix}.*", cb=self._never, pending_msgs_limit=_PENDING_MSGS,
+            pending_bytes_limit=_PENDING_BYTES), self._take)
         await self._nc.flush()
         return self
 
@@ -153,7 +156,10 @@ class StreamTarget:
         if nc is not None:
             await close(nc)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    async def _never(self, msg: Msg) -> None:
+        """What nats-py would call (it takes only coroutines); `take_as_read` goes round it."""
+
+    def _take(self, msg: Msg) -> None:
         t = time.monotonic()
         inbox = msg.subject
         call = self._calls.get(inbox)

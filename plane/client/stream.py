@@ -50,6 +50,7 @@ from plane.contract.headers import is_no_responders
 from plane.contract.messages import Reason, Status, Usage
 from plane.contract.streams import ASKED, Kind, StreamBroken, StreamReader
 from plane.contract.subjects import Header
+from plane.contract.taken_as_read import take_as_read
 
 if TYPE_CHECKING:
     from plane.client.aio import Client
@@ -259,11 +260,12 @@ class TokenStream:
         queue: asyncio.Queue[Msg | None] = asyncio.Queue()
         self._queue = queue
 
-        async def on_message(msg: Msg) -> None:
-            queue.put_nowait(msg)
+        async def never(msg: Msg) -> None:
+            """What nats-py would call (it takes only coroutines); `take_as_read` goes
+            round it: each message is queued as nats-py reads it, no task wake between."""
 
         inbox = nc.new_inbox()
-        self._sub = await nc.subscribe(inbox, cb=on_message)
+        self._sub = take_as_read(await nc.subscribe(inbox, cb=never), queue.put_nowait)
         # A close ends the wait for the next message at once (`_end_silent` says why).
         self._client.on_close.add(self, lambda: queue.put_nowait(None))
         if self._closed:  # closed while it subscribed

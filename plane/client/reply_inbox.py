@@ -31,7 +31,7 @@ from nats.errors import ConnectionClosedError, ConnectionDrainingError, NoRespon
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.contract.publish import publish
-from plane.contract.taken_as_read import take_as_read
+from plane.contract.taken_as_read import subscribe_as_read
 
 NO_RESPONDERS = "503"  # the server's status on a request nobody is subscribed to
 
@@ -86,14 +86,10 @@ class ReplyInbox:
             if self._sub is not None:
                 return
             prefix = f"{self._nc.new_inbox()}."
-            sub = await self._nc.subscribe(f"{prefix}*", cb=self._never)
-            take_as_read(sub, self._take)
+            sub = await subscribe_as_read(self._nc, f"{prefix}*", self._take)
             self._prefix, self._sub = prefix, sub
 
     def _take(self, msg: Msg) -> None:
         future = self._waiting.get(msg.subject[len(self._prefix):])
         if future is not None and not future.done():
             future.set_result(msg)
-
-    async def _never(self, msg: Msg) -> None:
-        """What nats-py would call (it takes only coroutines); `take_as_read` goes round it."""

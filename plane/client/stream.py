@@ -50,7 +50,7 @@ from plane.contract.headers import is_no_responders
 from plane.contract.messages import Reason, Status, Usage
 from plane.contract.streams import ASKED, Kind, StreamBroken, StreamReader
 from plane.contract.subjects import Header
-from plane.contract.taken_as_read import take_as_read
+from plane.contract.taken_as_read import subscribe_as_read
 
 if TYPE_CHECKING:
     from plane.client.aio import Client
@@ -260,12 +260,8 @@ class TokenStream:
         queue: asyncio.Queue[Msg | None] = asyncio.Queue()
         self._queue = queue
 
-        async def never(msg: Msg) -> None:
-            """What nats-py would call (it takes only coroutines); `take_as_read` goes
-            round it: each message is queued as nats-py reads it, no task wake between."""
-
-        inbox = nc.new_inbox()
-        self._sub = take_as_read(await nc.subscribe(inbox, cb=never), queue.put_nowait)
+        inbox = nc.new_inbox()  # each message queued as nats-py reads it: no task wake between
+        self._sub = await subscribe_as_read(nc, inbox, queue.put_nowait)
         # A close ends the wait for the next message at once (`_end_silent` says why).
         self._client.on_close.add(self, lambda: queue.put_nowait(None))
         if self._closed:  # closed while it subscribed

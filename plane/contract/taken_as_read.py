@@ -8,7 +8,8 @@ frees a slot in the router's books), that turn is a task wake per message for no
 it lets whatever was read after the message be handled before it: a request read after a
 done-event was decided before the slot it freed was seen free.
 
-`take_as_read` replaces the queue's `put_nowait` (as `plane.router.receipt` wraps it; a
+`take_as_read` (or `subscribe_as_read`, which subscribes too) replaces the queue's
+`put_nowait` (as `plane.router.receipt` wraps it; a
 private attribute of the nats-py version pinned in pyproject.toml) so that nats-py's read
 loop hands each message to `take` at once. Nothing is queued: the subscription's own task
 waits on an empty queue until the unsubscribe ends it, and what nats-py counted as pending is
@@ -20,8 +21,10 @@ raises is logged here, never left to end that loop.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -40,3 +43,13 @@ def take_as_read(sub: Subscription, take: Callable[[Msg], None]) -> Subscription
 
     sub._pending_queue.put_nowait = put_nowait  # type: ignore[method-assign,assignment]
     return sub
+
+
+async def subscribe_as_read(nc: Client, subject: str, take: Callable[[Msg], None],
+                            **options: Any) -> Subscription:
+    """`nc.subscribe(subject, **options)`, each message handed to `take` as it is read."""
+
+    async def handed(msg: Msg) -> None:  # nats-py's callback, gone round by `take_as_read`
+        take(msg)
+
+    return take_as_read(await nc.subscribe(subject, cb=handed, **options), take)

@@ -42,7 +42,7 @@ from plane.contract.natsconn import close, connect
 from plane.contract.replies import now_ms
 from plane.contract.streams import ASKED, Kind, StreamBroken, StreamReader
 from plane.contract.subjects import Header, Names
-from plane.contract.taken_as_read import take_as_read
+from plane.contract.taken_as_read import subscribe_as_read
 from plane.pulse.stream_outcome import BROKEN, ERROR, TIMEOUT, StreamOutcome
 
 # The server's own status line on a request nobody listens to (nats-py puts it in `Status`).
@@ -144,9 +144,9 @@ class StreamTarget:
         self._early = EarlyCalls(self._nc)
         self._wake = await self._early.inbox()
         self._prefix = self._nc.new_inbox()
-        take_as_read(await self._nc.subscribe(
-            f"{self._prefix}.*", cb=self._never, pending_msgs_limit=_PENDING_MSGS,
-            pending_bytes_limit=_PENDING_BYTES), self._take)
+        await subscribe_as_read(self._nc, f"{self._prefix}.*", self._take,
+                                pending_msgs_limit=_PENDING_MSGS,
+                                pending_bytes_limit=_PENDING_BYTES)
         await self._nc.flush()
         return self
 
@@ -155,9 +155,6 @@ class StreamTarget:
         nc, self._nc = self._nc, None
         if nc is not None:
             await close(nc)
-
-    async def _never(self, msg: Msg) -> None:
-        """What nats-py would call (it takes only coroutines); `take_as_read` goes round it."""
 
     def _take(self, msg: Msg) -> None:
         t = time.monotonic()

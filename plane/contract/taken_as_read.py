@@ -9,13 +9,13 @@ it lets whatever was read after the message be handled before it: a request read
 done-event was decided before the slot it freed was seen free.
 
 `take_as_read` (or `subscribe_as_read`, which subscribes too) replaces the queue's
-`put_nowait` (as `plane.router.receipt` wraps it; a
-private attribute of the nats-py version pinned in pyproject.toml) so that nats-py's read
-loop hands each message to `take` at once. Nothing is queued: the subscription's own task
-waits on an empty queue until the unsubscribe ends it, and what nats-py counted as pending is
-taken off again at once (left to grow, it would call the subscription a slow consumer and
-drop messages). `take` runs inside nats-py's read loop: it must not block, and whatever it
-raises is logged here, never left to end that loop.
+`put_nowait` (as `plane.router.receipt` wraps it; a private attribute of the nats-py version
+pinned in pyproject.toml) so that nats-py's read loop hands each message to `take` at once.
+Nothing is queued: the subscription's own task waits on an empty queue until the unsubscribe
+ends it, and what nats-py counted as pending is taken off again at once (left to grow, it
+would call the subscription a slow consumer and drop messages). `take` runs inside nats-py's
+read loop: it must not block, and whatever it raises is logged here, never left to end that
+loop.
 """
 
 from __future__ import annotations

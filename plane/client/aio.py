@@ -32,7 +32,6 @@ from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.client.attempt import (
-    RequestIds,
     attempt_headers_for,
     encode_payload,
     local_reply,
@@ -53,6 +52,7 @@ from plane.client.wake import EarlyCalls
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.contract.errors import ConfigError
+from plane.contract.identity import RequestIds
 from plane.contract.messages import FINAL_REFUSALS, Reason, Status
 from plane.contract.natsconn import close
 from plane.contract.replies import now_ms
@@ -339,4 +339,4 @@ class Client:
                 Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}"
             )
             return b, h, True
-        return msg.data, dict(msg.headers or {}), False
+        return msg.data, msg.headers or {}, False  # nats-py makes a dict per message

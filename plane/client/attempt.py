@@ -3,8 +3,6 @@ the body, the headers it goes out with, and the answers the client makes up itse
 
 from __future__ import annotations
 
-import itertools
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,19 +14,6 @@ from plane.contract.messages import Reason, Status, error_body
 from plane.contract.subjects import Header
 
 _encoder = msgspec.json.Encoder()
-
-
-class RequestIds:
-    """Request ids for the calls that give none: 32 hex digits, as a UUID's, from a random
-    prefix drawn once and a counter (a `uuid4` reads the OS's random source on every call,
-    ~10% of a call's CPU in a profile of `Client.call`)."""
-
-    def __init__(self) -> None:
-        self._prefix = secrets.token_hex(10)
-        self._count = itertools.count()
-
-    def next(self) -> str:
-        return f"{self._prefix}{next(self._count) % 16**12:012x}"
 
 
 def encode_payload(payload: Any) -> bytes:

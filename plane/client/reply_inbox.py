@@ -27,7 +27,7 @@ import itertools
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import ConnectionClosedError, ConnectionDrainingError, NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from plane.contract.publish import publish
@@ -56,8 +56,6 @@ class ReplyInbox:
     async def request(self, subject: str, payload: bytes, headers: dict[str, str],
                       timeout_s: float) -> Msg:
         """`nc.request(subject, payload, timeout=timeout_s, headers=headers)`, cheaper."""
-        if self._nc.is_draining_pubs:
-            raise ConnectionDrainingError
         if self._sub is None:
             await self._subscribe()
         token = str(next(self._tokens))

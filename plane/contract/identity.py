@@ -6,6 +6,7 @@ restart (or, by mistake, a second process) under one id is told apart from the f
   treats as a dead node's), and an older process still talking speaks for nothing.
 - `ensure_node_id_free`: a node, before it claims anything, makes sure no other process
   serves its id; a router does the same with its peers (`plane.router.peers.Peers.ensure_id_free`).
+- `RequestIds`: ids for requests that come without one (a router's, the SDK's, pulse's).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
+import secrets
 import uuid
 from dataclasses import dataclass
 
@@ -32,6 +35,20 @@ log = structlog.get_logger("plane.contract.identity")
 
 def new_instance() -> str:
     return uuid.uuid4().hex[:12]
+
+
+class RequestIds:
+    """Request ids for the requests that come without one: a random prefix drawn once and a
+    count, unique to the process's life. A NUID or a `uuid4` per request reads the OS's random
+    source or runs a base-62 loop each time: ~1.5% of a router's CPU, ~10% of an SDK call's
+    (docs/perf)."""
+
+    def __init__(self, prefix: str | None = None) -> None:
+        self._prefix = prefix or secrets.token_hex(10)
+        self._count = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}-{next(self._count)}"
 
 
 class Heard(enum.Enum):

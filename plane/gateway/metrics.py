@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from plane.contract.metrics import LATENCY_BUCKETS_S
+from plane.contract.metrics import LATENCY_BUCKETS_S, Children
 
 
 class GatewayMetrics:
@@ -16,18 +16,9 @@ class GatewayMetrics:
         self.seconds = Histogram(
             "plane_gateway_request_seconds", "HTTP inference requests, receipt to answer",
             ["model"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        # Each series' child, looked up once: `labels()` checks and joins its label values
-        # on every call (the labels are bounded: known models and HTTP statuses).
-        self._counted: dict[tuple[str, int], Counter] = {}
-        self._timed: dict[str, Histogram] = {}
+        self._requests = Children(self.requests)  # bounded: known models, HTTP statuses
+        self._seconds = Children(self.seconds)
 
     def observe(self, model: str, status: int, seconds: float) -> None:
-        counted = self._counted.get((model, status))
-        if counted is None:
-            counted = self._counted[model, status] = self.requests.labels(
-                model=model, status=str(status))
-        timed = self._timed.get(model)
-        if timed is None:
-            timed = self._timed[model] = self.seconds.labels(model=model)
-        counted.inc()
-        timed.observe(seconds)
+        self._requests(model, str(status)).inc()
+        self._seconds(model).observe(seconds)

@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import random
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -37,6 +36,7 @@ from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.headers import is_no_responders
+from plane.contract.identity import RequestIds
 from plane.contract.messages import FINAL_REFUSALS
 from plane.contract.natsconn import close, connect
 from plane.contract.replies import now_ms
@@ -134,6 +134,7 @@ class StreamTarget:
         self._wake = ""
         self._prefix = ""
         self._ids = itertools.count()
+        self._rids = RequestIds()
         self._calls: dict[str, StreamCall] = {}
         self._ended: set[str] = set()  # inboxes whose stream ended: a message there is stray
         self.after_final = 0  # messages on an inbox after its final message (contract: none)
@@ -176,7 +177,7 @@ class StreamTarget:
         """Publish one attempt with `headers` (Plane-Stream and the request id are set here);
         return its inbox and the call its messages feed."""
         assert self._nc is not None, "use StreamTarget as an async context manager"
-        request_id = headers.get(Header.REQUEST_ID) or uuid.uuid4().hex
+        request_id = headers.get(Header.REQUEST_ID) or self._rids.next()
         inbox = f"{self._prefix}.{next(self._ids)}"
         call = StreamCall(request_id)
         self._calls[inbox] = call
@@ -209,7 +210,7 @@ class StreamTarget:
         end_at = (None if spec.stream_deadline_ms is None
                   else first_sent + spec.stream_deadline_ms / 1000)
         retry_until = ttft_at if ttft_at is not None else first_sent + spec.wait_ms / 1000
-        request_id = uuid.uuid4().hex
+        request_id = self._rids.next()
         statuses: list[int] = []
         reasons: list[str] = []
         hinted, ticket = 0, None

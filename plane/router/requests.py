@@ -12,7 +12,6 @@ the subscriptions and the control plane, and hands each request to `RequestPath.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -40,6 +39,7 @@ from plane.contract.headers import (
     read_caller,
     request_info,
 )
+from plane.contract.identity import RequestIds
 from plane.contract.messages import Status
 from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS, model_spec
@@ -191,11 +191,9 @@ class RequestPath:
         self._reprovision = parts.reprovision
         self.tracing = parts.tracing
         self.max_body_bytes = parts.cfg.max_body_bytes  # at most what the server carries
-        # Ids for requests that came without one: unique to this router's life (a NUID drawn
-        # once) and a count; a NUID per request was ~1.5% of the router's CPU (docs/perf).
-        self._rid_prefix = parts.nc.new_inbox()[len("_INBOX."):]
+        # Ids for requests that came without one (a NUID drawn once, and a count).
+        self._rids = RequestIds(parts.nc.new_inbox()[len("_INBOX."):])
         self._own_prefix = parts.cfg.names.router_infer_all(parts.cfg.router_id)[:-1]
-        self._rid_count = itertools.count(1)
         self._waiting = 0  # requests in a task of their own (parked, forwarded)
         settings = parts.settings
         self.tenants = Tenants()
@@ -662,7 +660,7 @@ class RequestPath:
         return min(MAX_DEADLINE_MS, deadline_ms + 2 * math.ceil(p99_us / 1000))
 
     def _new_rid(self) -> str:
-        return f"{self._rid_prefix}-{next(self._rid_count)}"
+        return self._rids.next()
 
     def _slot_headers(self, r: Routing) -> dict[str, str]:
         hdrs = r.msg.headers or {}

@@ -208,7 +208,8 @@ def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
     shows it); one that did not leaves the fields out, and they read as unknown."""
     body = {"router": "r0", "models": {
         "tinylm": {"slots": 1, "healthy": 1, "busy": 1, "p50_overhead_us": 900,
-                   "p99_overhead_us": 1500, "call_trip_p50_us": 700, "call_trip_p99_us": 2100},
+                   "p99_overhead_us": 1500, "call_trip_p50_us": 700, "call_trip_p99_us": 2100,
+                   "start_slip_p99_us": {"ahead_0": 1200, "ahead_2": 4200}},
         "calibrated": {"slots": 2, "healthy": 2, "busy": 0}}}
     r = router_facts(body)
     assert r.behind_ms is None  # a router of an earlier version does not say
@@ -221,3 +222,5 @@ def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
     assert (called.call_trip_p50_us, called.call_trip_p99_us) == (700, 2100)
     assert called.cycle_p50_us == 900
     assert quiet.call_trip_p50_us is None and quiet.call_trip_p99_us is None
+    assert called.start_slip_p99_us == {"ahead_0": 1200, "ahead_2": 4200}
+    assert quiet.start_slip_p99_us is None

@@ -50,6 +50,9 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     # A called holder's way back (router to holder and back), once holders were called lately.
     call_trip_p50_us: int | None = None
     call_trip_p99_us: int | None = None
+    # How late holders started past the start they were promised (the p99, by how far ahead
+    # it was: `ahead_<k>`, `plane.router.slips.bucket`), once any was placed.
+    start_slip_p99_us: dict[str, int] | None = None
 
 
 class RouterFacts(msgspec.Struct, kw_only=True):
@@ -175,7 +178,8 @@ def router_facts(body: dict[str, Any]) -> RouterFacts:
                               busy=v.get("busy", 0), cycle_p50_us=v.get("p50_overhead_us"),
                               cycle_p99_us=v.get("p99_overhead_us"),
                               call_trip_p50_us=v.get("call_trip_p50_us"),
-                              call_trip_p99_us=v.get("call_trip_p99_us"))
+                              call_trip_p99_us=v.get("call_trip_p99_us"),
+                              start_slip_p99_us=v.get("start_slip_p99_us"))
                 for m, v in (body.get("models") or {}).items()},
         promises_open=body.get("tickets"), in_flight=body.get("inflight"),
         redemption=body.get("redemption") or {},

@@ -28,6 +28,7 @@ from plane.contract.subjects import InvalidToken, check_token
 from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise, simulate, would_delay
+from plane.router.slips import Slips
 
 # A promise is kept this long past its due time for a late holder (then released). It covers
 # the reply's trip, the caller's timer, the SDK's jitter (up to 2 ms) and a caller's process
@@ -428,6 +429,9 @@ class Admission:
         # a promise is made only if a holder this late still starts in time (`_refuse`).
         self.lateness: dict[str, ServiceWindow] = {}
         self.call_trips: dict[str, ServiceWindow] = {}  # per model: from a call to the holder
+        # How late, per model, holders start after the start they were promised, by how far
+        # ahead: a promise is made only if a start as late still meets the deadline.
+        self.slips: dict[str, Slips] = {}
 
     def issued(self, ticket: str) -> bool:
         """Whether `ticket` is one the plane gave out that this router has in its books: its
@@ -509,6 +513,7 @@ class Admission:
                 holder.expires_s = max(holder.expires_s, until_s + PARK_MARGIN_S)
                 return Park(until_s, holder)
         self.stats["holder-refused-after-park" if ask.park_until_s else "holder-refused"] += 1
+        self._slipped(ms.model, holder, ask.now_s)  # it starts later than this, if ever
         return self._refuse(ms, ask, holder, scan.healthy, may_promise)
 
     @staticmethod
@@ -574,9 +579,28 @@ class Admission:
             return p
         return None
 
-    def redeemed(self, ms: ModelSlots, promise: Promise) -> None:
-        """The holder was placed: its promise is kept (and out of the book already)."""
+    def redeemed(self, ms: ModelSlots, promise: Promise, now_s: float) -> None:
+        """The holder was placed (the broker took it onto its slot at `now_s`): its promise is
+        kept (and out of the book already)."""
+        self._slipped(ms.model, promise, now_s)
         self.forget(ms, promise, kept=True)
+
+    def _slipped(self, model: str, promise: Promise, start_s: float) -> None:
+        """A holder of a promise this router made started at `start_s`, or had not yet and
+        will not on this promise (a lower bound, kept as a sample all the same: the
+        holders that miss their deadline are the slips that count)."""
+        if promise.promised_s and not promise.foreign:
+            if (slips := self.slips.get(model)) is None:
+                slips = self.slips[model] = Slips()
+            slips.add(promise, start_s)
+
+    def _margin_s(self, model: str, ahead_s: float, service_s: float) -> float:
+        """How far past a start promised `ahead_s` from now its holder may start, as most do
+        (the p99): as late as holders come back, or as late as the starts promised about as
+        far ahead were (`plane.router.slips`)."""
+        slips = self.slips.get(model)
+        slip_us = slips.p99_us(ahead_s, service_s) if slips is not None else 0
+        return max(self._lateness(model).p99_us, slip_us) / 1e6
 
     def _holder(self, ms: ModelSlots, ask: Ask) -> Promise | None:
         if ask.ticket is None:
@@ -678,6 +702,7 @@ class Admission:
         if ask.park_until_s is None:  # it did come back (a parked re-decide counted already)
             self._count(ms.model, redeemed=True)
         self.stats["holder-refused-by-check"] += 1
+        self._slipped(ms.model, p, ask.now_s)
         self.forget(ms, p)
 
     def _count(self, model: str, *, redeemed: bool) -> None:
@@ -761,11 +786,15 @@ class Admission:
             if start_s <= latest_s:
                 return self._park_newcomer(ms, ask, start_s, latest_s)
         # A promise its holder cannot keep is worse than none: one due so near the last
-        # start its deadline allows that a holder as late as most (the p99 of the lateness
-        # seen) misses it is refused at once, `deadline`, as one past it is. (At 100 ms
+        # start its deadline allows that a holder starting as late as most (`_margin_s`)
+        # misses it is refused at once, `deadline`, as one past it is. (At 100 ms
         # deadlines, 20 ms jobs, 2x: promises made to the last moment came back late by the
-        # caller's trip and jitter and were refused then, 40% of first retries.)
-        late_s = self._lateness(ms.model).p99_us / 1e6
+        # caller's trip and jitter and were refused then, 40% of first retries. Counted from
+        # the holder's return alone, holders at 25 ms deadlines, 2 x 3 ms, were still
+        # refused on their return, 2-4% of them, 4-8% with 8 x 10 ms at 60 ms: the work ahead
+        # had run past the schedule's prediction, and the further ahead a start, the more it
+        # slips. BENCHMARKS.md, thirty-ninth session.)
+        late_s = self._margin_s(ms.model, due_s - now, p.expected_us / 1e6)
         if due_s + late_s > ask.latest_start_s():
             return Refuse(
                 Status.BUSY, Reason.DEADLINE,
@@ -799,7 +828,7 @@ class Admission:
             ticket=new_ticket(self._prefix), due_s=due_s, told_s=told_s,
             expires_s=told_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
-            issued_s=now, pinned=pinned, wake=ask.wake,
+            issued_s=now, pinned=pinned, wake=ask.wake, promised_s=due_s,
         )
         if promise.pinned:
             ms.promises.add(promise)

@@ -47,6 +47,10 @@ class Promise:
     expires_s: float
     service_s: float
     issued_s: float = 0.0
+    # The start its holder was promised (its due time when made, before a call brings it
+    # forward; 0: no ticket's, e.g. a parked newcomer's): how far real starts slip past it
+    # is learned (`Admission.slips`).
+    promised_s: float = 0.0
     pinned: bool = True  # holds slot time; False: the Retry-After was an estimate only
     parked: bool = False  # its holder is here, waiting for a slot to free
     foreign: bool = False  # made by another router (told on plane.admission.<model>)

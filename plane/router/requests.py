@@ -738,7 +738,7 @@ class RequestPath:
                 if r.ask.ticket is not None:
                     self.fair.kept(r.model, r.tenant, r.ask.ticket)
                 if p.place.redeemed is not None:
-                    self.admission.redeemed(r.ms, p.place.redeemed)
+                    self.admission.redeemed(r.ms, p.place.redeemed, time.monotonic())
                     self._tickets_honoured(r.model).inc()
                 await self.peers.tell_taken(r.model, view, p.place, r.ask, r.rid)
                 await self._decided(r, "placed", view)

@@ -402,6 +402,11 @@ class Router(Lifecycle, TaskOwner):
                     **({"call_trip_p50_us": trips.p50_us, "call_trip_p99_us": trips.p99_us}
                        if (trips := self.admission.call_trips.get(m)) is not None
                        and trips.count else {}),
+                    # How late holders start past their promised start, by how far ahead
+                    # it was (`plane.router.slips`).
+                    **({"start_slip_p99_us": slips.summary()}
+                       if (slips := self.admission.slips.get(m)) is not None
+                       and slips.count else {}),
                     **({"decode_ns_per_token_p50": ms.rates.decode.p50_us,
                         "prefill_ns_per_token_p50": ms.rates.prefill.p50_us,
                         "fill_per_mille_mean": ms.rates.fill.mean_us}

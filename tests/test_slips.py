@@ -1,0 +1,46 @@
+"""How late holders start past their promised start, by how far ahead it was promised: a far
+start slips more, and no nearer slip is taken for a further start's."""
+
+from plane.router.promises import Promise
+from plane.router.slips import SLIP_PRIOR_US, Slips, bucket
+
+
+def promise(ahead_s: float, service_s: float = 0.010) -> Promise:
+    return Promise(ticket="r-0", due_s=ahead_s, expires_s=1.0, service_s=service_s,
+                   issued_s=0.0, promised_s=ahead_s)
+
+
+def test_buckets_double_in_service_times_ahead() -> None:
+    assert [bucket(a, 0.010) for a in (0.0, 0.009, 0.010, 0.029, 0.030, 0.070, 1.0)] == [
+        0, 0, 1, 1, 2, 3, 4]
+    assert bucket(-0.005, 0.010) == 0  # a start promised for now (the schedule's "now")
+
+
+def test_a_start_promised_further_ahead_is_judged_by_its_own_slips() -> None:
+    slips = Slips()
+    assert slips.p99_us(0.040, 0.010) == SLIP_PRIOR_US  # nothing seen yet
+    for _ in range(50):
+        near = promise(0.002)
+        slips.add(near, near.promised_s + 0.001)  # 1 ms late
+        far = promise(0.040)  # four service times ahead: bucket 2
+        slips.add(far, far.promised_s + 0.009)
+    assert 999 <= slips.p99_us(0.002, 0.010) <= 1000
+    # One to three service times ahead: nothing seen there; the nearer bucket's slips.
+    assert 999 <= slips.p99_us(0.015, 0.010) <= 1000
+    assert 8999 <= slips.p99_us(0.040, 0.010) <= 9000
+    # Further than any start seen: at least as late as the furthest seen.
+    assert 8999 <= slips.p99_us(0.500, 0.010) <= 9000
+    # A start early is a slip of 0, not a credit.
+    early = promise(0.002)
+    slips.add(early, 0.0)
+    assert slips.summary() == {"ahead_0": 1000, "ahead_2": 9000}
+
+
+def test_a_nearer_start_that_slipped_more_sets_the_floor_for_further_ones() -> None:
+    slips = Slips()
+    for _ in range(10):
+        near = promise(0.001)
+        slips.add(near, near.promised_s + 0.006)
+        far = promise(0.040)
+        slips.add(far, far.promised_s + 0.002)
+    assert 5999 <= slips.p99_us(0.040, 0.010) <= 6000

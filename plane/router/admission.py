@@ -791,7 +791,7 @@ class Admission:
         # deadlines, 20 ms jobs, 2x: promises made to the last moment came back late by the
         # caller's trip and jitter and were refused then, 40% of first retries. Counted from
         # the holder's return alone, holders at 25 ms deadlines, 2 x 3 ms, were still
-        # refused on their return, 2-4% of them, 4-8% with 8 x 10 ms at 60 ms: the work ahead
+        # refused on their return, 2-4% of them, 3-11% with 8 x 10 ms at 60 ms: the work ahead
         # had run past the schedule's prediction, and the further ahead a start, the more it
         # slips. BENCHMARKS.md, thirty-ninth session.)
         late_s = self._margin_s(ms.model, due_s - now, p.expected_us / 1e6)

@@ -1,8 +1,15 @@
 """How late holders start past their promised start, by how far ahead it was promised: a far
-start slips more, and no nearer slip is taken for a further start's."""
+start slips more, no nearer slip is taken for a further start's, and a few starts, or old
+ones, do not decide."""
 
 from plane.router.promises import Promise
-from plane.router.slips import SLIP_PRIOR_US, Slips, bucket
+from plane.router.slips import (
+    SLIP_MAX_AGE_S,
+    SLIP_MIN_STARTS,
+    SLIP_PRIOR_US,
+    Slips,
+    bucket,
+)
 
 
 def promise(ahead_s: float, service_s: float = 0.010) -> Promise:
@@ -18,29 +25,46 @@ def test_buckets_double_in_service_times_ahead() -> None:
 
 def test_a_start_promised_further_ahead_is_judged_by_its_own_slips() -> None:
     slips = Slips()
-    assert slips.p99_us(0.040, 0.010) == SLIP_PRIOR_US  # nothing seen yet
+    assert slips.p99_us(0.040, 0.010, 0.1) == SLIP_PRIOR_US  # nothing seen yet
     for _ in range(50):
         near = promise(0.002)
         slips.add(near, near.promised_s + 0.001)  # 1 ms late
         far = promise(0.040)  # four service times ahead: bucket 2
         slips.add(far, far.promised_s + 0.009)
-    assert 999 <= slips.p99_us(0.002, 0.010) <= 1000
+    assert 999 <= slips.p99_us(0.002, 0.010, 0.1) <= 1000
     # One to three service times ahead: nothing seen there; the nearer bucket's slips.
-    assert 999 <= slips.p99_us(0.015, 0.010) <= 1000
-    assert 8999 <= slips.p99_us(0.040, 0.010) <= 9000
+    assert 999 <= slips.p99_us(0.015, 0.010, 0.1) <= 1000
+    assert 8999 <= slips.p99_us(0.040, 0.010, 0.1) <= 9000
     # Further than any start seen: at least as late as the furthest seen.
-    assert 8999 <= slips.p99_us(0.500, 0.010) <= 9000
+    assert 8999 <= slips.p99_us(0.500, 0.010, 0.1) <= 9000
     # A start early is a slip of 0, not a credit.
     early = promise(0.002)
     slips.add(early, 0.0)
-    assert slips.summary() == {"ahead_0": 1000, "ahead_2": 9000}
+    assert slips.summary(0.1) == {"ahead_0": 1000, "ahead_2": 9000}
 
 
 def test_a_nearer_start_that_slipped_more_sets_the_floor_for_further_ones() -> None:
     slips = Slips()
-    for _ in range(10):
+    for _ in range(SLIP_MIN_STARTS):
         near = promise(0.001)
         slips.add(near, near.promised_s + 0.006)
         far = promise(0.040)
         slips.add(far, far.promised_s + 0.002)
-    assert 5999 <= slips.p99_us(0.040, 0.010) <= 6000
+    assert 5999 <= slips.p99_us(0.040, 0.010, 0.1) <= 6000
+
+
+def test_a_few_starts_do_not_decide_and_old_ones_are_forgotten() -> None:
+    """The p99 of a few starts is their largest, and a margin it sets refuses the tickets whose
+    starts would correct it: a bucket counts from SLIP_MIN_STARTS starts on, and only those of
+    the last SLIP_MAX_AGE_S."""
+    slips = Slips()
+    for _ in range(SLIP_MIN_STARTS - 1):  # a stall: every start 40 ms late
+        p = promise(0.002)
+        slips.add(p, p.promised_s + 0.040)
+    assert slips.p99_us(0.002, 0.010, 0.1) == SLIP_PRIOR_US
+    assert slips.summary(0.1) == {}
+    p = promise(0.002)
+    slips.add(p, p.promised_s + 0.040)
+    assert 39_999 <= slips.p99_us(0.002, 0.010, 0.1) <= 40_000
+    # No start since: the stall is forgotten.
+    assert slips.p99_us(0.002, 0.010, 0.1 + SLIP_MAX_AGE_S) == SLIP_PRIOR_US

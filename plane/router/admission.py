@@ -594,12 +594,12 @@ class Admission:
                 slips = self.slips[model] = Slips()
             slips.add(promise, start_s)
 
-    def _margin_s(self, model: str, ahead_s: float, service_s: float) -> float:
-        """How far past a start promised `ahead_s` from now its holder may start, as most do
-        (the p99): as late as holders come back, or as late as the starts promised about as
-        far ahead were (`plane.router.slips`)."""
+    def _margin_s(self, model: str, ahead_s: float, service_s: float, now_s: float) -> float:
+        """How far past a start promised `ahead_s` from `now_s` its holder may start, as most
+        do (the p99): as late as holders come back, or as late as the starts promised about
+        as far ahead were (`plane.router.slips`)."""
         slips = self.slips.get(model)
-        slip_us = slips.p99_us(ahead_s, service_s) if slips is not None else 0
+        slip_us = slips.p99_us(ahead_s, service_s, now_s) if slips is not None else 0
         return max(self._lateness(model).p99_us, slip_us) / 1e6
 
     def _holder(self, ms: ModelSlots, ask: Ask) -> Promise | None:
@@ -794,7 +794,7 @@ class Admission:
         # refused on their return, 2-4% of them, 3-11% with 8 x 10 ms at 60 ms: the work ahead
         # had run past the schedule's prediction, and the further ahead a start, the more it
         # slips. BENCHMARKS.md, thirty-ninth session.)
-        late_s = self._margin_s(ms.model, due_s - now, p.expected_us / 1e6)
+        late_s = self._margin_s(ms.model, due_s - now, p.expected_us / 1e6, now)
         if due_s + late_s > ask.latest_start_s():
             return Refuse(
                 Status.BUSY, Reason.DEADLINE,

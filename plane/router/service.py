@@ -404,9 +404,9 @@ class Router(Lifecycle, TaskOwner):
                        and trips.count else {}),
                     # How late holders start past their promised start, by how far ahead
                     # it was (`plane.router.slips`).
-                    **({"start_slip_p99_us": slips.summary()}
+                    **({"start_slip_p99_us": counted}
                        if (slips := self.admission.slips.get(m)) is not None
-                       and slips.count else {}),
+                       and (counted := slips.summary(time.monotonic())) else {}),
                     **({"decode_ns_per_token_p50": ms.rates.decode.p50_us,
                         "prefill_ns_per_token_p50": ms.rates.prefill.p50_us,
                         "fill_per_mille_mean": ms.rates.fill.mean_us}

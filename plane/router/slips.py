@@ -31,7 +31,15 @@ from plane.router.promises import Promise
 # most of them near ones, was ~7 ms; 2% of first retries failed.)
 BUCKETS = 5
 SLIP_WINDOW = 128  # starts per bucket
-SLIP_PRIOR_US = 3000  # before any start: a trip, a timer and the SDK's jitter
+SLIP_PRIOR_US = 3000  # before a bucket counts: a trip, a timer and the SDK's jitter
+# A bucket counts once it holds SLIP_MIN_STARTS starts of the last SLIP_MAX_AGE_S. The p99 of
+# a few is their largest, and what it refuses cannot be corrected: no ticket, no start to
+# learn from. (Counted from the first start, one slip of 39 ms in the first second of two
+# routers at 2x of 4 x 5 ms, 40 ms deadlines, left them with 40 tickets in 20 s where
+# 3,000 had been given, every other refusal `deadline`.) A load that has passed, or a stall,
+# is forgotten the same way: a bucket that has stopped getting starts goes back to the prior.
+SLIP_MIN_STARTS = 16
+SLIP_MAX_AGE_S = 5.0
 
 
 def bucket(ahead_s: float, service_s: float) -> int:
@@ -44,26 +52,31 @@ class Slips:
     """One model's starts past their promised time, by how far ahead they were promised."""
 
     windows: list[ServiceWindow] = field(default_factory=lambda: [
-        ServiceWindow(size=SLIP_WINDOW, prior_us=SLIP_PRIOR_US) for _ in range(BUCKETS)])
+        ServiceWindow(size=SLIP_WINDOW, prior_us=SLIP_PRIOR_US, max_age_s=SLIP_MAX_AGE_S)
+        for _ in range(BUCKETS)])
 
     def add(self, promise: Promise, start_s: float) -> None:
         """The holder of `promise` started at `start_s` (or will not on it: see the module)."""
         k = bucket(promise.promised_s - promise.issued_s, promise.service_s)
-        self.windows[k].add(int((start_s - promise.promised_s) * 1e6))
+        self.windows[k].add(int((start_s - promise.promised_s) * 1e6), start_s)
 
-    def p99_us(self, ahead_s: float, service_s: float) -> int:
-        """How late a start promised `ahead_s` from now is, as most are: the p99 of its
+    def p99_us(self, ahead_s: float, service_s: float, now_s: float) -> int:
+        """How late a start promised `ahead_s` from `now_s` is, as most are: the p99 of its
         bucket, or of a nearer one if that is later (a start further ahead slips no less);
-        buckets no start reached yet count as SLIP_PRIOR_US only while none has."""
-        k = bucket(ahead_s, service_s)
-        seen = [w.p99_us for w in self.windows[:k + 1] if w.count]
+        SLIP_PRIOR_US while none of them counts yet (SLIP_MIN_STARTS)."""
+        seen = []
+        for w in self.windows[:bucket(ahead_s, service_s) + 1]:
+            w.expire(now_s)
+            if w.count >= SLIP_MIN_STARTS:
+                seen.append(w.p99_us)
         return max(seen) if seen else SLIP_PRIOR_US
 
-    @property
-    def count(self) -> int:
-        return sum(w.count for w in self.windows)
-
-    def summary(self) -> dict[str, int]:
-        """The p99 of each bucket a start reached (the router's status): `ahead_<k>`, k as in
+    def summary(self, now_s: float) -> dict[str, int]:
+        """The p99 of each bucket that counts (the router's status): `ahead_<k>`, k as in
         `bucket`."""
-        return {f"ahead_{k}": w.p99_us for k, w in enumerate(self.windows) if w.count}
+        out = {}
+        for k, w in enumerate(self.windows):
+            w.expire(now_s)
+            if w.count >= SLIP_MIN_STARTS:
+                out[f"ahead_{k}"] = w.p99_us
+        return out

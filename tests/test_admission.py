@@ -447,6 +447,24 @@ def test_no_promise_a_start_as_late_as_most_would_miss() -> None:
     assert isinstance(late, Refuse) and late.reason == Reason.DEADLINE and late.ticket is None
 
 
+def test_a_router_that_does_not_make_the_promises_delegates_them_after_a_lost_race_too(
+) -> None:
+    """Every slot a router tried was taken under it (another router put a request there
+    first). Deciding again, it promises nothing where another router makes the promises: its
+    refusal says `delegate` (the request goes to the promiser), as a newcomer's does; it
+    gave tickets of its own there, for slot time the promiser gave out too."""
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.010, 0.020)
+    d = adm.decide(ms, ask(0.0), may_promise=False)
+    assert isinstance(d, Refuse) and d.delegate and d.ticket is None
+    lost = adm.after_lost_race(ms, ask(0.0), 0.0, may_promise=False)
+    assert lost.delegate and lost.ticket is None and lost.reason == Reason.BUSY
+    assert not adm.tickets and not ms.promises
+    # The promiser itself gives a ticket there.
+    own = adm.after_lost_race(ms, ask(0.0), 0.0)
+    assert not own.delegate and own.ticket is not None and own.ticket in adm.tickets
+
+
 def test_promises_stop_at_the_horizon_with_an_overloaded_refusal() -> None:
     """Past PROMISE_MAX_LINKS promises a slot the refusal is final and says why: the plane is
     overloaded, not the caller's deadline (1 s here, which the next start would meet)."""

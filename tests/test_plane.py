@@ -244,6 +244,39 @@ async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_
         assert status(gone) == 200
 
 
+async def test_a_router_that_loses_a_race_for_a_slot_hands_the_promise_to_the_promiser(
+) -> None:
+    """Two routers put requests on one slot now and then (each takes it before it hears the
+    other did); the broker keeps the second out. The router that lost decides again: where
+    another router makes the promises, the caller's ticket is the promiser's, not one for
+    slot time the promiser may have promised too."""
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        x, y = stack.routers
+        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
+                         "y to hear x")
+        deadline = {Header.DEADLINE_MS: "3000"}
+        long = asyncio.create_task(nc.request(
+            NAMES.router_infer(x.cfg.router_id, "calibrated"), calibrated(600_000),
+            timeout=5, headers=deadline))
+        [view] = y.models["calibrated"].slots.values()
+        await wait_until(lambda: slots_running(stack) == 1 and view.busy, 5,
+                         "the slot running, y told")
+        # y has not heard yet (as when the notes cross): it sees the slot free, long freed.
+        view.release(time.monotonic() - 10)
+        refused = await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
+                                   calibrated(1000), timeout=5, headers=deadline)
+        assert status(refused) == 429, refused.headers
+        assert (header(refused, Header.TICKET) or "").startswith(x.cfg.router_id + "-"), \
+            refused.headers
+        assert not y.admission.tickets
+        # (Counted when the promiser's "taken" reaches y, which can be after the caller's 429.)
+        await wait_until(lambda: stack.metrics.registry.get_sample_value(
+            "plane_router_forwarded_total", {"model": "calibrated", "why": "promise",
+                                             "outcome": "taken"}) == 1, 5, "the forward")
+        assert status(await long) == 200
+
+
 async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_get_answers(
 ) -> None:
     """A forward that names the caller's reply (`Plane-Reply-To`) is taken over: one empty

@@ -462,10 +462,13 @@ class Admission:
         if p is not None:
             ms.promises.remove(p)
 
-    def after_lost_race(self, ms: ModelSlots, ask: Ask, now_s: float) -> Refuse:
+    def after_lost_race(self, ms: ModelSlots, ask: Ask, now_s: float, *,
+                        may_promise: bool = True) -> Refuse:
         """Every candidate slot was taken under us (by another router): decide again as a
-        newcomer (a ticket, most often); a slot that looks free again is not tried twice."""
-        match self.decide(ms, ask.later(now_s, as_newcomer=True), may_park=False):
+        newcomer (a ticket, most often; `delegate` where another router makes the promises,
+        as for any newcomer here); a slot that looks free again is not tried twice."""
+        match self.decide(ms, ask.later(now_s, as_newcomer=True), may_park=False,
+                          may_promise=may_promise):
             case Refuse() as refusal:
                 return refusal
             case _:

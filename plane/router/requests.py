@@ -707,11 +707,16 @@ class RequestPath:
                 p.i += 1
         if p.i >= len(p.place.candidates):
             # Every candidate was taken under us (another router), or its stream fell silent:
-            # decide again on the slots left (a ticket on the busy ones, most often; a 503
-            # when every slot's stream is silent: `admission.check_capacity`).
-            refusal = self.admission.after_lost_race(r.ms, r.ask, time.monotonic())
-            await self._refuse(r.msg, r.rid, r.model, refusal, r.tenant)
-            await self._decided(r, "refused")
+            # decide again on the slots left (a ticket on the busy ones, most often, or the
+            # promiser's; a 503 when every slot's stream is silent:
+            # `admission.check_capacity`). (A router that did not make the promises gave
+            # its own tickets here, for slot time the promiser gave too.)
+            refusal = self.admission.after_lost_race(r.ms, r.ask, time.monotonic(),
+                                                     may_promise=r.may_promise)
+            if refusal.delegate:
+                self._spawn(self._decide_slowly(r, refusal))
+            else:
+                await self._conclude(r, refusal, parked=False)
             return
         view = p.place.candidates[p.i]
         # Track before publishing: the node's done-event can arrive before our PubAck.

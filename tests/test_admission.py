@@ -458,11 +458,28 @@ def test_a_router_that_does_not_make_the_promises_delegates_them_after_a_lost_ra
     d = adm.decide(ms, ask(0.0), may_promise=False)
     assert isinstance(d, Refuse) and d.delegate and d.ticket is None
     lost = adm.after_lost_race(ms, ask(0.0), 0.0, may_promise=False)
+    assert isinstance(lost, Refuse)
     assert lost.delegate and lost.ticket is None and lost.reason == Reason.BUSY
     assert not adm.tickets and not ms.promises
     # The promiser itself gives a ticket there.
     own = adm.after_lost_race(ms, ask(0.0), 0.0)
-    assert not own.delegate and own.ticket is not None and own.ticket in adm.tickets
+    assert isinstance(own, Refuse) and not own.delegate
+    assert own.ticket is not None and own.ticket in adm.tickets
+
+
+def test_after_a_lost_race_the_slots_that_look_free_and_were_not_tried_are_tried_once(
+) -> None:
+    """Slot A was taken under us; slot B looks free: B is tried at once (the caller told to
+    come back instead, with no ticket, found it gone). B tried already, or a second round,
+    and the caller is told to come back in a p50, as before."""
+    ms, adm = slots(2), Admission("r")
+    a, b = ms.slots.values()
+    lost = adm.after_lost_race(ms, ask(0.0), 0.0, tried=[a])
+    assert isinstance(lost, Place) and lost.candidates == [b] and lost.redeemed is None
+    for tried in ([a, b], None):
+        again = adm.after_lost_race(ms, ask(0.0), 0.0, tried=tried)
+        assert isinstance(again, Refuse) and again.reason == Reason.BUSY
+        assert again.ticket is None and again.retry_after_ms == 10
 
 
 def test_promises_stop_at_the_horizon_with_an_overloaded_refusal() -> None:

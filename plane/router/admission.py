@@ -17,7 +17,7 @@ import math
 import secrets
 import string
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -463,17 +463,22 @@ class Admission:
             ms.promises.remove(p)
 
     def after_lost_race(self, ms: ModelSlots, ask: Ask, now_s: float, *,
-                        may_promise: bool = True) -> Refuse:
+                        may_promise: bool = True,
+                        tried: Sequence[SlotView] | None = None) -> Place | Refuse:
         """Every candidate slot was taken under us (by another router): decide again as a
         newcomer (a ticket, most often; `delegate` where another router makes the promises,
-        as for any newcomer here); a slot that looks free again is not tried twice."""
+        as for any newcomer here). Slots that look free and were not `tried` are tried next
+        (once: with `tried` None, none is); a slot tried already is not tried twice."""
         match self.decide(ms, ask.later(now_s, as_newcomer=True), may_park=False,
                           may_promise=may_promise):
             case Refuse() as refusal:
                 return refusal
-            case _:
-                return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
-                              retry_after_ms=max(1, math.ceil(ask.prediction.p50_us / 1000)))
+            case Place(candidates=candidates) if tried is not None:
+                seen = {id(v) for v in tried}
+                if left := [v for v in candidates if id(v) not in seen]:
+                    return Place(left, None)
+        return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
+                      retry_after_ms=max(1, math.ceil(ask.prediction.p50_us / 1000)))
 
     def decide_unparked(self, ms: ModelSlots, ask: Ask) -> Place | Refuse:
         """A decision that cannot park (after a forward failed: the promiser is gone)."""

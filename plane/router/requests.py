@@ -145,6 +145,7 @@ class Placing(msgspec.Struct):
     fl: InFlight | None = None
     settles: int = 0
     passed_silent: bool = False  # a candidate's stream had no leader (`NoStream`)
+    again: bool = False  # its candidates are the ones left after a lost race (`_try_candidate`)
 
 
 @dataclass(slots=True)
@@ -711,12 +712,20 @@ class RequestPath:
             # promiser's; a 503 when every slot's stream is silent:
             # `admission.check_capacity`). (A router that did not make the promises gave
             # its own tickets here, for slot time the promiser gave too.)
-            refusal = self.admission.after_lost_race(r.ms, r.ask, time.monotonic(),
-                                                     may_promise=r.may_promise)
-            if refusal.delegate:
-                self._spawn(self._decide_slowly(r, refusal))
-            else:
-                await self._conclude(r, refusal, parked=False)
+            # Slots that look free and were not tried are tried at once, once: else the
+            # caller was told to come back in a p50 as a newcomer, with no ticket, and that
+            # slot was gone by then.
+            match self.admission.after_lost_race(
+                    r.ms, r.ask, time.monotonic(), may_promise=r.may_promise,
+                    tried=None if p.again else p.place.candidates):
+                case Place() as place:
+                    await self._try_candidate(Placing(routing=r, place=place,
+                                                      headers=self._slot_headers(r),
+                                                      again=True))
+                case Refuse(delegate=True) as refusal:
+                    self._spawn(self._decide_slowly(r, refusal))
+                case Refuse() as refusal:
+                    await self._conclude(r, refusal, parked=False)
             return
         view = p.place.candidates[p.i]
         # Track before publishing: the node's done-event can arrive before our PubAck.

@@ -708,13 +708,12 @@ class RequestPath:
                 p.i += 1
         if p.i >= len(p.place.candidates):
             # Every candidate was taken under us (another router), or its stream fell silent:
-            # decide again on the slots left (a ticket on the busy ones, most often, or the
-            # promiser's; a 503 when every slot's stream is silent:
-            # `admission.check_capacity`). (A router that did not make the promises gave
-            # its own tickets here, for slot time the promiser gave too.)
-            # Slots that look free and were not tried are tried at once, once: else the
-            # caller was told to come back in a p50 as a newcomer, with no ticket, and that
-            # slot was gone by then.
+            # decide again as for a newcomer. Slots that look free and were not tried are
+            # tried at once, once (told to come back in a p50 without a ticket, the caller
+            # found them gone); else a ticket on the busy ones, most often, the promiser's
+            # where another router makes them (this one gave its own here, for slot time the
+            # promiser gave too); a 503 when every slot's stream is silent
+            # (`admission.check_capacity`).
             match self.admission.after_lost_race(
                     r.ms, r.ask, time.monotonic(), may_promise=r.may_promise,
                     tried=None if p.again else p.place.candidates):

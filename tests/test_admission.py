@@ -480,6 +480,15 @@ def test_after_a_lost_race_the_slots_that_look_free_and_were_not_tried_are_tried
         again = adm.after_lost_race(ms, ask(0.0), 0.0, tried=tried)
         assert isinstance(again, Refuse) and again.reason == Reason.BUSY
         assert again.ticket is None and again.retry_after_ms == 10
+    # A holder's placement lost: its promise goes with the next try (kept when it is
+    # placed), or its start counts as slipped to now.
+    held = Promise(ticket="r-0123456789abcdef", due_s=0.0, expires_s=1.0, service_s=0.010,
+                   issued_s=-0.030, promised_s=-0.020)
+    kept = adm.after_lost_race(ms, ask(0.0), 0.0, tried=[a], holder=held)
+    assert isinstance(kept, Place) and kept.redeemed is held
+    for _ in range(20):
+        assert isinstance(adm.after_lost_race(ms, ask(0.0), 0.0, holder=held), Refuse)
+    assert 19_999 <= adm.slips["calibrated"].p99_us(0.020, 0.010, 0.0) <= 20_000
 
 
 def test_promises_stop_at_the_horizon_with_an_overloaded_refusal() -> None:

@@ -463,22 +463,26 @@ class Admission:
             ms.promises.remove(p)
 
     def after_lost_race(self, ms: ModelSlots, ask: Ask, now_s: float, *,
-                        may_promise: bool = True,
-                        tried: Sequence[SlotView] | None = None) -> Place | Refuse:
+                        may_promise: bool = True, tried: Sequence[SlotView] | None = None,
+                        holder: Promise | None = None) -> Place | Refuse:
         """Every candidate slot was taken under us (by another router): decide again as a
         newcomer (a ticket, most often; `delegate` where another router makes the promises,
         as for any newcomer here). Slots that look free and were not `tried` are tried next
-        (once: with `tried` None, none is); a slot tried already is not tried twice."""
-        match self.decide(ms, ask.later(now_s, as_newcomer=True), may_park=False,
-                          may_promise=may_promise):
-            case Refuse() as refusal:
-                return refusal
-            case Place(candidates=candidates) if tried is not None:
-                seen = {id(v) for v in tried}
-                if left := [v for v in candidates if id(v) not in seen]:
-                    return Place(left, None)
-        return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
-                      retry_after_ms=max(1, math.ceil(ask.prediction.p50_us / 1000)))
+        (once: with `tried` None, none is); a slot tried already is not tried twice.
+        `holder`: the promise the lost placement kept, kept by the next try, else a start
+        that slipped to now (`_slipped`)."""
+        decision = self.decide(ms, ask.later(now_s, as_newcomer=True), may_park=False,
+                               may_promise=may_promise)
+        if isinstance(decision, Place) and tried is not None:
+            seen = {id(v) for v in tried}
+            if left := [v for v in decision.candidates if id(v) not in seen]:
+                return Place(left, holder)
+        refusal = decision if isinstance(decision, Refuse) else Refuse(
+            Status.BUSY, Reason.BUSY, f"all {ms.model} slots are busy",
+            retry_after_ms=max(1, math.ceil(ask.prediction.p50_us / 1000)))
+        if holder is not None:
+            self._slipped(ms.model, holder, now_s)
+        return refusal
 
     def decide_unparked(self, ms: ModelSlots, ask: Ask) -> Place | Refuse:
         """A decision that cannot park (after a forward failed: the promiser is gone)."""

@@ -716,7 +716,7 @@ class RequestPath:
             # (`admission.check_capacity`).
             match self.admission.after_lost_race(
                     r.ms, r.ask, time.monotonic(), may_promise=r.may_promise,
-                    tried=None if p.again else p.place.candidates):
+                    tried=None if p.again else p.place.candidates, holder=p.place.redeemed):
                 case Place() as place:
                     await self._try_candidate(Placing(routing=r, place=place,
                                                       headers=self._slot_headers(r),

@@ -86,6 +86,11 @@ class ServiceWindow:
         return len(self._samples)
 
     @property
+    def oldest_s(self) -> float | None:
+        """When its oldest sample came (a window that ages; None: empty or not aging)."""
+        return self._times[0] if self._times else None
+
+    @property
     def mean_us(self) -> int:
         """The mean: what promises are spaced by (a skewed tail makes the p50 drift)."""
         return self._sum // len(self._samples) if self._samples else self.prior_us

@@ -31,45 +31,63 @@ from plane.router.promises import Promise
 # most of them near ones, was ~7 ms; 2% of first retries failed.)
 BUCKETS = 5
 SLIP_WINDOW = 128  # starts per bucket
-SLIP_PRIOR_US = 3000  # before a bucket counts: a trip, a timer and the SDK's jitter
-# A bucket counts once it holds SLIP_MIN_STARTS starts of the last SLIP_MAX_AGE_S. The p99 of
-# a few is their largest, and what it refuses cannot be corrected: no ticket, no start to
-# learn from. (Counted from the first start, one slip of 39 ms in the first second of two
-# routers at 2x of 4 x 5 ms, 40 ms deadlines, left them with 40 tickets in 20 s where
-# 3,000 had been given, every other refusal `deadline`.) A load that has passed, or a stall,
-# is forgotten the same way: a bucket that has stopped getting starts goes back to the prior.
+# A bucket counts once it holds SLIP_MIN_STARTS starts of the last SLIP_MAX_AGE_S; before,
+# nothing is known and the holders' lateness alone sets the margin. The p99 of a few is their
+# largest, and what it refuses cannot be corrected: no ticket, no start to learn from.
+# (Counted from the first start, one slip of 39 ms in the first second of two routers at 2x
+# of 4 x 5 ms, 40 ms deadlines, left them with 40 tickets in 20 s where 3,000 had been given,
+# every other refusal `deadline`.) A load that has passed, or a stall, is forgotten the same
+# way: a bucket that has stopped getting starts stops counting.
 SLIP_MIN_STARTS = 16
 SLIP_MAX_AGE_S = 5.0
 
 
 def bucket(ahead_s: float, service_s: float) -> int:
-    cycles = max(0.0, ahead_s) / max(service_s, 1e-6)
-    return min(BUCKETS - 1, int(math.log2(1.0 + cycles)))
+    """floor(log2(1 + service times ahead)), at most BUCKETS - 1 (an int's bit length: the
+    router reads it on every refusal that could carry a ticket)."""
+    cycles = 1.0 + max(0.0, ahead_s) / max(service_s, 1e-6)
+    if cycles >= 1 << BUCKETS:
+        return BUCKETS - 1
+    return min(BUCKETS - 1, int(cycles).bit_length() - 1)
 
 
 @dataclass(slots=True)
 class Slips:
-    """One model's starts past their promised time, by how far ahead they were promised."""
+    """One model's starts past their promised time, by how far ahead they were promised.
+    Read on every refusal that could carry a ticket, written once per holder: each bucket's
+    margin (`p99_us`) is kept in a table, made again after a start came or the oldest one
+    aged out, not on each read (up to 4 us a read, 10% of a refusal, before)."""
 
     windows: list[ServiceWindow] = field(default_factory=lambda: [
-        ServiceWindow(size=SLIP_WINDOW, prior_us=SLIP_PRIOR_US, max_age_s=SLIP_MAX_AGE_S)
-        for _ in range(BUCKETS)])
+        ServiceWindow(size=SLIP_WINDOW, max_age_s=SLIP_MAX_AGE_S) for _ in range(BUCKETS)])
+    _table: tuple[int, ...] = (0,) * BUCKETS
+    _fresh_until_s: float = -math.inf  # the table holds until then (or the next start)
 
     def add(self, promise: Promise, start_s: float) -> None:
         """The holder of `promise` started at `start_s` (or will not on it: see the module)."""
         k = bucket(promise.promised_s - promise.issued_s, promise.service_s)
         self.windows[k].add(int((start_s - promise.promised_s) * 1e6), start_s)
+        self._fresh_until_s = -math.inf
 
     def p99_us(self, ahead_s: float, service_s: float, now_s: float) -> int:
         """How late a start promised `ahead_s` from `now_s` is, as most are: the p99 of its
         bucket, or of a nearer one if that is later (a start further ahead slips no less);
-        SLIP_PRIOR_US while none of them counts yet (SLIP_MIN_STARTS)."""
-        seen = []
-        for w in self.windows[:bucket(ahead_s, service_s) + 1]:
+        0 while none of them counts (SLIP_MIN_STARTS)."""
+        if now_s >= self._fresh_until_s:
+            self._make_table(now_s)
+        return self._table[bucket(ahead_s, service_s)]
+
+    def _make_table(self, now_s: float) -> None:
+        table, margin, oldest = [], 0, math.inf
+        for w in self.windows:
             w.expire(now_s)
             if w.count >= SLIP_MIN_STARTS:
-                seen.append(w.p99_us)
-        return max(seen) if seen else SLIP_PRIOR_US
+                margin = max(margin, w.p99_us)
+            table.append(margin)
+            if (t := w.oldest_s) is not None:
+                oldest = min(oldest, t)
+        self._table = tuple(table)
+        self._fresh_until_s = oldest + SLIP_MAX_AGE_S
 
     def summary(self, now_s: float) -> dict[str, int]:
         """The p99 of each bucket that counts (the router's status): `ahead_<k>`, k as in

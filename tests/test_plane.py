@@ -277,6 +277,45 @@ async def test_a_router_that_loses_a_race_for_a_slot_hands_the_promise_to_the_pr
         assert status(await long) == 200
 
 
+async def test_a_depth_refusal_on_a_slot_another_router_took_is_a_lost_race_at_once() -> None:
+    """Just after a slot's done-event a depth refusal is most often the last request's ack
+    still on its way into the stream, and the router publishes again a few times (for up to
+    5.5 ms). When another router has said it took the slot since, the refusal is its
+    request: lost at once, one publish, not a retry after each wait (the loser waited out
+    the winner's work, or all the waits and lost)."""
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        x, y = stack.routers
+        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
+                         "y to hear x")
+        [view] = y.models["calibrated"].slots.values()
+        publishes: list[Msg] = []
+
+        async def seen(m: Msg) -> None:
+            if (m.headers or {}).get(Header.ROUTER) == y.cfg.router_id:
+                publishes.append(m)
+
+        await nc.subscribe(view.subject, cb=seen)
+        deadline = {Header.DEADLINE_MS: "3000"}
+        long = asyncio.create_task(nc.request(
+            NAMES.router_infer(x.cfg.router_id, "calibrated"), calibrated(600_000),
+            timeout=5, headers=deadline))
+        await wait_until(lambda: slots_running(stack) == 1 and view.busy, 5,
+                         "the slot running, y told")
+        # As y sees it in a race: the slot's done-event a moment ago, then x's note that it
+        # took the slot (y had decided to place on it between the two).
+        view.release(time.monotonic())
+        view.peer_took_s = time.monotonic()
+        refused = await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
+                                   calibrated(1000), timeout=5, headers=deadline)
+        assert status(refused) == 429, refused.headers
+        await nc.flush()
+        assert len(publishes) == 1, [m.headers for m in publishes]
+        assert stack.metrics.registry.get_sample_value(
+            "plane_broker_slot_refusals_total", {"model": "calibrated"}) == 1
+        assert status(await long) == 200
+
+
 async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_get_answers(
 ) -> None:
     """A forward that names the caller's reply (`Plane-Reply-To`) is taken over: one empty

@@ -47,6 +47,10 @@ class SlotView:
     # The requests of the last few done-events on it: another router's note that it took the
     # slot for one of them came after the request was over (`was_done`).
     done_ids: tuple[str, ...] = ()
+    # When another router last said it took the slot (its note after the broker took its
+    # publish): a depth refusal after that and after `freed_s` is that request, not the ack
+    # of the last one still on its way into the stream (`RequestPath._settling`).
+    peer_took_s: float = -1.0
 
     def is_free(self, now_s: float) -> bool:
         """Free to place on. A slot the broker said was taken by someone else (no request id
@@ -89,6 +93,10 @@ class SlotView:
         """Its done-event came for `request_id` (any router's request): free from now."""
         self.release(now_s)
         self.done_ids = (request_id, *self.done_ids[:DONE_IDS_KEPT - 1])
+
+    def taken_by_peer(self) -> bool:
+        """Whether another router took the slot since it last freed."""
+        return self.peer_took_s > self.freed_s
 
     def was_done(self, request_id: str | None) -> bool:
         """Whether `request_id`'s done-event came already. Another router tells that it took

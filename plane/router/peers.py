@@ -205,10 +205,11 @@ class Peers:
                 if note.ticket is not None:
                     self.admission.drop(ms, note.ticket)
                 view = ms.slots.get(note.slot)
-                if (view is not None and view.request_id is None
-                        and not view.was_done(note.request_id)):
-                    view.occupy(time.monotonic(), None, note.service_us / 1e6,
-                                note.p99_us / 1e6)
+                if view is None or view.was_done(note.request_id):
+                    return
+                view.peer_took_s = now  # also while a placement of ours on it settles
+                if view.request_id is None:
+                    view.occupy(now, None, note.service_us / 1e6, note.p99_us / 1e6)
 
     async def tell(self) -> None:
         """Tell the others the promises made and dropped since we last did."""

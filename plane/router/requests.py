@@ -770,16 +770,9 @@ class RequestPath:
                     wait_s = BROKER_SETTLE_S[p.settles]
                     p.settles += 1
                     asyncio.get_running_loop().call_later(
-                        wait_s, lambda: self._spawn(self._send(p)))
+                        wait_s, lambda: self._spawn(self._send_again(p)))
                     return
-                # Someone else's request is there (another router's): busy until its
-                # done-event, or its p99 at most.
-                self._untrack(view, fl)
-                self.metrics.broker_refusals.labels(r.model).inc()
-                view.occupy(time.monotonic(), None, r.ask.prediction.expected_us / 1e6,
-                            r.ask.prediction.p99_us / 1e6)
-                p.i, p.settles = p.i + 1, 0
-                await self._try_candidate(p)
+                await self._lost(p)
             case Refused(error=exc):
                 await self._unplaced(p, f"the broker refused: {exc}")
             case NoStream():
@@ -798,9 +791,34 @@ class RequestPath:
         log.warning("slot stream silent: its slots pass", stream=stream, slots=n,
                     for_s=SILENT_STREAM_S)
 
+    async def _send_again(self, p: Placing) -> None:
+        """`_send` after a depth refusal that looked like the last ack settling, unless
+        another router has said meanwhile that it took the slot."""
+        if p.place.candidates[p.i].taken_by_peer():
+            await self._lost(p)
+        else:
+            await self._send(p)
+
+    async def _lost(self, p: Placing) -> None:
+        """Someone else's request is on the candidate (another router's): busy until its
+        done-event, or its p99 at most; the next candidate is tried."""
+        r, view = p.routing, p.place.candidates[p.i]
+        assert p.fl is not None
+        self._untrack(view, p.fl)
+        self.metrics.broker_refusals.labels(r.model).inc()
+        view.occupy(time.monotonic(), None, r.ask.prediction.expected_us / 1e6,
+                    r.ask.prediction.p99_us / 1e6)
+        p.i, p.settles = p.i + 1, 0
+        await self._try_candidate(p)
+
     @staticmethod
     def _settling(p: Placing, view: SlotView) -> bool:
-        """A depth refusal just after the slot's done-event: try again a few times."""
+        """A depth refusal just after the slot's done-event, while no other router has said
+        it took the slot: try again a few times. (A refusal that is another router's request
+        was tried again for all of BROKER_SETTLE_S, 5.5 ms, and most often lost then; or won
+        when that request was over: the loser waited out the winner's work.)"""
+        if view.taken_by_peer():
+            return False
         if p.settles == 0:
             return time.monotonic() - view.freed_s < SETTLE_WITHIN_S
         return p.settles < len(BROKER_SETTLE_S)

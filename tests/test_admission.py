@@ -191,6 +191,26 @@ def test_avoided_node_goes_last() -> None:
     assert isinstance(d, Place) and d.candidates[0].node == "m" and d.candidates[-1].node == "n"
 
 
+def test_free_slots_another_router_placed_on_last_are_offered_after_ours() -> None:
+    """Two routers see the same slots free (their done-events): each offers first the ones
+    whose last request it placed itself, so that they take different slots instead of racing
+    for the same one; a slot nobody placed on yet counts as ours."""
+    ms = slots(4)
+    views = list(ms.slots.values())
+    for v, placer in zip(views, ("r", "other", "r", "other"), strict=True):
+        v.finished(0.0, f"req-{v.k}", placer)
+    for i in range(4):
+        ms.rr = i
+        for me, first in (("r", {0, 2}), ("other", {1, 3})):
+            d = Admission(me).decide(ms, Ask(now_s=0.001, deadline_s=1, prediction=MS10))
+            assert isinstance(d, Place)
+            assert {v.k for v in d.candidates[:2]} == first, (me, d.candidates)
+            assert len(d.candidates) == 4
+    views[1].placer = ""
+    d = Admission("r").decide(ms, Ask(now_s=0.001, deadline_s=1, prediction=MS10))
+    assert isinstance(d, Place) and d.candidates[-1].k == 3
+
+
 def test_free_slots_are_offered_round_robin_and_busy_ones_never() -> None:
     """Each decision starts its candidates one slot further on (load spreads over equal
     slots); a busy slot is no candidate, a healthy slot taken by another router's request
@@ -467,19 +487,44 @@ def test_a_router_that_does_not_make_the_promises_delegates_them_after_a_lost_ra
     assert own.ticket is not None and own.ticket in adm.tickets
 
 
-def test_after_a_lost_race_the_slots_that_look_free_and_were_not_tried_are_tried_once(
+def test_a_router_that_does_not_promise_leaves_free_slots_to_the_holders_about_to_start(
+) -> None:
+    """Where another router makes the promises, a newcomer here takes a slot that looks free
+    only while the free slots outnumber that router's holders about to start (parked, called,
+    or due before the newcomer's p99 is over): else it goes to the promiser (`delegate`),
+    whose view of its holders is not a note's trip behind. A promise due later than that does
+    not hold a slot back."""
+    ms, adm, now = slots(3), Admission("r"), 1.0
+    next(iter(ms.slots.values())).occupy(now, "ours", 0.020, 0.020)  # two free slots
+    for i, due in enumerate((0.001, 0.005)):
+        adm.adopt(ms, Promise(ticket=f"other-{i}", due_s=now + due, expires_s=now + 1,
+                              service_s=0.010))
+    d = adm.decide(ms, ask(now), may_promise=False)  # two due within 11 ms: both slots
+    assert isinstance(d, Refuse) and d.delegate and d.ticket is None
+    assert adm.stats["newcomer-delegated"] == 1
+    adm.drop(ms, "other-1")
+    adm.adopt(ms, Promise(ticket="other-2", due_s=now + 0.100, expires_s=now + 1,
+                          service_s=0.010))
+    d = adm.decide(ms, ask(now), may_promise=False)  # one due soon, one slot to spare
+    assert isinstance(d, Place) and len(d.candidates) == 2
+    assert adm.stats["newcomer-delegated"] == 1
+    # The promiser decides as before: the free slots against its whole schedule.
+    d = adm.decide(ms, ask(now))
+    assert isinstance(d, Place)
+
+
+def test_after_a_lost_race_the_slots_that_look_free_and_were_not_tried_are_tried_each_once(
 ) -> None:
     """Slot A was taken under us; slot B looks free: B is tried at once (the caller told to
-    come back instead, with no ticket, found it gone). B tried already, or a second round,
-    and the caller is told to come back in a p50, as before."""
+    come back instead, with no ticket, found it gone). B tried already (in this round or one
+    before), and the caller is told to come back in a p50, as before."""
     ms, adm = slots(2), Admission("r")
     a, b = ms.slots.values()
     lost = adm.after_lost_race(ms, ask(0.0), 0.0, tried=[a])
     assert isinstance(lost, Place) and lost.candidates == [b] and lost.redeemed is None
-    for tried in ([a, b], None):
-        again = adm.after_lost_race(ms, ask(0.0), 0.0, tried=tried)
-        assert isinstance(again, Refuse) and again.reason == Reason.BUSY
-        assert again.ticket is None and again.retry_after_ms == 10
+    again = adm.after_lost_race(ms, ask(0.0), 0.0, tried=[a, b])
+    assert isinstance(again, Refuse) and again.reason == Reason.BUSY
+    assert again.ticket is None and again.retry_after_ms == 10
     # A holder's placement lost: its promise goes with the next try (kept when it is
     # placed), or its start counts as slipped to now.
     held = Promise(ticket="r-0123456789abcdef", due_s=0.0, expires_s=1.0, service_s=0.010,
@@ -487,7 +532,8 @@ def test_after_a_lost_race_the_slots_that_look_free_and_were_not_tried_are_tried
     kept = adm.after_lost_race(ms, ask(0.0), 0.0, tried=[a], holder=held)
     assert isinstance(kept, Place) and kept.redeemed is held
     for _ in range(20):
-        assert isinstance(adm.after_lost_race(ms, ask(0.0), 0.0, holder=held), Refuse)
+        assert isinstance(adm.after_lost_race(ms, ask(0.0), 0.0, tried=[a, b], holder=held),
+                          Refuse)
     assert 19_999 <= adm.slips["calibrated"].p99_us(0.020, 0.010, 0.0) <= 20_000
 
 

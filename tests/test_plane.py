@@ -316,6 +316,43 @@ async def test_a_depth_refusal_on_a_slot_another_router_took_is_a_lost_race_at_o
         assert status(await long) == 200
 
 
+async def test_a_router_that_does_not_promise_hands_newcomers_over_while_promises_hold() -> None:
+    """A router that does not make the promises places no newcomer on a slot that looks free
+    to it while the promiser's holders about to start need every such slot: its view is a
+    note's trip behind (the promiser may have just put a holder there), so the promiser
+    places the newcomer or refuses it. Here the slot y sees free is x's, taken, and x's
+    promise is due (as y sees it): y publishes nothing, the newcomer goes to x and gets x's
+    ticket."""
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        x, y = stack.routers
+        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
+                         "y to hear x")
+        deadline = {Header.DEADLINE_MS: "3000"}
+        long = asyncio.create_task(nc.request(
+            NAMES.router_infer(x.cfg.router_id, "calibrated"), calibrated(600_000),
+            timeout=5, headers=deadline))
+        ms = y.models["calibrated"]
+        [view] = ms.slots.values()
+        await wait_until(lambda: slots_running(stack) == 1 and view.busy, 5,
+                         "the slot running, y told")
+        first = await nc.request(NAMES.router_infer(x.cfg.router_id, "calibrated"),
+                                 calibrated(1000), timeout=5, headers=deadline)
+        assert status(first) == 429 and header(first, Header.TICKET), first.headers
+        await wait_until(lambda: len(ms.promises) == 1, 5, "y to hear of x's promise")
+        [promise] = ms.promises
+        ms.promises.bring_forward(promise, time.monotonic())  # its holder on its way
+        view.release(time.monotonic() - 10)  # as if y had not heard that x took it
+        second = await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
+                                  calibrated(1000), timeout=5, headers=deadline)
+        assert status(second) == 429, second.headers
+        assert (header(second, Header.TICKET) or "").startswith(x.cfg.router_id + "-")
+        assert y.admission.stats["newcomer-delegated"] == 1
+        assert stack.metrics.registry.get_sample_value(
+            "plane_broker_slot_refusals_total", {"model": "calibrated"}) in (None, 0)
+        assert status(await long) == 200
+
+
 async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_get_answers(
 ) -> None:
     """A forward that names the caller's reply (`Plane-Reply-To`) is taken over: one empty

@@ -463,17 +463,17 @@ class Admission:
             ms.promises.remove(p)
 
     def after_lost_race(self, ms: ModelSlots, ask: Ask, now_s: float, *,
-                        may_promise: bool = True, tried: Sequence[SlotView] | None = None,
+                        may_promise: bool = True, tried: Sequence[SlotView] = (),
                         holder: Promise | None = None) -> Place | Refuse:
         """Every candidate slot was taken under us (by another router): decide again as a
         newcomer (a ticket, most often; `delegate` where another router makes the promises,
-        as for any newcomer here). Slots that look free and were not `tried` are tried next
-        (once: with `tried` None, none is); a slot tried already is not tried twice.
+        as for any newcomer here). Slots that look free and are not among those `tried` for
+        this request (in every round so far) are tried next: a slot is tried once.
         `holder`: the promise the lost placement kept, kept by the next try, else a start
         that slipped to now (`_slipped`)."""
         decision = self.decide(ms, ask.later(now_s, as_newcomer=True), may_park=False,
                                may_promise=may_promise)
-        if isinstance(decision, Place) and tried is not None:
+        if isinstance(decision, Place):
             seen = {id(v) for v in tried}
             if left := [v for v in decision.candidates if id(v) not in seen]:
                 return Place(left, holder)
@@ -505,10 +505,22 @@ class Admission:
         if len(ms.promises) <= len(ms.slots):
             ms.drained_s = ask.now_s  # for `depth`
         holder = self._holder(ms, ask)
-        scan = ms.free_now(ask.now_s, ask.avoid_node)
+        scan = ms.free_now(ask.now_s, ask.avoid_node, self._prefix)
         free, avoided = scan.free, scan.avoided
-        if (free or avoided) and not self._would_break_a_promise(ms, ask, holder,
-                                                                 self._gone_s(ms.model)):
+        gone_s = self._gone_s(ms.model)
+        if (free or avoided) and holder is None and not may_promise and self._spoken_for(
+                ms, ask, len(free) + len(avoided), gone_s):
+            # Another router makes the promises, and the slots free here are as many as its
+            # holders about to need one, or fewer: it places this newcomer, or refuses it.
+            # Placed here, newcomers took the slots that router's holders were about to take
+            # (it had placed one there, or a holder was parked: we hear of either a note's
+            # trip later), and its holders started late (two routers, 2x of 4 x 5 ms at 40 ms
+            # deadlines: starts 15-35 ms past their promise, and every ticket after that
+            # refused `deadline` for the slips).
+            self.stats["newcomer-delegated"] += 1
+            return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are promised",
+                          retry_after_ms=1, delegate=True)
+        if (free or avoided) and not self._would_break_a_promise(ms, ask, holder, gone_s):
             if holder is not None:
                 # Kept: its slot time is this placement now (the router tells the others
                 # where it went).
@@ -541,8 +553,7 @@ class Admission:
         """
         now = ask.now_s
         if holder is None:
-            protected = [p for p in ms.promises if p.parked or p.due_s + gone_s > now
-                         or p.called_s + gone_s > now]
+            protected = Admission._held(ms, now, gone_s)
             hold_s = ask.prediction.p99_us / 1e6
         else:
             protected = [p for p in ms.promises if p is not holder
@@ -551,6 +562,27 @@ class Admission:
             hold_s = ask.prediction.expected_us / 1e6
         # No promise open (the common case below capacity): nothing to simulate.
         return bool(protected) and would_delay(ms.free_times(now), protected, now, hold_s)
+
+    @staticmethod
+    def _held(ms: ModelSlots, now_s: float, gone_s: float) -> list[Promise]:
+        """The promises whose slot time newcomers leave to them: their holders are here
+        (parked), or not later than `gone_s` past their due time or their call."""
+        return [p for p in ms.promises if p.parked or p.due_s + gone_s > now_s
+                or p.called_s + gone_s > now_s]
+
+    @staticmethod
+    def _spoken_for(ms: ModelSlots, ask: Ask, free: int, gone_s: float) -> bool:
+        """Whether the `free` slots are no more than the promises that may need one while
+        a newcomer placed now runs (to its p99): holders parked or called, or due by then
+        and not later than `gone_s` past it."""
+        now, until_s = ask.now_s, ask.now_s + ask.prediction.p99_us / 1e6
+        need = 0
+        for p in ms.promises:
+            if p.parked or p.called_s + gone_s > now or now - gone_s < p.due_s <= until_s:
+                need += 1
+                if need >= free:
+                    return True
+        return False
 
     @staticmethod
     def _park_until(ms: ModelSlots, ask: Ask, holder: Promise) -> float:

@@ -145,7 +145,9 @@ class Placing(msgspec.Struct):
     fl: InFlight | None = None
     settles: int = 0
     passed_silent: bool = False  # a candidate's stream had no leader (`NoStream`)
-    again: bool = False  # its candidates are the ones left after a lost race (`_try_candidate`)
+    # The slots tried in the rounds before this one (each lost to another router's request:
+    # `_try_candidate`); none is tried twice.
+    tried: tuple[SlotView, ...] = ()
 
 
 @dataclass(slots=True)
@@ -709,18 +711,20 @@ class RequestPath:
         if p.i >= len(p.place.candidates):
             # Every candidate was taken under us (another router), or its stream fell silent:
             # decide again as for a newcomer. Slots that look free and were not tried are
-            # tried at once, once (told to come back in a p50 without a ticket, the caller
-            # found them gone); else a ticket on the busy ones, most often, the promiser's
-            # where another router makes them (this one gave its own here, for slot time the
-            # promiser gave too); a 503 when every slot's stream is silent
-            # (`admission.check_capacity`).
+            # tried at once, each once (told to come back in a p50 without a ticket, the
+            # caller found them gone; tried in a second round only, two routers of one caller
+            # a slot each took the other's and refused 0.3% of the requests); else a ticket
+            # on the busy ones, most often, the promiser's where another router makes them
+            # (this one gave its own here, for slot time the promiser gave too); a 503 when
+            # every slot's stream is silent (`admission.check_capacity`).
+            tried = (*p.tried, *p.place.candidates)
             match self.admission.after_lost_race(
                     r.ms, r.ask, time.monotonic(), may_promise=r.may_promise,
-                    tried=None if p.again else p.place.candidates, holder=p.place.redeemed):
+                    tried=tried, holder=p.place.redeemed):
                 case Place() as place:
                     await self._try_candidate(Placing(routing=r, place=place,
                                                       headers=self._slot_headers(r),
-                                                      again=True))
+                                                      tried=tried))
                 case Refuse(delegate=True) as refusal:
                     self._spawn(self._decide_slowly(r, refusal))
                 case Refuse() as refusal:

@@ -345,7 +345,7 @@ class Router(Lifecycle, TaskOwner):
             now = time.monotonic()
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
-                view.finished(now, ev.request_id)
+                view.finished(now, ev.request_id, ev.router)
                 self._slot_freed(ms, now)
             fl = self.inflight.entries.get(key)
             if fl is not None and fl.request_id == ev.request_id:

@@ -8,9 +8,13 @@ import json
 import subprocess
 import time
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import NamedTuple
 
 import msgspec
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from plane.contract.config import ConnectOptions
@@ -20,8 +24,9 @@ from plane.contract.messages import admission_note_decoder
 from plane.contract.natsconn import connect
 from plane.contract.ownership import SLOT_TTL_MARGIN_S, TAKE_WITHIN_S
 from plane.contract.subjects import MSGPACK, Header
-from plane.router.occupancy import CYCLE_MAX_AGE_S
+from plane.router.occupancy import CYCLE_MAX_AGE_S, SlotView
 from plane.router.peers import Peers
+from plane.router.service import Router
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import (
     NAMES,
@@ -244,28 +249,48 @@ async def test_a_ticket_is_honoured_by_the_router_that_made_it_whichever_router_
         assert status(gone) == 200
 
 
+LONG_DEADLINE = {Header.DEADLINE_MS: "3000"}
+
+
+class BusySlot(NamedTuple):
+    """Two routers, x the promiser, y told that x's 600 ms request runs on their one slot."""
+
+    stack: PlaneStack
+    nc: Client
+    x: Router
+    y: Router
+    view: SlotView  # the slot, as y sees it
+    long: asyncio.Task[Msg]  # x's request on it
+
+
+@asynccontextmanager
+async def busy_slot_two_routers() -> AsyncIterator[BusySlot]:
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        x, y = stack.routers
+        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
+                         "y to hear x")
+        long = asyncio.create_task(nc.request(
+            NAMES.router_infer(x.cfg.router_id, "calibrated"), calibrated(600_000),
+            timeout=5, headers=LONG_DEADLINE))
+        [view] = y.models["calibrated"].slots.values()
+        await wait_until(lambda: slots_running(stack) == 1 and view.busy, 5,
+                         "the slot running, y told")
+        yield BusySlot(stack, nc, x, y, view, long)
+        assert status(await long) == 200
+
+
 async def test_a_router_that_loses_a_race_for_a_slot_hands_the_promise_to_the_promiser(
 ) -> None:
     """Two routers put requests on one slot now and then (each takes it before it hears the
     other did); the broker keeps the second out. The router that lost decides again: where
     another router makes the promises, the caller's ticket is the promiser's, not one for
     slot time the promiser may have promised too."""
-    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
-            client(stack.url) as nc:
-        x, y = stack.routers
-        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
-                         "y to hear x")
-        deadline = {Header.DEADLINE_MS: "3000"}
-        long = asyncio.create_task(nc.request(
-            NAMES.router_infer(x.cfg.router_id, "calibrated"), calibrated(600_000),
-            timeout=5, headers=deadline))
-        [view] = y.models["calibrated"].slots.values()
-        await wait_until(lambda: slots_running(stack) == 1 and view.busy, 5,
-                         "the slot running, y told")
+    async with busy_slot_two_routers() as (stack, nc, x, y, view, _):
         # y has not heard yet (as when the notes cross): it sees the slot free, long freed.
         view.release(time.monotonic() - 10)
         refused = await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
-                                   calibrated(1000), timeout=5, headers=deadline)
+                                   calibrated(1000), timeout=5, headers=LONG_DEADLINE)
         assert status(refused) == 429, refused.headers
         assert (header(refused, Header.TICKET) or "").startswith(x.cfg.router_id + "-"), \
             refused.headers
@@ -274,7 +299,6 @@ async def test_a_router_that_loses_a_race_for_a_slot_hands_the_promise_to_the_pr
         await wait_until(lambda: stack.metrics.registry.get_sample_value(
             "plane_router_forwarded_total", {"model": "calibrated", "why": "promise",
                                              "outcome": "taken"}) == 1, 5, "the forward")
-        assert status(await long) == 200
 
 
 async def test_a_depth_refusal_on_a_slot_another_router_took_is_a_lost_race_at_once() -> None:
@@ -283,12 +307,7 @@ async def test_a_depth_refusal_on_a_slot_another_router_took_is_a_lost_race_at_o
     5.5 ms). When another router has said it took the slot since, the refusal is its
     request: lost at once, one publish, not a retry after each wait (the loser waited out
     the winner's work, or all the waits and lost)."""
-    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
-            client(stack.url) as nc:
-        x, y = stack.routers
-        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
-                         "y to hear x")
-        [view] = y.models["calibrated"].slots.values()
+    async with busy_slot_two_routers() as (stack, nc, _, y, view, _):
         publishes: list[Msg] = []
 
         async def seen(m: Msg) -> None:
@@ -296,24 +315,17 @@ async def test_a_depth_refusal_on_a_slot_another_router_took_is_a_lost_race_at_o
                 publishes.append(m)
 
         await nc.subscribe(view.subject, cb=seen)
-        deadline = {Header.DEADLINE_MS: "3000"}
-        long = asyncio.create_task(nc.request(
-            NAMES.router_infer(x.cfg.router_id, "calibrated"), calibrated(600_000),
-            timeout=5, headers=deadline))
-        await wait_until(lambda: slots_running(stack) == 1 and view.busy, 5,
-                         "the slot running, y told")
         # As y sees it in a race: the slot's done-event a moment ago, then x's note that it
         # took the slot (y had decided to place on it between the two).
         view.release(time.monotonic())
         view.peer_took_s = time.monotonic()
         refused = await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
-                                   calibrated(1000), timeout=5, headers=deadline)
+                                   calibrated(1000), timeout=5, headers=LONG_DEADLINE)
         assert status(refused) == 429, refused.headers
         await nc.flush()
         assert len(publishes) == 1, [m.headers for m in publishes]
         assert stack.metrics.registry.get_sample_value(
             "plane_broker_slot_refusals_total", {"model": "calibrated"}) == 1
-        assert status(await long) == 200
 
 
 async def test_a_router_that_does_not_promise_hands_newcomers_over_while_promises_hold() -> None:
@@ -323,34 +335,22 @@ async def test_a_router_that_does_not_promise_hands_newcomers_over_while_promise
     places the newcomer or refuses it. Here the slot y sees free is x's, taken, and x's
     promise is due (as y sees it): y publishes nothing, the newcomer goes to x and gets x's
     ticket."""
-    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
-            client(stack.url) as nc:
-        x, y = stack.routers
-        await wait_until(lambda: y.peers.promiser("calibrated") == x.cfg.router_id, 5,
-                         "y to hear x")
-        deadline = {Header.DEADLINE_MS: "3000"}
-        long = asyncio.create_task(nc.request(
-            NAMES.router_infer(x.cfg.router_id, "calibrated"), calibrated(600_000),
-            timeout=5, headers=deadline))
-        ms = y.models["calibrated"]
-        [view] = ms.slots.values()
-        await wait_until(lambda: slots_running(stack) == 1 and view.busy, 5,
-                         "the slot running, y told")
+    async with busy_slot_two_routers() as (stack, nc, x, y, view, _):
         first = await nc.request(NAMES.router_infer(x.cfg.router_id, "calibrated"),
-                                 calibrated(1000), timeout=5, headers=deadline)
+                                 calibrated(1000), timeout=5, headers=LONG_DEADLINE)
         assert status(first) == 429 and header(first, Header.TICKET), first.headers
+        ms = y.models["calibrated"]
         await wait_until(lambda: len(ms.promises) == 1, 5, "y to hear of x's promise")
         [promise] = ms.promises
         ms.promises.bring_forward(promise, time.monotonic())  # its holder on its way
         view.release(time.monotonic() - 10)  # as if y had not heard that x took it
         second = await nc.request(NAMES.router_infer(y.cfg.router_id, "calibrated"),
-                                  calibrated(1000), timeout=5, headers=deadline)
+                                  calibrated(1000), timeout=5, headers=LONG_DEADLINE)
         assert status(second) == 429, second.headers
         assert (header(second, Header.TICKET) or "").startswith(x.cfg.router_id + "-")
         assert y.admission.stats["newcomer-delegated"] == 1
         assert stack.metrics.registry.get_sample_value(
             "plane_broker_slot_refusals_total", {"model": "calibrated"}) in (None, 0)
-        assert status(await long) == 200
 
 
 async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_get_answers(

@@ -566,23 +566,19 @@ class Admission:
     @staticmethod
     def _held(ms: ModelSlots, now_s: float, gone_s: float) -> list[Promise]:
         """The promises whose slot time newcomers leave to them: their holders are here
-        (parked), or not later than `gone_s` past their due time or their call."""
+        (parked), or not later than `gone_s` past their due time or their call. (Every
+        decision under overload reads it: one comprehension, no call per promise.)"""
         return [p for p in ms.promises if p.parked or p.due_s + gone_s > now_s
                 or p.called_s + gone_s > now_s]
 
     @staticmethod
     def _spoken_for(ms: ModelSlots, ask: Ask, free: int, gone_s: float) -> bool:
-        """Whether the `free` slots are no more than the promises that may need one while
-        a newcomer placed now runs (to its p99): holders parked or called, or due by then
-        and not later than `gone_s` past it."""
+        """Whether the `free` slots are no more than the promises newcomers leave their
+        slot time to (`_held`) that may need one while a newcomer placed now runs (to its
+        p99): their holders here or called, or due by then."""
         now, until_s = ask.now_s, ask.now_s + ask.prediction.p99_us / 1e6
-        need = 0
-        for p in ms.promises:
-            if p.parked or p.called_s + gone_s > now or now - gone_s < p.due_s <= until_s:
-                need += 1
-                if need >= free:
-                    return True
-        return False
+        return sum(1 for p in Admission._held(ms, now, gone_s)
+                   if p.due_s <= until_s or p.parked or p.called_s + gone_s > now) >= free
 
     @staticmethod
     def _park_until(ms: ModelSlots, ask: Ask, holder: Promise) -> float:

@@ -80,8 +80,7 @@ class Slips:
     def _make_table(self, now_s: float) -> None:
         table, margin, oldest = [], 0, math.inf
         for w in self.windows:
-            w.expire(now_s)
-            if w.count >= SLIP_MIN_STARTS:
+            if _counts(w, now_s):
                 margin = max(margin, w.p99_us)
             table.append(margin)
             if (t := w.oldest_s) is not None:
@@ -92,9 +91,11 @@ class Slips:
     def summary(self, now_s: float) -> dict[str, int]:
         """The p99 of each bucket that counts (the router's status): `ahead_<k>`, k as in
         `bucket`."""
-        out = {}
-        for k, w in enumerate(self.windows):
-            w.expire(now_s)
-            if w.count >= SLIP_MIN_STARTS:
-                out[f"ahead_{k}"] = w.p99_us
-        return out
+        return {f"ahead_{k}": w.p99_us for k, w in enumerate(self.windows)
+                if _counts(w, now_s)}
+
+
+def _counts(w: ServiceWindow, now_s: float) -> bool:
+    """Whether a bucket's starts of the last SLIP_MAX_AGE_S are enough to go by."""
+    w.expire(now_s)
+    return w.count >= SLIP_MIN_STARTS

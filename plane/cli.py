@@ -178,12 +178,16 @@ def serving_options(f: F) -> F:
               help="Run the embedded server with DIR/nats.conf (`plane auth init DIR`); each "
                    "part connects with its role, and the tenants' settings go to PLANE_CONFIG.")
 @device_waits_option
+@click.option("--one-process", is_flag=True,
+              help="Run the router in this process, on the nodes' event loop (less memory; "
+                   "under load each delays the other). Default: a process of its own.")
 def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
        creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
        metrics_host: str, replicas: int, log_level: str, models: str, slots: int | None,
        backend: str, demo: bool, port: int | None, auth_dir: str | None,
-       device_waits: str) -> None:
-    """Run a whole plane: embedded nats-server (unless --nats), router, nodes, metrics.
+       device_waits: str, one_process: bool) -> None:
+    """Run a whole plane: embedded nats-server (unless --nats), router (in a process of its
+    own), nodes, metrics (one /metrics for all).
 
     \b
     Examples:
@@ -207,6 +211,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         names=names_for(prefix), models=model_list, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
         freshness=True, node_overrides={"device_waits": device_waits},
+        router_processes=not one_process, log_level=log_level,
     )
     _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir))
 

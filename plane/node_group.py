@@ -25,11 +25,9 @@ without it the slot's time past its work doubled (BENCHMARKS.md, "GPU", second s
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -41,6 +39,7 @@ import structlog
 
 from plane.contract.config import NodeConfig
 from plane.contract.errors import ConfigError
+from plane.contract.processes import stop_with_parent
 from plane.contract.subjects import InvalidToken, check_token
 from plane.serve import ServeSpec
 
@@ -49,7 +48,6 @@ log = structlog.get_logger("plane.node_group")
 # How long a member may take to drain after SIGTERM, past the node's own drain, before the
 # group kills it (its in-flight requests are then the routers' to answer 503).
 STOP_GRACE_S = 10.0
-PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
 
@@ -138,7 +136,7 @@ def run_group(spec: ServeSpec, cfg: NodeConfig, processes: int, *, freshness: bo
 def _member(spec: ServeSpec, cfg: NodeConfig, freshness: bool, log_level: str,
             parent_pid: int) -> None:
     """One member: a lone node, in its own spawned process (its own loop, its own imports)."""
-    _die_with_parent(parent_pid)
+    stop_with_parent(parent_pid)
     from plane.contract.lifecycle import run
     from plane.contract.logs import configure as configure_logs
     from plane.up import run_node  # the node: torch and triton
@@ -165,17 +163,3 @@ def _warn_without_mps(cfg: NodeConfig) -> None:
         log.warning("a node group on a GPU without NVIDIA MPS: its processes' kernels take "
                     "turns on the device (start nvidia-cuda-mps-control -d first)",
                     node=cfg.node_id)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """A group whose parent is killed outright (SIGKILL, OOM) must not leave members serving
-    with nobody to stop them: on Linux the kernel sends each member SIGTERM when the parent
-    dies (prctl PR_SET_PDEATHSIG), and it drains as on any SIGTERM."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        log.warning("cannot ask to stop with the node group's parent",
-                    errno=ctypes.get_errno())
-    if os.getppid() != parent_pid:  # it died before we asked
-        os.kill(os.getpid(), signal.SIGTERM)

@@ -1,6 +1,8 @@
-"""A whole plane in one process: an embedded nats-server (or a given URL), routers and nodes.
-What `plane up` runs, and what tests and benchmarks start. Composed with an AsyncExitStack,
-so everything started is stopped, in reverse order, whatever fails."""
+"""A whole plane: an embedded nats-server (or a given URL), routers and nodes, in one process
+or with each router in a process of its own (`StackConfig.router_processes`, what `plane up`
+runs: `plane.router_child`). What `plane up` runs, and what tests and benchmarks start.
+Composed with an AsyncExitStack, so everything started is stopped, in reverse order (the
+routers before the nodes), whatever fails."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from plane.contract.natsconn import connect
 from plane.contract.subjects import Names
 from plane.contract.tracing import Tracing
 from plane.router import Router, router_connection
+from plane.router_child import RouterChild
+from plane.serve import ServeSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +55,10 @@ class StackConfig:
     # Live settings put into PLANE_CONFIG once the plane is up (as the "admin" role): the
     # tenants' `share.<t>`, `max_rate.<t>` of `plane up --auth`.
     settings: dict[str, int] = field(default_factory=dict)
+    # Each router in a process of its own (`plane.router_child`; `plane up` but for
+    # `--one-process`), logging at `log_level`; `PlaneStack.routers` is then empty.
+    router_processes: bool = False
+    log_level: str = "info"
 
 
 class PlaneStack(Lifecycle):
@@ -64,6 +72,7 @@ class PlaneStack(Lifecycle):
         self.metrics = PlaneMetrics()
         self.server: EmbeddedNats | None = None
         self.routers: list[Router] = []
+        self.router_children: list[RouterChild] = []
         self.nodes: list[Node] = []
         self.clients: list[Client] = []
         self.metrics_port: int | None = None
@@ -79,8 +88,11 @@ class PlaneStack(Lifecycle):
                 self.url = self.server.url
             else:
                 self.url = cfg.connect.url
-            self.metrics_port = st.enter_context(serve_metrics(self.metrics, cfg.metrics_port,
-                                                            cfg.metrics_host))
+            if cfg.router_processes:  # started first: their start-up runs beside the nodes'
+                await self._start_router_children()
+            self.metrics_port = st.enter_context(serve_metrics(
+                self.metrics, cfg.metrics_port, cfg.metrics_host,
+                merge_urls=[u for c in self.router_children if (u := c.metrics_url)]))
             first_partition = 0  # on one GPU, each node's slots after the last node's
             for i in range(cfg.nodes_per_model):
                 for model in cfg.models:
@@ -100,11 +112,10 @@ class PlaneStack(Lifecycle):
                                 replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))
                     first_partition += len(node.slots)
-            for i in range(cfg.routers):
-                router_cfg = RouterConfig(
-                    names=cfg.names, router_id=f"router{i}",
-                    models=cfg.router_models[i] if i < len(cfg.router_models) else None,
-                    **cfg.router_overrides)
+            for child in self.router_children:  # stopped before the nodes, as below
+                st.push_async_callback(child.stop)
+            for i in range(0 if cfg.router_processes else cfg.routers):
+                router_cfg = self._router_config(i)
                 nc = await self._connect(f"plane-router-{i}", "router")
                 self.routers.append(await st.enter_async_context(
                     Router(nc, router_cfg, self.metrics, replicas=cfg.replicas,
@@ -115,6 +126,25 @@ class PlaneStack(Lifecycle):
         except BaseException:
             await st.aclose()
             raise
+
+    def _router_config(self, i: int) -> RouterConfig:
+        cfg = self.cfg
+        return RouterConfig(
+            names=cfg.names, router_id=f"router{i}",
+            models=cfg.router_models[i] if i < len(cfg.router_models) else None,
+            **cfg.router_overrides)
+
+    async def _start_router_children(self) -> None:
+        cfg = self.cfg
+        for i in range(cfg.routers):
+            opts = replace(cfg.roles.get("router", cfg.connect), url=self.url,
+                           name=f"plane-router-{i}")
+            child = RouterChild(ServeSpec(opts, None, replicas=cfg.replicas),
+                                self._router_config(i), cfg.log_level,
+                                metrics=cfg.metrics_port is not None)
+            self._stack.push_async_callback(child.stop)  # on a failed start (idempotent)
+            await child.start()
+            self.router_children.append(child)
 
     async def _connect(self, name: str, role: str) -> Client:
         opts = replace(self.cfg.roles.get(role, self.cfg.connect), url=self.url, name=name)
@@ -136,6 +166,13 @@ class PlaneStack(Lifecycle):
         want = {n.cfg.model: 0 for n in self.nodes}
         for n in self.nodes:
             want[n.cfg.model] += len(n.slots)
+        if self.router_children:
+            nc = await self._connect("plane-ready", "admin")
+            try:
+                await asyncio.gather(*(c.wait_ready(nc, want, timeout_s)
+                                       for c in self.router_children))
+            finally:
+                await nc.close()
         async with asyncio.timeout(timeout_s):
             while True:
                 if all(

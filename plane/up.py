@@ -26,7 +26,7 @@ from plane.contract import logs
 from plane.contract.backoff import NO_RETRY
 from plane.contract.config import NodeConfig
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
-from plane.contract.lifecycle import stop_event
+from plane.contract.lifecycle import stop_event, until_any
 from plane.contract.messages import FEATURES, Status
 from plane.contract.metrics import PlaneMetrics, serve_metrics
 from plane.contract.natsconn import close, connect
@@ -111,7 +111,11 @@ async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool,
         finally:
             await nc.close()
     say("Ctrl-C stops everything.")
-    await stop_event().wait()
+    stop = stop_event()
+    await until_any(stop, *(c.lost for c in stack.router_children))
+    if not stop.is_set():  # a router's process exited on its own (its log says why)
+        say("stopping: the router's process exited")
+        return 1
     say("stopping ...")
     return 0
 

@@ -492,9 +492,14 @@ async def test_slot_message_carries_ttl_and_routing_headers() -> None:
         assert status(await task) == 200
 
 
-async def test_metrics_and_service_discovery() -> None:
-    async with plane(models=("risk",), slots=1, metrics_port=0) as stack, \
-            client(stack.url) as nc:
+@pytest.mark.parametrize("router_processes", [False, True],
+                         ids=["one process", "router in its own process"])
+async def test_metrics_and_service_discovery(router_processes: bool) -> None:
+    # In its own process (`plane up`'s way), the router's families come merged into the
+    # stack's one /metrics: the 400 below is the router's count, the 200s the node's.
+    async with plane(models=("risk",), slots=1, metrics_port=0,
+                     router_processes=router_processes) as stack, client(stack.url) as nc:
+        assert len(stack.router_children) == router_processes
         for _ in range(3):
             await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
         await nc.request(NAMES.infer("risk"), b"{", timeout=5)

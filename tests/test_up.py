@@ -3,6 +3,7 @@ stops everything it started (no orphan nats-server)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -70,6 +71,7 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
     assert any('"router started"' in line for line in lines[:-len(banner)]), "".join(lines)
     children = _children(proc.pid)
     assert children, "plane up should run nats-server as its child"
+    assert _router_process(proc.pid) in children, "plane up's router runs in its own process"
     nc = await nats.connect(url)
     msg = await nc.request(Names().infer("risk"), json.dumps(
         {"features": [0.5] * 32}).encode(), timeout=5)
@@ -79,6 +81,41 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
     assert proc.wait(timeout=30) == 0
     for child in children:
         assert not _alive(child), f"orphan process {child} left running"
+
+
+def _router_process(pid: int) -> int | None:
+    """The child of `pid` that runs `plane up`'s router (`python -m plane.router_child`)."""
+    for child in _children(pid):
+        with contextlib.suppress(OSError):
+            if b"plane.router_child" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return None
+
+
+def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
+    # A plane with no router answers nothing: `plane up` stops everything it started and
+    # exits 1, so that whatever runs it (systemd, a container) starts it again whole.
+    with subprocess.Popen([PLANE, "up", "--models", "calibrated", "--log-level", "warning"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            lines = []
+            while "Ctrl-C" not in (line := proc.stdout.readline()):
+                assert line, "".join(lines)
+                lines.append(line)
+            router = _router_process(proc.pid)
+            assert router is not None, "".join(lines)
+            children = _children(proc.pid)
+            os.kill(router, signal.SIGKILL)
+            assert proc.wait(timeout=60) == 1
+            rest = proc.stdout.read()
+            assert "the router's process exited" in rest, rest
+            for child in children:
+                assert not _alive(child), f"orphan process {child} left running"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_plane_up_demo_prints_answers_and_refusals() -> None:

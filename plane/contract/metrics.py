@@ -1,18 +1,33 @@
 """Prometheus metrics: a `plane_` prefix, base units, low-cardinality labels, and an explicit
 registry (no process-wide default), so a router and a node in one process share one registry
-and tests get their own."""
+and tests get their own; a process that runs parts of the plane in children of its own
+(`plane up`'s router) serves theirs merged into one exposition (`MergedMetrics`)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import structlog
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+log = structlog.get_logger("plane.metrics")
+
+CHILD_SCRAPE_TIMEOUT_S = 2.0
 
 # Buckets from 100 µs to 10 s: the plane's answers live in the first half.
 TOKEN_BUCKETS_S = (  # a decode step: tens of µs on a GPU, a few hundred on a CPU
@@ -235,19 +250,65 @@ class PlaneMetrics:
             gpu, registry=r)
 
 
+class MergedMetrics(Collector):
+    """One exposition of this process's registry and of the /metrics of processes it runs
+    (`plane up`'s router, `plane.router_child`), read at each scrape. Concatenated texts would
+    not do: every process registers every `plane_` family, so a family would be declared
+    twice (Prometheus refuses a second TYPE line); here each family is declared once with
+    the samples of all. Their samples never collide: a family's children are labelled by the
+    process that makes them (a router's by model and reason, a node's by node and slot). A
+    child that does not answer is left out of that scrape and said in the log."""
+
+    def __init__(self, own: CollectorRegistry, urls: Sequence[str]) -> None:
+        self._own = own
+        self._urls = tuple(urls)
+
+    def collect(self) -> Iterator[Metric]:
+        # Ours through the text format too: parsed, a counter's `_created` is a family of its
+        # own, as it is in the children's texts (collected, it is a sample of the counter's).
+        families: dict[str, Metric] = {}
+        for family in text_string_to_metric_families(generate_latest(self._own).decode()):
+            _merge(families, family)
+        for url in self._urls:
+            try:
+                with urllib.request.urlopen(url, timeout=CHILD_SCRAPE_TIMEOUT_S) as r:
+                    text = r.read().decode()
+            except OSError as exc:
+                log.warning("a child process's metrics left out of this scrape", url=url,
+                            error=str(exc))
+                continue
+            for family in text_string_to_metric_families(text):
+                _merge(families, family)
+        return iter(families.values())
+
+
+def _merge(families: dict[str, Metric], family: Metric) -> None:
+    if (have := families.get(family.name)) is None:
+        have = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                              family.unit)
+    have.samples.extend(family.samples)
+
+
 @contextlib.contextmanager
 def serve_metrics(
-    metrics: PlaneMetrics, port: int | None, host: str = "127.0.0.1"
+    metrics: PlaneMetrics, port: int | None, host: str = "127.0.0.1",
+    merge_urls: Sequence[str] = (),
 ) -> Iterator[int | None]:
     """Serve /metrics on `host`:`port` (0 = any free port; loopback unless a deployment asks
     for more, e.g. `--metrics-host 0.0.0.0` in a container) in prometheus_client's own thread
-    for the duration of the block; yields the bound port (None when disabled)."""
+    for the duration of the block; yields the bound port (None when disabled). With
+    `merge_urls`, the /metrics of those child processes are served merged with ours
+    (`MergedMetrics`)."""
     if port is None:
         yield None
         return
+    registry = metrics.registry
+    if merge_urls:
+        registry = CollectorRegistry()
+        registry.register(MergedMetrics(metrics.registry, merge_urls))
     server: WSGIServer
     thread: threading.Thread
-    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    server, thread = start_http_server(port, addr=host, registry=registry)
     try:
         yield server.server_port
     finally:

@@ -10,22 +10,43 @@ import ctypes
 import os
 import signal
 import socket
+import sys
 from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Self
 
+import structlog
+
 from plane.contract.lifecycle import cancel_and_wait
 
-__all__ = ["ChildProcess", "cancel_and_wait", "die_with_parent", "free_port", "stop_by_pid"]
+log = structlog.get_logger("plane.processes")
+
+__all__ = ["ChildProcess", "cancel_and_wait", "die_with_parent", "free_port", "stop_by_pid",
+           "stop_with_parent"]
 
 LOG_TAIL_LINES = 200
+PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
 def die_with_parent() -> None:
     """A `preexec_fn`: runs in the child before exec and asks Linux to SIGTERM it if we die
     (no orphans, even when the parent is SIGKILLed)."""
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_with_parent(parent_pid: int) -> None:
+    """In a process we spawned (a node group's member, `plane up`'s router): a parent
+    killed outright (SIGKILL, OOM) must not leave it serving with nobody to stop it. On Linux
+    the kernel then sends it SIGTERM (prctl PR_SET_PDEATHSIG), and it drains as on any
+    SIGTERM; a parent gone before we asked is answered the same way at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("cannot ask to stop with the parent process", errno=ctypes.get_errno())
+    if os.getppid() != parent_pid:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def free_port() -> int:

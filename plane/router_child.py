@@ -1,0 +1,142 @@
+"""A router in its own process beside the nodes: how `plane up` runs its router.
+
+One process for the whole plane puts the router's decisions and the nodes' slots on one event
+loop and one GIL: under overload each delays the other (the router's refusals hold back the
+node's done-events and answers; the slots' work holds back the router's reading). Measured
+on this project's 2-core host (BENCHMARKS.md, "Forty-first session", 4 x 2 ms at 2x of 700/s):
+with the router in its own process 589-831 answers/s and first-retry success >= 99.87%,
+against 496-587/s and 99.13-99.44% in one process; on an H200 the same split answered 2-3x
+more at 3,000/s (BENCHMARKS.md, "GPU", second session).
+
+`RouterChild` starts `plane router`'s work (`plane.serve.run_router`) in a process of its own
+(`python -m plane.router_child`: a fresh interpreter, never a fork of this one, whose loop and
+CUDA context a copy would share), with the stack's connection, names and router settings
+given to it whole on its stdin (credentials never on a command line). The child:
+- is in its own process group, so a Ctrl-C at a terminal reaches only `plane up`, which
+  stops the router first and the nodes after it, as in one process;
+- gets SIGTERM from the kernel if `plane up` is killed outright (no router left serving);
+- serves its metrics on a loopback port of its own, which `plane up`'s /metrics merges into
+  one exposition (`plane.contract.metrics.MergedMetrics`), so a scrape sees one plane.
+
+`start` returns once the process runs; `wait_ready` once the router sees every healthy slot
+the stack's nodes advertise (its status on NATS, `<prefix>.router.<id>.status`). `lost` is
+set when the child exits while nobody asked it to, so that `plane up` stops whole (and exits
+1) rather than serve a plane with no router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pickle
+import sys
+
+import structlog
+from nats.aio.client import Client
+
+from plane.contract.config import RouterConfig
+from plane.contract.lifecycle import Lifecycle
+from plane.contract.processes import (
+    cancel_and_wait,
+    die_with_parent,
+    free_port,
+    stop_by_pid,
+    stop_with_parent,
+)
+from plane.serve import ServeSpec
+
+log = structlog.get_logger("plane.router_child")
+
+STOP_GRACE_S = 15.0  # past the router's own drain (5 s) before it is killed
+READY_POLL_S = 0.05
+
+
+class RouterChild(Lifecycle):
+    """`async with RouterChild(spec, cfg, log_level, metrics=True) as r:` a router process;
+    `r.metrics_url` its /metrics (None without metrics)."""
+
+    def __init__(self, spec: ServeSpec, cfg: RouterConfig, log_level: str,
+                 metrics: bool) -> None:
+        port = free_port() if metrics else None
+        self.spec = ServeSpec(spec.connect, port, "127.0.0.1", spec.replicas)
+        self.cfg = cfg
+        self.log_level = log_level
+        self.metrics_url = f"http://127.0.0.1:{port}/metrics" if port is not None else None
+        self.lost = asyncio.Event()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        if self._proc is not None:
+            return
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "plane.router_child", stdin=asyncio.subprocess.PIPE,
+            preexec_fn=_own_group_and_die_with_parent)
+        self._proc = proc
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps((self.spec, self.cfg, self.log_level, os.getpid())))
+        await proc.stdin.drain()
+        proc.stdin.close()
+        self._watch = asyncio.create_task(self._watch_exit(proc))
+
+    async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if not self._stopping:
+            log.error("the router's process exited: the plane stops",
+                      router=self.cfg.router_id, exit_code=code)
+            self.lost.set()
+
+    async def wait_ready(self, nc: Client, want: dict[str, int], timeout_s: float) -> None:
+        """Until the router says it sees at least `want[model]` healthy slots of each model it
+        serves. Raises RuntimeError when its process exits first, TimeoutError after
+        `timeout_s`."""
+        subject = self.cfg.names.router_status(self.cfg.router_id)
+        served = {m: n for m, n in want.items() if self.cfg.serves(m)}
+        async with asyncio.timeout(timeout_s):
+            while True:
+                if self._proc is None or self._proc.returncode is not None:
+                    raise RuntimeError(
+                        f"router {self.cfg.router_id}'s process exited while starting (exit "
+                        f"code {self._proc.returncode if self._proc else None}): its log above "
+                        "says why")
+                with contextlib.suppress(Exception):  # not subscribed yet; no answer yet
+                    reply = await nc.request(subject, b"", timeout=0.5)
+                    models = json.loads(reply.data).get("models", {})
+                    if all(models.get(m, {}).get("healthy", 0) >= n for m, n in served.items()):
+                        return
+                await asyncio.sleep(READY_POLL_S)
+
+    async def stop(self) -> None:
+        """SIGTERM: the router drains as on any SIGTERM; killed after STOP_GRACE_S."""
+        self._stopping = True
+        if self._proc is not None and self._proc.returncode is None:
+            log.info("stopping the router's process", router=self.cfg.router_id,
+                     pid=self._proc.pid)
+        await stop_by_pid(self._proc, timeout_s=STOP_GRACE_S)
+        await cancel_and_wait(self._watch)
+
+
+def _own_group_and_die_with_parent() -> None:
+    """A `preexec_fn` (uvloop takes no `process_group`): a process group of its own, and
+    SIGTERM from the kernel when we die."""
+    os.setpgid(0, 0)
+    die_with_parent()
+
+
+def main() -> None:
+    """The child: a lone router (`plane router`'s work), given its settings on stdin."""
+    spec, cfg, log_level, parent_pid = pickle.load(sys.stdin.buffer)
+    stop_with_parent(parent_pid)
+    from plane.contract.lifecycle import run
+    from plane.contract.logs import configure as configure_logs
+    from plane.serve import run_router
+
+    configure_logs(log_level)
+    raise SystemExit(run(run_router(spec, cfg)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,12 +1,12 @@
 """A router in its own process beside the nodes: how `plane up` runs its router.
 
 One process for the whole plane puts the router's decisions and the nodes' slots on one event
-loop and one GIL: under overload each delays the other (the router's refusals hold back the
-node's done-events and answers; the slots' work holds back the router's reading). Measured
-on this project's 2-core host (BENCHMARKS.md, "Forty-first session", 4 x 2 ms at 2x of 700/s):
-with the router in its own process 589-831 answers/s and first-retry success >= 99.87%,
-against 496-587/s and 99.13-99.44% in one process; on an H200 the same split answered 2-3x
-more at 3,000/s (BENCHMARKS.md, "GPU", second session).
+loop and one GIL: under load each delays the other (the router's refusals hold back the
+node's done-events and answers; the slots' work holds back the router's reading). On an H200
+the router in a process of its own answered 2-3x more at 3,000/s of 2 ms work (BENCHMARKS.md,
+"GPU", second session: 1,603-2,927/s against 707-891/s). On this project's 2-core CPU host,
+where the load generator, the broker and the plane share two cores, it is level or a little
+better (BENCHMARKS.md, "Forty-first session"), for ~0.5 s more start-up and ~50 MB more memory.
 
 `RouterChild` starts `plane router`'s work (`plane.serve.run_router`) in a process of its own
 (`python -m plane.router_child`: a fresh interpreter, never a fork of this one, whose loop and

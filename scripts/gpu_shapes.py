@@ -10,7 +10,8 @@ it: refusals, those refused unread because it was behind on its inbox (its CPU t
 its decisions' time from receipt.
 
 Shapes:
-- up: `plane up`, the whole plane in one process (router, node, its loop, its slot threads);
+- up: `plane up --one-process`, the whole plane in one process (router, node, its loop, its slot
+  threads; `plane up` itself now runs its router in a process of its own, as split does);
 - up-spin: the same with slot waits that spin (CUDA: events without blocking sync);
 - split: nats-server, `plane router` and `plane node` as three processes;
 - split-5ms: as split, the node with Python's own GIL switch interval (`--gil-switch-us 0`),
@@ -203,9 +204,9 @@ def shape(run: Run, name: str, d: Path
         pre = {"up": "", "up-spin": SPIN}[name]
         log = d / "up.log"
         mport = free_port()
-        p = start(plane("up", "--models", "calibrated", "--slots", str(run.slots),
-                        "--backend", run.backend, "--log-level", "info", "--metrics-port",
-                        str(mport), pre=pre), log)
+        p = start(plane("up", "--one-process", "--models", "calibrated", "--slots",
+                        str(run.slots), "--backend", run.backend, "--log-level", "info",
+                        "--metrics-port", str(mport), pre=pre), log)
         return (wait_for(log, r"plane is up: NATS (\S+)", p), [p], [log],
                 [f"http://127.0.0.1:{mport}/metrics"])
     # split, split-5ms (the node's GIL switch interval Python's own), split-procs (the node's slots

@@ -32,6 +32,7 @@ import json
 import os
 import pickle
 import sys
+from functools import partial
 
 import structlog
 from nats.aio.client import Client
@@ -40,7 +41,6 @@ from plane.contract.config import RouterConfig
 from plane.contract.lifecycle import Lifecycle
 from plane.contract.processes import (
     cancel_and_wait,
-    die_with_parent,
     free_port,
     stop_by_pid,
     stop_with_parent,
@@ -54,8 +54,9 @@ READY_POLL_S = 0.05
 
 
 class RouterChild(Lifecycle):
-    """`async with RouterChild(spec, cfg, log_level, metrics=True) as r:` a router process;
-    `r.metrics_url` its /metrics (None without metrics)."""
+    """`async with RouterChild(spec, cfg, log_level, metrics=True) as r:` a router process
+    connecting with `spec`'s options; `r.metrics_url` its /metrics, on a loopback port of its
+    own (None without metrics)."""
 
     def __init__(self, spec: ServeSpec, cfg: RouterConfig, log_level: str,
                  metrics: bool) -> None:
@@ -74,7 +75,9 @@ class RouterChild(Lifecycle):
             return
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "plane.router_child", stdin=asyncio.subprocess.PIPE,
-            preexec_fn=_own_group_and_die_with_parent)
+            # Its own process group (uvloop takes no `process_group`); it asks for SIGTERM at
+            # our death itself (`main`), checking that we are still there.
+            preexec_fn=partial(os.setpgid, 0, 0))
         self._proc = proc
         assert proc.stdin is not None
         proc.stdin.write(pickle.dumps((self.spec, self.cfg, self.log_level, os.getpid())))
@@ -85,7 +88,7 @@ class RouterChild(Lifecycle):
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         if not self._stopping:
-            log.error("the router's process exited: the plane stops",
+            log.error("the router's process exited on its own",
                       router=self.cfg.router_id, exit_code=code)
             self.lost.set()
 
@@ -117,13 +120,6 @@ class RouterChild(Lifecycle):
                      pid=self._proc.pid)
         await stop_by_pid(self._proc, timeout_s=STOP_GRACE_S)
         await cancel_and_wait(self._watch)
-
-
-def _own_group_and_die_with_parent() -> None:
-    """A `preexec_fn` (uvloop takes no `process_group`): a process group of its own, and
-    SIGTERM from the kernel when we die."""
-    os.setpgid(0, 0)
-    die_with_parent()
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """The layers, checked: imports flow one way (docs/architecture.md draws them).
 
     entry points and composition root   plane.__main__, plane.app, plane.cli, plane.up,
-                                        plane.stack, plane.serve, plane.node_group, every `*.cli` /
+                                        plane.stack, plane.serve, plane.node_group,
+                                        plane.router_child, every `*.cli` /
                                         `*_cli` module, freshness.demo, freshness.demo_report
     parts, side by side                 plane.router.*   gpu_node.*   freshness.*
                                         tools: every other plane.* module (plane.client,
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("plane", "gpu_node", "kernels", "freshness")
 TOP = {"plane.__main__", "plane.app", "plane.cli", "plane.up", "plane.stack", "plane.serve",
-       "plane.node_group", "freshness.demo", "freshness.demo_report"}
+       "plane.node_group", "plane.router_child", "freshness.demo", "freshness.demo_report"}
 ALLOWED = {
     "contract": {"contract"},
     "kernels": {"kernels"},

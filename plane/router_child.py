@@ -27,7 +27,6 @@ set when the child exits while nobody asked it to, so that `plane up` stops whol
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import pickle
@@ -38,6 +37,7 @@ import structlog
 from nats.aio.client import Client
 
 from plane.contract.config import RouterConfig
+from plane.contract.errors import Unavailable
 from plane.contract.lifecycle import Lifecycle
 from plane.contract.processes import (
     cancel_and_wait,
@@ -94,23 +94,31 @@ class RouterChild(Lifecycle):
 
     async def wait_ready(self, nc: Client, want: dict[str, int], timeout_s: float) -> None:
         """Until the router says it sees at least `want[model]` healthy slots of each model it
-        serves. Raises RuntimeError when its process exits first, TimeoutError after
-        `timeout_s`."""
+        serves. Raises `Unavailable` when its process exits first, or after `timeout_s`."""
         subject = self.cfg.names.router_status(self.cfg.router_id)
         served = {m: n for m, n in want.items() if self.cfg.serves(m)}
-        async with asyncio.timeout(timeout_s):
-            while True:
-                if self._proc is None or self._proc.returncode is not None:
-                    raise RuntimeError(
-                        f"router {self.cfg.router_id}'s process exited while starting (exit "
-                        f"code {self._proc.returncode if self._proc else None}): its log above "
-                        "says why")
-                with contextlib.suppress(Exception):  # not subscribed yet; no answer yet
-                    reply = await nc.request(subject, b"", timeout=0.5)
-                    models = json.loads(reply.data).get("models", {})
-                    if all(models.get(m, {}).get("healthy", 0) >= n for m, n in served.items()):
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:  # polled: the answer is in another process
+                    if await self._sees(nc, subject, served):
                         return
-                await asyncio.sleep(READY_POLL_S)
+                    await asyncio.sleep(READY_POLL_S)
+        except TimeoutError:
+            raise Unavailable(f"router {self.cfg.router_id} did not see the nodes' slots "
+                              f"({served}) within {timeout_s:g} s: its log above says why"
+                              ) from None
+
+    async def _sees(self, nc: Client, subject: str, served: dict[str, int]) -> bool:
+        if self._proc is None or self._proc.returncode is not None:
+            raise Unavailable(
+                f"router {self.cfg.router_id}'s process exited while starting (exit code "
+                f"{self._proc.returncode if self._proc else None}): its log above says why")
+        try:
+            reply = await nc.request(subject, b"", timeout=0.5)
+        except Exception:  # not subscribed yet (no responders), or no answer yet
+            return False
+        models = json.loads(reply.data).get("models", {})
+        return all(models.get(m, {}).get("healthy", 0) >= n for m, n in served.items())
 
     async def stop(self) -> None:
         """SIGTERM: the router drains as on any SIGTERM; killed after STOP_GRACE_S."""

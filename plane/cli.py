@@ -201,7 +201,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         raise click.UsageError("--port is the embedded server's: give --port or --nats, not both")
     if auth_dir is not None and nats_url is not None:
         raise click.UsageError("--auth is the embedded server's: give --auth or --nats, not both")
-    from plane.stack import StackConfig  # the node: torch and triton
+    from plane.stack import StackConfig  # the node: torch and triton, once it starts
     from plane.up import run_up
 
     configure_logs(log_level)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client
 
 from freshness.guard import guarded_enricher
-from gpu_node.node import Node
-from gpu_node.slot import Enrich
 from plane.contract.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.lifecycle import Lifecycle
@@ -25,6 +23,10 @@ from plane.contract.tracing import Tracing
 from plane.router import Router, router_connection
 from plane.router_child import RouterChild
 from plane.serve import ServeSpec
+
+if TYPE_CHECKING:
+    from gpu_node.node import Node
+    from gpu_node.slot import Enrich
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +95,10 @@ class PlaneStack(Lifecycle):
             self.metrics_port = st.enter_context(serve_metrics(
                 self.metrics, cfg.metrics_port, cfg.metrics_host,
                 merge_urls=[u for c in self.router_children if (u := c.metrics_url)]))
+            # The node's modules (torch and triton: seconds) are imported here, once the router
+            # processes are started: their own start-up runs meanwhile, on another core.
+            from gpu_node.node import Node
+
             first_partition = 0  # on one GPU, each node's slots after the last node's
             for i in range(cfg.nodes_per_model):
                 for model in cfg.models:

@@ -1,7 +1,9 @@
 """`plane up` and `plane node`: the work of the commands that compute, separate from their
-parsing in `plane.cli`. They import the node, and with it torch and triton (seconds), so
-`plane.cli` imports this module only inside these two commands; the commands that do not
-compute are in `plane.serve`."""
+parsing in `plane.cli`. They run the node, and with it torch and triton (seconds to import),
+so `plane.cli` imports this module only inside these two commands; the commands that do not
+compute are in `plane.serve`. The node's modules are imported where a node starts
+(`PlaneStack.start`, `run_node`): `plane up` starts its router's process first, and that
+process starts while this one imports them."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from freshness.guard import guarded_enricher
-from gpu_node.node import Node
 from plane.auth.store import STATE_FILE, AuthDir
 from plane.client import Client as PlaneClient
 from plane.client import ClientConfig
@@ -155,6 +156,8 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
 
 
 async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) -> int:
+    from gpu_node.node import Node  # torch and triton (see the module's docstring)
+
     metrics = PlaneMetrics()
     nc = await connect(spec.connect)
     try:

@@ -88,8 +88,11 @@ class RouterChild(Lifecycle):
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         if not self._stopping:
-            log.error("the router's process exited on its own",
-                      router=self.cfg.router_id, exit_code=code)
+            # Exit 0 is a drain on a signal sent to it, not by us (a supervisor that signals
+            # every process of the service at once, as systemd does): `plane up` stops too.
+            (log.info if code == 0 else log.error)(
+                "the router's process exited on its own", router=self.cfg.router_id,
+                exit_code=code)
             self.lost.set()
 
     async def wait_ready(self, nc: Client, want: dict[str, int], timeout_s: float) -> None:

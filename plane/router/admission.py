@@ -508,24 +508,27 @@ class Admission:
         scan = ms.free_now(ask.now_s, ask.avoid_node, self._prefix)
         free, avoided = scan.free, scan.avoided
         gone_s = self._gone_s(ms.model)
-        if (free or avoided) and holder is None and not may_promise and self._spoken_for(
-                ms, ask, len(free) + len(avoided), gone_s):
-            # Another router makes the promises, and the slots free here are as many as its
-            # holders about to need one, or fewer: it places this newcomer, or refuses it.
-            # Placed here, newcomers took the slots that router's holders were about to take
-            # (it had placed one there, or a holder was parked: we hear of either a note's
-            # trip later), and its holders started late (two routers, 2x of 4 x 5 ms at 40 ms
-            # deadlines: starts 15-35 ms past their promise, and every ticket after that
-            # refused `deadline` for the slips).
-            self.stats["newcomer-delegated"] += 1
-            return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are promised",
-                          retry_after_ms=1, delegate=True)
-        if (free or avoided) and not self._would_break_a_promise(ms, ask, holder, gone_s):
-            if holder is not None:
-                # Kept: its slot time is this placement now (the router tells the others
-                # where it went).
-                self.forget(ms, holder, tell=False, kept=True)
-            return Place(free + avoided, holder)
+        if free or avoided:
+            # The promises a newcomer leaves its slot time to, read once for both tests below.
+            held = self._held(ms, ask.now_s, gone_s) if holder is None else []
+            if holder is None and not may_promise and self._spoken_for(
+                    ask, held, len(free) + len(avoided), gone_s):
+                # Another router makes the promises, and the slots free here are as many as
+                # its holders about to need one, or fewer: it places this newcomer, or refuses
+                # it. Placed here, newcomers took the slots that router's holders were about
+                # to take (it had placed one there, or a holder was parked: we hear of either
+                # a note's trip later), and its holders started late (two routers, 2x of 4 x
+                # 5 ms at 40 ms deadlines: starts 15-35 ms past their promise, and every
+                # ticket after that refused `deadline` for the slips).
+                self.stats["newcomer-delegated"] += 1
+                return Refuse(Status.BUSY, Reason.BUSY, f"all {ms.model} slots are promised",
+                              retry_after_ms=1, delegate=True)
+            if not self._would_break_a_promise(ms, ask, holder, gone_s, held):
+                if holder is not None:
+                    # Kept: its slot time is this placement now (the router tells the others
+                    # where it went).
+                    self.forget(ms, holder, tell=False, kept=True)
+                return Place(free + avoided, holder)
         if holder is None:
             return self._refuse(ms, ask, None, scan.healthy, may_promise, may_park=may_park)
         self.stats["holder-waits" if free or avoided else "holder-no-free-slot"] += 1
@@ -542,18 +545,18 @@ class Admission:
 
     @staticmethod
     def _would_break_a_promise(ms: ModelSlots, ask: Ask, holder: Promise | None,
-                               gone_s: float) -> bool:
+                               gone_s: float, held: list[Promise]) -> bool:
         """Whether starting this request now makes a promise that ranks before it late.
 
         A newcomer ranks after the promises whose holders are here (parked) or not later
         than `gone_s` past their due time or their call (as late as holders come back,
-        `_gone_s`). A holder ranks after the earlier promises whose holders are here, not
-        yet due or called within `gone_s`; one that is late and not here does not keep a
-        present holder waiting.
+        `_gone_s`): `held`, given (`_held`). A holder ranks after the earlier promises whose
+        holders are here, not yet due or called within `gone_s`; one that is late and not here
+        does not keep a present holder waiting.
         """
         now = ask.now_s
         if holder is None:
-            protected = Admission._held(ms, now, gone_s)
+            protected = held
             hold_s = ask.prediction.p99_us / 1e6
         else:
             protected = [p for p in ms.promises if p is not holder
@@ -572,12 +575,12 @@ class Admission:
                 or p.called_s + gone_s > now_s]
 
     @staticmethod
-    def _spoken_for(ms: ModelSlots, ask: Ask, free: int, gone_s: float) -> bool:
+    def _spoken_for(ask: Ask, held: list[Promise], free: int, gone_s: float) -> bool:
         """Whether the `free` slots are no more than the promises newcomers leave their
-        slot time to (`_held`) that may need one while a newcomer placed now runs (to its
-        p99): their holders here or called, or due by then."""
+        slot time to (`held`, `_held`) that may need one while a newcomer placed now runs
+        (to its p99): their holders here or called, or due by then."""
         now, until_s = ask.now_s, ask.now_s + ask.prediction.p99_us / 1e6
-        return sum(1 for p in Admission._held(ms, now, gone_s)
+        return sum(1 for p in held
                    if p.due_s <= until_s or p.parked or p.called_s + gone_s > now) >= free
 
     @staticmethod

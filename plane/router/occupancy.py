@@ -233,7 +233,7 @@ class ModelSlots:
         if not n:
             return scan
         self.rr = start = (self.rr + 1) % n
-        theirs: list[SlotView] = []
+        theirs: list[SlotView] | None = None  # made only when there is one (most scans: none)
         for i in range(start, start + n):
             v = views[i - n] if i >= n else views[i]
             if v.healthy:
@@ -242,6 +242,8 @@ class ModelSlots:
                     if v.node == avoid_node:
                         scan.avoided.append(v)
                     elif v.placer and v.placer != placer:
+                        if theirs is None:
+                            theirs = []
                         theirs.append(v)
                     else:
                         scan.free.append(v)

@@ -9,9 +9,10 @@ where the load generator, the broker and the plane share two cores, it is level 
 better (BENCHMARKS.md, "Forty-first session"), for ~0.5 s more start-up and ~50 MB more memory.
 
 `RouterChild` starts `plane router`'s work (`plane.serve.run_router`) in a process of its own
-(`python -m plane.router_child`: a fresh interpreter, never a fork of this one, whose loop and
-CUDA context a copy would share), with the stack's connection, names and router settings
-given to it whole on its stdin (credentials never on a command line). The child:
+(`python -P -m plane.router_child` on our `sys.path`: a fresh interpreter, never a fork of
+this one, whose loop and CUDA context a copy would share), with the stack's connection, names
+and router settings given to it whole on its stdin (credentials never on a command line).
+The child:
 - is in its own process group, so a Ctrl-C at a terminal reaches only `plane up`, which
   stops the router first and the nodes after it, as in one process;
 - gets SIGTERM from the kernel if `plane up` is killed outright (no router left serving);
@@ -74,7 +75,8 @@ class RouterChild(Lifecycle):
         if self._proc is not None:
             return
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "plane.router_child", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-P", "-m", "plane.router_child", stdin=asyncio.subprocess.PIPE,
+            env=child_env(),
             # Its own process group (uvloop takes no `process_group`); it asks for SIGTERM at
             # our death itself (`main`), checking that we are still there.
             preexec_fn=partial(os.setpgid, 0, 0))
@@ -131,6 +133,15 @@ class RouterChild(Lifecycle):
                      pid=self._proc.pid)
         await stop_by_pid(self._proc, timeout_s=STOP_GRACE_S)
         await cancel_and_wait(self._watch)
+
+
+def child_env() -> dict[str, str]:
+    """The child's environment: ours, with our `sys.path` as its PYTHONPATH, so that it
+    imports the very modules we run (as multiprocessing's spawn does). With `-m` alone Python
+    puts the working directory first on the child's path (`-P` keeps it off), and a `plane/`
+    folder there (a checkout of another version, a benchmark's worktree) was imported in the
+    place of ours: another router than the one `plane up` was started with, or none."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def main() -> None:

@@ -137,3 +137,29 @@ def test_help_shows_examples_and_bad_options_fail_clearly() -> None:
     bad = subprocess.run([PLANE, "node", "--slots", "0", "--nats", "nats://127.0.0.1:1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--slots must be between 1 and 1024" in bad.stderr
+
+
+def test_plane_up_router_process_runs_the_plane_it_was_started_with(tmp_path: Path) -> None:
+    # A `plane/` folder in the working directory (a checkout of another version, a
+    # benchmark's worktree) is not what the router's process imports: `python -m` would put
+    # the working directory first on its path. Here that folder cannot even be imported.
+    decoy = tmp_path / "plane"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text('raise ImportError("the decoy plane was imported")\n')
+    with subprocess.Popen([PLANE, "up", "--models", "calibrated", "--log-level", "warning"],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            lines = []
+            while "Ctrl-C" not in (line := proc.stdout.readline()):
+                assert line, "".join(lines)
+                lines.append(line)
+            assert _router_process(proc.pid) is not None, "".join(lines)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert "decoy" not in proc.stdout.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

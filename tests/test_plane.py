@@ -409,6 +409,33 @@ async def test_a_forward_is_taken_over_by_its_owner_and_versions_before_still_ge
             "model": "calibrated", "why": "ticket", "outcome": "relayed"}) == 1
 
 
+async def test_a_forwards_deadline_counts_from_when_its_forwarder_received_it() -> None:
+    """`Plane-Forward-Held-Us`: how long the forwarder had the request. The owner counts the
+    deadline from the forwarder's receipt: a forward held past its deadline is refused
+    `deadline`, one held a moment is served (and a value it cannot read counts as none)."""
+    async with plane(models=("calibrated",), slots=1, routers=2) as stack, \
+            client(stack.url) as nc:
+        owner = stack.routers[0]
+
+        async def forward(held: str) -> Msg:
+            caller = nc.new_inbox()
+            got = await listen(nc, caller)
+            await nc.publish(NAMES.router_infer(owner.cfg.router_id, "calibrated"),
+                             calibrated(1000), reply=nc.new_inbox(), headers={
+                                 Header.FORWARDED_BY: "r9", Header.DEADLINE_MS: "2000",
+                                 Header.REPLY_TO: caller, Header.FORWARD_HELD_US: held,
+                                 Header.FORWARD_UNTIL: str(int((time.time() + 5) * 1000))})
+            await wait_until(lambda: got, 5, "the answer")
+            return got[0]
+
+        late = await forward("2500000")
+        assert status(late) == 429, late.headers
+        assert (late.headers or {}).get(Header.REASON) == "deadline", late.headers
+        assert "the deadline leaves 0 us" in late.data.decode()
+        for held in ("1000", "not a number"):
+            assert status(await forward(held)) == 200
+
+
 async def test_a_promiser_that_stops_is_replaced_at_the_first_forward_that_finds_it_gone(
 ) -> None:
     """The next router by id makes the promises from the first request that found the

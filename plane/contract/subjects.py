@@ -67,8 +67,11 @@ class Header:
     # made the promise (never forwarded twice). With `Plane-Reply-To` (the caller's reply) and
     # `Plane-Forward-Until` (epoch ms: when the forwarder gives up), the maker takes the
     # request over: it answers an empty "taken" to the forwarder, then the caller directly.
+    # `Plane-Forward-Held-Us`: how long the forwarder had it (the maker's deadline and the
+    # holder's time of return count from the forwarder's receipt).
     FORWARDED_BY = "Plane-Forwarded-By"
     FORWARD_UNTIL = "Plane-Forward-Until"
+    FORWARD_HELD_US = "Plane-Forward-Held-Us"
     CONTENT_TYPE = "Content-Type"
     # Internal: router -> node, on the slot message only.
     REPLY_TO = "Plane-Reply-To"

@@ -23,7 +23,6 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
 
@@ -60,6 +59,7 @@ from plane.router.admission import (
     ticket_owner,
 )
 from plane.router.fairness import FairShare
+from plane.router.forward_replies import ForwardReplies
 from plane.router.inbox import Inbox, stale, turn, turn_due
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
@@ -108,6 +108,16 @@ TAKEN = b"NATS/1.0\r\n" + Header.FORWARDED_BY.encode() + b": taken\r\n\r\n"
 def _is_taken(m: Msg) -> bool:
     """Whether a forward's first answer is the owner's "taken", not an answer of its own."""
     return (m.headers or {}).get(Header.FORWARDED_BY) == "taken" and not m.data
+
+
+def _held_s(hdrs: Mapping[str, str]) -> float:
+    """How long the router that forwarded a request held it before (`Plane-Forward-Held-Us`),
+    within [0, the longest deadline]; 0 when it did not say (a forwarder of before)."""
+    try:
+        us = int(hdrs.get(Header.FORWARD_HELD_US, "0"))
+    except ValueError:
+        return 0.0
+    return min(max(us, 0), MAX_DEADLINE_MS * 1000) / 1e6
 
 
 def _is_depth_refusal(exc: APIError) -> bool:
@@ -161,6 +171,7 @@ class RouterParts:
     models: dict[str, ModelSlots]
     model: Callable[[str], ModelSlots]  # the model's slots, made on first use
     publisher: SlotPublisher
+    forwards: ForwardReplies
     inflight: InFlightBook
     peers: Peers
     parking: ParkingLot
@@ -186,6 +197,7 @@ class RequestPath:
         self._models = parts.models
         self._model = parts.model
         self.publisher = parts.publisher
+        self.forwards = parts.forwards
         self.inflight = parts.inflight
         self.peers = parts.peers
         self.parking = parts.parking
@@ -381,6 +393,8 @@ class RequestPath:
             await self._refuse_early(msg, rid, label, refusals.bad_request(str(exc)))
             return
         forwarded = self._forwarded(msg, hdrs)  # never forwarded twice
+        if forwarded:  # its deadline runs from when the forwarder received it
+            received -= _held_s(hdrs)
         owner = ticket_owner(caller.ticket) if caller.ticket else None
         ms = self._model(model)
         first_p99_us = end_deadline_s = None
@@ -423,7 +437,8 @@ class RequestPath:
         if owner is not None and owner != self.cfg.router_id and not forwarded:
             # Its maker judges it (the ticket's promise, the tenant's limits when the ticket
             # is no promise of its own).
-            self._spawn(self._decide_slowly(r, None, ticket_owner=owner))
+            self._spawn(self._decide_slowly(r, None, ticket_owner=owner,
+                                            sent=await self._send_forward(r, owner)))
             return
         if refusal := self._tenant_refusal(r, now):
             await self._refuse(msg, rid, model, refusal, r.tenant)
@@ -434,7 +449,8 @@ class RequestPath:
                 self._spawn(self._decide_slowly(r, decision, place=self.parking.hold(
                     model, decision.holder.due_s)))
             case Refuse(delegate=True):
-                self._spawn(self._decide_slowly(r, decision))
+                self._spawn(self._decide_slowly(r, decision,
+                                                sent=await self._send_forward(r, r.promiser)))
             case Place() | Refuse():
                 await self._conclude(r, decision, parked=False)
 
@@ -475,24 +491,28 @@ class RequestPath:
 
     async def _decide_slowly(self, r: Routing, decision: Place | Park | Refuse | None, *,
                              ticket_owner: str | None = None,
-                             place: InLine | None = None) -> None:
+                             place: InLine | None = None,
+                             sent: asyncio.Future[Msg] | None = None) -> None:
         """What must wait: a ticket holder's retry that belongs to another router (forwarded
         to it), a holder parked until a slot frees (its `place` in the line held already),
-        a refusal that needs the promiser."""
+        a refusal that needs the promiser. `sent`: the answer to the forward to the ticket's
+        owner, or to the promiser, sent already (`_send_forward`)."""
         self._waiting += 1
         try:
-            await self._decide_waiting(r, decision, ticket_owner, place)
+            await self._decide_waiting(r, decision, ticket_owner, place, sent)
         finally:
             self._waiting -= 1
             if place is not None:
                 self.parking.release(place)
 
     async def _decide_waiting(self, r: Routing, decision: Place | Park | Refuse | None,
-                              ticket_owner: str | None, place: InLine | None = None) -> None:
+                              ticket_owner: str | None, place: InLine | None = None,
+                              sent: asyncio.Future[Msg] | None = None) -> None:
         if ticket_owner is not None:
-            if await self._forward(r, ticket_owner, "ticket"):
+            if await self._forward(r, ticket_owner, "ticket", sent):
                 await self._decided(r, "forwarded")
                 return
+            sent = None
             # Its maker is gone (or never was: a forged ticket): judged here.
             if refusal := self._tenant_refusal(r, time.monotonic()):
                 await self._refuse(r.msg, r.rid, r.model, refusal, r.tenant)
@@ -503,7 +523,7 @@ class RequestPath:
         decided, parked = await self._admit(r.ms, r.ask, decision, may_promise=r.may_promise,
                                             place=place)
         if isinstance(decided, Refuse) and decided.delegate:
-            if await self._forward(r, r.promiser, "promise"):
+            if await self._forward(r, r.promiser, "promise", None if parked else sent):
                 await self._decided(r, "forwarded")
                 return
             # The promiser is gone: this router promises, as for a newcomer.
@@ -546,34 +566,59 @@ class RequestPath:
                             request_id=rid, model=model, status=int(r.status),
                             reason=r.reason.value)
 
-    async def _forward(self, r: Routing, owner: str, why: str) -> bool:
+    def _forward_headers(self, r: Routing) -> dict[str, str]:
+        """The caller's headers, and what the owner of a forward needs (docs/design.md)."""
+        now = time.monotonic()
+        headers = dict(r.msg.headers or {})
+        headers[Header.FORWARDED_BY] = self.cfg.router_id
+        headers[Header.REPLY_TO] = r.msg.reply
+        headers[Header.FORWARD_UNTIL] = str(replies.now_ms() + int(self._forward_wait_s(r) * 1000))
+        # The owner counts the deadline from when we received it, not from when it does.
+        came = r.ask.came_s if r.ask.came_s is not None else r.ask.now_s
+        headers[Header.FORWARD_HELD_US] = str(max(0, int((now - came) * 1e6)))
+        return headers
+
+    def _forward_wait_s(self, r: Routing) -> float:
+        """How long a forwarder waits for the owner's word: longer than the owner's own
+        deadline handling (deadline + grace + its takeover), so that its word, whatever it
+        is, comes back before we give up on it."""
+        return (r.ask.end_deadline_s or r.ask.deadline_s) - time.monotonic() + (
+            self.cfg.deadline_grace_ms / 1000 + 1.0)
+
+    async def _send_forward(self, r: Routing, owner: str) -> asyncio.Future[Msg] | None:
+        """Send a request's forward to router `owner` now, in the turn that decided it
+        (`plane.router.forward_replies`); the future of its one answer. None for a stream:
+        relayed message by message from the task that waits (`_relay_stream`)."""
+        if r.ask.end_deadline_s is not None:
+            return None
+        return await self.forwards.send(self.cfg.names.router_infer(owner, r.model),
+                                        r.msg.data, self._forward_headers(r))
+
+    async def _forward(self, r: Routing, owner: str, why: str,
+                       sent: asyncio.Future[Msg] | None = None) -> bool:
         """Hand a request to router `owner`: a ticket holder's to the router that made its
         promise (the routers share one queue group, so a retry lands on any of them), or one
         that needs a promise to the router that makes them. The owner takes it over (says
         "taken" and answers the caller itself: `_taken_over`); an owner of an earlier version
-        answers us, and we relay. False when that router is gone: decided here."""
+        answers us, and we relay. False when that router is gone: decided here. `sent`: the
+        forward's answer, when `_send_forward` sent it already."""
         msg, model = r.msg, r.model
-        headers = dict(msg.headers or {})
-        # Longer than the owner's own deadline handling (deadline + grace + its takeover), so
-        # its word, whatever it is, comes back before we give up on it.
-        wait_s = (r.ask.end_deadline_s or r.ask.deadline_s) - time.monotonic() + (
-            self.cfg.deadline_grace_ms / 1000 + 1.0)
-        headers[Header.FORWARDED_BY] = self.cfg.router_id
-        headers[Header.REPLY_TO] = msg.reply
-        headers[Header.FORWARD_UNTIL] = str(replies.now_ms() + int(wait_s * 1000))
-        if r.ask.end_deadline_s is not None:  # a stream
-            return await self._relay_stream(r, owner, why, headers, wait_s)
+        if sent is None:
+            if r.ask.end_deadline_s is not None:  # a stream
+                return await self._relay_stream(r, owner, why, self._forward_headers(r),
+                                                self._forward_wait_s(r))
+            sent = await self._send_forward(r, owner)
+            assert sent is not None
         try:
-            answer = await self.nc.request(self.cfg.names.router_infer(owner, model), msg.data,
-                                           timeout=wait_s, headers=headers)
-        except NoRespondersError:
-            self.metrics.forwarded.labels(model, why, "owner-gone").inc()
-            self.peers.gone(owner)
-            return False
-        except (NatsTimeoutError, TimeoutError):
+            answer = await asyncio.wait_for(sent, max(0.001, self._forward_wait_s(r)))
+        except TimeoutError:
             self.metrics.forwarded.labels(model, why, "no-answer").inc()
             await self._refuse(msg, r.rid, model, refusals.owner_silent(owner), r.tenant)
             return True
+        if is_no_responders(answer.headers):
+            self.metrics.forwarded.labels(model, why, "owner-gone").inc()
+            self.peers.gone(owner)
+            return False
         if _is_taken(answer):
             self.metrics.forwarded.labels(model, why, "taken").inc()
             return True
@@ -726,7 +771,8 @@ class RequestPath:
                                                       headers=self._slot_headers(r),
                                                       tried=tried))
                 case Refuse(delegate=True) as refusal:
-                    self._spawn(self._decide_slowly(r, refusal))
+                    self._spawn(self._decide_slowly(
+                        r, refusal, sent=await self._send_forward(r, r.promiser)))
                 case Refuse() as refusal:
                     await self._conclude(r, refusal, parked=False)
             return

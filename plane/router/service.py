@@ -51,6 +51,7 @@ from plane.contract.taken_as_read import take_as_read
 from plane.contract.tracing import Tracing
 from plane.router.admission import Admission
 from plane.router.calls import Calls
+from plane.router.forward_replies import ForwardReplies
 from plane.router.inbox import Inbox
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.memory import FloodMemory
@@ -147,9 +148,11 @@ class Router(Lifecycle, TaskOwner):
         self._heard = asyncio.Event()  # set by each heartbeat (start-up waits on it)
         # Slot publishes whose PubAck comes to a callback (no task, future or timer each).
         self.publisher = SlotPublisher(nc, cfg.publish_timeout_s, on_busy=self._rouse_watchdog)
+        self.forwards = ForwardReplies(nc)  # forwards sent at once, answered to a callback
         self.requests = RequestPath(RouterParts(
             nc=nc, cfg=cfg, metrics=self.metrics, admission=self.admission, models=self.models,
-            model=self._model, publisher=self.publisher, inflight=self.inflight,
+            model=self._model, publisher=self.publisher, forwards=self.forwards,
+            inflight=self.inflight,
             peers=self.peers, parking=self.parking, settings=self.settings,
             spawn=self._spawn, reprovision=self._reprovision,
             tracing=tracing or Tracing.off()))
@@ -190,6 +193,7 @@ class Router(Lifecycle, TaskOwner):
         self._subs.append(await self.nc.subscribe(n.router_answered(self.cfg.router_id),
                                                   cb=self._on_answered_query))
         await self.publisher.start()
+        await self.forwards.start()
         self._spawn(self._watchdog())
         if self._plan.replicas > 1:  # a cluster's slot streams: their leaders kept apart
             self._leaders = asyncio.create_task(self._spread_leaders(), name="slot-leaders")
@@ -286,6 +290,8 @@ class Router(Lifecycle, TaskOwner):
                 await self._service.stop()
         with contextlib.suppress(Exception):
             await self.publisher.stop()
+        with contextlib.suppress(Exception):
+            await self.forwards.stop()
         await self.settings.stop()
         log.info("router stopped", router=self.cfg.router_id)
 

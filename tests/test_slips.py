@@ -1,9 +1,18 @@
 """How late holders start past their promised start, by how far ahead it was promised: a far
-start slips more, no nearer slip is taken for a further start's, and a few starts, or old
-ones, do not decide."""
+start slips more, no nearer slip is taken for a further start's, a few starts, or old ones,
+do not decide, and a slip weighs less as it ages."""
+
+import math
 
 from plane.router.promises import Promise
-from plane.router.slips import SLIP_MAX_AGE_S, SLIP_MIN_STARTS, Slips, bucket
+from plane.router.slips import (
+    SLIP_HALF_LIFE_S,
+    SLIP_MAX_AGE_S,
+    SLIP_MIN_STARTS,
+    SLIP_REMAKE_S,
+    Slips,
+    bucket,
+)
 
 
 def promise(ahead_s: float, service_s: float = 0.010) -> Promise:
@@ -18,7 +27,7 @@ def test_buckets_double_in_service_times_ahead() -> None:
 
 
 def test_a_start_promised_further_ahead_is_judged_by_its_own_slips() -> None:
-    slips = Slips()
+    slips = Slips(half_life_s=math.inf)  # no fading: the buckets alone
     assert slips.p99_us(0.040, 0.010, 0.1) == 0  # nothing known yet: the lateness decides
     for _ in range(50):
         near = promise(0.002)
@@ -38,7 +47,7 @@ def test_a_start_promised_further_ahead_is_judged_by_its_own_slips() -> None:
 
 
 def test_a_nearer_start_that_slipped_more_sets_the_floor_for_further_ones() -> None:
-    slips = Slips()
+    slips = Slips(half_life_s=math.inf)  # no fading: the buckets alone
     for _ in range(SLIP_MIN_STARTS):
         near = promise(0.001)
         slips.add(near, near.promised_s + 0.006)
@@ -51,7 +60,7 @@ def test_a_few_starts_do_not_decide_and_old_ones_are_forgotten() -> None:
     """The p99 of a few starts is their largest, and a margin it sets refuses the tickets whose
     starts would correct it: a bucket counts from SLIP_MIN_STARTS starts on, and only those of
     the last SLIP_MAX_AGE_S."""
-    slips = Slips()
+    slips = Slips(half_life_s=math.inf)  # no fading: the buckets alone
     for _ in range(SLIP_MIN_STARTS - 1):  # a stall: every start 40 ms late
         p = promise(0.002)
         slips.add(p, p.promised_s + 0.040)
@@ -62,3 +71,33 @@ def test_a_few_starts_do_not_decide_and_old_ones_are_forgotten() -> None:
     assert 39_999 <= slips.p99_us(0.002, 0.010, 0.1) <= 40_000
     # No start since: the stall is forgotten.
     assert slips.p99_us(0.002, 0.010, 0.1 + SLIP_MAX_AGE_S) == 0
+
+
+def test_a_burst_of_slips_fades_and_lets_the_nearest_starts_back_first() -> None:
+    """An overload's first moments slip (the schedule has not learnt its cycle yet): their
+    margin stops the tickets at once, then halves every SLIP_HALF_LIFE_S, so that tickets
+    come back for the nearest starts first, not all at once when the burst ages out."""
+    slips = Slips()
+    for _ in range(SLIP_MIN_STARTS):
+        p = promise(0.002)
+        slips.add(p, p.promised_s + 0.040)  # 40 ms late, all at ~0.042 s
+    now = 0.042
+    assert 39_000 <= slips.p99_us(0.002, 0.010, now) <= 40_000
+    one = slips.p99_us(0.002, 0.010, now + SLIP_HALF_LIFE_S)
+    assert 19_000 <= one <= 20_000
+    two = slips.p99_us(0.002, 0.010, now + 2 * SLIP_HALF_LIFE_S)
+    assert 9_500 <= two <= 10_000
+    assert slips.summary(now + 2 * SLIP_HALF_LIFE_S) == {"ahead_0": two}
+    # A fresh slip later than the margin counts in full at once, beside the faded ones.
+    p = promise(0.002)
+    at = now + 2 * SLIP_HALF_LIFE_S
+    p.promised_s, p.issued_s = at - 0.030, at - 0.032
+    slips.add(p, at)
+    assert 29_999 <= slips.p99_us(0.002, 0.010, at) <= 30_000
+    # One that lowers nothing waits for the table's next making (SLIP_REMAKE_S at most).
+    for _ in range(4 * SLIP_MIN_STARTS):
+        p = promise(0.002)
+        p.promised_s, p.issued_s = at - 0.001, at - 0.003
+        slips.add(p, at)
+    assert slips.p99_us(0.002, 0.010, at) >= 29_999
+    assert slips.p99_us(0.002, 0.010, at + SLIP_REMAKE_S) < 29_000

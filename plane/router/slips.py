@@ -40,6 +40,17 @@ SLIP_WINDOW = 128  # starts per bucket
 # way: a bucket that has stopped getting starts stops counting.
 SLIP_MIN_STARTS = 16
 SLIP_MAX_AGE_S = 5.0
+# Within that age, a start's slip counts for half as much every SLIP_HALF_LIFE_S: a burst of
+# slips (an overload's first 100-200 ms, before the schedule has learnt its cycle) stops the
+# tickets it should, and then lets them back as it fades, first the nearest starts (the
+# surest, whose starts teach the margin again), not all at once when it ages out. (At its
+# full size for SLIP_MAX_AGE_S, two routers at 2x of 4 x 5 ms, 40 ms deadlines, gave no
+# ticket for 5 s after the onset's slips of 13-25 ms, a margin of 38-52 ms with no promise
+# open; then, all tickets back at once, a new chain slipped as much again: 57% of first
+# retries started. BENCHMARKS.md, forty-second session.) The table is made again at most
+# every SLIP_REMAKE_S while any start is kept (a sort of each bucket).
+SLIP_HALF_LIFE_S = 0.5
+SLIP_REMAKE_S = 0.05
 
 
 def bucket(ahead_s: float, service_s: float) -> int:
@@ -55,24 +66,32 @@ def bucket(ahead_s: float, service_s: float) -> int:
 class Slips:
     """One model's starts past their promised time, by how far ahead they were promised.
     Read on every refusal that could carry a ticket, written once per holder: each bucket's
-    margin (`p99_us`) is kept in a table, made again after a start came or the oldest one
-    aged out, not on each read (up to 4 us a read, 10% of a refusal, before)."""
+    margin (`p99_us`) is kept in a table, made again after a start later than the margin came,
+    else at most every SLIP_REMAKE_S (sooner after the oldest start aged out), not on each
+    read (up to 4 us a read, 10% of a refusal, before)."""
 
     windows: list[ServiceWindow] = field(default_factory=lambda: [
         ServiceWindow(size=SLIP_WINDOW, max_age_s=SLIP_MAX_AGE_S) for _ in range(BUCKETS)])
+    half_life_s: float = SLIP_HALF_LIFE_S
     _table: tuple[int, ...] = (0,) * BUCKETS
-    _fresh_until_s: float = -math.inf  # the table holds until then (or the next start)
+    _fresh_until_s: float = -math.inf  # the table holds until then
+    _made_s: float = -math.inf  # when it was made
 
     def add(self, promise: Promise, start_s: float) -> None:
         """The holder of `promise` started at `start_s` (or will not on it: see the module)."""
         k = bucket(promise.promised_s - promise.issued_s, promise.service_s)
-        self.windows[k].add(int((start_s - promise.promised_s) * 1e6), start_s)
-        self._fresh_until_s = -math.inf
+        slip_us = int((start_s - promise.promised_s) * 1e6)
+        self.windows[k].add(slip_us, start_s)
+        # One later than the margin counts at once; the others (they can only lower it,
+        # or keep it) within SLIP_REMAKE_S.
+        self._fresh_until_s = (-math.inf if slip_us > self._table[k] else
+                               min(self._fresh_until_s, self._made_s + SLIP_REMAKE_S))
 
     def p99_us(self, ahead_s: float, service_s: float, now_s: float) -> int:
-        """How late a start promised `ahead_s` from `now_s` is, as most are: the p99 of its
-        bucket, or of a nearer one if that is later (a start further ahead slips no less);
-        0 while none of them counts (SLIP_MIN_STARTS)."""
+        """How late a start promised `ahead_s` from `now_s` is, as most are lately: the p99
+        of its bucket (each start's slip halved every SLIP_HALF_LIFE_S of its age), or of a
+        nearer one if that is later (a start further ahead slips no less); 0 while none of
+        them counts (SLIP_MIN_STARTS)."""
         if now_s >= self._fresh_until_s:
             self._make_table(now_s)
         return self._table[bucket(ahead_s, service_s)]
@@ -81,18 +100,21 @@ class Slips:
         table, margin, oldest = [], 0, math.inf
         for w in self.windows:
             if _counts(w, now_s):
-                margin = max(margin, w.p99_us)
+                margin = max(margin, w.decayed_p99_us(now_s, self.half_life_s))
             table.append(margin)
             if (t := w.oldest_s) is not None:
                 oldest = min(oldest, t)
         self._table = tuple(table)
-        self._fresh_until_s = oldest + SLIP_MAX_AGE_S
+        self._made_s = now_s
+        # Nothing kept: it holds until the next start (`add`).
+        self._fresh_until_s = (math.inf if oldest == math.inf
+                               else min(oldest + SLIP_MAX_AGE_S, now_s + SLIP_REMAKE_S))
 
     def summary(self, now_s: float) -> dict[str, int]:
-        """The p99 of each bucket that counts (the router's status): `ahead_<k>`, k as in
-        `bucket`."""
-        return {f"ahead_{k}": w.p99_us for k, w in enumerate(self.windows)
-                if _counts(w, now_s)}
+        """The p99 of each bucket that counts, as admission weighs it now (the router's
+        status): `ahead_<k>`, k as in `bucket`."""
+        return {f"ahead_{k}": w.decayed_p99_us(now_s, self.half_life_s)
+                for k, w in enumerate(self.windows) if _counts(w, now_s)}
 
 
 def _counts(w: ServiceWindow, now_s: float) -> bool:

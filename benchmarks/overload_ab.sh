@@ -17,7 +17,9 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 for _ in $(seq "$rounds"); do
   for tree in "$@"; do
     tree=$(cd "$tree" && pwd)
-    out=$(cd "$repo" && PYTHONPATH=$tree .venv/bin/python "$tree/benchmarks/overload_2x.py" \
+    # Run from the tree: `plane up` of a tree before 21f68a6 starts its router's process with
+    # `python -m`, which imports the plane/ of the working directory.
+    out=$(cd "$tree" && PYTHONPATH=$tree "$repo/.venv/bin/python" "$tree/benchmarks/overload_2x.py" \
       --duration "$seconds" --slots "$slots" --work-us "$work" --routers "${ROUTERS:-1}" \
       ${CAPACITY:+--capacity "$CAPACITY"} \
       ${DEVICE_WAITS:+--device-waits "$DEVICE_WAITS"} 2>&1)

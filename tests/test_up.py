@@ -92,17 +92,23 @@ def _router_process(pid: int) -> int | None:
     return None
 
 
+def _until_up(proc: subprocess.Popen[str]) -> list[str]:
+    """What `plane up` printed up to its "Ctrl-C" line (it must get there)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while "Ctrl-C" not in (line := proc.stdout.readline()):
+        assert line, "".join(lines)
+        lines.append(line)
+    return lines
+
+
 def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
     # A plane with no router answers nothing: `plane up` stops everything it started and
     # exits 1, so that whatever runs it (systemd, a container) starts it again whole.
     with subprocess.Popen([PLANE, "up", "--models", "calibrated", "--log-level", "warning"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
-            assert proc.stdout is not None
-            lines = []
-            while "Ctrl-C" not in (line := proc.stdout.readline()):
-                assert line, "".join(lines)
-                lines.append(line)
+            lines = _until_up(proc)
             router = _router_process(proc.pid)
             assert router is not None, "".join(lines)
             children = _children(proc.pid)
@@ -150,15 +156,11 @@ def test_plane_up_router_process_runs_the_plane_it_was_started_with(tmp_path: Pa
                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True) as proc:
         try:
-            assert proc.stdout is not None
-            lines = []
-            while "Ctrl-C" not in (line := proc.stdout.readline()):
-                assert line, "".join(lines)
-                lines.append(line)
+            lines = _until_up(proc)
             assert _router_process(proc.pid) is not None, "".join(lines)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
-            assert "decoy" not in proc.stdout.read()
+            assert proc.stdout is not None and "decoy" not in proc.stdout.read()
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -12,7 +12,8 @@ Retry-After, tickets).
 The capacity is measured first (closed loop, one caller per slot); then 0.9x and 2x of it are
 offered for --duration seconds each. Prints the issue's targets next to what was measured,
 and the routers' counters over both loads (refusals by reason, tickets issued and honoured,
-holders parked, the broker's depth refusals, the histogram of holders' lateness).
+holders parked, the broker's depth refusals, the histogram of holders' lateness) and the
+first retries not let in at 2x, by their attempts' statuses.
 With --no-retry the callers never come back (like `hey`, or `plane pulse --no-retry`): what
 counts then is the goodput at 2x against the closed-loop capacity (issue 10: >= 90%).
 """
@@ -102,6 +103,15 @@ def figures(outcomes: list[Outcome], seconds: float,
     }
 
 
+def failed_first_retries(outcomes: list[Outcome]) -> dict[str, int]:
+    """The requests whose first retry was not let in, by the statuses of their attempts
+    (`429,429`: refused again, `429,0`: no answer within the caller's wait), most first."""
+    failed = Counter(",".join(map(str, o.attempts.statuses[:3])) for o in outcomes
+                     if o.attempts.statuses[:1] == (429,) and len(o.attempts.statuses) >= 2
+                     and o.attempts.statuses[1] != 200)
+    return dict(failed.most_common())
+
+
 def counters(metrics_text: str) -> str:
     """The routers' refusals by reason, tickets issued and honoured, holders parked, the
     broker's depth refusals, floods shed and requests refused unread by a router behind on
@@ -182,6 +192,7 @@ async def main() -> None:
                                       1.0 if args.capacity else 10.0, args.deadline_ms)
             cap = args.capacity or measured
             rows = {}
+            failed: dict[float, dict[str, int]] = {}
             for factor in (0.9, 2.0):
                 target = NatsTarget(ConnectOptions(url=srv.url, name="overload"),
                                     model="calibrated", deadline_ms=args.deadline_ms,
@@ -192,6 +203,7 @@ async def main() -> None:
                         rate=factor * cap, duration_s=args.duration, concurrency=4096))
                     rows[factor] = figures(result.outcomes, time.monotonic() - t0,
                                            args.deadline_ms)
+                    failed[factor] = failed_first_retries(result.outcomes)
             stats = await holder_stats(srv.url)
             text = "\n".join(urllib.request.urlopen(
                 f"http://127.0.0.1:{args.metrics_port + i}/metrics", timeout=5).read().decode()
@@ -224,7 +236,8 @@ async def main() -> None:
               f"{r['mean_retries_per_refused']:.2f} | {r['whole_p50_ms']:.1f} / "
               f"{r['whole_p99_ms']:.1f} |")
     print(f"\nrouter counters over both loads: {counters(text)}")
-    print(f"what ticket holders found (routers' status, both loads): {stats}\n")
+    print(f"what ticket holders found (routers' status, both loads): {stats}")
+    print(f"first retries not let in at 2x, by the statuses of the attempts: {failed[2.0]}\n")
     if args.no_retry:
         print(f"goodput at 2x: {r2['accepted_per_s'] / cap:.0%} of the capacity")
         for name, ok in [

@@ -5,10 +5,9 @@ does, and a ticket holder's retry to the router that made its promise (`RequestP
 Sent with `nc.request` from the task that waits for the answer, the forward left only when
 that task first ran: behind the backlog the router was working through, whose turns come every
 `TURN_EVERY_S` and last several rounds of the loop. Two routers at 2x of 4 x 5 ms (40 ms
-deadlines) held the requests they forwarded 0.7 ms at the median, 5.2 at the p90 and 17 at
-the p99 before sending them on, against 0.07 / 0.6 / 4.4 ms for their own inbox's wait: the
-promiser's holders came back late by that, and its promises, sized to the holders' lateness,
-shrank (BENCHMARKS.md, forty-second session).
+deadlines): the ticket holders forwarded were held p90 1.4-4.2 ms, p99 2.4-22 ms before they
+were sent on (the router's inbox's own wait: p90 0.7-1.3 ms), and came back to the promiser
+late by that; 0.7-1 ms at the p90 sent at once (BENCHMARKS.md, forty-second session).
 
 Here the forward is published at once (`send`, awaited in the read's own turn: a publish
 does not wait), with a reply subject under one router-wide inbox, and a single subscription

@@ -3,6 +3,7 @@ start slips more, no nearer slip is taken for a further start's, a few starts, o
 do not decide, and a slip weighs less as it ages."""
 
 import math
+import random
 
 from plane.router.promises import Promise
 from plane.router.slips import (
@@ -10,6 +11,7 @@ from plane.router.slips import (
     SLIP_MAX_AGE_S,
     SLIP_MIN_STARTS,
     SLIP_REMAKE_S,
+    FadingWindow,
     Slips,
     bucket,
 )
@@ -88,16 +90,30 @@ def test_a_burst_of_slips_fades_and_lets_the_nearest_starts_back_first() -> None
     two = slips.p99_us(0.002, 0.010, now + 2 * SLIP_HALF_LIFE_S)
     assert 9_500 <= two <= 10_000
     assert slips.summary(now + 2 * SLIP_HALF_LIFE_S) == {"ahead_0": two}
-    # A fresh slip later than the margin counts in full at once, beside the faded ones.
+    # A fresh slip counts in full at once, beside the faded ones ...
     p = promise(0.002)
     at = now + 2 * SLIP_HALF_LIFE_S
     p.promised_s, p.issued_s = at - 0.030, at - 0.032
     slips.add(p, at)
     assert 29_999 <= slips.p99_us(0.002, 0.010, at) <= 30_000
-    # One that lowers nothing waits for the table's next making (SLIP_REMAKE_S at most).
-    for _ in range(4 * SLIP_MIN_STARTS):
-        p = promise(0.002)
-        p.promised_s, p.issued_s = at - 0.001, at - 0.003
-        slips.add(p, at)
-    assert slips.p99_us(0.002, 0.010, at) >= 29_999
-    assert slips.p99_us(0.002, 0.010, at + SLIP_REMAKE_S) < 29_000
+    # ... and fades as time passes with no start (the table is made again meanwhile).
+    assert 26_000 <= slips.p99_us(0.002, 0.010, at + 2 * SLIP_REMAKE_S) <= 28_000
+
+
+def test_a_buckets_faded_p99_is_the_p99_of_its_faded_slips() -> None:
+    """The window keeps each slip as a key whose order never changes (`FadingWindow`): its
+    p99 is that of the slips faded one by one, whatever their sizes, times and count."""
+    rng = random.Random(7)
+    for n in (1, 16, 99, 100, 128, 300):
+        w = FadingWindow(SLIP_HALF_LIFE_S)
+        kept: list[tuple[float, int]] = []
+        t = 100.0
+        for _ in range(n):
+            t += rng.random() * 0.02
+            slip = rng.choice([0, -5, rng.randrange(1, 60_000)])
+            w.add(slip, t)
+            kept = [*kept, (t, max(0, slip))][-128:]
+        now = t + rng.random()
+        faded = sorted(v * 0.5 ** ((now - at) / SLIP_HALF_LIFE_S) for at, v in kept)
+        want = faded[min(len(faded) - 1, (99 * len(faded)) // 100)]
+        assert abs(w.p99_us(now) - want) <= 1, (n, w.p99_us(now), want)

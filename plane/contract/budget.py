@@ -81,16 +81,6 @@ class ServiceWindow:
         self._p90 = s[min(n - 1, (90 * n) // 100)]
         self._p99 = s[min(n - 1, (99 * n) // 100)]
 
-    def decayed_p99_us(self, now_s: float, half_life_s: float) -> int:
-        """The p99 of the samples (of a window that ages), each halved for every
-        `half_life_s` of its age at `now_s`: recent samples count, old ones fade out. Made
-        on each call (a sort of the window): for reads that are kept, not made per request."""
-        if not self._samples:
-            return self.prior_us
-        values = sorted(v * 0.5 ** (max(0.0, now_s - t) / half_life_s)
-                        for v, t in zip(self._samples, self._times, strict=True))
-        return int(values[min(len(values) - 1, (99 * len(values)) // 100)])
-
     @property
     def count(self) -> int:
         return len(self._samples)

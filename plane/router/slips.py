@@ -18,9 +18,10 @@ that count.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
+from collections import deque
 from dataclasses import dataclass, field
 
-from plane.contract.budget import ServiceWindow
 from plane.router.promises import Promise
 
 # How far ahead a promise was, in service times (its expected one, when made): bucket k holds
@@ -47,8 +48,8 @@ SLIP_MAX_AGE_S = 5.0
 # full size for SLIP_MAX_AGE_S, two routers at 2x of 4 x 5 ms, 40 ms deadlines, gave no
 # ticket for 5 s after the onset's slips of 13-25 ms, a margin of 38-52 ms with no promise
 # open; then, all tickets back at once, a new chain slipped as much again: 57% of first
-# retries started. BENCHMARKS.md, forty-second session.) The table is made again at most
-# every SLIP_REMAKE_S while any start is kept (a sort of each bucket).
+# retries started. BENCHMARKS.md, forty-second session.) The table is made again after each
+# start, and every SLIP_REMAKE_S while any is kept, as they fade.
 SLIP_HALF_LIFE_S = 0.5
 SLIP_REMAKE_S = 0.05
 
@@ -63,29 +64,72 @@ def bucket(ahead_s: float, service_s: float) -> int:
 
 
 @dataclass(slots=True)
+class FadingWindow:
+    """One bucket's starts: the last SLIP_WINDOW of the last SLIP_MAX_AGE_S, each slip
+    halved every `half_life_s` of its age. A slip v that came at t is kept as its key
+    log2(v) + t / half_life_s: its faded size at any later time is 2 ** (key - now /
+    half_life_s), so the order of the faded sizes never changes as time passes, the keys
+    stay sorted (one insort a start), and the p99 is read at once (a sort of 128 faded
+    sizes per read cost 80 us a bucket)."""
+
+    half_life_s: float
+    _arrivals: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=SLIP_WINDOW))  # (t, key), in arrival order
+    _keys: list[float] = field(default_factory=list)  # the same keys, sorted
+
+    def add(self, slip_us: int, t_s: float) -> None:
+        key = math.log2(slip_us) + t_s / self.half_life_s if slip_us > 0 else -math.inf
+        if len(self._arrivals) == SLIP_WINDOW:
+            self._drop(self._arrivals[0][1])  # the deque lets it go as this one comes in
+        self._arrivals.append((t_s, key))
+        insort(self._keys, key)
+
+    def _drop(self, key: float) -> None:
+        del self._keys[bisect_left(self._keys, key)]
+
+    def expire(self, now_s: float) -> None:
+        cutoff = now_s - SLIP_MAX_AGE_S
+        while self._arrivals and self._arrivals[0][0] < cutoff:
+            self._drop(self._arrivals.popleft()[1])
+
+    @property
+    def count(self) -> int:
+        return len(self._keys)
+
+    @property
+    def oldest_s(self) -> float | None:
+        return self._arrivals[0][0] if self._arrivals else None
+
+    def p99_us(self, now_s: float) -> int:
+        """The p99 of the slips as they weigh at `now_s` (0 with none)."""
+        keys = self._keys
+        if not keys:
+            return 0
+        key = keys[min(len(keys) - 1, (99 * len(keys)) // 100)]
+        return round(2.0 ** (key - now_s / self.half_life_s)) if key > -math.inf else 0
+
+
+@dataclass(slots=True)
 class Slips:
     """One model's starts past their promised time, by how far ahead they were promised.
     Read on every refusal that could carry a ticket, written once per holder: each bucket's
-    margin (`p99_us`) is kept in a table, made again after a start later than the margin came,
-    else at most every SLIP_REMAKE_S (sooner after the oldest start aged out), not on each
-    read (up to 4 us a read, 10% of a refusal, before)."""
+    margin (`p99_us`) is kept in a table, made again after a start came or the oldest one
+    aged out, and at least every SLIP_REMAKE_S while the slips fade, not on each read (up to
+    4 us a read, 10% of a refusal, before)."""
 
-    windows: list[ServiceWindow] = field(default_factory=lambda: [
-        ServiceWindow(size=SLIP_WINDOW, max_age_s=SLIP_MAX_AGE_S) for _ in range(BUCKETS)])
     half_life_s: float = SLIP_HALF_LIFE_S
+    windows: list[FadingWindow] = field(default_factory=list)
     _table: tuple[int, ...] = (0,) * BUCKETS
-    _fresh_until_s: float = -math.inf  # the table holds until then
-    _made_s: float = -math.inf  # when it was made
+    _fresh_until_s: float = -math.inf  # the table holds until then (or the next start)
+
+    def __post_init__(self) -> None:
+        self.windows = [FadingWindow(self.half_life_s) for _ in range(BUCKETS)]
 
     def add(self, promise: Promise, start_s: float) -> None:
         """The holder of `promise` started at `start_s` (or will not on it: see the module)."""
         k = bucket(promise.promised_s - promise.issued_s, promise.service_s)
-        slip_us = int((start_s - promise.promised_s) * 1e6)
-        self.windows[k].add(slip_us, start_s)
-        # One later than the margin counts at once; the others (they can only lower it,
-        # or keep it) within SLIP_REMAKE_S.
-        self._fresh_until_s = (-math.inf if slip_us > self._table[k] else
-                               min(self._fresh_until_s, self._made_s + SLIP_REMAKE_S))
+        self.windows[k].add(int((start_s - promise.promised_s) * 1e6), start_s)
+        self._fresh_until_s = -math.inf
 
     def p99_us(self, ahead_s: float, service_s: float, now_s: float) -> int:
         """How late a start promised `ahead_s` from `now_s` is, as most are lately: the p99
@@ -100,12 +144,11 @@ class Slips:
         table, margin, oldest = [], 0, math.inf
         for w in self.windows:
             if _counts(w, now_s):
-                margin = max(margin, w.decayed_p99_us(now_s, self.half_life_s))
+                margin = max(margin, w.p99_us(now_s))
             table.append(margin)
             if (t := w.oldest_s) is not None:
                 oldest = min(oldest, t)
         self._table = tuple(table)
-        self._made_s = now_s
         # Nothing kept: it holds until the next start (`add`).
         self._fresh_until_s = (math.inf if oldest == math.inf
                                else min(oldest + SLIP_MAX_AGE_S, now_s + SLIP_REMAKE_S))
@@ -113,11 +156,11 @@ class Slips:
     def summary(self, now_s: float) -> dict[str, int]:
         """The p99 of each bucket that counts, as admission weighs it now (the router's
         status): `ahead_<k>`, k as in `bucket`."""
-        return {f"ahead_{k}": w.decayed_p99_us(now_s, self.half_life_s)
-                for k, w in enumerate(self.windows) if _counts(w, now_s)}
+        return {f"ahead_{k}": w.p99_us(now_s) for k, w in enumerate(self.windows)
+                if _counts(w, now_s)}
 
 
-def _counts(w: ServiceWindow, now_s: float) -> bool:
+def _counts(w: FadingWindow, now_s: float) -> bool:
     """Whether a bucket's starts of the last SLIP_MAX_AGE_S are enough to go by."""
     w.expire(now_s)
     return w.count >= SLIP_MIN_STARTS

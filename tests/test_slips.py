@@ -7,10 +7,10 @@ import random
 
 from plane.router.promises import Promise
 from plane.router.slips import (
+    SLIP_GAP_S,
     SLIP_HALF_LIFE_S,
     SLIP_MAX_AGE_S,
     SLIP_MIN_STARTS,
-    SLIP_REMAKE_S,
     FadingWindow,
     Slips,
     bucket,
@@ -75,29 +75,37 @@ def test_a_few_starts_do_not_decide_and_old_ones_are_forgotten() -> None:
     assert slips.p99_us(0.002, 0.010, 0.1 + SLIP_MAX_AGE_S) == 0
 
 
-def test_a_burst_of_slips_fades_and_lets_the_nearest_starts_back_first() -> None:
+def test_a_burst_of_slips_fades_while_no_start_comes() -> None:
     """An overload's first moments slip (the schedule has not learnt its cycle yet): their
-    margin stops the tickets at once, then halves every SLIP_HALF_LIFE_S, so that tickets
-    come back for the nearest starts first, not all at once when the burst ages out."""
+    margin stops the tickets at once, then, no start coming to say more, halves every
+    SLIP_HALF_LIFE_S past a gap of SLIP_GAP_S, so that tickets come back for the nearest
+    starts first, not all at once when the burst ages out."""
     slips = Slips()
     for _ in range(SLIP_MIN_STARTS):
         p = promise(0.002)
-        slips.add(p, p.promised_s + 0.040)  # 40 ms late, all at ~0.042 s
+        slips.add(p, p.promised_s + 0.040)  # 40 ms late, all at 0.042 s
     now = 0.042
-    assert 39_000 <= slips.p99_us(0.002, 0.010, now) <= 40_000
-    one = slips.p99_us(0.002, 0.010, now + SLIP_HALF_LIFE_S)
-    assert 19_000 <= one <= 20_000
-    two = slips.p99_us(0.002, 0.010, now + 2 * SLIP_HALF_LIFE_S)
-    assert 9_500 <= two <= 10_000
-    assert slips.summary(now + 2 * SLIP_HALF_LIFE_S) == {"ahead_0": two}
+    assert 39_999 <= slips.p99_us(0.002, 0.010, now) <= 40_000
+    assert slips.p99_us(0.002, 0.010, now + SLIP_GAP_S) >= 39_999  # a gap is not starvation
+    one = slips.p99_us(0.002, 0.010, now + SLIP_GAP_S + SLIP_HALF_LIFE_S)
+    assert 19_999 <= one <= 20_001
+    two = slips.p99_us(0.002, 0.010, now + SLIP_GAP_S + 2 * SLIP_HALF_LIFE_S)
+    assert 9_999 <= two <= 10_001
+    at = now + SLIP_GAP_S + 2 * SLIP_HALF_LIFE_S
+    assert slips.summary(at) == {"ahead_0": two}
     # A fresh slip counts in full at once, beside the faded ones ...
     p = promise(0.002)
-    at = now + 2 * SLIP_HALF_LIFE_S
     p.promised_s, p.issued_s = at - 0.030, at - 0.032
     slips.add(p, at)
     assert 29_999 <= slips.p99_us(0.002, 0.010, at) <= 30_000
-    # ... and fades as time passes with no start (the table is made again meanwhile).
-    assert 26_000 <= slips.p99_us(0.002, 0.010, at + 2 * SLIP_REMAKE_S) <= 28_000
+    # ... and while starts keep coming nothing fades, old or new.
+    for i in range(1, 40):
+        q = promise(0.002)
+        q.promised_s, q.issued_s = at + i * 0.02 - 0.001, at + i * 0.02 - 0.003
+        slips.add(q, at + i * 0.02)
+    assert 29_999 <= slips.p99_us(0.002, 0.010, at + 39 * 0.02) <= 30_000
+    assert slips.summary(at + 39 * 0.02)["ahead_0"] == slips.p99_us(0.002, 0.010,
+                                                                    at + 39 * 0.02)
 
 
 def test_a_buckets_faded_p99_is_the_p99_of_its_faded_slips() -> None:
@@ -111,9 +119,11 @@ def test_a_buckets_faded_p99_is_the_p99_of_its_faded_slips() -> None:
         for _ in range(n):
             t += rng.random() * 0.02
             slip = rng.choice([0, -5, rng.randrange(1, 60_000)])
-            w.add(slip, t)
+            w.add(slip, t, t)  # here the fading clock is the time itself
             kept = [*kept, (t, max(0, slip))][-128:]
         now = t + rng.random()
         faded = sorted(v * 0.5 ** ((now - at) / SLIP_HALF_LIFE_S) for at, v in kept)
         want = faded[min(len(faded) - 1, (99 * len(faded)) // 100)]
         assert abs(w.p99_us(now) - want) <= 1, (n, w.p99_us(now), want)
+        w.expire(t + 10)  # all past SLIP_MAX_AGE_S
+        assert w.count == 0 and w.p99_us(now) == 0

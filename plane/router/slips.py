@@ -41,16 +41,20 @@ SLIP_WINDOW = 128  # starts per bucket
 # way: a bucket that has stopped getting starts stops counting.
 SLIP_MIN_STARTS = 16
 SLIP_MAX_AGE_S = 5.0
-# Within that age, a start's slip counts for half as much every SLIP_HALF_LIFE_S: a burst of
-# slips (an overload's first 100-200 ms, before the schedule has learnt its cycle) stops the
-# tickets it should, and then lets them back as it fades, first the nearest starts (the
+# Within that age, while no start comes (none for longer than SLIP_GAP_S), the slips kept
+# count for half as much every SLIP_HALF_LIFE_S: a burst of slips (an overload's first
+# 100-200 ms, before the schedule has learnt its cycle) stops the tickets it should, then,
+# no start coming to say more, lets them back as it fades, the nearest starts first (the
 # surest, whose starts teach the margin again), not all at once when it ages out. (At its
 # full size for SLIP_MAX_AGE_S, two routers at 2x of 4 x 5 ms, 40 ms deadlines, gave no
 # ticket for 5 s after the onset's slips of 13-25 ms, a margin of 38-52 ms with no promise
 # open; then, all tickets back at once, a new chain slipped as much again: 57% of first
-# retries started. BENCHMARKS.md, forty-second session.) The table is made again after each
-# start, and every SLIP_REMAKE_S while any is kept, as they fade.
+# retries started. BENCHMARKS.md, forty-second session.) While starts come, nothing fades:
+# faded by their age alone, the far starts' slips of one router at 2x of 8 x 10 ms, 60 ms
+# deadlines, weighed less than they were, and 1% more first retries failed. The table is made
+# again after each start, and every SLIP_REMAKE_S while none comes, as the slips fade.
 SLIP_HALF_LIFE_S = 0.5
+SLIP_GAP_S = 0.05
 SLIP_REMAKE_S = 0.05
 
 
@@ -66,19 +70,20 @@ def bucket(ahead_s: float, service_s: float) -> int:
 @dataclass(slots=True)
 class FadingWindow:
     """One bucket's starts: the last SLIP_WINDOW of the last SLIP_MAX_AGE_S, each slip
-    halved every `half_life_s` of its age. A slip v that came at t is kept as its key
-    log2(v) + t / half_life_s: its faded size at any later time is 2 ** (key - now /
-    half_life_s), so the order of the faded sizes never changes as time passes, the keys
-    stay sorted (one insort a start), and the p99 is read at once (a sort of 128 faded
-    sizes per read cost 80 us a bucket)."""
+    halved every `half_life_s` of a fading clock (`Slips`: the time no start came). A slip v
+    that came when that clock read c is kept as its key log2(v) + c / half_life_s: its faded
+    size when the clock reads c' is 2 ** (key - c' / half_life_s), so the order of the
+    faded sizes never changes, the keys stay sorted (one insort a start), and the p99 is
+    read at once (a sort of 128 faded sizes per read cost 80 us a bucket)."""
 
     half_life_s: float
     _arrivals: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=SLIP_WINDOW))  # (t, key), in arrival order
     _keys: list[float] = field(default_factory=list)  # the same keys, sorted
 
-    def add(self, slip_us: int, t_s: float) -> None:
-        key = math.log2(slip_us) + t_s / self.half_life_s if slip_us > 0 else -math.inf
+    def add(self, slip_us: int, t_s: float, clock_s: float) -> None:
+        """A slip at `t_s` (its age, for SLIP_MAX_AGE_S), the fading clock then `clock_s`."""
+        key = math.log2(slip_us) + clock_s / self.half_life_s if slip_us > 0 else -math.inf
         if len(self._arrivals) == SLIP_WINDOW:
             self._drop(self._arrivals[0][1])  # the deque lets it go as this one comes in
         self._arrivals.append((t_s, key))
@@ -100,13 +105,14 @@ class FadingWindow:
     def oldest_s(self) -> float | None:
         return self._arrivals[0][0] if self._arrivals else None
 
-    def p99_us(self, now_s: float) -> int:
-        """The p99 of the slips as they weigh at `now_s` (0 with none)."""
+    def p99_us(self, clock_s: float) -> int:
+        """The p99 of the slips as they weigh when the fading clock reads `clock_s` (0 with
+        none)."""
         keys = self._keys
         if not keys:
             return 0
         key = keys[min(len(keys) - 1, (99 * len(keys)) // 100)]
-        return round(2.0 ** (key - now_s / self.half_life_s)) if key > -math.inf else 0
+        return round(2.0 ** (key - clock_s / self.half_life_s)) if key > -math.inf else 0
 
 
 @dataclass(slots=True)
@@ -121,6 +127,10 @@ class Slips:
     windows: list[FadingWindow] = field(default_factory=list)
     _table: tuple[int, ...] = (0,) * BUCKETS
     _fresh_until_s: float = -math.inf  # the table holds until then (or the next start)
+    # The fading clock: how long, in all, no start came for longer than SLIP_GAP_S, up to the
+    # last start (at `_last_start_s`).
+    _faded_s: float = 0.0
+    _last_start_s: float | None = None
 
     def __post_init__(self) -> None:
         self.windows = [FadingWindow(self.half_life_s) for _ in range(BUCKETS)]
@@ -128,12 +138,19 @@ class Slips:
     def add(self, promise: Promise, start_s: float) -> None:
         """The holder of `promise` started at `start_s` (or will not on it: see the module)."""
         k = bucket(promise.promised_s - promise.issued_s, promise.service_s)
-        self.windows[k].add(int((start_s - promise.promised_s) * 1e6), start_s)
+        self._faded_s = clock = self._clock(start_s)
+        self._last_start_s = max(start_s, self._last_start_s or start_s)
+        self.windows[k].add(int((start_s - promise.promised_s) * 1e6), start_s, clock)
         self._fresh_until_s = -math.inf
+
+    def _clock(self, now_s: float) -> float:
+        """The fading clock at `now_s`: the time no start came, less SLIP_GAP_S a gap."""
+        last = self._last_start_s
+        return self._faded_s + (0.0 if last is None else max(0.0, now_s - last - SLIP_GAP_S))
 
     def p99_us(self, ahead_s: float, service_s: float, now_s: float) -> int:
         """How late a start promised `ahead_s` from `now_s` is, as most are lately: the p99
-        of its bucket (each start's slip halved every SLIP_HALF_LIFE_S of its age), or of a
+        of its bucket (its slips halved every SLIP_HALF_LIFE_S no start came), or of a
         nearer one if that is later (a start further ahead slips no less); 0 while none of
         them counts (SLIP_MIN_STARTS)."""
         if now_s >= self._fresh_until_s:
@@ -141,10 +158,10 @@ class Slips:
         return self._table[bucket(ahead_s, service_s)]
 
     def _make_table(self, now_s: float) -> None:
-        table, margin, oldest = [], 0, math.inf
+        table, margin, oldest, clock = [], 0, math.inf, self._clock(now_s)
         for w in self.windows:
             if _counts(w, now_s):
-                margin = max(margin, w.p99_us(now_s))
+                margin = max(margin, w.p99_us(clock))
             table.append(margin)
             if (t := w.oldest_s) is not None:
                 oldest = min(oldest, t)
@@ -156,7 +173,8 @@ class Slips:
     def summary(self, now_s: float) -> dict[str, int]:
         """The p99 of each bucket that counts, as admission weighs it now (the router's
         status): `ahead_<k>`, k as in `bucket`."""
-        return {f"ahead_{k}": w.p99_us(now_s) for k, w in enumerate(self.windows)
+        clock = self._clock(now_s)
+        return {f"ahead_{k}": w.p99_us(clock) for k, w in enumerate(self.windows)
                 if _counts(w, now_s)}
 
 

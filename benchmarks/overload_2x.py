@@ -83,7 +83,7 @@ def figures(outcomes: list[Outcome], seconds: float,
             deadline_ms: int = DEADLINE_MS) -> dict[str, float]:
     accepted = [o for o in outcomes if o.attempts.final == "200"]
     refused_first = [o for o in outcomes if o.attempts.statuses[:1] == (429,)]
-    retried = [o for o in refused_first if len(o.attempts.statuses) >= 2]
+    retried = _retried(refused_first)
     return {
         "offered": len(outcomes),
         "accepted_per_s": len(accepted) / seconds,
@@ -106,10 +106,15 @@ def figures(outcomes: list[Outcome], seconds: float,
 def failed_first_retries(outcomes: list[Outcome]) -> dict[str, int]:
     """The requests whose first retry was not let in, by the statuses of their attempts
     (`429,429`: refused again, `429,0`: no answer within the caller's wait), most first."""
-    failed = Counter(",".join(map(str, o.attempts.statuses[:3])) for o in outcomes
-                     if o.attempts.statuses[:1] == (429,) and len(o.attempts.statuses) >= 2
-                     and o.attempts.statuses[1] != 200)
+    failed = Counter(",".join(map(str, o.attempts.statuses[:3])) for o in _retried(outcomes)
+                     if o.attempts.statuses[1] != 200)
     return dict(failed.most_common())
+
+
+def _retried(outcomes: list[Outcome]) -> list[Outcome]:
+    """The requests refused at their first try (429) that tried again."""
+    return [o for o in outcomes
+            if o.attempts.statuses[:1] == (429,) and len(o.attempts.statuses) >= 2]
 
 
 def counters(metrics_text: str) -> str:

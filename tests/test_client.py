@@ -268,7 +268,7 @@ async def test_a_cancel_that_meets_the_answer_stops_the_call(router: FakeRouter,
     nats-py's `request` waited for the answer with `asyncio.wait_for`, which on Python 3.11
     drops such a cancel and returns the answer: the SDK's retry loop (or a caller's own loop,
     being stopped) then went on calling. The SDK now waits on the answer's own future
-    (`plane.client.reply_inbox`); the cancel is made to meet the answer here, not left to
+    (`plane.contract.reply_inbox`); the cancel is made to meet the answer here, not left to
     chance: it is sent from that future."""
     router.script = lambda n, h: busy(h, after_ms=5)  # a 429: the call would come back
     call = asyncio.create_task(plane.invoke("calibrated", {"duration_us": 0}))
@@ -283,7 +283,7 @@ async def test_a_cancel_that_meets_the_answer_stops_the_call(router: FakeRouter,
 
 
 async def test_concurrent_calls_each_get_their_own_answer(nc: NATS, plane: Client) -> None:
-    """Every call's reply comes on the client's one reply inbox (`plane.client.reply_inbox`),
+    """Every call's reply comes on the client's one reply inbox (`plane.contract.reply_inbox`),
     told apart by its token: 200 calls in flight, answered in reverse order of arrival, each
     get the answer made for them (the responder puts the request id in the body), and the
     ids the client made for them are all different."""

@@ -45,7 +45,6 @@ from plane.client.connection import (
     closed_error,
     open_connection,
 )
-from plane.client.reply_inbox import ReplyInbox
 from plane.client.result import Result, header_int, reply_status
 from plane.client.stream import TokenStream
 from plane.client.wake import EarlyCalls
@@ -56,6 +55,7 @@ from plane.contract.identity import RequestIds
 from plane.contract.messages import FINAL_REFUSALS, Reason, Status
 from plane.contract.natsconn import close
 from plane.contract.replies import now_ms
+from plane.contract.reply_inbox import ReplyInbox
 from plane.contract.subjects import Header, Names
 
 

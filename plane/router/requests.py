@@ -23,6 +23,7 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError
 
@@ -44,6 +45,7 @@ from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS, model_spec
 from plane.contract.ownership import slot_ttl
 from plane.contract.publish import publish
+from plane.contract.reply_inbox import ReplyInbox
 from plane.contract.settings import LiveSettings
 from plane.contract.streams import ASKED, kind_of
 from plane.contract.streams import Kind as StreamKind
@@ -59,7 +61,6 @@ from plane.router.admission import (
     ticket_owner,
 )
 from plane.router.fairness import FairShare
-from plane.router.forward_replies import ForwardReplies
 from plane.router.inbox import Inbox, stale, turn, turn_due
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
@@ -171,7 +172,7 @@ class RouterParts:
     models: dict[str, ModelSlots]
     model: Callable[[str], ModelSlots]  # the model's slots, made on first use
     publisher: SlotPublisher
-    forwards: ForwardReplies
+    forwards: ReplyInbox  # the forwards' answers (`_send_forward`)
     inflight: InFlightBook
     peers: Peers
     parking: ParkingLot
@@ -586,9 +587,10 @@ class RequestPath:
             self.cfg.deadline_grace_ms / 1000 + 1.0)
 
     async def _send_forward(self, r: Routing, owner: str) -> asyncio.Future[Msg] | None:
-        """Send a request's forward to router `owner` now, in the turn that decided it
-        (`plane.router.forward_replies`); the future of its one answer. None for a stream:
-        relayed message by message from the task that waits (`_relay_stream`)."""
+        """Send a request's forward to router `owner` now, in the turn that decided it, not
+        from the task that waits for its answer (`plane.contract.reply_inbox`); the future of
+        that answer. None for a stream: relayed message by message from the task that waits
+        (`_relay_stream`)."""
         if r.ask.end_deadline_s is not None:
             return None
         return await self.forwards.send(self.cfg.names.router_infer(owner, r.model),
@@ -603,22 +605,19 @@ class RequestPath:
         answers us, and we relay. False when that router is gone: decided here. `sent`: the
         forward's answer, when `_send_forward` sent it already."""
         msg, model = r.msg, r.model
-        if sent is None:
-            if r.ask.end_deadline_s is not None:  # a stream
-                return await self._relay_stream(r, owner, why, self._forward_headers(r),
-                                                self._forward_wait_s(r))
-            sent = await self._send_forward(r, owner)
-            assert sent is not None
+        if sent is None and (sent := await self._send_forward(r, owner)) is None:  # a stream
+            return await self._relay_stream(r, owner, why, self._forward_headers(r),
+                                            self._forward_wait_s(r))
         try:
-            answer = await asyncio.wait_for(sent, max(0.001, self._forward_wait_s(r)))
-        except TimeoutError:
-            self.metrics.forwarded.labels(model, why, "no-answer").inc()
-            await self._refuse(msg, r.rid, model, refusals.owner_silent(owner), r.tenant)
-            return True
-        if is_no_responders(answer.headers):
+            answer = await self.forwards.reply(sent, max(0.001, self._forward_wait_s(r)))
+        except NoRespondersError:
             self.metrics.forwarded.labels(model, why, "owner-gone").inc()
             self.peers.gone(owner)
             return False
+        except NatsTimeoutError:
+            self.metrics.forwarded.labels(model, why, "no-answer").inc()
+            await self._refuse(msg, r.rid, model, refusals.owner_silent(owner), r.tenant)
+            return True
         if _is_taken(answer):
             self.metrics.forwarded.labels(model, why, "taken").inc()
             return True

@@ -43,6 +43,7 @@ from plane.contract.models import MODELS
 from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all_at_start
+from plane.contract.reply_inbox import ReplyInbox
 from plane.contract.settings import LiveSettings
 from plane.contract.slot_leaders import keep_apart
 from plane.contract.soon_flush import use_soon_flush
@@ -51,7 +52,6 @@ from plane.contract.taken_as_read import take_as_read
 from plane.contract.tracing import Tracing
 from plane.router.admission import Admission
 from plane.router.calls import Calls
-from plane.router.forward_replies import ForwardReplies
 from plane.router.inbox import Inbox
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.memory import FloodMemory
@@ -148,7 +148,7 @@ class Router(Lifecycle, TaskOwner):
         self._heard = asyncio.Event()  # set by each heartbeat (start-up waits on it)
         # Slot publishes whose PubAck comes to a callback (no task, future or timer each).
         self.publisher = SlotPublisher(nc, cfg.publish_timeout_s, on_busy=self._rouse_watchdog)
-        self.forwards = ForwardReplies(nc)  # forwards sent at once, answered to a callback
+        self.forwards = ReplyInbox(nc)  # forwards to other routers, and their answers
         self.requests = RequestPath(RouterParts(
             nc=nc, cfg=cfg, metrics=self.metrics, admission=self.admission, models=self.models,
             model=self._model, publisher=self.publisher, forwards=self.forwards,
@@ -193,7 +193,6 @@ class Router(Lifecycle, TaskOwner):
         self._subs.append(await self.nc.subscribe(n.router_answered(self.cfg.router_id),
                                                   cb=self._on_answered_query))
         await self.publisher.start()
-        await self.forwards.start()
         self._spawn(self._watchdog())
         if self._plan.replicas > 1:  # a cluster's slot streams: their leaders kept apart
             self._leaders = asyncio.create_task(self._spread_leaders(), name="slot-leaders")
@@ -290,8 +289,6 @@ class Router(Lifecycle, TaskOwner):
                 await self._service.stop()
         with contextlib.suppress(Exception):
             await self.publisher.stop()
-        with contextlib.suppress(Exception):
-            await self.forwards.stop()
         await self.settings.stop()
         log.info("router stopped", router=self.cfg.router_id)
 

@@ -52,7 +52,9 @@ SLIP_MAX_AGE_S = 5.0
 # retries started. BENCHMARKS.md, forty-second session.) While starts come, nothing fades:
 # faded by their age alone, the far starts' slips of one router at 2x of 8 x 10 ms, 60 ms
 # deadlines, weighed less than they were, and 1% more first retries failed. The table is made
-# again after each start, and every SLIP_REMAKE_S while none comes, as the slips fade.
+# again at once after a start later than its margin, else at most every SLIP_REMAKE_S (a start
+# that can only lower it waits that long: one remade after every start cost a router 9 us a
+# start), and every SLIP_REMAKE_S while the slips fade.
 SLIP_HALF_LIFE_S = 0.5
 SLIP_GAP_S = 0.05
 SLIP_REMAKE_S = 0.05
@@ -119,14 +121,14 @@ class FadingWindow:
 class Slips:
     """One model's starts past their promised time, by how far ahead they were promised.
     Read on every refusal that could carry a ticket, written once per holder: each bucket's
-    margin (`p99_us`) is kept in a table, made again after a start came or the oldest one
-    aged out, and at least every SLIP_REMAKE_S while the slips fade, not on each read (up to
-    4 us a read, 10% of a refusal, before)."""
+    margin (`p99_us`) is kept in a table (see SLIP_REMAKE_S for when it is made again), not
+    made on each read (up to 4 us a read, 10% of a refusal, before)."""
 
     half_life_s: float = SLIP_HALF_LIFE_S
     windows: list[FadingWindow] = field(default_factory=list)
     _table: tuple[int, ...] = (0,) * BUCKETS
-    _fresh_until_s: float = -math.inf  # the table holds until then (or the next start)
+    _fresh_until_s: float = -math.inf  # the table holds until then
+    _made_s: float = -math.inf  # when it was made
     # The fading clock: how long, in all, no start came for longer than SLIP_GAP_S, up to the
     # last start (at `_last_start_s`).
     _faded_s: float = 0.0
@@ -138,10 +140,12 @@ class Slips:
     def add(self, promise: Promise, start_s: float) -> None:
         """The holder of `promise` started at `start_s` (or will not on it: see the module)."""
         k = bucket(promise.promised_s - promise.issued_s, promise.service_s)
+        slip_us = int((start_s - promise.promised_s) * 1e6)
         self._faded_s = clock = self._clock(start_s)
         self._last_start_s = max(start_s, self._last_start_s or start_s)
-        self.windows[k].add(int((start_s - promise.promised_s) * 1e6), start_s, clock)
-        self._fresh_until_s = -math.inf
+        self.windows[k].add(slip_us, start_s, clock)
+        self._fresh_until_s = (-math.inf if slip_us > self._table[k]
+                               else min(self._fresh_until_s, self._made_s + SLIP_REMAKE_S))
 
     def _clock(self, now_s: float) -> float:
         """The fading clock at `now_s`: the time no start came, less SLIP_GAP_S a gap."""
@@ -165,10 +169,12 @@ class Slips:
             table.append(margin)
             if (t := w.oldest_s) is not None:
                 oldest = min(oldest, t)
-        self._table = tuple(table)
-        # Nothing kept: it holds until the next start (`add`).
+        self._table, self._made_s = tuple(table), now_s
+        # Nothing kept: it holds until the next start (`add`). Else until the oldest ages
+        # out, or while the slips fade (the clock runs SLIP_GAP_S past the last start).
+        fades_s = max(now_s, (self._last_start_s or now_s) + SLIP_GAP_S)
         self._fresh_until_s = (math.inf if oldest == math.inf
-                               else min(oldest + SLIP_MAX_AGE_S, now_s + SLIP_REMAKE_S))
+                               else min(oldest + SLIP_MAX_AGE_S, fades_s + SLIP_REMAKE_S))
 
     def summary(self, now_s: float) -> dict[str, int]:
         """The p99 of each bucket that counts, as admission weighs it now (the router's

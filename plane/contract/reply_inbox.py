@@ -1,4 +1,6 @@
-"""A client's requests and their replies, through one inbox subscription of its own.
+"""Requests and their replies, through one inbox subscription of the connection's own: a
+client's calls (`plane.client`), and a router's forwards to another router
+(`plane.router.requests`, `_forward`).
 
 nats-py's `request` costs a caller more than it needs (`Client.call`'s every try: the
 gateway's per HTTP request, `plane pulse`'s per attempt): per request it reads two random
@@ -12,7 +14,13 @@ task's turn after it is read (the response subscription's queue and task). Here:
 - a reply's token is a counter, unique under the subscription's own inbox (a NUID);
 - the request goes out as `plane.contract.publish` writes it;
 - the wait is the future's alone, ended by a timer (`NatsTimeout`) or the connection's close
-  (`fail_all`: `plane.client.connection.OnClose`).
+  (`fail_all`: `plane.client.connection.OnClose`);
+- `send` publishes at once and hands back the reply's future, to be waited on later
+  (`reply`): a router sends a forward in the turn that decided it, and waits for the answer
+  in a task (from that task, the forward left only when the task first ran, behind the
+  backlog the router was working through: two routers at 2x of 4 x 5 ms, 40 ms deadlines,
+  held the ticket holders they forwarded p90 1.4-4.2 ms, p99 2.4-22 ms; BENCHMARKS.md,
+  forty-second session).
 
 The answers are nats-py's `Msg`s, and the errors nats-py's (`NatsTimeout`,
 `NoRespondersError`, `ConnectionClosedError`, `ConnectionDrainingError`), so that callers
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Mapping
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -42,8 +51,8 @@ def _time_out(future: asyncio.Future[Msg]) -> None:
 
 
 class ReplyInbox:
-    """The client's reply subscription (made at the first request; it lives as long as the
-    connection) and the requests waiting on it."""
+    """The connection's reply subscription (made at the first request; it lives as long as
+    the connection) and the requests waiting on it."""
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
@@ -53,22 +62,36 @@ class ReplyInbox:
         self._tokens = itertools.count()
         self._waiting: dict[str, asyncio.Future[Msg]] = {}
 
-    async def request(self, subject: str, payload: bytes, headers: dict[str, str],
+    async def request(self, subject: str, payload: bytes, headers: Mapping[str, str],
                       timeout_s: float) -> Msg:
         """`nc.request(subject, payload, timeout=timeout_s, headers=headers)`, cheaper."""
+        return await self.reply(await self.send(subject, payload, headers), timeout_s)
+
+    async def send(self, subject: str, payload: bytes,
+                   headers: Mapping[str, str]) -> asyncio.Future[Msg]:
+        """Publish the request now; the future of its reply (`reply` waits for it; cancelled,
+        nothing is kept for it)."""
         if self._sub is None:
             await self._subscribe()
         token = str(next(self._tokens))
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Msg] = loop.create_future()
+        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
         self._waiting[token] = future
-        timer = loop.call_later(timeout_s, _time_out, future)
+        future.add_done_callback(lambda _: self._waiting.pop(token, None))
         try:
             await publish(self._nc, subject, payload, headers, reply=self._prefix + token)
+        except BaseException:
+            future.cancel()
+            raise
+        return future
+
+    async def reply(self, future: asyncio.Future[Msg], timeout_s: float) -> Msg:
+        """The reply `send` gave the future of, within `timeout_s`; the errors nats-py's
+        `request` raises."""
+        timer = asyncio.get_running_loop().call_later(timeout_s, _time_out, future)
+        try:
             msg = await future
         finally:
             timer.cancel()
-            del self._waiting[token]
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:  # as nats-py reads it
             raise NoRespondersError
         return msg

@@ -16,7 +16,7 @@ from freshness.guard import guarded_enricher
 from plane.contract.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.lifecycle import Lifecycle
-from plane.contract.metrics import PlaneMetrics, serve_metrics
+from plane.contract.metrics import ChildMetrics, PlaneMetrics, serve_metrics
 from plane.contract.natsconn import connect
 from plane.contract.subjects import Names
 from plane.contract.tracing import Tracing
@@ -94,7 +94,7 @@ class PlaneStack(Lifecycle):
                 await self._start_router_children()
             self.metrics_port = st.enter_context(serve_metrics(
                 self.metrics, cfg.metrics_port, cfg.metrics_host,
-                merge_urls=[u for c in self.router_children if (u := c.metrics_url)]))
+                children=self._router_metrics()))
             # The node's modules (torch and triton: seconds) are imported here, once the router
             # processes are started: their own start-up runs meanwhile, on another core.
             from gpu_node.node import Node
@@ -139,6 +139,13 @@ class PlaneStack(Lifecycle):
             names=cfg.names, router_id=f"router{i}",
             models=cfg.router_models[i] if i < len(cfg.router_models) else None,
             **cfg.router_overrides)
+
+    def _router_metrics(self) -> list[ChildMetrics]:
+        """The router processes' /metrics, each router's samples labelled with its id when
+        there are several (one alone keeps the labels a router in this process would have)."""
+        several = len(self.router_children) > 1
+        return [ChildMetrics(c.metrics_url, {"router": c.cfg.router_id} if several else {})
+                for c in self.router_children if c.metrics_url is not None]
 
     async def _start_router_children(self) -> None:
         cfg = self.cfg

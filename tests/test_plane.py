@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -519,23 +520,39 @@ async def test_slot_message_carries_ttl_and_routing_headers() -> None:
         assert status(await task) == 200
 
 
-@pytest.mark.parametrize("router_processes", [False, True],
-                         ids=["one process", "router in its own process"])
-async def test_metrics_and_service_discovery(router_processes: bool) -> None:
+@pytest.mark.parametrize(("router_processes", "routers"), [(False, 1), (True, 1), (True, 2)],
+                         ids=["one process", "router in its own process",
+                              "two router processes"])
+async def test_metrics_and_service_discovery(router_processes: bool, routers: int) -> None:
     # In its own process (`plane up`'s way), the router's families come merged into the
-    # stack's one /metrics: the 400 below is the router's count, the 200s the node's.
-    async with plane(models=("risk",), slots=1, metrics_port=0,
+    # stack's one /metrics: the 400 below is the router's count, the 200s the node's. With
+    # several, each router's samples are labelled with its id (else two would be one series
+    # twice in one exposition, which Prometheus refuses and promtool lets pass).
+    async with plane(models=("risk",), slots=1, metrics_port=0, routers=routers,
                      router_processes=router_processes) as stack, client(stack.url) as nc:
-        assert len(stack.router_children) == router_processes
+        assert len(stack.router_children) == (routers if router_processes else 0)
         for _ in range(3):
             await nc.request(NAMES.infer("risk"), RISK_BODY, timeout=5)
-        await nc.request(NAMES.infer("risk"), b"{", timeout=5)
+        for _ in range(routers * 8):  # each router is sent some (2 ** -15 to fail by chance)
+            await nc.request(NAMES.infer("risk"), b"{", timeout=5)
         text = urllib.request.urlopen(
             f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).read().decode()
+        series = [(s.name, tuple(sorted(s.labels.items())))
+                  for f in text_string_to_metric_families(text) for s in f.samples]
+        assert len(series) == len(set(series)), "a series twice in one exposition"
         assert 'plane_node_requests_total{model="risk",status="200"} 3.0' in text
-        assert 'plane_router_requests_total{model="risk",status="400"} 1.0' in text
+        if routers == 1:
+            assert 'plane_router_requests_total{model="risk",status="400"} 8.0' in text
+        else:
+            bad = {dict(labels)["router"]: v for f in text_string_to_metric_families(text)
+                   for name, labels, v, *_ in f.samples
+                   if name == "plane_router_requests_total" and labels.get("status") == "400"}
+            assert set(bad) == {"router0", "router1"} and sum(bad.values()) == 16, bad
         assert "plane_slot_service_seconds_bucket" in text
-        assert 'plane_slots{model="risk",state="healthy"} 1.0' in text
+        healthy = {labels.get("router"): v for f in text_string_to_metric_families(text)
+                   for name, labels, v, *_ in f.samples
+                   if name == "plane_slots" and labels["state"] == "healthy"}
+        assert healthy == ({None: 1.0} if routers == 1 else {"router0": 1.0, "router1": 1.0})
         check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),
                                capture_output=True, timeout=30)
         assert check.returncode == 0, check.stdout + check.stderr

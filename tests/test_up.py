@@ -83,13 +83,21 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
         assert not _alive(child), f"orphan process {child} left running"
 
 
-def _router_process(pid: int) -> int | None:
-    """The child of `pid` that runs `plane up`'s router (`python -m plane.router_child`)."""
+def _router_processes(pid: int) -> list[int]:
+    """The children of `pid` that run `plane up`'s routers (`python -m plane.router_child`)."""
+    routers = []
     for child in _children(pid):
         with contextlib.suppress(OSError):
             if b"plane.router_child" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return child
-    return None
+                routers.append(child)
+    return routers
+
+
+def _router_process(pid: int) -> int | None:
+    """The one child of `pid` that runs `plane up`'s router."""
+    routers = _router_processes(pid)
+    assert len(routers) <= 1, routers
+    return routers[0] if routers else None
 
 
 def _until_up(proc: subprocess.Popen[str]) -> list[str]:
@@ -122,6 +130,61 @@ def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+async def test_plane_up_runs_as_many_router_processes_as_asked() -> None:
+    # `--routers 2`: two processes in the routers' queue group, each taking its share of the
+    # requests (the micro endpoint's statistics, one answer per router), all answered.
+    with subprocess.Popen([PLANE, "up", "--models", "calibrated", "--routers", "2",
+                           "--log-level", "warning"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            lines = _until_up(proc)
+            url = next(m.group(1) for line in lines
+                       if (m := re.match(r"plane is up: NATS (\S+)", line)))
+            routers = _router_processes(proc.pid)
+            assert len(routers) == 2, "".join(lines)
+            children = _children(proc.pid)
+            nc = await nats.connect(url)
+            try:
+                for _ in range(40):
+                    msg = await nc.request(Names().infer("calibrated"), json.dumps(
+                        {"duration_us": 0}).encode(), timeout=5)
+                    assert (msg.headers or {})[Header.STATUS] == "200"
+                served = await _infer_requests_by_router(nc)
+            finally:
+                await nc.close()
+            assert len(served) == 2 and sum(served.values()) == 40, served
+            assert all(n > 0 for n in served.values()), served  # 2 ** -39 to fail by chance
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            for child in children:
+                assert not _alive(child), f"orphan process {child} left running"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+async def _infer_requests_by_router(nc: nats.NATS) -> dict[str, int]:
+    """Each router's count of infer requests, from every answer to `$SRV.STATS`."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(f"$SRV.STATS.{Names().router_service}", b"", reply=inbox)
+    served: dict[str, int] = {}
+    with contextlib.suppress(TimeoutError):
+        while True:
+            stats = json.loads((await sub.next_msg(timeout=1.0)).data)
+            [infer] = [e for e in stats["endpoints"] if e["name"] == "infer"]
+            served[stats["id"]] = infer["num_requests"]
+    await sub.unsubscribe()
+    return served
+
+
+def test_plane_up_refuses_routers_on_one_process() -> None:
+    out = subprocess.run([PLANE, "up", "--one-process", "--routers", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--routers runs each router in a process" in out.stderr
 
 
 def test_plane_up_demo_prints_answers_and_refusals() -> None:

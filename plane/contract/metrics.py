@@ -9,6 +9,7 @@ import contextlib
 import threading
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 from wsgiref.simple_server import WSGIServer
 
@@ -250,18 +251,30 @@ class PlaneMetrics:
             gpu, registry=r)
 
 
+@dataclass(frozen=True)
+class ChildMetrics:
+    """A child process's /metrics, merged into its parent's (`MergedMetrics`), and the labels
+    added to each of its samples: two processes of one role (`plane up --routers 2`) make the
+    same series, told apart by these (each router's id), as Prometheus tells two scraped
+    processes apart by their `instance`."""
+
+    url: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
 class MergedMetrics(Collector):
     """One exposition of this process's registry and of the /metrics of processes it runs
-    (`plane up`'s router, `plane.router_child`), read at each scrape. Concatenated texts would
+    (`plane up`'s routers, `plane.router_child`), read at each scrape. Concatenated texts would
     not do: every process registers every `plane_` family, so a family would be declared
     twice (Prometheus refuses a second TYPE line); here each family is declared once with
     the samples of all. Their samples never collide: a family's children are labelled by the
-    process that makes them (a router's by model and reason, a node's by node and slot). A
-    child that does not answer is left out of that scrape and said in the log."""
+    process that makes them (a router's by model and reason, a node's by node and slot), and
+    processes of one role by `ChildMetrics.labels`. A child that does not answer is left out
+    of that scrape and said in the log."""
 
-    def __init__(self, own: CollectorRegistry, urls: Sequence[str]) -> None:
+    def __init__(self, own: CollectorRegistry, children: Sequence[ChildMetrics]) -> None:
         self._own = own
-        self._urls = tuple(urls)
+        self._children = tuple(children)
 
     def collect(self) -> Iterator[Metric]:
         # Ours through the text format too: parsed, a counter's `_created` is a family of its
@@ -269,15 +282,18 @@ class MergedMetrics(Collector):
         families: dict[str, Metric] = {}
         for family in text_string_to_metric_families(generate_latest(self._own).decode()):
             _merge(families, family)
-        for url in self._urls:
+        for child in self._children:
             try:
-                with urllib.request.urlopen(url, timeout=CHILD_SCRAPE_TIMEOUT_S) as r:
+                with urllib.request.urlopen(child.url, timeout=CHILD_SCRAPE_TIMEOUT_S) as r:
                     text = r.read().decode()
             except OSError as exc:
-                log.warning("a child process's metrics left out of this scrape", url=url,
+                log.warning("a child process's metrics left out of this scrape", url=child.url,
                             error=str(exc))
                 continue
             for family in text_string_to_metric_families(text):
+                if child.labels:
+                    family.samples = [s._replace(labels={**s.labels, **child.labels})
+                                      for s in family.samples]
                 _merge(families, family)
         return iter(families.values())
 
@@ -292,20 +308,20 @@ def _merge(families: dict[str, Metric], family: Metric) -> None:
 @contextlib.contextmanager
 def serve_metrics(
     metrics: PlaneMetrics, port: int | None, host: str = "127.0.0.1",
-    merge_urls: Sequence[str] = (),
+    children: Sequence[ChildMetrics] = (),
 ) -> Iterator[int | None]:
     """Serve /metrics on `host`:`port` (0 = any free port; loopback unless a deployment asks
     for more, e.g. `--metrics-host 0.0.0.0` in a container) in prometheus_client's own thread
     for the duration of the block; yields the bound port (None when disabled). With
-    `merge_urls`, the /metrics of those child processes are served merged with ours
+    `children`, the /metrics of those child processes are served merged with ours
     (`MergedMetrics`)."""
     if port is None:
         yield None
         return
     registry = metrics.registry
-    if merge_urls:
+    if children:
         registry = CollectorRegistry()
-        registry.register(MergedMetrics(metrics.registry, merge_urls))
+        registry.register(MergedMetrics(metrics.registry, children))
     server: WSGIServer
     thread: threading.Thread
     server, thread = start_http_server(port, addr=host, registry=registry)

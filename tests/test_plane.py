@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import msgspec
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client.parser import text_string_to_metric_families
 
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec

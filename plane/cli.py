@@ -181,17 +181,18 @@ def serving_options(f: F) -> F:
 @click.option("--one-process", is_flag=True,
               help="Run the router in this process, on the nodes' event loop (less memory; "
                    "under load each delays the other). Default: a process of its own.")
-@click.option("--routers", type=click.IntRange(1, 8), default=1, show_default=True,
-              help="Routers, each in a process of its own (one queue group: requests split "
-                   "among them, one of them makes each model's promises). More than one "
-                   "when one router's core is the limit, on a host with cores to spare.")
+@click.option("--router-per-model", is_flag=True,
+              help="A router process for each model, serving that model only: each model's "
+                   "decisions on a core of their own, where one router's core is the limit "
+                   "(a GPU host, several models; routers of every model would each read "
+                   "every model's done-events and add no decisions).")
 def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
        creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
        metrics_host: str, replicas: int, log_level: str, models: str, slots: int | None,
        backend: str, demo: bool, port: int | None, auth_dir: str | None,
-       device_waits: str, one_process: bool, routers: int) -> None:
-    """Run a whole plane: embedded nats-server (unless --nats), routers (each in a process of
-    its own), nodes, metrics (one /metrics for all).
+       device_waits: str, one_process: bool, router_per_model: bool) -> None:
+    """Run a whole plane: embedded nats-server (unless --nats), router (in a process of its
+    own; with --router-per-model one per model), nodes, metrics (one /metrics for all).
 
     \b
     Examples:
@@ -199,16 +200,16 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
       plane up --demo
       plane up --port 4222            # a fixed port, as in the README's Python example
       plane up --auth ./auth          # secured: `plane auth init ./auth` first
-      plane up --routers 2            # two router processes (a host with cores to spare)
+      plane up --router-per-model     # a router process per model (a GPU host's cores)
       plane up --nats nats://127.0.0.1:4222 --models calibrated --slots 4 --metrics-port 9464
     """
     if port is not None and nats_url is not None:
         raise click.UsageError("--port is the embedded server's: give --port or --nats, not both")
     if auth_dir is not None and nats_url is not None:
         raise click.UsageError("--auth is the embedded server's: give --auth or --nats, not both")
-    if one_process and routers > 1:
-        raise click.UsageError("--routers runs each router in a process of its own: several on "
-                               "--one-process's one event loop would only take turns")
+    if one_process and router_per_model:
+        raise click.UsageError("--router-per-model runs each model's router in a process of its "
+                               "own: give it or --one-process, not both")
     from plane.stack import StackConfig  # the node: torch and triton, once it starts
     from plane.up import run_up
 
@@ -219,7 +220,9 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         names=names_for(prefix), models=model_list, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
         freshness=True, node_overrides={"device_waits": device_waits},
-        routers=routers, router_processes=not one_process, log_level=log_level,
+        routers=len(model_list) if router_per_model else 1,
+        router_models=tuple(frozenset({m}) for m in model_list) if router_per_model else (),
+        router_processes=not one_process, log_level=log_level,
     )
     _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir))
 

@@ -141,7 +141,10 @@ async def test_bad_input_volley_gets_one_clear_answer_each_and_the_plane_keeps_s
         plan: list[tuple[str, bytes, dict[str, str], int]] = []
         for _ in range(4):
             plan.extend(BAD)
-            plan.extend([("risk", RISK_BODY, {}, 200)] * 5)
+            # (A second to start in: the volley is not about time, and on a slow host the
+            # one loop of this test's router, node and callers stalled past risk's default
+            # 50 ms once, a good request then answered 504 `deadline`.)
+            plan.extend([("risk", RISK_BODY, {Header.DEADLINE_MS: "1000"}, 200)] * 5)
         rng.shuffle(plan)
         for i, (model, body, hdrs, _) in enumerate(plan):
             subject = f"{NAMES.prefix}.infer.{model}"

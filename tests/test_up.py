@@ -132,10 +132,10 @@ def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
                 proc.wait()
 
 
-async def test_plane_up_runs_as_many_router_processes_as_asked() -> None:
-    # `--routers 2`: two processes in the routers' queue group, each taking its share of the
-    # requests (the micro endpoint's statistics, one answer per router), all answered.
-    with subprocess.Popen([PLANE, "up", "--models", "calibrated", "--routers", "2",
+async def test_plane_up_runs_a_router_process_per_model_when_asked() -> None:
+    # `--router-per-model`: a router process for each model, each serving that model only
+    # (its micro endpoint's subject and count say which requests it took).
+    with subprocess.Popen([PLANE, "up", "--models", "calibrated,risk", "--router-per-model",
                            "--log-level", "warning"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         try:
@@ -147,15 +147,17 @@ async def test_plane_up_runs_as_many_router_processes_as_asked() -> None:
             children = _children(proc.pid)
             nc = await nats.connect(url)
             try:
-                for _ in range(40):
-                    msg = await nc.request(Names().infer("calibrated"), json.dumps(
-                        {"duration_us": 0}).encode(), timeout=5)
-                    assert (msg.headers or {})[Header.STATUS] == "200"
+                for model, body, n in (("calibrated", {"duration_us": 0}, 5),
+                                       ("risk", {"features": [0.5] * 32}, 3)):
+                    for _ in range(n):
+                        msg = await nc.request(Names().infer(model), json.dumps(body).encode(),
+                                               timeout=5)
+                        assert (msg.headers or {})[Header.STATUS] == "200"
                 served = await _infer_requests_by_router(nc)
             finally:
                 await nc.close()
-            assert len(served) == 2 and sum(served.values()) == 40, served
-            assert all(n > 0 for n in served.values()), served  # 2 ** -39 to fail by chance
+            assert sorted(served.values()) == [
+                (Names().infer("calibrated"), 5), (Names().infer("risk"), 3)], served
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
             for child in children:
@@ -166,25 +168,26 @@ async def test_plane_up_runs_as_many_router_processes_as_asked() -> None:
                 proc.wait()
 
 
-async def _infer_requests_by_router(nc: nats.NATS) -> dict[str, int]:
-    """Each router's count of infer requests, from every answer to `$SRV.STATS`."""
+async def _infer_requests_by_router(nc: nats.NATS) -> dict[str, tuple[str, int]]:
+    """Each router's infer endpoint: its subject and count of requests (`$SRV.STATS`, every
+    router's answer)."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(f"$SRV.STATS.{Names().router_service}", b"", reply=inbox)
-    served: dict[str, int] = {}
+    served: dict[str, tuple[str, int]] = {}
     with contextlib.suppress(TimeoutError):
         while True:
             stats = json.loads((await sub.next_msg(timeout=1.0)).data)
-            [infer] = [e for e in stats["endpoints"] if e["name"] == "infer"]
-            served[stats["id"]] = infer["num_requests"]
+            [infer] = [e for e in stats["endpoints"] if e["name"].startswith("infer")]
+            served[stats["id"]] = (infer["subject"], infer["num_requests"])
     await sub.unsubscribe()
     return served
 
 
-def test_plane_up_refuses_routers_on_one_process() -> None:
-    out = subprocess.run([PLANE, "up", "--one-process", "--routers", "2"],
+def test_plane_up_refuses_a_router_per_model_on_one_process() -> None:
+    out = subprocess.run([PLANE, "up", "--one-process", "--router-per-model"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--routers runs each router in a process" in out.stderr
+    assert out.returncode == 2 and "--router-per-model runs each model's router" in out.stderr
 
 
 def test_plane_up_demo_prints_answers_and_refusals() -> None:

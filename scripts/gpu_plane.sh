@@ -7,6 +7,7 @@
 #
 #   scripts/gpu_plane.sh                 # on a CUDA machine, from the repo root (~3 minutes)
 #   BACKEND=torch scripts/gpu_plane.sh   # the same run on the CPU, to try the script itself
+#   UP_ARGS=--router-per-model scripts/gpu_plane.sh   # `plane up` with a router per model
 #
 # Where the NATS stack is not installed (a bare GPU box), it installs the wheels in .whl/
 # (scripts/gpu_wheels.sh fetches them) into /tmp/site first. The device tool's one command:
@@ -17,6 +18,7 @@ BACKEND=${BACKEND:-triton}
 SECONDS_EACH=${SECONDS_EACH:-8}
 STREAM_CALLERS=${STREAM_CALLERS:-16}  # closed-loop callers for the stream capacity: at least one a slot
 OUT=${OUT:-$(mktemp -d)}
+UP_ARGS=${UP_ARGS:-}  # more `plane up` options (word-split)
 
 if ! python3 -c "import nats, msgspec, structlog, hdrh" 2>/dev/null; then
   [ -d .whl ] || { echo "the NATS stack is not installed and there is no .whl/" >&2; exit 2; }
@@ -31,8 +33,9 @@ log=$OUT/plane_up.log
 t0=$(date +%s.%N)
 # python3 itself in the background, not the `plane` function: $! is then the plane's pid (a
 # function runs in a subshell whose pid the trap's kill would hit, leaving the plane running).
+# shellcheck disable=SC2086  # UP_ARGS: several options
 python3 -m plane up --models calibrated,risk,tinylm --backend "$BACKEND" --log-level info \
-  >"$log" 2>&1 &
+  $UP_ARGS >"$log" 2>&1 &
 up=$!
 trap 'kill -TERM $up 2>/dev/null; wait $up 2>/dev/null' EXIT
 url=""

@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -35,19 +37,31 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-async def test_plane_up_serves_and_stops_cleanly_on_sigterm() -> None:
-    # Its logs and its banner on one pipe, unbuffered (as a container image often runs it):
-    # the banner comes after the start-up's logs, each of its lines whole.
-    # (`with`: the pipes are closed at the end, whatever happened)
-    with subprocess.Popen([PLANE, "up", "--log-level", "info", "--metrics-port", "0"],
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+@contextlib.contextmanager
+def _plane_up(*args: str, **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """`plane up ARGS`, its output and errors on one pipe; killed at the end if it still
+    runs (`with`: the pipes are closed, whatever happened)."""
+    with subprocess.Popen([PLANE, "up", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, **popen) as proc:
         try:
-            await _serves_and_stops(proc)
+            yield proc
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _left_none(children: list[int]) -> None:
+    for child in children:
+        assert not _alive(child), f"orphan process {child} left running"
+
+
+async def test_plane_up_serves_and_stops_cleanly_on_sigterm() -> None:
+    # Its logs and its banner on one pipe, unbuffered (as a container image often runs it):
+    # the banner comes after the start-up's logs, each of its lines whole.
+    with _plane_up("--log-level", "info", "--metrics-port", "0",
+                   env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        await _serves_and_stops(proc)
 
 
 async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
@@ -79,8 +93,7 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
     await nc.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    for child in children:
-        assert not _alive(child), f"orphan process {child} left running"
+    _left_none(children)
 
 
 def _router_processes(pid: int) -> list[int]:
@@ -113,59 +126,46 @@ def _until_up(proc: subprocess.Popen[str]) -> list[str]:
 def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
     # A plane with no router answers nothing: `plane up` stops everything it started and
     # exits 1, so that whatever runs it (systemd, a container) starts it again whole.
-    with subprocess.Popen([PLANE, "up", "--models", "calibrated", "--log-level", "warning"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        try:
-            lines = _until_up(proc)
-            router = _router_process(proc.pid)
-            assert router is not None, "".join(lines)
-            children = _children(proc.pid)
-            os.kill(router, signal.SIGKILL)
-            assert proc.wait(timeout=60) == 1
-            rest = proc.stdout.read()
-            assert "the router's process exited" in rest, rest
-            for child in children:
-                assert not _alive(child), f"orphan process {child} left running"
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with _plane_up("--models", "calibrated", "--log-level", "warning") as proc:
+        lines = _until_up(proc)
+        router = _router_process(proc.pid)
+        assert router is not None, "".join(lines)
+        children = _children(proc.pid)
+        os.kill(router, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert "the router's process exited" in rest, rest
+        _left_none(children)
 
 
 async def test_plane_up_runs_a_router_process_per_model_when_asked() -> None:
     # `--router-per-model`: a router process for each model, each serving that model only
     # (its micro endpoint's subject and count say which requests it took).
-    with subprocess.Popen([PLANE, "up", "--models", "calibrated,risk", "--router-per-model",
-                           "--log-level", "warning"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with _plane_up("--models", "calibrated,risk", "--router-per-model",
+                   "--log-level", "warning") as proc:
+        lines = _until_up(proc)
+        url = next(m.group(1) for line in lines
+                   if (m := re.match(r"plane is up: NATS (\S+)", line)))
+        routers = _router_processes(proc.pid)
+        assert len(routers) == 2, "".join(lines)
+        children = _children(proc.pid)
+        nc = await nats.connect(url)
         try:
-            lines = _until_up(proc)
-            url = next(m.group(1) for line in lines
-                       if (m := re.match(r"plane is up: NATS (\S+)", line)))
-            routers = _router_processes(proc.pid)
-            assert len(routers) == 2, "".join(lines)
-            children = _children(proc.pid)
-            nc = await nats.connect(url)
-            try:
-                for model, body, n in (("calibrated", {"duration_us": 0}, 5),
-                                       ("risk", {"features": [0.5] * 32}, 3)):
-                    for _ in range(n):
-                        msg = await nc.request(Names().infer(model), json.dumps(body).encode(),
-                                               timeout=5)
-                        assert (msg.headers or {})[Header.STATUS] == "200"
-                served = await _infer_requests_by_router(nc)
-            finally:
-                await nc.close()
-            assert sorted(served.values()) == [
-                (Names().infer("calibrated"), 5), (Names().infer("risk"), 3)], served
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-            for child in children:
-                assert not _alive(child), f"orphan process {child} left running"
+            for model, body, n in (("calibrated", {"duration_us": 0}, 5),
+                                   ("risk", {"features": [0.5] * 32}, 3)):
+                for _ in range(n):
+                    msg = await nc.request(Names().infer(model), json.dumps(body).encode(),
+                                           timeout=5)
+                    assert (msg.headers or {})[Header.STATUS] == "200"
+            served = await _infer_requests_by_router(nc)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            await nc.close()
+        assert sorted(served.values()) == [
+            (Names().infer("calibrated"), 5), (Names().infer("risk"), 3)], served
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        _left_none(children)
 
 
 async def _infer_requests_by_router(nc: nats.NATS) -> dict[str, tuple[str, int]]:
@@ -218,16 +218,9 @@ def test_plane_up_router_process_runs_the_plane_it_was_started_with(tmp_path: Pa
     decoy = tmp_path / "plane"
     decoy.mkdir()
     (decoy / "__init__.py").write_text('raise ImportError("the decoy plane was imported")\n')
-    with subprocess.Popen([PLANE, "up", "--models", "calibrated", "--log-level", "warning"],
-                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as proc:
-        try:
-            lines = _until_up(proc)
-            assert _router_process(proc.pid) is not None, "".join(lines)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-            assert proc.stdout is not None and "decoy" not in proc.stdout.read()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with _plane_up("--models", "calibrated", "--log-level", "warning", cwd=tmp_path) as proc:
+        lines = _until_up(proc)
+        assert _router_process(proc.pid) is not None, "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stdout is not None and "decoy" not in proc.stdout.read()

@@ -254,9 +254,9 @@ class PlaneMetrics:
 @dataclass(frozen=True)
 class ChildMetrics:
     """A child process's /metrics, merged into its parent's (`MergedMetrics`), and the labels
-    added to each of its samples: two processes of one role (`plane up --routers 2`) make the
-    same series, told apart by these (each router's id), as Prometheus tells two scraped
-    processes apart by their `instance`."""
+    added to each of its samples: two processes of one role (`plane up --router-per-model`)
+    make the same series, told apart by these (each router's id), as Prometheus tells two
+    scraped processes apart by their `instance`."""
 
     url: str
     labels: Mapping[str, str] = field(default_factory=dict)

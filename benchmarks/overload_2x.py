@@ -83,7 +83,7 @@ def figures(outcomes: list[Outcome], seconds: float,
             deadline_ms: int = DEADLINE_MS) -> dict[str, float]:
     accepted = [o for o in outcomes if o.attempts.final == "200"]
     refused_first = [o for o in outcomes if o.attempts.statuses[:1] == (429,)]
-    retried = _retried(refused_first)
+    retried = _retried(outcomes)
     return {
         "offered": len(outcomes),
         "accepted_per_s": len(accepted) / seconds,

@@ -540,21 +540,19 @@ async def test_metrics_and_service_discovery(router_processes: bool, routers: in
             await nc.request(NAMES.infer("risk"), b"{", timeout=5)
         text = urllib.request.urlopen(
             f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).read().decode()
-        series = [(s.name, tuple(sorted(s.labels.items())))
-                  for f in text_string_to_metric_families(text) for s in f.samples]
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        series = [(s.name, tuple(sorted(s.labels.items()))) for s in samples]
         assert len(series) == len(set(series)), "a series twice in one exposition"
         assert 'plane_node_requests_total{model="risk",status="200"} 3.0' in text
         if routers == 1:
             assert 'plane_router_requests_total{model="risk",status="400"} 8.0' in text
         else:
-            bad = {dict(labels)["router"]: v for f in text_string_to_metric_families(text)
-                   for name, labels, v, *_ in f.samples
-                   if name == "plane_router_requests_total" and labels.get("status") == "400"}
+            bad = {s.labels["router"]: s.value for s in samples
+                   if s.name == "plane_router_requests_total" and s.labels["status"] == "400"}
             assert set(bad) == {"router0", "router1"} and sum(bad.values()) == 16, bad
         assert "plane_slot_service_seconds_bucket" in text
-        healthy = {labels.get("router"): v for f in text_string_to_metric_families(text)
-                   for name, labels, v, *_ in f.samples
-                   if name == "plane_slots" and labels["state"] == "healthy"}
+        healthy = {s.labels.get("router"): s.value for s in samples
+                   if s.name == "plane_slots" and s.labels["state"] == "healthy"}
         assert healthy == ({None: 1.0} if routers == 1 else {"router0": 1.0, "router1": 1.0})
         check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),
                                capture_output=True, timeout=30)

@@ -64,7 +64,8 @@ class SoonFlush:
         buffer is written, so that what it adds to the buffer (`plane.contract.publish.append`)
         goes in the turn's one write, behind everything made before, in the order hooks
         were given. It runs whatever the connection's state (not connected, its additions
-        wait in nats-py's reconnect buffer) and must not raise."""
+        wait in nats-py's reconnect buffer). One that raises is reported to the loop's
+        exception handler; the others, and the write, go on."""
         self._hooks.append(hook)
         if not self._scheduled:
             self._scheduled = True
@@ -75,7 +76,11 @@ class SoonFlush:
         if self._hooks:
             hooks, self._hooks = self._hooks, []
             for hook in hooks:
-                hook()
+                try:
+                    hook()
+                except Exception as exc:  # a bug in one: the others and the write go on
+                    asyncio.get_running_loop().call_exception_handler(
+                        {"message": "a before-write hook raised", "exception": exc})
         nc = self._nc
         if not nc._pending:
             return  # written already

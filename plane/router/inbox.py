@@ -135,6 +135,11 @@ class Inbox:
             setattr(msg, _TURN, True)
             self._turned_s = now
         self._drained = not items
+        if self._drained:
+            # The queue cleared: not behind, whatever the last one waited (as CoDel resets on
+            # an empty queue). Kept, a router idle after one slow read reported itself
+            # behind for as long as no request came (`plane status`: "behind for 1360 ms").
+            self._above_since = None
         return msg
 
     def _pick(self, items: deque[Msg], now: float) -> Msg:

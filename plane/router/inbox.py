@@ -119,9 +119,12 @@ class Inbox:
         return bool(msg.headers) and len(self._holders) < self._limit and self._read_first(msg)
 
     def behind_s(self) -> float:
-        """How long the router has been behind on this inbox (0: it is not)."""
+        """How long the router has been behind on this inbox (0: it is not, or nothing waits
+        in it now: a router idle after a slow read reported itself behind for as long as no
+        request came, `plane status`'s "behind for 1360 ms"). How it reads (`_pick`) keeps
+        its state across an empty inbox."""
         since = self._above_since
-        if since is None or (behind := self._clock() - since) < INTERVAL_S:
+        if since is None or not self._items or (behind := self._clock() - since) < INTERVAL_S:
             return 0.0
         return behind
 
@@ -135,11 +138,6 @@ class Inbox:
             setattr(msg, _TURN, True)
             self._turned_s = now
         self._drained = not items
-        if self._drained:
-            # The queue cleared: not behind, whatever the last one waited (as CoDel resets on
-            # an empty queue). Kept, a router idle after one slow read reported itself
-            # behind for as long as no request came (`plane status`: "behind for 1360 ms").
-            self._above_since = None
         return msg
 
     def _pick(self, items: deque[Msg], now: float) -> Msg:

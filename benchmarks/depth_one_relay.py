@@ -11,9 +11,10 @@ the PubAck, and counts the slot busy until its done-event; with no slot free it 
 at once. The worker (a node with no validation, accounting or health) holds one standing
 pull per slot on a consumer with `max_ack_pending=1` (as `gpu_node/pull.py` does) and, for
 each delivery, after `duration_us` of the JSON body (slept, not spun), acks, sends the
-done-event and answers the caller, in the node's order. So a request costs what a plane
-request costs in messages: the request, a JetStream publish and its PubAck, a delivery, an
-ack, a done-event and the answer.
+done-event and answers the caller, in the node's order (the done-events of the slots that
+finished in one turn of its loop as one message, as a node sends them). So a request costs
+what a plane request costs in messages: the request, a JetStream publish and its PubAck, a
+delivery, an ack, a done-event (or its share of one) and the answer.
 
 `both` runs the two on two connections of one process, as `plane up` does
 (`plane_vs_floor.py`); `relay` and `worker` apart, as `plane router` and `plane node`
@@ -109,10 +110,10 @@ async def relay(nc: Client, subject: str, slots: int) -> None:
             lambda: asyncio.ensure_future(place(k, data, caller, tries + 1)))
 
     async def on_done(msg: Msg) -> None:
-        k = int(msg.data)
-        if k in busy:
-            busy.discard(k)
-            free.append(k)
+        for k in map(int, msg.data.split(b",")):  # one turn of the worker's loop
+            if k in busy:
+                busy.discard(k)
+                free.append(k)
 
     await nc.subscribe(subject, cb=on_request)
     await nc.subscribe(f"{acks}.*", cb=on_ack)
@@ -129,15 +130,30 @@ async def worker(nc: Client, slots: int) -> None:
         name=STREAM, subjects=[SLOTS], retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.MEMORY, max_msgs_per_subject=1, discard=DiscardPolicy.NEW,
         discard_new_per_subject=True))
+    turn: list[tuple[Msg, int]] = []  # what finished in this turn of the loop
+    sending: set[asyncio.Future[None]] = set()
+
+    async def send_turn() -> None:
+        """The turn's acks, its done-events as one message, then its answers: the node's
+        order and batching (`gpu_node/done_batch.py`)."""
+        done = turn[:]
+        turn.clear()
+        for msg, _ in done:
+            await nc.publish(msg.reply, b"+ACK")
+        await nc.publish(DONE, ",".join(str(k) for _, k in done).encode())
+        for msg, _ in done:
+            await nc.publish((msg.headers or {})[CALLER], msg.data)
+
     for k in range(slots):
         await js.add_consumer(STREAM, ConsumerConfig(
             durable_name=f"w{k}", filter_subject=slot_subject(k),
             ack_policy=AckPolicy.EXPLICIT, max_ack_pending=1, ack_wait=60, mem_storage=True))
 
         async def finish(msg: Msg, k: int = k) -> None:
-            await nc.publish(msg.reply, b"+ACK")
-            await nc.publish(DONE, str(k).encode())
-            await nc.publish((msg.headers or {})[CALLER], msg.data)
+            if not turn:  # the first of the turn: they go out once its other slots' are in
+                sending.add(task := asyncio.ensure_future(send_turn()))
+                task.add_done_callback(sending.discard)
+            turn.append((msg, k))
 
         async def on_delivery(msg: Msg, finish=finish) -> None:  # type: ignore[no-untyped-def]
             if not msg.reply:  # a status (heartbeat): the standing pull outlives the run

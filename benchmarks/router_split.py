@@ -53,7 +53,8 @@ PROBED = [
     ("plane.router.requests", "RequestPath", "_placed"),
     ("plane.router.requests", "RequestPath", "_decided"),
     ("plane.router.slot_publish", "SlotPublisher", "_on_ack"),
-    ("plane.router.service", "Router", "_done_read"),
+    ("plane.router.service", "Router", "_done_read"),  # a message: one event, or a batch
+    ("plane.router.service", "Router", "_done_event"),
     ("plane.router.service", "Router", "_placed_done"),
 ]
 

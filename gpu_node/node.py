@@ -30,6 +30,7 @@ from nats.micro import add_service
 from nats.micro.service import Service
 
 from gpu_node.compute import Backend, make_backend
+from gpu_node.done_batch import DoneBatch
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import generation_for
 from gpu_node.health import Supervisor
@@ -105,6 +106,8 @@ class Node(Lifecycle, TaskOwner):
         self.settings = LiveSettings(cfg.names)
         self.slots: list[Slot] = []
         self.answered = RecentIds()
+        # Its slots' done-events of a loop turn, as one message ahead of their answers.
+        self.dones = DoneBatch(nc, cfg.names, self.spec.name, cfg.node_id)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas,
                                    advert_ttl_s=cfg.advert_ttl_s)
         self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.node_id)
@@ -290,7 +293,7 @@ class Node(Lifecycle, TaskOwner):
                 answered=self.answered, must_take=self.must_take,
                 sms=partition_sms(self.backend), tracing=self.tracing,
                 generator=generator, stream_reply=self.streams.reply_subject(k),
-                changed=self.changed,
+                changed=self.changed, dones=self.dones,
             )
             self.slots.append(slot)
             # Its consumer is made through JetStream's meta leader: a cluster electing one

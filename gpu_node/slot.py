@@ -37,6 +37,7 @@ from nats.js.errors import NotFoundError
 
 from gpu_node.current import Current
 from gpu_node.device_wait import CALIBRATED, RISK, DeviceWork, LoopTimer, finished
+from gpu_node.done_batch import DoneBatch
 from gpu_node.faults import WatchedRunner
 from gpu_node.generation import GenResult, SlotGenerator
 from gpu_node.pull import StandingPull
@@ -73,7 +74,7 @@ from plane.contract.ownership import (
     take,
 )
 from plane.contract.provision import stream_of_subject
-from plane.contract.publish import publish
+from plane.contract.publish import command
 from plane.contract.recent import RecentIds
 from plane.contract.subjects import Header, InvalidToken, Names, check_token
 from plane.contract.tracing import Tracing, trace_headers
@@ -118,7 +119,7 @@ class Slot(Generating):
         answered: RecentIds | None = None,
         must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
         generator: SlotGenerator | None = None, stream_reply: str = "",
-        changed: Callable[[], None] | None = None,
+        changed: Callable[[], None] | None = None, dones: DoneBatch,
     ) -> None:
         self.k = k
         self.runner = runner
@@ -127,6 +128,7 @@ class Slot(Generating):
         self.subject = names.slot(self.model, node, k)
         self.consumer = names.slot_consumer(self.model, node, k)
         self.done_subject = names.done(self.model, node, k)
+        self.dones = dones  # the node's done-events of a loop turn, as one message
         self.stream = ""  # the slot stream that holds our subject: the broker says (claim)
         self.metrics = metrics
         self.pull_expiry_s = pull_expiry_s
@@ -297,12 +299,15 @@ class Slot(Generating):
             if await self._router_answered(h, rid):
                 continue  # landed after its router answered it (a failover)
             self.answered.add(placement_id(self.stream, seq))
-            await self._publish_done(h, rid, int(Status.UNAVAILABLE), 0, 0)
             body, headers = replies.error_reply(
                 rid, Status.UNAVAILABLE, Reason.UNHEALTHY,
                 f"slot {self.node}/{self.k} did not run it ({why}); retry elsewhere",
                 node=self.node)
-            await self.nc.publish(h[Header.REPLY_TO], body, headers=headers)
+            answer = b""
+            try:
+                answer = command(self.nc, h[Header.REPLY_TO], body, headers)
+            finally:  # the slot is free whether or not its answer could be made
+                self._publish_done(h, rid, int(Status.UNAVAILABLE), 0, 0, answer=answer)
             self._answered(self.model, str(int(Status.UNAVAILABLE))).inc()
             log.warning("unfetched request answered", slot=self.k, request_id=rid, why=why)
 
@@ -546,7 +551,7 @@ class Slot(Generating):
             await cur.msg.ack()  # clears our consumer's pending message either way
         if outcome is Take.GONE or await self._router_answered(cur.msg.headers or {},
                                                                cur.request_id):
-            await self._done(cur, NOT_ANSWERED, 0)
+            self._done(cur, NOT_ANSWERED, 0)
             return False
         return True
 
@@ -571,9 +576,12 @@ class Slot(Generating):
         # By placement and by attempt: a router asks by the one it knows (ownership).
         self.answered.add(placement_id(self.stream, stream_sequence(cur.msg)))
         self.answered.add(attempt_id(cur.request_id, h.get(Header.ATTEMPT, "1")))
-        await self._done(cur, int(status), service_us)
         headers.update(trace_headers(h))  # the trace, back on the reply
-        await publish(self.nc, cur.reply, body, headers)
+        answer = b""
+        try:
+            answer = command(self.nc, cur.reply, body, headers)
+        finally:  # the slot is free whether or not its answer could be made
+            self._done(cur, int(status), service_us, answer)
         if self.tracing.on:
             self._spans(cur, h, status)
         self._answered(self.model, str(int(status))).inc()
@@ -599,13 +607,16 @@ class Slot(Generating):
         self.tracing.record("plane.write_back", h, cur.compute_ns[1] or cur.fetched_ns,
                             time.time_ns(), {**attrs, "status": int(status)})
 
-    async def _done(self, cur: Current, status: int, service_us: int) -> None:
-        await self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,
-                                 cur.own_us, cur.gen)
+    def _done(self, cur: Current, status: int, service_us: int, answer: bytes = b"") -> None:
+        self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,
+                           cur.own_us, cur.gen, answer)
 
-    async def _publish_done(self, h: dict[str, str], request_id: str, status: int,
-                            service_us: int, work_us: int, gen: GenResult | None = None) -> None:
-        """A generation's carries its tokens and phases (the router learns its per-token
+    def _publish_done(self, h: dict[str, str], request_id: str, status: int,
+                      service_us: int, work_us: int, gen: GenResult | None = None,
+                      answer: bytes = b"") -> None:
+        """The slot's done-event, and `answer` (a protocol command, `publish.command`) after
+        it, both at the end of this loop turn with the node's other slots' (`DoneBatch`).
+        A generation's carries its tokens and phases (the router learns its per-token
         rates from them) and `work_us`, the device time it took."""
         ev = DoneEvent(request_id=request_id, node=self.node, model=self.model, k=self.k,
                        status=status, service_us=service_us, router=h.get(Header.ROUTER, ""),
@@ -614,7 +625,7 @@ class Slot(Generating):
                        tokens=gen.tokens if gen else 0,
                        prefill_us=gen.prefill_us if gen else 0,
                        decode_us=gen.decode_us if gen else 0)
-        await self.nc.publish(self.done_subject, msgpack_encoder.encode(ev))
+        self.dones.send(ev, self.done_subject, answer)
 
     # -- probes -----------------------------------------------------------------------------
     async def probe(self) -> bool:

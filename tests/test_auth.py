@@ -40,7 +40,7 @@ from plane.client import Client
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_binary
 from plane.contract.errors import ConfigError, ConnectionClosed
-from plane.contract.messages import DoneEvent, FaultCommand, done_decoder, json_encoder
+from plane.contract.messages import DoneEvent, FaultCommand, json_encoder, read_done
 from plane.contract.natsconn import connect
 from plane.contract.provision import ProvisionPlan, ensure_all
 from plane.contract.subjects import Header, Names
@@ -593,7 +593,7 @@ async def slowed_streams(auth: AuthDir, plane: Secured) -> AsyncIterator[list[Do
     events: list[DoneEvent] = []
 
     async def keep(msg: Msg) -> None:
-        events.append(done_decoder.decode(msg.data))
+        events.extend(read_done(msg.data, batch=NAMES.is_done_batch(msg.subject)))
 
     try:
         await admin.subscribe(NAMES.done_all(), cb=keep)

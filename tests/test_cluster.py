@@ -252,16 +252,25 @@ class Replies:
     sent: dict[str, tuple[float, int | None]] = field(default_factory=dict)
 
     def patch(self, mp: pytest.MonkeyPatch) -> None:
-        for module in ("gpu_node.slot", "plane.router.requests"):
-            real = importlib.import_module(module).publish
+        # A router publishes its answers; a node makes each into a command that its done
+        # batch writes in the same turn (gpu_node/done_batch.py).
+        real_publish = importlib.import_module("plane.router.requests").publish
+        real_command = importlib.import_module("gpu_node.slot").command
 
-            async def recorded(nc: Client, subject: str, *args: object,
-                               _real: object = real, **kw: object) -> None:
-                url = nc.connected_url
-                self.sent[subject] = (time.monotonic(), url.port if url is not None else None)
-                await _real(nc, subject, *args, **kw)  # type: ignore[operator]
+        async def published(nc: Client, subject: str, *args: object, **kw: object) -> None:
+            self._record(nc, subject)
+            await real_publish(nc, subject, *args, **kw)  # type: ignore[arg-type]
 
-            mp.setattr(f"{module}.publish", recorded)
+        def made(nc: Client, subject: str, *args: object, **kw: object) -> bytes:
+            self._record(nc, subject)
+            return real_command(nc, subject, *args, **kw)  # type: ignore[arg-type]
+
+        mp.setattr("plane.router.requests.publish", published)
+        mp.setattr("gpu_node.slot.command", made)
+
+    def _record(self, nc: Client, subject: str) -> None:
+        url = nc.connected_url
+        self.sent[subject] = (time.monotonic(), url.port if url is not None else None)
 
     def into(self, reply: str, port: int, since_s: float, until_s: float) -> bool:
         """Whether the plane's answer on `reply` went out through the server on `port`

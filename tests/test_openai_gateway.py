@@ -22,7 +22,7 @@ from openapi_spec_validator import validate
 from plane.client import Client
 from plane.client.result import Result
 from plane.contract.config import ConnectOptions
-from plane.contract.messages import done_decoder
+from plane.contract.messages import DoneEvent, read_done
 from plane.contract.subjects import Header
 from plane.gateway import Gateway, GatewayConfig
 from plane.gateway.openai_compat import from_result
@@ -176,9 +176,11 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot(
                                  for c in cancels), 5, "the gateway's cancel")
     took_s = await wait_until(lambda: slots_running(stack) == 0, 5, "the slot to free")
     assert took_s < 0.3
-    await wait_until(lambda: any(done_decoder.decode(d.data).request_id == rid for d in dones),
-                     5, "the done-event")
-    done = next(e for d in dones if (e := done_decoder.decode(d.data)).request_id == rid)
+    def events() -> list[DoneEvent]:
+        return [e for d in dones for e in read_done(d.data, batch=NAMES.is_done_batch(d.subject))]
+
+    await wait_until(lambda: any(e.request_id == rid for e in events()), 5, "the done-event")
+    done = next(e for e in events() if e.request_id == rid)
     assert done.tokens < 100
     await slow(admin, 0)
     again = await oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.natsconn import close, connect
-from plane.contract.publish import publish
+from plane.contract.publish import append, command, publish
 from plane.contract.soon_flush import SoonFlush, use_soon_flush
 from tests.plane_fixtures import listen, wait_until
 
@@ -91,6 +91,34 @@ async def test_published_while_reconnecting_arrives_after_the_reconnect() -> Non
             assert [m.data for m in got] == [b"kept", b"after"]
         finally:
             await nc.close()
+
+
+async def test_before_write_hooks_add_to_the_turns_one_write_and_one_that_raises_stops_none(
+        nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    try:
+        soon = use_soon_flush(nc)
+        got = await listen(nc, "soon.hook")
+        await asyncio.sleep(0.05)
+        writes = soon.writes
+
+        def broken() -> None:
+            raise RuntimeError("a hook's bug")
+
+        await nc.publish("soon.hook", b"first")
+        soon.before_write(broken)
+        soon.before_write(lambda: append(nc, command(nc, "soon.hook", b"hooked", None)))
+        await nc.publish("soon.hook", b"second")  # made after the hooks, written before them
+        await wait_until(lambda: len(got) >= 3, 5, "3 messages")
+        assert [m.data for m in got] == [b"first", b"second", b"hooked"]
+        assert soon.writes == writes + 1
+        assert [str(r["exception"]) for r in reported] == ["a hook's bug"]
+    finally:
+        loop.set_exception_handler(None)
+        await nc.close()
 
 
 async def test_every_connection_the_plane_makes_has_it(nats_server: EmbeddedNats) -> None:

@@ -27,7 +27,7 @@ from plane.contract.messages import (
     Status,
     StreamEnd,
     Usage,
-    done_decoder,
+    read_done,
 )
 from plane.contract.streams import end_message, start_headers, token_headers
 from plane.contract.subjects import Header
@@ -60,7 +60,7 @@ def ask(max_tokens: int, prompt: str = PROMPT) -> dict[str, object]:
 
 
 def done_events(msgs: list[Msg]) -> list[DoneEvent]:
-    return [done_decoder.decode(m.data) for m in msgs]
+    return [ev for m in msgs for ev in read_done(m.data, batch=NAMES.is_done_batch(m.subject))]
 
 
 # -- a whole stream --------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from plane.contract.messages import (
     DoneEvent,
     FaultCommand,
     StreamFinish,
-    done_decoder,
     json_encoder,
+    read_done,
 )
 from plane.contract.ownership import slot_ttl
 from plane.contract.streams import Kind, StreamReader
@@ -129,7 +129,7 @@ async def node_only(slots: int = 1) -> AsyncIterator[tuple[PlaneStack, Client,
         done: list[DoneEvent] = []
 
         async def on_done(msg: Msg) -> None:
-            done.append(done_decoder.decode(msg.data))
+            done.extend(read_done(msg.data, batch=NAMES.is_done_batch(msg.subject)))
 
         await nc.subscribe(NAMES.done_all(), cb=on_done)
         await nc.flush()

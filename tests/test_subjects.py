@@ -32,6 +32,7 @@ DOCUMENTED: list[Case] = [
     ("slot", ("risk", "n1", 3), "plane.slot.<model>.<node>.<k>"),
     ("slots_all", (), "plane.slot.>"),
     ("done", ("risk", "n1", 3), "plane.done.<model>.<node>.<k>"),
+    ("done_batch", ("risk", "n1"), "plane.done.<model>.<node>"),
     ("admission", ("risk",), "plane.admission.<model>"),
     ("admission", ("_routers",), "plane.admission._routers"),  # presence notes
     ("router_infer", ("r1", "risk"), "plane.router.<id>.infer.<model>"),
@@ -78,9 +79,11 @@ WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
      [N.slot("risk", "n1", 13), N.slot("risk", "n1", 33), N.done("risk", "n1", 3)]),
     ("node_slots", ("n1",), [N.slot("risk", "n1", 0), N.slot("calibrated", "n1", 12)],
      [N.slot("risk", "n2", 0), N.done("risk", "n1", 0)]),
-    ("done_all", (), [N.done("risk", "n1", 0)], [N.slot("risk", "n1", 0)]),
-    ("done_model", ("risk",), [N.done("risk", "n1", 0), N.done("risk", "n2", 7)],
-     [N.done("calibrated", "n1", 0), N.slot("risk", "n1", 0)]),
+    ("done_all", (), [N.done("risk", "n1", 0), N.done_batch("risk", "n1")],
+     [N.slot("risk", "n1", 0)]),
+    ("done_model", ("risk",),
+     [N.done("risk", "n1", 0), N.done("risk", "n2", 7), N.done_batch("risk", "n1")],
+     [N.done("calibrated", "n1", 0), N.done_batch("calibrated", "n1"), N.slot("risk", "n1", 0)]),
     ("admission_all", (), [N.admission("risk"), N.admission("_routers")],
      [N.infer("risk"), N.router_infer("r1", "risk"), N.router_status("r1")]),
     ("health_all", (), [N.health("n1"), N.health("n2")], [N.node_status("n1")]),
@@ -93,7 +96,7 @@ WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
     ("scored_all", (), [N.scored("tx")], [N.events("tx"), N.dead_letter("tx")]),
 ]
 
-OTHER_TESTS = {"infer_model_of", "slot_streams"}  # tested below on their own
+OTHER_TESTS = {"infer_model_of", "slot_streams", "is_done_batch"}  # tested below on their own
 
 
 def fill(template: str, prefix: str = "plane") -> str:
@@ -167,6 +170,12 @@ def test_infer_model_of_inverts_both_request_subjects() -> None:
         assert n.infer_model_of(n.router_infer("r1", "risk")) == "risk"
         # A raw, invalid model part comes back as sent, for the caller to refuse with a 400.
         assert n.infer_model_of(f"{n.prefix}.infer.a.b") == "a.b"
+
+
+def test_is_done_batch_tells_a_nodes_batch_from_a_slots_event() -> None:
+    for n in (Names(), Names("acme.eu")):
+        assert n.is_done_batch(n.done_batch("risk", "n1"))
+        assert not n.is_done_batch(n.done("risk", "n1", 3))
 
 
 def test_slot_streams_are_the_shared_one_and_every_shard() -> None:

@@ -47,6 +47,39 @@ def _check_subject(subject: str) -> None:
         raise BadSubjectError(f"nats: invalid subject {subject!r}")
 
 
+def command(nc: Client, subject: str, payload: bytes,
+            headers: Mapping[str, str] | bytes | None, reply: str = "") -> bytes:
+    """The protocol command that publishes `payload` (with `headers`, a mapping or a block
+    `header_block` made) to `subject`, checked as nats-py checks a publish (subjects, the
+    server's payload limit). Raises as nats-py's `publish` would."""
+    _check_subject(subject)
+    if reply:
+        _check_subject(reply)
+    if len(payload) > nc.max_payload:
+        raise MaxPayloadError
+    if headers is None:
+        return b"".join((f"PUB {subject} {reply} {len(payload)}\r\n".encode(), payload, b"\r\n"))
+    hdr = headers if isinstance(headers, bytes) else header_block(headers)
+    return b"".join((f"HPUB {subject} {reply} {len(hdr)} {len(hdr) + len(payload)}\r\n".encode(),
+                     hdr, payload, b"\r\n"))
+
+
+def append(nc: Client, cmd: bytes) -> bool:
+    """`cmd` (from `command`) into the connection's buffer now, with no await: for a hook
+    that runs just before the buffer is written (`SoonFlush.before_write`). nats-py's rules
+    for a publish that finds the connection closed, or reconnecting with its buffer full,
+    drop it (nats-py's `publish` would raise): False then."""
+    if nc.is_closed or (not nc.is_connected and (
+            nc._max_pending_size <= 0
+            or nc._pending_data_size + len(cmd) > nc._max_pending_size)):
+        return False
+    nc._pending.append(cmd)
+    nc._pending_data_size += len(cmd)
+    nc.stats["out_msgs"] += 1
+    nc.stats["out_bytes"] += len(cmd)
+    return True
+
+
 async def publish(nc: Client, subject: str, payload: bytes,
                   headers: Mapping[str, str] | bytes, reply: str = "") -> None:
     """`nc.publish(subject, payload, reply=reply, headers=headers)`, cheaper. `headers` may
@@ -55,14 +88,7 @@ async def publish(nc: Client, subject: str, payload: bytes,
         await nc.publish(subject, payload, reply=reply, headers=(
             parse_header_lines(headers) if isinstance(headers, bytes) else dict(headers)))
         return
-    _check_subject(subject)
-    if reply:
-        _check_subject(reply)
-    if len(payload) > nc.max_payload:
-        raise MaxPayloadError
-    hdr = headers if isinstance(headers, bytes) else header_block(headers)
-    cmd = b"".join((f"HPUB {subject} {reply} {len(hdr)} {len(hdr) + len(payload)}\r\n".encode(),
-                    hdr, payload, b"\r\n"))
+    cmd = command(nc, subject, payload, headers, reply)
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += len(payload)
     await nc._send_command(cmd)

@@ -47,6 +47,7 @@ class SoonFlush:
         self.writes = 0  # buffers written by this path (for tests and benchmarks)
         self.handed_back = 0  # turns whose buffer went to nats-py's flusher instead
         self._failing: asyncio.Task[None] | None = None  # nats-py's handling of a failed write
+        self._hooks: list[Callable[[], None]] = []  # `before_write`'s, this turn's
 
     async def flush_pending(self, force_flush: bool = False) -> Any:
         nc = self._nc
@@ -58,8 +59,28 @@ class SoonFlush:
             asyncio.get_running_loop().call_soon(self._write)
         return None
 
+    def before_write(self, hook: Callable[[], None]) -> None:
+        """Have `hook` called once at the end of this turn of the loop, just before the
+        buffer is written, so that what it adds to the buffer (`plane.contract.publish.append`)
+        goes in the turn's one write, behind everything made before, in the order hooks
+        were given. It runs whatever the connection's state (not connected, its additions
+        wait in nats-py's reconnect buffer). One that raises is reported to the loop's
+        exception handler; the others, and the write, go on."""
+        self._hooks.append(hook)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._write)
+
     def _write(self) -> None:
         self._scheduled = False
+        if self._hooks:
+            hooks, self._hooks = self._hooks, []
+            for hook in hooks:
+                try:
+                    hook()
+                except Exception as exc:  # a bug in one: the others and the write go on
+                    asyncio.get_running_loop().call_exception_handler(
+                        {"message": "a before-write hook raised", "exception": exc})
         nc = self._nc
         if not nc._pending:
             return  # written already

@@ -169,6 +169,16 @@ class Names:
     def done(self, model: str, node: str, k: int) -> str:
         return f"{self.prefix}.done.{model}.{node}.{int(k)}"
 
+    def done_batch(self, model: str, node: str) -> str:
+        """The done-events of several of a node's slots made in one turn of its event loop,
+        as one message (a msgpack array of them: `plane.contract.messages.read_done`)."""
+        return f"{self.prefix}.done.{model}.{node}"
+
+    def is_done_batch(self, subject: str) -> bool:
+        """Whether a subject under `done_all` is a node's `done_batch` (one token fewer than a
+        slot's `done`)."""
+        return subject.count(".") == self.prefix.count(".") + 3
+
     def done_all(self) -> str:
         return f"{self.prefix}.done.>"
 

@@ -34,9 +34,9 @@ from plane.contract.messages import (
     DoneEvent,
     Reason,
     Status,
-    done_decoder,
     heartbeat_decoder,
     json_encoder,
+    read_done,
 )
 from plane.contract.metrics import PlaneMetrics
 from plane.contract.models import MODELS
@@ -339,13 +339,17 @@ class Router(Lifecycle, TaskOwner):
         at its receipt, not when our loop got round to it (a volley of requests ahead of it
         taught the router 50+ ms cycles for a 1 ms model)."""
         try:
-            ev: DoneEvent = done_decoder.decode(msg.data)
+            events = read_done(msg.data, batch=self.names.is_done_batch(msg.subject))
         except msgspec.DecodeError:
             return
+        now = time.monotonic()
+        for ev in events:  # a node's one loop turn's (`gpu_node.done_batch`), in order
+            self._done_event(ev, now)
+
+    def _done_event(self, ev: DoneEvent, now: float) -> None:
         ms = self.models.get(ev.model)
         key = slot_key(ev.node, ev.k)
         if ms is not None:
-            now = time.monotonic()
             view = ms.slots.get(key)
             if view is not None and ev.status != NOT_ANSWERED:
                 view.finished(now, ev.request_id, ev.router)

@@ -109,6 +109,7 @@ INLINE_WORK_US_CPU = 50
 
 
 Enrich = Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]
+Answer = tuple[str, bytes, Mapping[str, str] | bytes]  # reply subject, body, headers
 
 
 class Slot(Generating):
@@ -303,11 +304,8 @@ class Slot(Generating):
                 rid, Status.UNAVAILABLE, Reason.UNHEALTHY,
                 f"slot {self.node}/{self.k} did not run it ({why}); retry elsewhere",
                 node=self.node)
-            answer = b""
-            try:
-                answer = command(self.nc, h[Header.REPLY_TO], body, headers)
-            finally:  # the slot is free whether or not its answer could be made
-                self._publish_done(h, rid, int(Status.UNAVAILABLE), 0, 0, answer=answer)
+            self._publish_done(h, rid, int(Status.UNAVAILABLE), 0, 0,
+                               answer=(h[Header.REPLY_TO], body, headers))
             self._answered(self.model, str(int(Status.UNAVAILABLE))).inc()
             log.warning("unfetched request answered", slot=self.k, request_id=rid, why=why)
 
@@ -577,11 +575,7 @@ class Slot(Generating):
         self.answered.add(placement_id(self.stream, stream_sequence(cur.msg)))
         self.answered.add(attempt_id(cur.request_id, h.get(Header.ATTEMPT, "1")))
         headers.update(trace_headers(h))  # the trace, back on the reply
-        answer = b""
-        try:
-            answer = command(self.nc, cur.reply, body, headers)
-        finally:  # the slot is free whether or not its answer could be made
-            self._done(cur, int(status), service_us, answer)
+        self._done(cur, int(status), service_us, (cur.reply, body, headers))
         if self.tracing.on:
             self._spans(cur, h, status)
         self._answered(self.model, str(int(status))).inc()
@@ -607,15 +601,17 @@ class Slot(Generating):
         self.tracing.record("plane.write_back", h, cur.compute_ns[1] or cur.fetched_ns,
                             time.time_ns(), {**attrs, "status": int(status)})
 
-    def _done(self, cur: Current, status: int, service_us: int, answer: bytes = b"") -> None:
+    def _done(self, cur: Current, status: int, service_us: int,
+              answer: Answer | None = None) -> None:
         self._publish_done(cur.msg.headers or {}, cur.request_id, status, service_us,
                            cur.own_us, cur.gen, answer)
 
     def _publish_done(self, h: dict[str, str], request_id: str, status: int,
                       service_us: int, work_us: int, gen: GenResult | None = None,
-                      answer: bytes = b"") -> None:
-        """The slot's done-event, and `answer` (a protocol command, `publish.command`) after
-        it, both at the end of this loop turn with the node's other slots' (`DoneBatch`).
+                      answer: Answer | None = None) -> None:
+        """The slot's done-event, and `answer` (reply subject, body, headers) after it, both
+        at the end of this loop turn with the node's other slots' (`DoneBatch`); the slot is
+        freed even if the answer cannot be made (it raises as nats-py's publish would).
         A generation's carries its tokens and phases (the router learns its per-token
         rates from them) and `work_us`, the device time it took."""
         ev = DoneEvent(request_id=request_id, node=self.node, model=self.model, k=self.k,
@@ -625,7 +621,12 @@ class Slot(Generating):
                        tokens=gen.tokens if gen else 0,
                        prefill_us=gen.prefill_us if gen else 0,
                        decode_us=gen.decode_us if gen else 0)
-        self.dones.send(ev, self.done_subject, answer)
+        cmd = b""
+        try:
+            if answer is not None:
+                cmd = command(self.nc, *answer)
+        finally:  # the slot is free whether or not its answer could be made
+            self.dones.send(ev, self.done_subject, cmd)
 
     # -- probes -----------------------------------------------------------------------------
     async def probe(self) -> bool:

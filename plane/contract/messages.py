@@ -301,13 +301,6 @@ msgpack_encoder = msgspec.msgpack.Encoder()
 advert_decoder = msgspec.json.Decoder(NodeAdvert)
 done_decoder = msgspec.msgpack.Decoder(DoneEvent)
 done_batch_decoder = msgspec.msgpack.Decoder(list[DoneEvent])
-
-
-def read_done(data: bytes, *, batch: bool) -> list[DoneEvent]:
-    """The done-events in one message: a slot's one (`plane.done.<model>.<node>.<k>`), or a
-    node's batch (`plane.done.<model>.<node>`, `Names.is_done_batch`). Raises
-    `msgspec.DecodeError` for anything else."""
-    return done_batch_decoder.decode(data) if batch else [done_decoder.decode(data)]
 admission_note_decoder = msgspec.msgpack.Decoder(AdmissionNote)
 heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 fault_decoder = msgspec.json.Decoder(FaultCommand)
@@ -317,3 +310,10 @@ disconnect_decoder = msgspec.json.Decoder(ClientDisconnect)
 
 def error_body(error: str, reason: Reason) -> bytes:
     return json_encoder.encode(ErrorBody(error=error, reason=reason.value))
+
+
+def read_done(data: bytes, *, batch: bool) -> list[DoneEvent]:
+    """The done-events in one message: a slot's one (`plane.done.<model>.<node>.<k>`), or a
+    node's batch (`plane.done.<model>.<node>`, `Names.is_done_batch`). Raises
+    `msgspec.DecodeError` for anything else."""
+    return done_batch_decoder.decode(data) if batch else [done_decoder.decode(data)]

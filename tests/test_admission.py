@@ -1107,3 +1107,58 @@ def test_the_promise_book_expires_each_promise_once_its_time_has_passed() -> Non
     assert book.expire(0.065) == [a]
     assert book.expire(0.075) == [b] and len(book) == 0
     assert book.expire(1.0) == []
+
+
+def test_a_holder_on_call_is_called_a_trip_ahead_of_its_slots_predicted_end() -> None:
+    """Work long beside a call's trip: the holder on call is called one trip before the busy
+    slot's predicted end (so it comes as the slot frees, not a trip after), brought forward
+    to due now; the slot's free then counts as its without a second call, and it is placed
+    as it comes, newcomers kept off meanwhile. Called only once, and only a holder that is
+    first in line, on call, not for a stream, and not told to come as soon anyway."""
+    long = Prediction(p50_us=100_000, p99_us=150_000)
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.100)
+    d = adm.decide(ms, replace(ask(0.0, pred=long), wake="_INBOX.me"))
+    assert isinstance(d, Refuse) and d.ticket is not None
+    (p,) = ms.promises
+    assert p.ahead and p.due_s > 0.098
+    adm.take_notes()
+    assert adm.call_ahead(ms, 0.098, 0.002) is p
+    assert p.called_s == 0.098 and p.due_s == 0.098 and adm.stats["holder-called-ahead"] == 1
+    assert [n.made for n in adm.take_notes()] == [True]  # the other routers book it due now
+    assert adm.call_ahead(ms, 0.0985, 0.002) is None  # called already
+    ms.slots["n/0"].release(0.100)
+    assert adm.slot_for(ms, 0.100) is p and p.called_s == 0.098  # its slot: no second call
+    assert adm.stats["holder-called"] == 0
+    assert isinstance(adm.decide(ms, ask(0.1005, pred=long)), Refuse)  # a newcomer
+    back = adm.decide(ms, ask(0.101, ticket=d.ticket, pred=long))
+    assert isinstance(back, Place) and back.redeemed is p
+    assert adm.call_trips["calibrated"].count == 1  # the trip is counted from the call
+
+    # Come before its slot frees: it waits for it, parked.
+    ms2, adm2 = slots(1), Admission("r")
+    busy_until(ms2, 0.100)
+    d2 = adm2.decide(ms2, replace(ask(0.0, pred=long), wake="_INBOX.me"))
+    assert isinstance(d2, Refuse) and adm2.call_ahead(ms2, 0.098, 0.002) is not None
+    assert isinstance(adm2.decide(ms2, ask(0.0995, ticket=d2.ticket, pred=long)), Park)
+
+    # Not called ahead: a stream's holder (its slot's end is a guess), one without an inbox,
+    # and anyone behind a first in line that is neither (that one gets the slot that frees).
+    for pred_ask in (replace(ask(0.0, pred=long), wake="_INBOX.s", first_p99_us=5_000,
+                             end_deadline_s=1.0),
+                     ask(0.0, pred=long)):
+        ms3, adm3 = slots(1), Admission("r")
+        busy_until(ms3, 0.100)
+        first = adm3.decide(ms3, pred_ask)
+        assert isinstance(first, Refuse) and first.ticket is not None
+        second = adm3.decide(ms3, replace(ask(0.0, pred=long), wake="_INBOX.me"))
+        assert isinstance(second, Refuse) and second.ticket is not None
+        assert [q.ahead for q in ms3.promises] == [False, True]
+        assert adm3.call_ahead(ms3, 0.098, 0.002) is None
+        assert all(not q.called_s for q in ms3.promises)
+    # Told to come within the trip anyway: left to come.
+    ms4, adm4 = slots(1), Admission("r")
+    busy_until(ms4, 0.100)
+    adm4.decide(ms4, replace(ask(0.0, pred=long), wake="_INBOX.me"))
+    (p4,) = ms4.promises
+    assert adm4.call_ahead(ms4, p4.back_s - 0.001, 0.002) is None

@@ -267,6 +267,7 @@ class Refuse(msgspec.Struct, frozen=True):
     retry_after_ms: int | None = None
     ticket: str | None = None
     delegate: bool = False  # a promise is needed and another router makes them: ask it
+    ahead: bool = False  # its ticket's holder is called ahead of a slot's end (`call_ahead`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -622,6 +623,36 @@ class Admission:
             return p
         return None
 
+    def call_ahead(self, ms: ModelSlots, now_s: float, trip_s: float) -> Promise | None:
+        """A slot of `ms` is predicted to free one call's trip (`trip_s`) from now: the
+        holder that slot will go to, called now so that it comes as the slot frees rather
+        than a trip after (`plane.router.calls`); None when that holder is not one to call
+        ahead. The holder it goes to is the first in due order neither here, called, nor
+        given a slot already, as `slot_for` will count it; called ahead only when it is on
+        call for work long beside the trip (`Promise.ahead`: not a stream, whose slot's end
+        is a guess), the call is this router's to make, and its own time is not as soon.
+        Called, it is not given a slot yet: the next slot that frees is counted as its
+        (`slot_for`, without a second call), and one that comes while every slot is still
+        busy waits, parked, for the first to free."""
+        for p in ms.promises:
+            if p.parked or p.slotted or p.called_s:
+                continue
+            if (not p.ahead or p.wake is None
+                    or (p.foreign and self.called_elsewhere(p.maker, ms.model))
+                    or p.back_s - now_s < trip_s + WAKE_LEAD_S):
+                return None
+            self.stats["holder-called-ahead"] += 1
+            p.called_s = now_s
+            if p.due_s > now_s:
+                ms.promises.bring_forward(p, now_s)
+                self.notes.append(PromiseChange(ms.model, p, made=True))
+            return p
+        return None
+
+    def call_trip_s(self, model: str) -> float:
+        """The median trip of a call to a holder of `model` (from the call to its return)."""
+        return self._call_trip(model).p50_us / 1e6
+
     def redeemed(self, ms: ModelSlots, promise: Promise, now_s: float) -> None:
         """The holder was placed (the broker took it onto its slot at `now_s`): its promise is
         kept (and out of the book already)."""
@@ -872,6 +903,7 @@ class Admission:
             expires_s=told_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
             issued_s=now, pinned=pinned, wake=ask.wake, promised_s=due_s,
+            ahead=on_call and ask.first_p99_us is None,
         )
         if promise.pinned:
             ms.promises.add(promise)
@@ -883,7 +915,7 @@ class Admission:
             Status.BUSY, Reason.BUSY,
             f"all {ms.model} slots are busy: come back in {told_ms} ms with this ticket"
             + (" (or when called)" if told_ms > wait_ms else ""),
-            retry_after_ms=told_ms, ticket=promise.ticket,
+            retry_after_ms=told_ms, ticket=promise.ticket, ahead=promise.ahead and pinned,
         )
 
     @staticmethod

@@ -52,6 +52,9 @@ class SlotView:
     # of the last one still on its way into the stream (`RequestPath._settling`).
     peer_took_s: float = -1.0
     placer: str = ""  # the router whose request's done-event came last ("": none, or unknown)
+    # The predicted end (`expected_free_s`) a holder was last called ahead of
+    # (`plane.router.calls`): one call ahead per piece of work on the slot.
+    called_ahead_s: float = -1.0
 
     def is_free(self, now_s: float) -> bool:
         """Free to place on. A slot the broker said was taken by someone else (no request id
@@ -217,6 +220,12 @@ class ModelSlots:
 
     def busy_count(self, now_s: float) -> int:
         return sum(1 for v in self.slots.values() if not v.is_free(now_s))
+
+    def ends_not_called_ahead(self) -> list[SlotView]:
+        """The healthy busy slots whose current work (its predicted end) no holder has been
+        called ahead of yet (`plane.router.calls`)."""
+        return [v for v in self.slots.values()
+                if v.healthy and v.busy and v.called_ahead_s != v.expected_free_s]
 
     def free_now(self, now_s: float, avoid_node: str | None = None,
                  placer: str = "") -> FreeNow:

@@ -59,6 +59,9 @@ class Promise:
     told_s: float = 0.0  # when its holder was told to come back (0: at `due_s`)
     called_s: float = 0.0  # when its holder was called to come now (0: not called)
     slotted: bool = False  # a freed slot was counted as its (`slot_for`)
+    # Its holder is on call for work long beside a call's trip (not a stream): called a trip
+    # before a slot is predicted to free, not when it frees (`Admission.call_ahead`).
+    ahead: bool = False
 
     @property
     def back_s(self) -> float:

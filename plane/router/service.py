@@ -135,7 +135,7 @@ class Router(Lifecycle, TaskOwner):
                            models=cfg.models)
         self.admission.called_elsewhere = self.peers.calls_elsewhere
         # Ticket holders with an inbox, called back when a slot frees for them.
-        self.calls = Calls(nc, self.admission, self.parking, self.peers.tell)
+        self.calls = Calls(nc, self.admission, self.parking, self.peers.tell, self._spawn)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
         self._reprovisioner = Reprovisioner(self.js, self._plan, who=cfg.router_id)
@@ -155,7 +155,7 @@ class Router(Lifecycle, TaskOwner):
             inflight=self.inflight,
             peers=self.peers, parking=self.parking, settings=self.settings,
             spawn=self._spawn, reprovision=self._reprovision,
-            tracing=tracing or Tracing.off()))
+            tracing=tracing or Tracing.off(), promised=self.calls.ahead))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
         self._started = False
         self._stopping = False
@@ -260,6 +260,7 @@ class Router(Lifecycle, TaskOwner):
         if not self._started or self._stopping:
             return
         self._stopping = True
+        self.calls.close()
         if self._leaders is not None:
             await cancel_and_wait(self._leaders)
         # Drain, not unsubscribe, the subjects that bring requests: nats-py discards what a

@@ -182,7 +182,7 @@ class RouterParts:
     tracing: Tracing = field(default_factory=Tracing.off)
     # A ticket given whose holder is called ahead of a slot's end (True), or a request placed
     # (False): the calls ahead look again (`plane.router.calls.Calls.ahead`).
-    promised: Callable[[ModelSlots, bool], None] = lambda ms, made: None
+    look_ahead: Callable[[ModelSlots, bool], None] = lambda ms, made: None
 
 
 class RequestPath:
@@ -209,7 +209,7 @@ class RequestPath:
         self._spawn = parts.spawn
         self._reprovision = parts.reprovision
         self.tracing = parts.tracing
-        self._promised = parts.promised
+        self._look_ahead = parts.look_ahead
         self.max_body_bytes = parts.cfg.max_body_bytes  # at most what the server carries
         # Ids for requests that came without one (a NUID drawn once, and a count).
         self._rids = RequestIds(parts.nc.new_inbox()[len("_INBOX."):])
@@ -545,7 +545,7 @@ class RequestPath:
                                        + PROMISE_OPEN_S)
                 await self._refuse(r.msg, r.rid, r.model, decision, r.tenant)
                 if decision.ahead:
-                    self._promised(r.ms, True)
+                    self._look_ahead(r.ms, True)
                 await self._decided(r, "refused-after-park" if parked else "refused")
             case Place():
                 await self._try_candidate(Placing(routing=r, place=decision,
@@ -809,7 +809,7 @@ class RequestPath:
                     self.admission.redeemed(r.ms, p.place.redeemed, time.monotonic())
                     self._tickets_honoured(r.model).inc()
                 await self.peers.tell_taken(r.model, view, p.place, r.ask, r.rid)
-                self._promised(r.ms, False)
+                self._look_ahead(r.ms, False)
                 await self._decided(r, "placed", view)
             case TimedOut():
                 self.fair.placed(r.model, r.tenant, r.ask.prediction.expected_us,

@@ -134,7 +134,8 @@ class Router(Lifecycle, TaskOwner):
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model,
                            models=cfg.models)
         self.admission.called_elsewhere = self.peers.calls_elsewhere
-        # Ticket holders with an inbox, called back when a slot frees for them.
+        # Ticket holders with an inbox, called back when a slot frees for them (or a call's
+        # trip before it is predicted to, for long work).
         self.calls = Calls(nc, self.admission, self.parking, self.peers.tell, self._spawn)
         self.settings = LiveSettings(cfg.names)
         self._plan = ProvisionPlan(names=cfg.names, replicas=replicas)
@@ -155,7 +156,7 @@ class Router(Lifecycle, TaskOwner):
             inflight=self.inflight,
             peers=self.peers, parking=self.parking, settings=self.settings,
             spawn=self._spawn, reprovision=self._reprovision,
-            tracing=tracing or Tracing.off(), promised=self.calls.ahead))
+            tracing=tracing or Tracing.off(), look_ahead=self.calls.ahead))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
         self._started = False
         self._stopping = False

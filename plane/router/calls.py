@@ -101,13 +101,31 @@ class Calls:
 
     def _fire(self, ms: ModelSlots) -> None:
         del self._timers[ms.model]
+        self._fire_now(ms)
+
+    def _fire_now(self, ms: ModelSlots) -> None:
+        """Call ahead of each busy slot whose work ends within a trip, unless the holders
+        that will take the slots freeing first are here already or called (`claimed`): the
+        k-th slot to free goes to the k-th of them, parked holders first. (Calling one for
+        every end, a holder parked a moment earlier took the slot a holder was called
+        ahead for, and that one waited for the next: the line of waiting holders never
+        shrank while the overload lasted, and 0.5-1% of them were refused again after their
+        park; BENCHMARKS.md, forty-fifth session.)"""
         now = time.monotonic()
         until_s = now + self._admission.call_trip_s(ms.model) + AHEAD_BATCH_S
-        for view in sorted(ms.ends_not_called_ahead(), key=lambda v: v.expected_free_s):
+        claimed = sum(1 for p in ms.promises if p.parked or (p.called_s and not p.slotted))
+        ends = sorted((v for v in ms.slots.values() if v.healthy and v.busy),
+                      key=lambda v: v.expected_free_s)
+        for freeing, view in enumerate(ends, start=1):
             if view.expected_free_s > until_s:
                 break
-            view.called_ahead_s = view.expected_free_s  # one call ahead of this work
+            if view.called_ahead_s == view.expected_free_s:
+                continue  # called ahead of already (counted in `claimed`, or placed since)
+            view.called_ahead_s = view.expected_free_s  # one look ahead of this work
+            if claimed >= freeing:
+                continue  # its free goes to a holder here or called already
             if (p := self._admission.call_ahead(ms, now, until_s - now)) is None:
                 break
+            claimed += 1
             self._spawn(self.call(p))
         self._arm(ms, now)

@@ -613,15 +613,19 @@ class Admission:
             if (p.wake is not None
                     and (not p.foreign or not self.called_elsewhere(p.maker, ms.model))
                     and p.back_s - now_s >= WAKE_LEAD_S):
-                self.stats["holder-called"] += 1
-                p.called_s = now_s
-                if p.due_s > now_s:
-                    ms.promises.bring_forward(p, now_s)
-                    # The other routers book it due now too (a called holder may come back
-                    # through any of them).
-                    self.notes.append(PromiseChange(ms.model, p, made=True))
+                self._call(ms, p, now_s, "holder-called")
             return p
         return None
+
+    def _call(self, ms: ModelSlots, p: Promise, now_s: float, stat: str) -> None:
+        """`p`'s holder is called now: due now at the latest."""
+        self.stats[stat] += 1
+        p.called_s = now_s
+        if p.due_s > now_s:
+            ms.promises.bring_forward(p, now_s)
+            # The other routers book it due now too (a called holder may come back through
+            # any of them).
+            self.notes.append(PromiseChange(ms.model, p, made=True))
 
     def call_ahead(self, ms: ModelSlots, now_s: float, trip_s: float) -> Promise | None:
         """A slot of `ms` is predicted to free one call's trip (`trip_s`) from now: the
@@ -641,11 +645,7 @@ class Admission:
                     or (p.foreign and self.called_elsewhere(p.maker, ms.model))
                     or p.back_s - now_s < trip_s + WAKE_LEAD_S):
                 return None
-            self.stats["holder-called-ahead"] += 1
-            p.called_s = now_s
-            if p.due_s > now_s:
-                ms.promises.bring_forward(p, now_s)
-                self.notes.append(PromiseChange(ms.model, p, made=True))
+            self._call(ms, p, now_s, "holder-called-ahead")
             return p
         return None
 

@@ -92,10 +92,10 @@ class Calls:
         if not any(p.ahead and not p.called_s for p in ms.promises):
             self._models.discard(ms.model)  # until the next such promise
             return
-        ends = ms.ends_not_called_ahead()
-        if not ends:
+        first = next((v for v in ms.by_end() if not v.called_ahead), None)
+        if first is None:
             return
-        at_s = min(v.expected_free_s for v in ends) - self._admission.call_trip_s(ms.model)
+        at_s = first.expected_free_s - self._admission.call_trip_s(ms.model)
         self._timers[ms.model] = asyncio.get_running_loop().call_later(
             max(0.0, at_s - now), self._fire, ms)
 
@@ -114,12 +114,10 @@ class Calls:
         now = time.monotonic()
         until_s = now + self._admission.call_trip_s(ms.model) + AHEAD_BATCH_S
         claimed = sum(1 for p in ms.promises if p.parked or (p.called_s and not p.slotted))
-        ends = sorted((v for v in ms.slots.values() if v.healthy and v.busy),
-                      key=lambda v: v.expected_free_s)
-        for freeing, view in enumerate(ends, start=1):
+        for freeing, view in enumerate(ms.by_end(), start=1):
             if view.expected_free_s > until_s:
                 break
-            if view.called_ahead_s == view.expected_free_s:
+            if view.called_ahead:
                 continue  # called ahead of already (counted in `claimed`, or placed since)
             view.called_ahead_s = view.expected_free_s  # one look ahead of this work
             if claimed >= freeing:

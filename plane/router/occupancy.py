@@ -100,6 +100,11 @@ class SlotView:
         self.done_ids = (request_id, *self.done_ids[:DONE_IDS_KEPT - 1])
         self.placer = placer
 
+    @property
+    def called_ahead(self) -> bool:
+        """Whether a holder was called ahead of its current work's end (`plane.router.calls`)."""
+        return self.called_ahead_s == self.expected_free_s
+
     def taken_by_peer(self) -> bool:
         """Whether another router took the slot since it last freed."""
         return self.peer_took_s > self.freed_s
@@ -221,11 +226,10 @@ class ModelSlots:
     def busy_count(self, now_s: float) -> int:
         return sum(1 for v in self.slots.values() if not v.is_free(now_s))
 
-    def ends_not_called_ahead(self) -> list[SlotView]:
-        """The healthy busy slots whose current work (its predicted end) no holder has been
-        called ahead of yet (`plane.router.calls`)."""
-        return [v for v in self.slots.values()
-                if v.healthy and v.busy and v.called_ahead_s != v.expected_free_s]
+    def by_end(self) -> list[SlotView]:
+        """The healthy busy slots, the one predicted to free first first."""
+        return sorted((v for v in self.slots.values() if v.healthy and v.busy),
+                      key=lambda v: v.expected_free_s)
 
     def free_now(self, now_s: float, avoid_node: str | None = None,
                  placer: str = "") -> FreeNow:

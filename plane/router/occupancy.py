@@ -135,6 +135,10 @@ class FreeNow:
     healthy: int
 
 
+def _end(v: SlotView) -> float:
+    return v.expected_free_s
+
+
 @dataclass(slots=True)
 class ModelSlots:
     model: str
@@ -226,10 +230,19 @@ class ModelSlots:
     def busy_count(self, now_s: float) -> int:
         return sum(1 for v in self.slots.values() if not v.is_free(now_s))
 
+    def working(self) -> Iterator[SlotView]:
+        """The healthy busy slots, in no order."""
+        return (v for v in self.slots.values() if v.healthy and v.busy)
+
     def by_end(self) -> list[SlotView]:
         """The healthy busy slots, the one predicted to free first first."""
-        return sorted((v for v in self.slots.values() if v.healthy and v.busy),
-                      key=lambda v: v.expected_free_s)
+        return sorted(self.working(), key=_end)
+
+    def next_end_not_called_ahead(self) -> SlotView | None:
+        """The healthy busy slot predicted to free first whose work no holder has been called
+        ahead of yet: one pass, not a sort (`plane.router.calls` asks on every placement of
+        a model with a holder to call ahead)."""
+        return min((v for v in self.working() if not v.called_ahead), key=_end, default=None)
 
     def free_now(self, now_s: float, avoid_node: str | None = None,
                  placer: str = "") -> FreeNow:

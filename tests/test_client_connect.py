@@ -243,3 +243,62 @@ async def test_a_connection_closed_while_a_refused_call_waits_ends_it_at_once(
             assert len(refused) == 1
     finally:
         await peer.close()
+
+
+async def test_a_call_held_while_nats_is_down_ends_503_after_its_reconnect_wait(
+        nats_server: EmbeddedNats) -> None:
+    """`ClientConfig.reconnect_wait_ms` bounds how long an attempt waits for a lost connection
+    (the gateway's HTTP callers are better told at once than held for the SDK's 30 s): then
+    the call ends 503 `no-capacity` locally, its request id on it, and so does a stream."""
+    config = ClientConfig(reconnect_wait_ms=300)
+    async with Client.connect(nats_server.url, config) as plane:
+        await nats_server.stop()
+        await wait_until(lambda: plane.nc.is_reconnecting, 5, "the client to see it")
+        t0 = time.monotonic()
+        result = await plane.call("calibrated", {"duration_us": 1}, request_id="held-1")
+        took = time.monotonic() - t0
+        stream = plane.stream("tinylm", {"prompt": "x"}, raise_errors=False, request_id="held-2")
+        await stream.start()
+        await nats_server.start()
+    assert result.status == 503 and result.reason == Reason.NO_CAPACITY and result.local
+    assert result.headers[Header.REQUEST_ID] == "held-1" and "down" in result.body.decode()
+    assert 0.3 <= took < 3.0, took  # not the 30 s of a call without a deadline
+    assert stream.status == 503 and stream.result is not None and stream.result.local
+    assert stream.result.headers[Header.REQUEST_ID] == "held-2"
+
+
+async def test_an_answer_within_the_routers_grace_reaches_the_caller(
+        nats_server: EmbeddedNats) -> None:
+    """The router counts a deadline from its receipt and answers within its grace of it: an
+    answer that comes a little after the caller's own deadline is still the caller's (the
+    SDK made up a 504 for it: the gateway's HTTP callers got 504 for work done). Silence is
+    a local 504 after `answer_margin_ms`, with the call's request id."""
+    late_s = 0.03
+    nc = await nats.connect(nats_server.url)
+
+    async def late(msg: Msg) -> None:
+        h = dict(msg.headers or {})
+        await asyncio.sleep(int(h[Header.DEADLINE_MS]) / 1000 + late_s)
+        await nc.publish(msg.reply, b'{"duration_us": 1}',
+                         headers=ok_headers(h[Header.REQUEST_ID], "n1", 0, 1))
+
+    async def silent(msg: Msg) -> None:
+        return None
+
+    await nc.subscribe(Names().infer("calibrated"), cb=late)
+    await nc.subscribe(Names().infer("risk"), cb=silent)
+    await nc.flush()
+    try:
+        async with Client.connect(nats_server.url, ClientConfig(answer_margin_ms=300)) as plane:
+            answered = await plane.call("calibrated", {"duration_us": 1}, deadline_ms=50,
+                                        request_id="late-1")
+            t0 = time.monotonic()
+            silent = await plane.call("risk", {"features": [0.0] * 32}, deadline_ms=50,
+                                      request_id="silent-1")
+            waited = time.monotonic() - t0
+    finally:
+        await nc.close()
+    assert answered.status == 200 and not answered.local, answered
+    assert silent.status == 504 and silent.local and silent.reason == Reason.DEADLINE
+    assert silent.headers[Header.REQUEST_ID] == "silent-1"
+    assert 0.05 + 0.3 <= waited < 2.0, waited

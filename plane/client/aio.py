@@ -14,8 +14,14 @@ Retry-After-Ms when its clock agrees with ours, exactly when it came with a tick
 capped exponential backoff with full jitter), and sends back the ticket it was given; a
 holder the router calls back (its inbox, `Plane-Wake`, sent while another attempt may
 follow: `plane.client.wake`) comes back then. After
-a 503 that named a node it asks for another (Plane-Avoid-Node). It never sleeps, nor waits
-for an answer, past the caller's deadline.
+a 503 that named a node it asks for another (Plane-Avoid-Node). It never sleeps past the
+caller's deadline; it waits for an answer until the deadline plus `ClientConfig.
+answer_margin_ms`, because the plane counts the deadline from when the router received the
+request and answers within its grace of it (docs/design.md): at the deadline exactly, the
+client would answer "no answer" for an answer on its way (a 200 of work done, or the
+router's own 429 for a request it held). While the connection is down (reconnecting) an
+attempt waits for it at most `ClientConfig.reconnect_wait_ms`, then the call ends 503
+`no-capacity` locally.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from plane.client.attempt import (
 )
 from plane.client.connection import (
     CONNECT_ATTEMPTS,
+    NOT_CONNECTED,
     ROUTERS_BACK_POLL_MS,
     Comeback,
     OnClose,
@@ -87,6 +94,14 @@ class ClientConfig:
     # for the plane's own final message before it ends it as silent (local 504). The router
     # answers within its grace (50 ms) of the deadline; this leaves room for a busy machine.
     stream_margin_ms: int = 1000
+    # How long past a call's deadline it waits for the plane's answer before it makes up its
+    # own 504 (the router answers within its grace, 50 ms, of the deadline it counts from its
+    # receipt; the rest is room for a busy machine). Calls without a deadline: `wait_ms`.
+    answer_margin_ms: int = 250
+    # How long an attempt waits for a lost connection to come back (nats-py reconnecting)
+    # before the call ends 503 `no-capacity` locally; None: until the call's deadline (or
+    # `wait_ms`). The gateway sets it short: an HTTP caller is better told at once.
+    reconnect_wait_ms: int | None = None
     seed: int | None = None  # the jitter's random source; None: seeded from the OS
     # Give the router an inbox (`Plane-Wake`) where it calls a ticket's holder back: on every
     # attempt that may be followed by another (`plane.client.wake`).
@@ -102,6 +117,10 @@ class ClientConfig:
             raise ConfigError("connect_attempts must be 1..1000")
         if not 0 <= self.stream_margin_ms <= 60_000:
             raise ConfigError("stream_margin_ms must be 0..60000 ms")
+        if not 0 <= self.answer_margin_ms <= 60_000:
+            raise ConfigError("answer_margin_ms must be 0..60000 ms")
+        if self.reconnect_wait_ms is not None and not 0 <= self.reconnect_wait_ms <= 600_000:
+            raise ConfigError("reconnect_wait_ms must be 0..600000 ms (or None)")
 
     def deadline_ms(self, model: str) -> int | None:
         """The deadline to send for `model` when a call gives none (None: send none)."""
@@ -235,7 +254,10 @@ class Client:
         wake = (await self.calls.inbox() if self.calls is not None and policy.max_attempts > 1
                 else None)
         while True:
-            await self.comeback.until_connected(deadline_at)
+            held_until = self.reconnect_until(deadline_at)
+            await self.comeback.until_connected(held_until)
+            if held_until < deadline_at and self.comeback.down():
+                return self._disconnected(request_id, statuses, hinted, waited_ms)
             remaining_s = deadline_at - time.monotonic()
             attempt_headers = attempt_headers_for(
                 headers, request_id=request_id, attempt=attempt,
@@ -245,6 +267,8 @@ class Client:
             sent = time.monotonic()
             reply_body, reply_headers, local = await self._attempt(
                 subject, body, attempt_headers, remaining_s,
+                remaining_s + self.config.answer_margin_ms / 1000 if send_deadline else
+                remaining_s,
                 "no answer within the deadline" if send_deadline else
                 f"no answer within {budget_ms} ms (ClientConfig.wait_ms: the call set no "
                 "deadline)",
@@ -271,6 +295,24 @@ class Client:
                 avoid_node = reply_headers.get(Header.NODE) or avoid_node
             waited_ms += await self.pause(given, delay_ms)
             attempt += 1
+
+    def reconnect_until(self, deadline_at: float) -> float:
+        """Until when an attempt waits for a lost connection (monotonic; calls and streams)."""
+        if self.config.reconnect_wait_ms is None:
+            return deadline_at
+        return min(deadline_at, time.monotonic() + self.config.reconnect_wait_ms / 1000)
+
+    def _disconnected(self, request_id: str, statuses: list[int], hinted: int,
+                      waited_ms: float) -> Result:
+        """The call's end when the connection stayed down past `reconnect_wait_ms`."""
+        body, headers = local_reply(
+            Status.UNAVAILABLE, Reason.NO_CAPACITY,
+            NOT_CONNECTED,
+            request_id)
+        statuses.append(Status.UNAVAILABLE)
+        return Result(status=Status.UNAVAILABLE, body=body, headers=headers,
+                      request_id=request_id, statuses=tuple(statuses), hinted=hinted,
+                      waited_ms=waited_ms, last_attempt_ms=0.0, local=True)
 
     async def pause(self, ticket: str | None, delay_ms: float) -> float:
         """Wait `delay_ms` before the next attempt, or less when the router calls `ticket`'s
@@ -318,12 +360,15 @@ class Client:
         )
 
     async def _attempt(
-        self, subject: str, body: bytes, headers: dict[str, str], timeout_s: float,
-        no_answer: str,
+        self, subject: str, body: bytes, headers: dict[str, str], remaining_s: float,
+        timeout_s: float, no_answer: str,
     ) -> tuple[bytes, dict[str, str], bool]:
-        """One request; (body, headers, made_up_locally)."""
-        if timeout_s <= 0:
-            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send")
+        """One request, sent with `remaining_s` of the call left, waited for `timeout_s`;
+        (body, headers, made_up_locally)."""
+        rid = headers[Header.REQUEST_ID]
+        if remaining_s <= 0:
+            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send",
+                               rid)
             return b, h, True
         try:
             msg = await self.replies.request(subject, body, headers, timeout_s)
@@ -332,11 +377,11 @@ class Client:
         except NatsTimeout:
             if self.nc.is_closed:  # closed while it waited: say why, not "no answer"
                 raise closed_error(self.nc) from None
-            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer)
+            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer, rid)
             return b, h, True
         except NoRespondersError:
             b, h = local_reply(
-                Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}"
+                Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}", rid
             )
             return b, h, True
         return msg.data, msg.headers or {}, False  # nats-py makes a dict per message

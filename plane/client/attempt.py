@@ -57,6 +57,9 @@ def attempt_headers_for(
     return out
 
 
-def local_reply(status: Status, reason: Reason, message: str) -> tuple[bytes, dict[str, str]]:
-    """A status the client makes up itself (no answer in time, nobody listening)."""
-    return error_body(message, reason), {Header.STATUS: str(int(status)), Header.REASON: reason}
+def local_reply(status: Status, reason: Reason, message: str, request_id: str
+                ) -> tuple[bytes, dict[str, str]]:
+    """A status the client makes up itself (no answer in time, nobody listening), with the
+    call's request id as the plane's replies carry it."""
+    return error_body(message, reason), {Header.STATUS: str(int(status)), Header.REASON: reason,
+                                         Header.REQUEST_ID: request_id}

@@ -40,6 +40,11 @@ ROUTERS_BACK_S = 2.0
 ROUTERS_BACK_POLL_MS = 20.0
 
 
+# A call's (or stream's) local 503 when the connection stayed down past
+# `ClientConfig.reconnect_wait_ms`.
+NOT_CONNECTED = "not sent: the connection to NATS is down (reconnecting); try again shortly"
+
+
 class Comeback:
     """What a client knows of its connection's outages: it waits out one before it sends, and
     tells a no-responders just after one from a plane that is down.
@@ -76,11 +81,14 @@ class Comeback:
         # connection the caller passed in are the caller's. Between two tries it is
         # "reconnecting", during a try's handshake "connecting" (it counts the reconnect
         # once the handshake is done): a call that went at "connecting" found no router.
-        while ((nc.is_reconnecting or nc.is_connecting)  # noqa: ASYNC110
-               and time.monotonic() < deadline_at):
+        while self.down() and time.monotonic() < deadline_at:  # noqa: ASYNC110
             await asyncio.sleep(RECONNECTED_POLL_S)
         if (n := nc.stats["reconnects"]) != self._reconnects:
             self._reconnects, self._back_s = n, time.monotonic()
+
+    def down(self) -> bool:
+        """The connection is lost and nats-py is trying to get it back."""
+        return bool(self._nc.is_reconnecting or self._nc.is_connecting)
 
     def routers_may_be_returning(self) -> bool:
         """The connection came back lately: a no-responders may be routers not back yet."""

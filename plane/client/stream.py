@@ -42,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
-from plane.client.connection import closed_error
+from plane.client.connection import NOT_CONNECTED, closed_error
 from plane.client.result import Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
@@ -203,7 +203,11 @@ class TokenStream:
         self._wake = (await client.calls.inbox()
                       if client.calls is not None and self._policy.max_attempts > 1 else None)
         while not self._closed:  # closed while it waited to retry: send nothing more
-            await client.comeback.until_connected(deadline_at)
+            held_until = client.reconnect_until(deadline_at)
+            await client.comeback.until_connected(held_until)
+            if held_until < deadline_at and client.comeback.down():
+                self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED)
+                return
             remaining_s = deadline_at - time.monotonic()
             if remaining_s <= 0:
                 self._finish_local(Status.DEADLINE, Reason.DEADLINE,
@@ -343,8 +347,7 @@ class TokenStream:
             last_attempt_ms=(time.monotonic() - self._sent_at) * 1000, local=local)
 
     def _finish_local(self, status: Status, reason: Reason, message: str) -> None:
-        body, headers = local_reply(status, reason, message)
-        headers[Header.REQUEST_ID] = self.request_id
+        body, headers = local_reply(status, reason, message, self.request_id)
         self._finish(int(status), body, headers, local=True)
 
     async def _end_silent(self, what: str) -> None:

@@ -60,7 +60,7 @@ from plane.gateway.config import GatewayConfig
 from plane.gateway.metrics import GatewayMetrics
 from plane.gateway.openapi import build_openapi
 from plane.gateway.ready import RouterProbe
-from plane.gateway.sse import open_stream, plane_events, wants_stream
+from plane.gateway.sse import open_stream, plane_events, stream_deadline_problem, wants_stream
 
 __all__ = ["build_app", "http_headers"]
 
@@ -99,6 +99,8 @@ async def _infer(request: web.Request, model: str) -> web.StreamResponse:
         return response
     args = call_args(caller, request)
     if wants_stream(caller, request, model):
+        if problem := stream_deadline_problem(caller):
+            return gateway_error(Status.BAD_REQUEST, Reason.BAD_REQUEST, problem, rid)
         stream = await open_stream(request, model, body, args, caller.stream_deadline_ms)
         if stream.started:
             return await plane_events(request, stream)
@@ -136,7 +138,9 @@ def _reason_of(status: int, phrase: str) -> str:
 async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp answers a path or method it has no route for (404, 405) by raising an
     HTTPException with a plain-text body; a bug in a handler would be a text 500. Both become
-    our JSON error body, keeping the exception's own headers (405's Allow)."""
+    our JSON error body, keeping the exception's own headers (405's Allow). A 500 is
+    counted and logged as any answer (`observe`): the route's own count never ran."""
+    started = time.monotonic()
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -150,8 +154,13 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
                             body=error_json(message, _reason_of(exc.status, exc.reason)))
     except Exception:
         log.exception("gateway handler failed", method=request.method, path=request.path)
-        return web.Response(status=500, content_type=JSON,
-                            body=error_json("internal error in the gateway", "internal"))
+        message = "internal error in the gateway"
+        response = (openai_compat.error_response(500, message, "internal")
+                    if openai_compat.is_openai_path(request.path) else
+                    web.Response(status=500, content_type=JSON,
+                                 body=error_json(message, "internal")))
+        observe(request, request.match_info.get("model", "_unknown"), response, started)
+        return response
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -171,8 +180,7 @@ def _unauthorized(request: web.Request) -> web.Response:
 async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
     if config.needs_token and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "").encode()
-        tenant = _tenant_of(given, config)
+        tenant = _tenant_of(_bearer(request.headers.get("Authorization", "")), config)
         if tenant is None:
             return _unauthorized(request)
         if tenant:
@@ -180,15 +188,24 @@ async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamRespo
     return await handler(request)
 
 
-def _tenant_of(given: bytes, config: GatewayConfig) -> str | None:
-    """The tenant a request's `Authorization` names: "" for the plain bearer token, None
-    for no token we know. Every token is compared in constant time."""
+def _bearer(authorization: str) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header (the scheme's case is the
+    client's: RFC 9110 11.1), None for any other."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _tenant_of(given: bytes | None, config: GatewayConfig) -> str | None:
+    """The tenant a request's bearer token names: "" for the plain bearer token, None for
+    none or a token we do not know. Every token is compared in constant time."""
+    if given is None:
+        return None
     found: str | None = None
     if config.bearer_token is not None and hmac.compare_digest(
-            given, f"Bearer {config.bearer_token}".encode()):
+            given, config.bearer_token.encode()):
         found = ""
     for token, tenant in config.tenant_tokens.items():
-        if hmac.compare_digest(given, f"Bearer {token}".encode()):
+        if hmac.compare_digest(given, token.encode()):
             found = tenant
     return found
 

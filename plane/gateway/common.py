@@ -53,14 +53,15 @@ TENANT_KEY = web.RequestKey("tenant", str)
 
 def http_headers(reply: Mapping[str, str], *, content_type: str | None = None) -> dict[str, str]:
     """The HTTP headers of a plane reply: Plane-* passed through, Retry-After in whole
-    seconds (rounded up, at least 1) next to Retry-After-Ms, X-Server-Time."""
+    seconds (rounded up: a wait of 1 ms is 1 s, none is 0) next to Retry-After-Ms,
+    X-Server-Time."""
     out = {k: reply[k] for k in PASSED if k in reply}
     out["Content-Type"] = content_type or reply.get(Header.CONTENT_TYPE) or JSON
     server_ms = reply.get(Header.SERVER_TIME)
     out[SERVER_TIME_HTTP] = server_ms if server_ms is not None else str(now_ms())
     after_ms = reply.get(Header.RETRY_AFTER_MS)
     if after_ms is not None and after_ms.isdigit():
-        out[Header.RETRY_AFTER] = str(max(1, math.ceil(int(after_ms) / 1000)))
+        out[Header.RETRY_AFTER] = str(math.ceil(int(after_ms) / 1000))
     return out
 
 

@@ -31,6 +31,10 @@ class GatewayConfig:
     # most `ready_timeout_s` for one, and keeps the answer for `ready_cache_s`.
     ready_timeout_s: float = 0.5
     ready_cache_s: float = 1.0
+    # While the gateway's NATS connection is down, a request waits this long for it to come
+    # back (a server's restart), then is answered 503 `no-capacity` (not held for the SDK's
+    # 30 s wait of a call with no deadline).
+    reconnect_wait_ms: int = 1000
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):
@@ -38,6 +42,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be between 0.1 and 3600 s")
         if not 0.01 <= self.ready_timeout_s <= 60 or not 0 <= self.ready_cache_s <= 60:
             raise ConfigError("ready_timeout_s must be 0.01..60 s and ready_cache_s 0..60 s")
+        if not 0 <= self.reconnect_wait_ms <= 600_000:
+            raise ConfigError("reconnect_wait_ms must be 0..600000 ms")
         if not 0 <= self.port <= 65535:
             raise ConfigError("--port must be in 0..65535")
         if not 1 <= self.max_body_bytes <= 16 * 1024 * 1024:

@@ -13,10 +13,12 @@ already have (the `openai` package, curl -N) work unchanged:
   `stream_options.include_usage`). `GET /v1/models` lists the models that stream.
 - `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p` and `seed` are
   the plane's own (`tinylm`: greedy, temperature 0, when none is given, where OpenAI's
-  default is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `echo`, `best_of`,
-  `suffix`, tools) is a 400 naming it; the penalties (`frequency_penalty`,
-  `presence_penalty`) are ignored. A chat message's role is one of OpenAI's (`system`,
-  `developer`, `user`, `assistant`, `tool`, `function`), else a 400.
+  default is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `top_logprobs`,
+  `echo`, `best_of`, `suffix`, `logit_bias`, a `response_format` other than text, tools and
+  functions) is a 400 naming it; the penalties (`frequency_penalty`, `presence_penalty`) are
+  ignored. The body is JSON (a `Content-Type` of msgpack is a 415). A chat message's role is
+  one of OpenAI's (`system`, `developer`, `user`, `assistant`, `tool`, `function`), else a
+  400.
 - Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: a refusal is
   a 429 with `Retry-After` (seconds) and `Retry-After-Ms` (both of which the `openai`
   package honours when it retries) and `code` the plane's reason; a `deadline` or
@@ -45,7 +47,7 @@ from plane.contract.errors import BadRequest
 from plane.contract.headers import read_caller
 from plane.contract.messages import FINAL_REFUSALS, Reason, Status, TinyLMReply, Usage
 from plane.contract.models import MODELS
-from plane.contract.subjects import Header
+from plane.contract.subjects import MSGPACK, Header
 from plane.gateway.common import (
     CLIENT_KEY,
     CONFIG_KEY,
@@ -75,7 +77,14 @@ from plane.gateway.openai_types import (
     OpenAIUsage,
     PlaneBody,
 )
-from plane.gateway.sse import ClientGone, EventWriter, event, open_stream, stream_headers
+from plane.gateway.sse import (
+    ClientGone,
+    EventWriter,
+    event,
+    open_stream,
+    stream_deadline_problem,
+    stream_headers,
+)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -91,8 +100,8 @@ _reply_decoder = msgspec.json.Decoder(TinyLMReply)
 # -- errors ----------------------------------------------------------------------------------
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                NOT_FOUND: "invalid_request_error", 408: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error",
-               504: "timeout_error"}
+               413: "invalid_request_error", 415: "invalid_request_error",
+               429: "rate_limit_error", 503: "server_error", 504: "timeout_error"}
 
 
 def is_openai_path(path: str) -> bool:
@@ -214,11 +223,17 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
         if exc.close:
             response.force_close()
         return response, "_unknown"
+    if (caller.content_type or "").startswith(MSGPACK):
+        return error_response(415, "the OpenAI routes take a JSON body (Content-Type: "
+                              "application/json); msgpack goes to /v1/infer/{model}",
+                              code="unsupported_media_type"), "_unknown"
     try:
         asked = shape.decoder.decode(raw)
-        prompt = asked.render()
-    except (msgspec.DecodeError, msgspec.ValidationError, BadRequest) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         return error_response(400, f"invalid request: {exc}", code=Reason.BAD_REQUEST), "_unknown"
+    except RecursionError:  # msgspec walks every value, even of a field it then ignores
+        return error_response(400, "invalid request: JSON nested too deeply",
+                              code=Reason.BAD_REQUEST), "_unknown"
     model = asked.model
     spec = MODELS.get(model)
     if spec is None or not spec.streams:
@@ -228,7 +243,16 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
     if bad := asked.unsupported():
         return error_response(400, f"not supported by the plane: {', '.join(bad)}",
                               code="unsupported_parameter"), model
-    body = _json.encode(PlaneBody(prompt=prompt, max_tokens=asked.tokens(),
+    if (tokens := asked.tokens()) is not None and tokens < 1:
+        return error_response(400, f"{asked.tokens_field()} must be at least 1, got {tokens}",
+                              code=Reason.BAD_REQUEST), model
+    if asked.stream and (problem := stream_deadline_problem(caller)):
+        return error_response(400, problem, code=Reason.BAD_REQUEST), model
+    try:
+        prompt = asked.render()
+    except BadRequest as exc:
+        return error_response(400, f"invalid request: {exc}", code=Reason.BAD_REQUEST), model
+    body = _json.encode(PlaneBody(prompt=prompt, max_tokens=tokens,
                                   temperature=asked.temperature, seed=asked.seed,
                                   top_p=asked.top_p))
     args = call_args(caller, request)

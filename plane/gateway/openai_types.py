@@ -17,6 +17,10 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False
 
 
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    type: str
+
+
 class _Asked(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     max_tokens: int | None = None
@@ -27,10 +31,26 @@ class _Asked(msgspec.Struct, frozen=True, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int = 1
     stop: str | list[str] | None = None
+    # Asked of the answer's content or its tokens: the plane cannot honour them, and an
+    # answer that ignored them would look like one that did (a JSON-mode caller would get
+    # text that is not JSON): each is a 400 that names it, unless it asks for nothing.
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> list[str]:
         out = ["n (only 1)"] if self.n != 1 else []
-        return out + (["stop"] if self.stop else [])
+        return out + [name for name, bad in (
+            ("stop", bool(self.stop)), ("logit_bias", bool(self.logit_bias)),
+            ("response_format (only text)", self.response_format is not None
+             and self.response_format.type != "text")) if bad]
+
+    def tokens(self) -> int | None:
+        """The most tokens to generate, as the caller asked (None: the plane's default)."""
+        return self.max_tokens
+
+    def tokens_field(self) -> str:
+        """The name of the field `tokens` came from, for an error about it."""
+        return "max_tokens"
 
     @property
     def include_usage(self) -> bool:
@@ -53,10 +73,8 @@ class CompletionRequest(_Asked, frozen=True, kw_only=True):
             ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))) if bad]
 
     def render(self) -> str:
+        """The prompt (after `unsupported`, which refuses a list of other than one)."""
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-
-    def tokens(self) -> int | None:
-        return self.max_tokens
 
 
 class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,14 +108,22 @@ class ChatRequest(_Asked, frozen=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         out = super().unsupported()
         if not self.messages:
             out.append("an empty messages list")
         return out + [name for name, bad in (
-            ("logprobs", bool(self.logprobs)), ("tools", bool(self.tools))) if bad]
+            ("logprobs", bool(self.logprobs)), ("top_logprobs", bool(self.top_logprobs)),
+            ("tools", bool(self.tools)), ("functions", bool(self.functions)),
+            # With no tools, "auto" and "none" ask for nothing.
+            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("function_call", self.function_call not in (None, "none", "auto"))) if bad]
 
     def render(self) -> str:
         """One prompt for a model without a chat template: a `role: content` line per
@@ -105,7 +131,12 @@ class ChatRequest(_Asked, frozen=True, kw_only=True):
         return "".join(f"{m.role}: {m.text()}\n" for m in self.messages) + "assistant:"
 
     def tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        """`max_completion_tokens`, OpenAI's name now, before the older `max_tokens`."""
+        return self.max_tokens if self.max_completion_tokens is None else (
+            self.max_completion_tokens)
+
+    def tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
 class PlaneBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

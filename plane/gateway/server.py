@@ -22,6 +22,10 @@ from plane.gateway.metrics import GatewayMetrics
 
 log = structlog.get_logger("plane.gateway")
 
+# How long aiohttp reads on (and drops) the rest of a body the gateway answered early, so that
+# a client still sending sees the answer rather than a reset, before it closes the connection.
+LINGERING_S = 1.0
+
 
 class Gateway:
     def __init__(self, config: GatewayConfig, connect_opts: ConnectOptions,
@@ -44,16 +48,21 @@ class Gateway:
             return
         self._nc = await connect(self.connect_opts)
         try:
-            client = Client(self._nc, ClientConfig(names=self.config.names))
+            client = Client(self._nc, ClientConfig(
+                names=self.config.names, reconnect_wait_ms=self.config.reconnect_wait_ms))
             app = build_app(client, self.config, self.metrics)
             # aiohttp's keep-alive timer is also its only head timeout: in 3.14 (checked in
             # `RequestHandler.connection_made`) it runs from the moment a connection opens,
             # and again after each answer, and when it fires on a connection still waiting
             # for a whole request head it closes it. Its default (3630 s) let a client
             # trickling a head hold a connection for an hour.
+            # After an answer given before the whole body came (a 408 for a body trickled
+            # in, a 413, a 401), aiohttp reads the rest for its lingering time before it
+            # closes: 10 s by default, a connection held for a client we already answered.
             self._runner = web.AppRunner(app, access_log=None,
                                          shutdown_timeout=self.config.shutdown_timeout_s,
-                                         keepalive_timeout=self.config.header_timeout_s)
+                                         keepalive_timeout=self.config.header_timeout_s,
+                                         lingering_time=LINGERING_S)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.config.host, self.config.port)
             await site.start()

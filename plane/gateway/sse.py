@@ -119,6 +119,18 @@ def stream_headers(stream: TokenStream) -> dict[str, str]:
     return http_headers(stream.start_headers)
 
 
+def stream_deadline_problem(caller: CallerHeaders) -> str | None:
+    """Why a stream's deadlines cannot be kept, in the caller's own header values (None: they
+    can): the whole stream's must be at least the first token's (`TokenStream` refuses it
+    too, but in its argument names)."""
+    whole, first = caller.stream_deadline_ms, caller.deadline_ms
+    if whole is not None and first is not None and whole < first:
+        return (f"{Header.STREAM_DEADLINE_MS} ({whole}) is shorter than {Header.DEADLINE_MS} "
+                f"({first}), the budget for the first token: give the whole stream at least "
+                "as long")
+    return None
+
+
 async def open_stream(request: web.Request, model: str, body: bytes, args: CallOptions,
                       stream_deadline_ms: int | None) -> TokenStream:
     """A stream to `model`, started (or refused: `started` is False, `result` says why).

@@ -8,7 +8,7 @@ import json
 
 from msgspec.structs import replace
 
-from plane.contract.budget import PRIOR_DECODE_NS, ServiceWindow, TokenRates
+from plane.contract.budget import PRIOR_DECODE_NS, RATES_MAX_AGE_S, ServiceWindow, TokenRates
 from plane.contract.messages import Reason, Status
 from plane.contract.streams import StreamReader
 from plane.contract.subjects import Header
@@ -57,6 +57,24 @@ def test_a_slower_device_is_learned() -> None:
     for _ in range(200):
         r.learn(prompt_tokens=10, tokens=100, prefill_us=1000, decode_us=80_000)  # 800 µs/token
     assert r.predict(overhead(0), 0, 10)[2] == 8_000
+
+
+def test_one_slow_stream_ages_out_of_the_rates() -> None:
+    """A stream slowed 50 ms a step (a device's hiccup, a node slowed) was the decode p99 of
+    a small window until 128 newer streams came, and every stream it made too long for its
+    deadline was refused `deadline` meanwhile, so none came: long streams were refused for
+    good (found from outside). Samples age out after RATES_MAX_AGE_S, as the cycle's do."""
+    r = TokenRates()
+    for i in range(20):
+        r.learn(prompt_tokens=10, tokens=100, prefill_us=500, decode_us=40_000, now_s=i * 0.1)
+    r.learn(prompt_tokens=10, tokens=20, prefill_us=500, decode_us=1_000_000, now_s=2.0)
+    assert r.decode.p99_us == 50_000_000  # 50 ms a token: 200 tokens, 10 s
+    r.expire(2.0 + RATES_MAX_AGE_S - 0.01)
+    assert r.decode.p99_us == 50_000_000  # not before its age
+    r.expire(2.0 + RATES_MAX_AGE_S + 0.01)
+    assert r.decode.count == 0 and r.decode.p99_us == PRIOR_DECODE_NS  # the prior again
+    r.learn(prompt_tokens=10, tokens=100, prefill_us=500, decode_us=40_000, now_s=13.0)
+    assert r.decode.p99_us == 400_000
 
 
 def stream_ask(now: float, *, ttft_s: float, stream_s: float, r: TokenRates,

@@ -146,6 +146,13 @@ def fits(p99_us: int, remaining_us: int) -> bool:
 PRIOR_DECODE_NS = 300_000
 PRIOR_PREFILL_NS = 40_000
 FULL = 1000  # a stream that produced all its max_tokens, in per mille
+# A generation's rates age out after this long (`ServiceWindow.max_age_s`), as the router's
+# cycle does: with a sample per stream, one slow stream (a device's hiccup, a slowed node)
+# was the p99 of a small window until 128 newer streams pushed it out, and every stream
+# whose deadline it did not fit was refused `deadline` (final) meanwhile, so none came to
+# teach a newer rate: the model refused long streams for good. Longer than the cycle's
+# (2 s): one sample a stream, not one a request.
+RATES_MAX_AGE_S = 10.0
 
 
 @dataclass(slots=True)
@@ -155,27 +162,34 @@ class TokenRates:
     that a fast device keeps its precision), each in a window with p50 and p99 like the
     overhead, and the share of max_tokens produced. A stream's device work is predicted as
     `prompt x prefill + max_tokens x share x decode`, each at its quantile; its first token
-    as `prompt x prefill + one step`.
+    as `prompt x prefill + one step`. Each sample ages out after RATES_MAX_AGE_S (`expire`).
     """
 
     prefill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
-        size=128, prior_us=PRIOR_PREFILL_NS))
+        size=128, prior_us=PRIOR_PREFILL_NS, max_age_s=RATES_MAX_AGE_S))
     decode: ServiceWindow = field(default_factory=lambda: ServiceWindow(
-        size=128, prior_us=PRIOR_DECODE_NS))
+        size=128, prior_us=PRIOR_DECODE_NS, max_age_s=RATES_MAX_AGE_S))
     # How much of max_tokens streams produce (per mille): a model that often ends early
     # (END sampled, callers that cancel) frees its slot early, and promises are spaced by
     # what streams take, not by what they may take (the p99 still bounds deadlines).
     fill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
-        size=128, prior_us=FULL))
+        size=128, prior_us=FULL, max_age_s=RATES_MAX_AGE_S))
 
     def learn(self, prompt_tokens: int, tokens: int, prefill_us: int, decode_us: int,
-              max_tokens: int = 0) -> None:
+              max_tokens: int = 0, now_s: float = 0.0) -> None:
+        """One generation's done-event, at monotonic `now_s` (for its age)."""
         if prompt_tokens > 0 and prefill_us > 0:
-            self.prefill.add(prefill_us * 1000 // prompt_tokens)
+            self.prefill.add(prefill_us * 1000 // prompt_tokens, now_s)
         if tokens > 0 and decode_us > 0:
-            self.decode.add(decode_us * 1000 // tokens)
+            self.decode.add(decode_us * 1000 // tokens, now_s)
         if max_tokens > 0:
-            self.fill.add(min(FULL, tokens * FULL // max_tokens))
+            self.fill.add(min(FULL, tokens * FULL // max_tokens), now_s)
+
+    def expire(self, now_s: float) -> None:
+        """Drop the samples older than RATES_MAX_AGE_S (an emptied window is its prior)."""
+        self.prefill.expire(now_s)
+        self.decode.expire(now_s)
+        self.fill.expire(now_s)
 
     def predict(self, overhead: ServiceWindow, prompt_tokens: int,
                 max_tokens: int) -> tuple[Prediction, int, int]:

@@ -372,7 +372,7 @@ class Router(Lifecycle, TaskOwner):
             # they hold whatever our own loop was doing (a lag here made a stream that ran
             # right after a router's start teach nothing: CI, test_streams_client).
             ms.rates.learn(ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us,
-                           fl.max_tokens)
+                           fl.max_tokens, now)
         # The slot's whole cycle as this router sees it (publish -> done-event), not only the
         # node's service time: that is when the slot is free again, and what promises must be
         # spaced by. Not while our loop lags (it would measure the lag), nor from a 200 whose
@@ -502,6 +502,7 @@ class Router(Lifecycle, TaskOwner):
                     self._forget_node(node, f"no heartbeat for {now - seen:.1f} s")
             for ms in self.models.values():
                 ms.window.expire(now)
+                ms.rates.expire(now)
                 self.metrics.promises_open.labels(ms.model).set(len(ms.promises))
                 self.metrics.promise_depth.labels(ms.model).set(self.admission.depth(ms, now))
             for then in self.publisher.expire(now):

@@ -38,6 +38,7 @@ from plane.router.promises import (
 
 NAMES = Names()
 MS10 = Prediction(p50_us=10_000, p99_us=11_000)
+MS200 = Prediction(p50_us=200_000, p99_us=200_000)
 
 
 def slots(n: int, healthy: bool = True) -> ModelSlots:
@@ -666,11 +667,49 @@ def test_late_holders_are_not_no_shows() -> None:
     ms.slots["n/0"].release(0.010)
     # Every promise lapses (a caller's process stalled) ...
     assert isinstance(adm.decide(ms, ask(0.2)), Place)
-    # ... and the holders all come back, late: they are late, not no-shows.
+    # ... each lapse counted a no-show (0.9, 0.81, 0.73) ...
+    assert abs(adm.redemption["calibrated"] - 0.729) < 1e-9
+    # ... and the holders all come back, late: they are late, not no-shows, and the average
+    # comes back up with them.
     for t in tickets:
         adm.decide(ms, ask(0.3, ticket=t))
     adm.decide(ms, ask(5.0))  # long after: nothing left to count as a no-show
-    assert adm.stats["ticket-late"] == 3 and adm.redemption["calibrated"] == 1.0
+    assert adm.stats["ticket-late"] == 3 and adm.redemption["calibrated"] > 0.8
+    busy_until(ms, 5.010)
+    pinned = adm.decide(ms, ask(5.0))
+    assert isinstance(pinned, Refuse) and pinned.ticket in adm.tickets  # promises still pin
+
+
+def test_promises_pinned_for_callers_who_stopped_coming_back_let_the_slots_go() -> None:
+    """One caller resending without its tickets filled the book with promises: both slots
+    idled through the chain (2 x 200 ms, 16 promises: 1.6 s) and every caller was refused
+    `overloaded` (found from outside). Once the no-shows bring the average under
+    MIN_REDEMPTION, the promises still pinned stop holding slot time: a newcomer takes a
+    free slot at once."""
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.2, 0.2)
+    now, made = 0.0, 0
+    while True:  # the flooder: a newcomer every 5 ms, never back
+        d = adm.decide(ms, ask(now, deadline_s=3.0, pred=MS200))
+        assert isinstance(d, Refuse)
+        if d.reason is Reason.OVERLOADED:
+            break
+        made += 1
+        now += 0.005
+    assert made >= 2 * 3 and len(ms.promises) == made  # the book is full
+    # The slots free; the chain's promises come due and lapse one by one, nobody back.
+    ms.slots["n/0"].release(0.2)
+    ms.slots["n/1"].release(0.2)
+    placed_at = None
+    while now < 3.0 and placed_at is None:
+        now += 0.005
+        d = adm.decide(ms, ask(now, deadline_s=3.0, pred=MS200))
+        if isinstance(d, Place):
+            placed_at = now
+    assert placed_at is not None and adm.stats["promise-unpinned"] > 0
+    # Placed as soon as seven lapses (about one a slot cycle) stop the pinning, not at the
+    # end of the chain.
+    assert placed_at < made * 0.2 / 2, (placed_at, made)
 
 
 def test_a_slot_past_its_predicted_end_is_promised_later_as_its_overrun_grows() -> None:

@@ -53,11 +53,16 @@ PARK_MARGIN_S = 0.002
 PARK_MAX_SHARE = 1.0
 # Promises pin slot time only while callers come back for them: below this share of
 # redeemed tickets (an exponential average), refusals carry a Retry-After estimate and a
-# ticket but pin no slot, so callers who never retry cannot leave slots idle. A ticket counts
-# as a no-show only when its holder has not come back at all within LAPSED_KEEP_S of its
-# expiry (a burst of late holders is not a burst of no-shows); pinned or not, so that the
-# average follows the callers there are now. With REDEMPTION_WEIGHT 0.1, seven no-shows in a
-# row stop pinning: under callers that never retry (`hey`), within about half a second.
+# ticket but pin no slot, so callers who never retry cannot leave slots idle, and the
+# promises still pinned are let go (`_unpin`: their holders, if they come, go as newcomers).
+# A ticket counts as a no-show when its promise lapses (its due time plus the late
+# tolerance), pinned or not, so that the average follows the callers there are now; a holder
+# that comes back within LAPSED_KEEP_S after counts as redeemed (a burst of late holders
+# dips the average, then restores it). With REDEMPTION_WEIGHT 0.1, seven no-shows in a row
+# stop pinning. (Counted only LAPSED_KEEP_S after the lapse, and with the promises already
+# pinned kept to their end, one caller resending every 5 ms without its tickets, 2 slots of
+# 200 ms, held the book full of its promises: both slots idle and every caller refused
+# `overloaded` for 2 s and more; found from outside.)
 MIN_REDEMPTION = 0.5
 # A newcomer that finds every slot busy but one predicted to free (after every open promise)
 # within this share of the p50 service time waits for it (parked, as a holder would) instead
@@ -418,6 +423,7 @@ class Admission:
         # Tickets that pinned no slot time, until they lapse: ticket -> (model, expires_s).
         self._unpinned: dict[str, tuple[str, float]] = {}
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
+        self._unpin_due: set[str] = set()  # models whose average fell under MIN_REDEMPTION
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
         # Whether another router calls the holders of a promise the given router made: the
@@ -781,7 +787,21 @@ class Admission:
 
     def _count(self, model: str, *, redeemed: bool) -> None:
         rate = self.redemption.get(model, 1.0)
-        self.redemption[model] = rate + REDEMPTION_WEIGHT * (float(redeemed) - rate)
+        self.redemption[model] = now = rate + REDEMPTION_WEIGHT * (float(redeemed) - rate)
+        if now < MIN_REDEMPTION <= rate:
+            self._unpin_due.add(model)  # the promises pinned meanwhile go at the next look
+
+    def _unpin(self, ms: ModelSlots) -> None:
+        """Callers stopped coming back for their tickets: the promises this router pinned
+        for holders not here (neither parked nor called) stop holding slot time, and count
+        as the tickets made unpinned do (a holder that comes goes as a newcomer, redeemed).
+        Kept pinned to their end, a book filled by one caller who never came back left the
+        slots idle through its whole chain."""
+        for p in [p for p in ms.promises if not (p.foreign or p.parked or p.called_s)
+                  and p.ticket in self.tickets]:
+            self.forget(ms, p)
+            self._unpinned[p.ticket] = (ms.model, p.expires_s)
+            self.stats["promise-unpinned"] += 1
 
     def _spared(self, ask: Ask) -> Promise | None:
         """The promise of a holder that came before it expired, at its first look: kept for
@@ -800,15 +820,32 @@ class Admission:
             if p.foreign:
                 self.foreign.pop(p.ticket, None)
             elif self.tickets.pop(p.ticket, None) is not None:
-                self._lapsed[p.ticket] = (ms.model, now_s)
-        # Holders not back within LAPSED_KEEP_S are no-shows (oldest first: dicts keep order).
-        for book in (self._lapsed, self._unpinned):
-            while book:
-                ticket, (model, lapsed_s) = next(iter(book.items()))
-                if lapsed_s >= now_s - LAPSED_KEEP_S and len(book) <= LAPSED_MAX:
-                    break
-                del book[ticket]
-                self._count(model, redeemed=False)
+                self._lapse(p.ticket, ms.model, now_s)
+        # Unpinned tickets lapse at their expiry (oldest first: dicts keep order) ...
+        unpinned = self._unpinned
+        while unpinned:
+            ticket, (model, expires_s) = next(iter(unpinned.items()))
+            if expires_s >= now_s and len(unpinned) <= LAPSED_MAX:
+                break
+            del unpinned[ticket]
+            self._lapse(ticket, model, now_s)
+        # ... and a lapsed ticket is known for LAPSED_KEEP_S more (a late holder's).
+        lapsed = self._lapsed
+        while lapsed:
+            ticket, (_, lapsed_s) = next(iter(lapsed.items()))
+            if lapsed_s >= now_s - LAPSED_KEEP_S and len(lapsed) <= LAPSED_MAX:
+                break
+            del lapsed[ticket]
+        if ms.model in self._unpin_due:
+            self._unpin_due.discard(ms.model)
+            if self.redemption.get(ms.model, 1.0) < MIN_REDEMPTION:
+                self._unpin(ms)
+
+    def _lapse(self, ticket: str, model: str, now_s: float) -> None:
+        """A ticket whose holder did not come in time: a no-show, unless it still comes
+        within LAPSED_KEEP_S (then redeemed, late: `_holder`)."""
+        self._lapsed[ticket] = (model, now_s)
+        self._count(model, redeemed=False)
 
     def forget(self, ms: ModelSlots, p: Promise, *, tell: bool = True,
                kept: bool = False) -> None:

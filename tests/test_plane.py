@@ -607,3 +607,22 @@ async def test_secured_server_credentials_pass_through() -> None:
                 await nc.close()
         with pytest.raises(ConfigError, match="--user and --password go together"):
             ConnectOptions(url=srv.url, user="plane")
+
+
+async def test_a_lapsed_promise_leaves_the_book_with_no_request_to_see_it() -> None:
+    """A ticket nobody brings back lapses on the router's own tick: `plane status` and the
+    promises gauge showed it open for minutes, until the next request (found from outside)."""
+    async with plane(models=("calibrated",), slots=1) as stack, client(stack.url) as nc:
+        [router] = stack.routers
+        long = asyncio.create_task(nc.request(NAMES.infer("calibrated"), calibrated(300_000),
+                                              timeout=5, headers=LONG_DEADLINE))
+        await wait_until(lambda: slots_running(stack) == 1, 5, "the slot running")
+        refused = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5,
+                                   headers=LONG_DEADLINE)
+        assert status(refused) == 429 and header(refused, Header.TICKET), refused.headers
+        assert router.admission.tickets
+        assert status(await long) == 200
+        gauge = {"model": "calibrated"}
+        await wait_until(lambda: not router.admission.tickets and not len(
+            router.models["calibrated"].promises) and stack.metrics.registry.get_sample_value(
+            "plane_promises_open", gauge) == 0, 5, "the promise to lapse, unasked")

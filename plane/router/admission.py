@@ -841,6 +841,12 @@ class Admission:
             if self.redemption.get(ms.model, 1.0) < MIN_REDEMPTION:
                 self._unpin(ms)
 
+    def tidy(self, ms: ModelSlots, now_s: float) -> None:
+        """Lapse what has lapsed without a decision to see it (the watchdog's tick): the
+        book and its gauges, and `plane status`, say what is open now, not at the last
+        request."""
+        self._expire(ms, now_s)
+
     def _lapse(self, ticket: str, model: str, now_s: float) -> None:
         """A ticket whose holder did not come in time: a no-show, unless it still comes
         within LAPSED_KEEP_S (then redeemed, late: `_holder`)."""

@@ -503,6 +503,7 @@ class Router(Lifecycle, TaskOwner):
             for ms in self.models.values():
                 ms.window.expire(now)
                 ms.rates.expire(now)
+                self.admission.tidy(ms, now)
                 self.metrics.promises_open.labels(ms.model).set(len(ms.promises))
                 self.metrics.promise_depth.labels(ms.model).set(self.admission.depth(ms, now))
             for then in self.publisher.expire(now):

@@ -69,6 +69,13 @@ def test_msgpack_bodies_and_nan() -> None:
         spec.decode(msgspec.msgpack.encode({"features": [math.nan] * 32}), MSGPACK)
 
 
+def test_a_json_body_sent_as_msgpack_is_told_how_it_was_read() -> None:
+    """Read as msgpack, `{"features": ...}` is the integer 123 ('{'): "Expected `object`, got
+    `int`" alone sent the caller looking at its JSON (found from outside)."""
+    with pytest.raises(BadRequest, match=r"read as msgpack: Content-Type application/msgpack"):
+        model_spec("risk").decode(b'{"features": [0.5]}', MSGPACK)
+
+
 def test_calibrated_bounds() -> None:
     spec = model_spec("calibrated")
     assert spec.work_us(spec.decode(b'{"duration_us": 1500}', None)) == 1500

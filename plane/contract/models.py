@@ -39,10 +39,14 @@ class ModelSpec:
             else:
                 req = self.json_decoder.decode(body)
         except msgspec.ValidationError as exc:
-            raise BadRequest(f"invalid {self.name} request: {exc}") from None
+            # Read as msgpack, a JSON body is a small integer: say how it was read.
+            how = f" (read as msgpack: Content-Type {MSGPACK})" if content_type == MSGPACK else ""
+            raise BadRequest(f"invalid {self.name} request{how}: {exc}") from None
         except msgspec.DecodeError as exc:
             kind = "msgpack" if content_type == MSGPACK else "JSON"
             raise BadRequest(f"request body is not valid {kind}: {exc}") from None
+        except RecursionError:  # nested past the interpreter's depth (no model takes that)
+            raise BadRequest(f"invalid {self.name} request: nested too deeply") from None
         if isinstance(req, RiskRequest) and not all(
             math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in req.features
         ):

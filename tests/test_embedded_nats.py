@@ -7,11 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from plane.contract.embedded import EmbeddedNats, NatsServerSpec, embedded_gomaxprocs
+from plane.contract.embedded import (
+    STORE_PREFIX,
+    EmbeddedNats,
+    NatsServerSpec,
+    embedded_gomaxprocs,
+)
 from plane.contract.processes import free_port
 
 
@@ -53,3 +62,29 @@ async def test_an_operators_gomaxprocs_is_kept_and_a_specs_wins(
     monkeypatch.setenv("GOMAXPROCS", "3")
     assert (await _gomaxprocs(NatsServerSpec()))[0] == 3
     assert (await _gomaxprocs(NatsServerSpec(gomaxprocs=2)))[0] == 2
+
+
+def _is_dir(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+async def test_a_killed_processs_store_is_swept_by_the_next_server(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """`plane up` killed (SIGKILL) left its server's JetStream store in the temporary
+    directory (found from outside): the next lone server removes the stores of processes that
+    no longer run, and only those."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"{STORE_PREFIX}{dead.pid}-abc"
+    (orphan / "jetstream").mkdir(parents=True)
+    mine = tmp_path / f"{STORE_PREFIX}{os.getpid()}-xyz"
+    mine.mkdir()
+    other = tmp_path / f"{STORE_PREFIX}notapid"
+    other.mkdir()
+    async with EmbeddedNats() as srv:
+        store = srv.spec.store_dir
+        assert store is not None and Path(store).parent == tmp_path
+        assert not orphan.exists() and mine.exists() and other.exists()
+    assert not _is_dir(store)  # its own, removed as it stops

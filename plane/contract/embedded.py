@@ -21,6 +21,7 @@ of 6 runs of tests/test_cluster.py, against over 80% in 4 of 4 with Go's default
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import re
 import shutil
@@ -82,6 +83,36 @@ class NatsServerSpec:
 MAX_VIOLATIONS_KEPT = 1000
 
 
+# A lone server's JetStream store: a temporary directory named for the process that made
+# it, removed when that process stops the server, and by the next one to start a server if
+# it was killed first (`plane up` under SIGKILL left its store in the temporary directory).
+STORE_PREFIX = "plane-nats-"
+
+
+def sweep_orphan_stores(root: str | None = None) -> list[str]:
+    """Remove the stores (`<tmp>/plane-nats-<pid>-*`) of processes that no longer run; the
+    paths removed. A live process's (or a pid reused since: then kept) is left alone."""
+    root = root or tempfile.gettempdir()
+    gone = []
+    for path in glob.glob(os.path.join(root, f"{STORE_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(STORE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
 class EmbeddedNats(ChildProcess):
     """`async with EmbeddedNats() as srv:` starts nats-server with JetStream; `srv.url`.
     `restart()` keeps its port and store directory."""
@@ -109,7 +140,8 @@ class EmbeddedNats(ChildProcess):
     def _args(self) -> list[str]:
         s = self.spec
         if s.store_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="plane-nats-")
+            sweep_orphan_stores()
+            self._tmp = tempfile.TemporaryDirectory(prefix=f"{STORE_PREFIX}{os.getpid()}-")
             s.store_dir = self._tmp.name
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(s.port), "-js"]
         args += ["-sd", s.store_dir]

@@ -187,6 +187,29 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot(
     assert len(again.choices[0].text) == 5  # the slot serves on
 
 
+async def test_a_client_that_leaves_before_a_whole_answer_frees_the_slot(
+        stack: PlaneStack, gateway: Gateway, admin: NATS) -> None:
+    """A whole completion (`stream: false`) whose HTTP client gives up (its timeout, a closed
+    tab) is cancelled: the slot generated for nobody up to max_tokens (found from outside).
+    The client's disconnect cancels the gateway's handler, which cancels the generation."""
+    cancels = await listen(admin, NAMES.cancel_all())
+    await slow(admin, 5000)  # 200 tokens: a second at least, if not cancelled
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200}
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        with pytest.raises(TimeoutError):
+            async with http.post(f"{gateway.url}/v1/completions", json=body,
+                                 headers={Header.REQUEST_ID: "whole-1"},
+                                 timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+    await wait_until(lambda: any((c.headers or {}).get(Header.REQUEST_ID) == "whole-1"
+                                 for c in cancels), 5, "the gateway's cancel")
+    took_s = await wait_until(lambda: slots_running(stack) == 0, 5, "the slot to free")
+    assert took_s < 0.5
+    async with aiohttp.ClientSession() as anon, anon.get(f"{gateway.url}/metrics") as r:
+        assert 'plane_gateway_requests_total{model="tinylm",status="499"} 1.0' in await r.text()
+    await slow(admin, 0)
+
+
 async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         await oa.completions.create(model="risk", prompt="x")

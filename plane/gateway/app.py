@@ -18,6 +18,7 @@ with Server-Sent Events (`plane.gateway.sse`); `POST /v1/completions` and
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from typing import Any
@@ -54,6 +55,7 @@ from plane.gateway.common import (
     gateway_error,
     http_headers,
     observe,
+    observe_gone,
     read_body,
 )
 from plane.gateway.config import GatewayConfig
@@ -71,7 +73,11 @@ _json = msgspec.json.Encoder()
 async def infer(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     model = request.match_info["model"]
-    response = await _infer(request, model)
+    try:
+        response = await _infer(request, model)
+    except asyncio.CancelledError:  # the HTTP client left (a stream of its was cancelled)
+        observe_gone(request, model, started)
+        raise
     observe(request, model, response, started)
     return response
 

@@ -49,6 +49,7 @@ PROBE_KEY = web.AppKey("router_probe", RouterProbe)
 OPENAPI_KEY = web.AppKey("openapi", bytes)
 CANONICAL_KEY = web.AppKey("canonical", CanonicalLog)
 TENANT_KEY = web.RequestKey("tenant", str)
+MODEL_KEY = web.RequestKey("model", str)  # the model a request named, once known
 
 
 def http_headers(reply: Mapping[str, str], *, content_type: str | None = None) -> dict[str, str]:
@@ -132,6 +133,16 @@ def call_args(caller: CallerHeaders, request: web.Request) -> CallOptions:
     if extra:
         args["headers"] = extra
     return args
+
+
+# What the metrics and the canonical line count for a request whose HTTP client left before
+# its answer (nginx's "client closed request"): its handler was cancelled.
+CLIENT_GONE = 499
+
+
+def observe_gone(request: web.Request, model: str, started: float) -> None:
+    """A request whose client disconnected before its answer (its handler cancelled)."""
+    observe(request, model, web.Response(status=CLIENT_GONE), started)
 
 
 def observe(request: web.Request, model: str, response: web.StreamResponse,

@@ -11,7 +11,8 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.requests = Counter(
-            "plane_gateway_requests", "HTTP inference requests answered, by status",
+            "plane_gateway_requests", "HTTP inference requests answered, by status (499: "
+            "the client left first; its generation was cancelled)",
             ["model", "status"], registry=self.registry)
         self.seconds = Histogram(
             "plane_gateway_request_seconds", "HTTP inference requests, receipt to answer",

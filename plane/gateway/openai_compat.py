@@ -28,11 +28,14 @@ already have (the `openai` package, curl -N) work unchanged:
   deadline, a node lost) ends with an `error` data event, then `[DONE]`.
 - Deadlines, request ids and tickets ride in the plane's headers as on `/v1/infer`
   (`Plane-Deadline-Ms`: the first token's budget for a stream; `Plane-Stream-Deadline-Ms`);
-  bearer tokens name tenants as there. An HTTP client that goes away mid-stream cancels it.
+  bearer tokens name tenants as there. An HTTP client that goes away cancels its generation,
+  mid-stream or before its whole answer (both run as a plane stream; a whole answer's
+  `Plane-Deadline-Ms` bounds all of it), and is counted as status 499.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -42,21 +45,21 @@ from aiohttp import web
 
 from plane.client import TokenStream
 from plane.client.result import Result
-from plane.contract.backoff import NO_RETRY
 from plane.contract.errors import BadRequest
 from plane.contract.headers import read_caller
 from plane.contract.messages import FINAL_REFUSALS, Reason, Status, TinyLMReply, Usage
 from plane.contract.models import MODELS
 from plane.contract.subjects import MSGPACK, Header
 from plane.gateway.common import (
-    CLIENT_KEY,
     CONFIG_KEY,
     JSON,
+    MODEL_KEY,
     NOT_FOUND,
     BodyRefused,
     call_args,
     http_headers,
     observe,
+    observe_gone,
     read_body,
 )
 from plane.gateway.openai_types import (
@@ -94,7 +97,6 @@ DONE = b"[DONE]"
 
 log = structlog.get_logger("plane.gateway")
 _json = msgspec.json.Encoder()
-_reply_decoder = msgspec.json.Decoder(TinyLMReply)
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -206,7 +208,11 @@ SHAPES: dict[str, _Shape] = {COMPLETIONS: _Shape(), CHAT: _ChatShape()}
 # -- handlers ----------------------------------------------------------------------------------
 async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
-    response, model = await _generate(request, SHAPES[request.path])
+    try:
+        response, model = await _generate(request, SHAPES[request.path])
+    except asyncio.CancelledError:  # the HTTP client left (its stream was cancelled)
+        observe_gone(request, request.get(MODEL_KEY, "_unknown"), started)
+        raise
     observe(request, model, response, started)
     return response
 
@@ -236,6 +242,8 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
                               code=Reason.BAD_REQUEST), "_unknown"
     model = asked.model
     spec = MODELS.get(model)
+    if spec is not None:
+        request[MODEL_KEY] = model  # for the count of a request its client left
     if spec is None or not spec.streams:
         served = ", ".join(sorted(m for m, s in MODELS.items() if s.streams))
         return error_response(NOT_FOUND, f"model {model!r} does not exist here; this plane "
@@ -246,7 +254,7 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
     if (tokens := asked.tokens()) is not None and tokens < 1:
         return error_response(400, f"{asked.tokens_field()} must be at least 1, got {tokens}",
                               code=Reason.BAD_REQUEST), model
-    if asked.stream and (problem := stream_deadline_problem(caller)):
+    if problem := stream_deadline_problem(caller):
         return error_response(400, problem, code=Reason.BAD_REQUEST), model
     try:
         prompt = asked.render()
@@ -257,19 +265,39 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
                                   top_p=asked.top_p))
     args = call_args(caller, request)
     created = int(time.time())  # a wall-clock stamp, as OpenAI's
+    # Generated as a stream either way (a whole answer gathered here): an HTTP client that
+    # leaves (aiohttp cancels its handler) cancels it, and its slot frees within a token
+    # step. As one plain request, a client gone left its slot generating for nobody up to
+    # max_tokens (found from outside). A whole answer's Plane-Deadline-Ms bounds all of it.
+    whole_ms = caller.stream_deadline_ms if asked.stream else (
+        caller.stream_deadline_ms or caller.deadline_ms)
+    stream = await open_stream(request, model, body, args, whole_ms)
+    if not stream.started:
+        assert stream.result is not None
+        return from_result(stream.result), model
     if asked.stream:
-        stream = await open_stream(request, model, body, args, caller.stream_deadline_ms)
-        if not stream.started:
-            assert stream.result is not None
-            return from_result(stream.result), model
         return await _events(request, stream, shape, created, model, asked.include_usage), model
-    result = await request.app[CLIENT_KEY].call(model, body, policy=NO_RETRY, **args)
+    return await _whole(stream, shape, created, model), model
+
+
+async def _whole(stream: TokenStream, shape: _Shape, created: int, model: str) -> web.Response:
+    """A started stream, read to its end, as one OpenAI answer."""
+    try:
+        async with contextlib.aclosing(aiter(stream)) as pieces:
+            async for _ in pieces:
+                pass
+    finally:
+        await stream.aclose()  # the cancel, when the HTTP client left (handler cancelled)
+    result = stream.result
+    assert result is not None
     if not result.ok:
-        return from_result(result), model
-    reply = _reply_decoder.decode(result.body)
-    rid = shape.prefix + result.request_id
+        return from_result(result)
+    reply = TinyLMReply(text=stream.text, finish_reason=stream.finish_reason or "stop",
+                        usage=stream.usage or Usage(prompt_tokens=0, completion_tokens=0,
+                                                    slot_us=0, sm_ms=0.0))
+    rid = shape.prefix + stream.start_headers.get(Header.REQUEST_ID, stream.request_id)
     return web.Response(status=200, body=shape.whole(rid, created, model, reply),
-                        headers=http_headers(result.headers)), model
+                        headers=http_headers(result.headers))
 
 
 async def _events(request: web.Request, stream: TokenStream, shape: _Shape, created: int,
@@ -294,9 +322,11 @@ async def _events(request: web.Request, stream: TokenStream, shape: _Shape, crea
                 result.status, result.error_message(), result.reason)))))
         await writer.send(event(DONE))
         await writer.close()
-    except ClientGone:
+    except (ClientGone, asyncio.CancelledError) as exc:  # a write failed, or it was cancelled
         log.info("http client went away mid-stream; stream cancelled",
                  request_id=stream.request_id, pieces=len(stream.pieces))
+        if isinstance(exc, asyncio.CancelledError):
+            raise
     finally:
         await stream.aclose()  # the cancel, unless it ended
     return writer.response

@@ -59,10 +59,12 @@ class Gateway:
             # After an answer given before the whole body came (a 408 for a body trickled
             # in, a 413, a 401), aiohttp reads the rest for its lingering time before it
             # closes: 10 s by default, a connection held for a client we already answered.
+            # A client that disconnects cancels its handler (aiohttp's default is to let it
+            # run on): a generation's stream is cancelled then, and its slot frees.
             self._runner = web.AppRunner(app, access_log=None,
                                          shutdown_timeout=self.config.shutdown_timeout_s,
                                          keepalive_timeout=self.config.header_timeout_s,
-                                         lingering_time=LINGERING_S)
+                                         lingering_time=LINGERING_S, handler_cancellation=True)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.config.host, self.config.port)
             await site.start()

@@ -23,6 +23,7 @@ goes away mid-stream cancels it (`TokenStream.aclose`): its slot frees within a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Mapping
 
@@ -161,9 +162,11 @@ async def plane_events(request: web.Request, stream: TokenStream) -> web.StreamR
                                         "token"))
         await writer.send(event(_json.encode(end_event(stream)), "end"))
         await writer.close()
-    except ClientGone:
+    except (ClientGone, asyncio.CancelledError) as exc:  # a write failed, or it was cancelled
         log.info("http client went away mid-stream; stream cancelled",
                  request_id=stream.request_id, pieces=len(stream.pieces))
+        if isinstance(exc, asyncio.CancelledError):
+            raise
     finally:
         await stream.aclose()  # the cancel, unless it ended
     return writer.response

@@ -122,6 +122,16 @@ async def test_a_failure_in_the_gateway_is_a_500_its_metrics_count(
         assert 'plane_gateway_requests_total{model="_unknown",status="500"} 1.0' in await r.text()
 
 
+async def test_openai_routes_answer_a_wrong_method_or_path_in_openais_shape(
+        gateway: Gateway, http: aiohttp.ClientSession) -> None:
+    for method, path, status in [("GET", "/v1/completions", 405),
+                                 ("POST", "/v1/completions/", 404),
+                                 ("POST", "/v1/models", 405)]:
+        async with http.request(method, f"{gateway.url}{path}") as r:
+            answer = await r.json()
+            assert r.status == status and answer["error"]["type"], (method, path, answer)
+
+
 async def test_the_bearer_scheme_is_case_insensitive(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as anon:
         for given, status in [(f"bearer {TOKEN}", 200), (f"BEARER  {TOKEN} ", 200),

@@ -156,6 +156,9 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
                    if k.lower() not in ("content-type", "content-length")}
         message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else (
             f"{exc.reason}: {request.method} {request.path}")
+        if openai_compat.is_openai_path(request.path):  # OpenAI's clients read its shape
+            return openai_compat.error_response(exc.status, message,
+                                                _reason_of(exc.status, exc.reason), headers)
         return web.Response(status=exc.status, headers=headers, content_type=JSON,
                             body=error_json(message, _reason_of(exc.status, exc.reason)))
     except Exception:

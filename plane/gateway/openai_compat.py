@@ -107,7 +107,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 def is_openai_path(path: str) -> bool:
-    return path in OPENAI_PATHS
+    """One of OpenAI's routes, or a path under one (`/v1/completions/`, `/v1/models/x`: a
+    404 or 405 there is answered in OpenAI's error shape too)."""
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
 
 
 def error_body(status: int, message: str, code: str | None) -> OpenAIError:

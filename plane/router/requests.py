@@ -412,10 +412,13 @@ class RequestPath:
                 stream_ms = self._stream_deadline_ms(caller.stream_deadline_ms, deadline_ms,
                                                      prediction.p99_us)
                 if stream_ms is None:
+                    first = (f"{Header.DEADLINE_MS} ({deadline_ms})" if caller.deadline_ms
+                             is not None else f"the first token's default budget for {model} "
+                             f"({deadline_ms} ms; no {Header.DEADLINE_MS} was sent)")
                     await self._refuse_early(msg, rid, label, refusals.bad_request(
                         f"{Header.STREAM_DEADLINE_MS} ({caller.stream_deadline_ms}) is shorter "
-                        f"than {Header.DEADLINE_MS} ({deadline_ms}), the budget for the first "
-                        f"token: give the whole stream at least as long"))
+                        f"than {first}, the budget for the first token: give the whole stream "
+                        "at least as long"))
                     return
                 first_p99_us, end_deadline_s = first_p99, received + stream_ms / 1000
         # One router makes every promise (so no two promise the same slot time); the others

@@ -305,10 +305,8 @@ class Client:
     def _disconnected(self, request_id: str, statuses: list[int], hinted: int,
                       waited_ms: float) -> Result:
         """The call's end when the connection stayed down past `reconnect_wait_ms`."""
-        body, headers = local_reply(
-            Status.UNAVAILABLE, Reason.NO_CAPACITY,
-            NOT_CONNECTED,
-            request_id)
+        body, headers = local_reply(Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED,
+                                    request_id)
         statuses.append(Status.UNAVAILABLE)
         return Result(status=Status.UNAVAILABLE, body=body, headers=headers,
                       request_id=request_id, statuses=tuple(statuses), hinted=hinted,

@@ -21,7 +21,15 @@ from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header
 from plane.router.inflight import InFlight
 from tests.ledger import Ledger
-from tests.plane_fixtures import NAMES, calibrated, client, plane, slots_running, wait_until
+from tests.plane_fixtures import (
+    NAMES,
+    calibrated,
+    client,
+    plane,
+    slots_running,
+    slow_steps,
+    wait_until,
+)
 
 PLANE = str(Path(sys.executable).parent / "plane")
 # A call made while the server is down for its restart may be lost with it (core NATS is
@@ -86,6 +94,43 @@ async def test_node_killed_mid_request() -> None:
                     return not info.state.subjects
 
                 await wait_until(no_orphans, 6, "the victim's orphans to expire")
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+            victim.wait()
+
+
+async def test_a_node_killed_before_its_requests_deadline_is_answered_once_it_is_dead(
+) -> None:
+    """Requests on a node killed with SIGKILL whose deadline (300 ms) passes before its
+    heartbeats lapse (1 s): the router asks the node whether it answered them, patiently
+    while it may be alive (its server failing over), and answered 2.4 s after they were sent
+    (found from outside). Once the heartbeats lapse it is dead: answered then, once."""
+    async with EmbeddedNats() as srv:
+        victim = subprocess.Popen(
+            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "1",
+             "--node-id", "victim", "--log-level", "warning", "--allow-faults"])
+        try:
+            async with plane(srv.url, models=("calibrated",), nodes_per_model=0) as stack, \
+                    client(srv.url) as nc:
+                router = stack.routers[0]
+                await wait_until(lambda: (ms := router.models.get("calibrated")) is not None
+                                 and ms.healthy_count() == 1, 30, "the victim's slot")
+                # Admitted as 1 ms of work (it fits the deadline), run as 800 ms.
+                await slow_steps(nc, 800_000, node="victim")
+                ledger = await Ledger(nc).start()
+                sent_at = time.monotonic()
+                await ledger.send(NAMES.infer("calibrated"), calibrated(1000), 300)
+                await wait_until(lambda: len(router.inflight) == 1, 5, "the request placed")
+                os.kill(victim.pid, signal.SIGKILL)
+                await ledger.settle(timeout_s=6)
+                assert ledger.unanswered() == [] and ledger.answered_twice() == []
+                [i] = ledger.answers
+                assert ledger.status(i) in (503, 504), ledger.statuses()
+                # The heartbeat timeout after the kill, the watchdog's tick, the question's
+                # last try: not the 2 s of patience on top of the deadline.
+                took_s = ledger.first(i).at_s - sent_at
+                assert took_s < 1.0 + 0.6, took_s
         finally:
             if victim.poll() is None:
                 victim.kill()

@@ -56,11 +56,12 @@ def attempt_id(request_id: str, attempt: str) -> str:
 
 
 async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float,
-                       within_s: float) -> bool:
+                       within_s: float, gone: Callable[[], bool] | None = None) -> bool:
     """Ask the other side (a node's or a router's `answered` subject) whether it answered
     `asked` (a placement or an attempt id). Asked again while the question cannot get
     through (a server failing over); False when it stays silent, or unreachable, for
-    `within_s` (it is gone: nobody else will answer)."""
+    `within_s`, or as soon as `gone()` says it is gone (its heartbeats lapsed): nobody else
+    will answer."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + within_s
     while True:
@@ -68,7 +69,7 @@ async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float
             reply = await nc.request(subject, asked.encode(), timeout=timeout_s)
             return reply.data == b"1"
         except Exception:
-            if loop.time() >= give_up:
+            if loop.time() >= give_up or (gone is not None and gone()):
                 return False
             await asyncio.sleep(0.05)
 

@@ -547,10 +547,13 @@ class Router(Lifecycle, TaskOwner):
 
     async def _node_answered(self, fl: InFlight, asked: str, patient: bool) -> bool:
         """True only when the node says it answered that placement (or attempt); a live node
-        is asked patiently (our own server may be failing over), a dead one once."""
+        is asked patiently (our own server may be failing over), until its heartbeats lapse
+        (then it is dead: asked patiently on, a request on a node killed at its deadline was
+        answered 2 s late, found from outside), a dead one once."""
         return await ask_answered(self.nc, self.names.node_answered(fl.node), asked,
                                   timeout_s=ASK_NODE_TIMEOUT_S,
-                                  within_s=ASK_NODE_WITHIN_S if patient else 0.0)
+                                  within_s=ASK_NODE_WITHIN_S if patient else 0.0,
+                                  gone=lambda: fl.node not in self.node_seen_s)
 
     async def _answer_for_node(self, fl: InFlight, status: Status, reason: Reason,
                                text: str) -> None:

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats.errors
@@ -55,6 +55,7 @@ from freshness.metrics import BridgeMetrics
 from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.publisher import Ack, AckWindow, Batch, Outgoing
 from freshness.records import Stamps, carry_kafka_headers, msg_id, transaction_decoder
+from plane.contract.errors import ConnectionClosed
 from plane.contract.lifecycle import Lifecycle, finish_or_cancel
 from plane.contract.provision import at_start
 from plane.contract.replies import now_ms
@@ -74,6 +75,8 @@ def dead_reason(value: bytes | None) -> str | None:
     """Why a record cannot be bridged as a transaction, or None when it can."""
     if value is None:
         return "empty: a record with no value (tombstone)"
+    if not value:
+        return "empty: a record whose value is empty"
     try:
         transaction_decoder.decode(value)
     except msgspec.ValidationError as exc:
@@ -84,7 +87,10 @@ def dead_reason(value: bytes | None) -> str | None:
 
 
 def _header_bytes(headers: dict[str, str]) -> int:
-    return sum(len(k) + len(v) + 4 for k, v in headers.items())
+    """The header block's size on the wire: UTF-8 bytes, not characters (a Kafka header of
+    25,000 "é" counted half its size, the publish went over max_payload, and the server
+    closed the connection)."""
+    return sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,9 @@ class Round:
     records: list[Prepared]
     batch: Batch
     offsets: dict[TopicPart, int]
+    # Records published again by this bridge (no ack the first time): a duplicate ack for
+    # one is its own first publish that landed, an event, not a record Kafka sent again.
+    retried: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -218,10 +227,13 @@ class KafkaBridge(Lifecycle):
     async def _run(self) -> None:
         rounds: asyncio.Queue[Round | None] = asyncio.Queue()
         settled_all = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._fetch_loop(rounds), name="bridge-fetch")
-            tg.create_task(self._settle_loop(rounds, settled_all), name="bridge-settle")
-            tg.create_task(self._commit_loop(settled_all), name="bridge-commit")
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._fetch_loop(rounds), name="bridge-fetch")
+                tg.create_task(self._settle_loop(rounds, settled_all), name="bridge-settle")
+                tg.create_task(self._commit_loop(settled_all), name="bridge-commit")
+        except* ConnectionClosed as group:  # the command's one-line error, not a group
+            raise group.exceptions[0] from None
 
     async def _fetch_loop(self, rounds: asyncio.Queue[Round | None]) -> None:
         source = self._source
@@ -278,6 +290,7 @@ class KafkaBridge(Lifecycle):
         for i, ack in enumerate(r.batch.acks):
             if ack is None:
                 r.batch.acks[i] = await self._publish_until_acked(r.records[i].out)
+                r.retried.add(i)
         letters = [p.dead_letter for p in r.records if p.dead_letter is not None]
         if letters and self._sink is not None:
             if not await self._sink.send(letters, self._stopping.is_set):
@@ -310,8 +323,8 @@ class KafkaBridge(Lifecycle):
         dead: Counter[str] = Counter()
         duplicates: Counter[str] = Counter()
         lag = {t: self.metrics.lag_seconds.labels(t) for t in self.cfg.topics}
-        for p, ack in zip(r.records, r.batch.acks, strict=True):
-            if ack is not None and ack.duplicate:
+        for i, (p, ack) in enumerate(zip(r.records, r.batch.acks, strict=True)):
+            if ack is not None and ack.duplicate and i not in r.retried:
                 duplicates[p.topic] += 1
             elif p.dead:
                 dead[p.topic] += 1
@@ -355,8 +368,15 @@ class KafkaBridge(Lifecycle):
         offset = m.offset() or 0
         _ts_type, ts = m.timestamp()
         value = m.value()
-        stamps = Stamps(event_time_ms=ts if ts >= 0 else ingest_ms, ingest_time_ms=ingest_ms,
-                        partition=partition, offset=offset, key=m.key())
+        if ts > ingest_ms:
+            # A producer's clock ahead of ours: the record would be fresh for as long as it
+            # is ahead, and the newest of its card's (its "last" amount) until real time
+            # caught up (10 minutes ahead: both, found from outside). Its own timestamp
+            # stays in Nats-Msg-Id (deduplication is by the record as Kafka holds it).
+            self.metrics.event_time_ahead.labels(topic).inc()
+        stamps = Stamps(event_time_ms=ts if 0 <= ts <= ingest_ms else ingest_ms,
+                        ingest_time_ms=ingest_ms, partition=partition, offset=offset,
+                        key=m.key())
         headers = stamps.headers(msg_id(topic, partition, offset, ts))
         kafka_headers = record_headers(m)
         carry_kafka_headers(headers, kafka_headers)
@@ -375,6 +395,11 @@ class KafkaBridge(Lifecycle):
         if len(payload) + _header_bytes(headers) > limit:  # keep the stamps, drop the rest
             headers = stamps.headers(msg_id(topic, partition, offset, ts))
             payload = b""
+            if _header_bytes(headers) + len(reason) + 64 > limit:
+                # A key too large to carry either (the dead letter went over max_payload
+                # with it, and the server closed the connection): its size is said instead.
+                headers.pop(Header.KAFKA_KEY, None)
+                reason = f"{reason}; its key ({len(m.key() or b'')} bytes) dropped too"
         headers[Header.DEAD_REASON] = reason
         letter = None
         if self._sink is not None:
@@ -389,8 +414,16 @@ class KafkaBridge(Lifecycle):
 
     # -- the slow path: one record until it is acknowledged ----------------------------------
     async def _publish_until_acked(self, o: Outgoing) -> Ack:
+        """Publish `o` until JetStream acknowledges it, backing off; raises `ConnectionClosed`
+        once the NATS connection is closed for good (nats-py gave up on it): retried for
+        ever there, the bridge stood still, alive and silent (found from outside)."""
         backoff_s = self.cfg.retry_backoff_s
         while True:
+            if self._nc.is_closed:
+                raise ConnectionClosed(
+                    f"the bridge's NATS connection is closed for good "
+                    f"({self._nc.last_error!r}): restart the bridge (its records are "
+                    "uncommitted in Kafka and come again)")
             self.stats.retries += 1
             self.metrics.retries.inc()
             try:

@@ -187,4 +187,11 @@ class FeatureUpdater(Lifecycle):
             return None
         if not entry.value:
             return None
-        return msgspec.json.decode(entry.value, type=CardFeatures)
+        try:
+            return msgspec.json.decode(entry.value, type=CardFeatures)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # Unreadable (written by a version that let a sum overflow, or by hand): the
+            # card starts over rather than stop every update after it.
+            log.warning("card features unreadable: the card starts over", card=card,
+                        error=str(exc))
+            return None

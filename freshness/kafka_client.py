@@ -37,6 +37,7 @@ from confluent_kafka import (
 from freshness.config import BridgeConfig
 from freshness.kafka_config import KafkaSecurity, StartFrom
 from plane.contract.errors import ConfigError
+from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle
 
 log = structlog.get_logger("freshness.kafka")
 T = TypeVar("T")
@@ -53,11 +54,40 @@ LEAVE_POLL_S = 0.01
 TopicPart = tuple[str, int]
 
 
+class RepeatsHeldBack(logging.Filter):
+    """One line per librdkafka facility (`FAIL`, `CONNECT`, ...) per `ERROR_LOG_EVERY_S`,
+    saying how many like it were held back: with a broker down it logged each failed
+    connect (and its error callback each again), ~38 lines a second for as long as the
+    outage lasted (found from outside)."""
+
+    def __init__(self, every_s: float = ERROR_LOG_EVERY_S) -> None:
+        super().__init__()
+        self.throttle = Throttle(every_s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        facility = str(record.args[0]) if isinstance(record.args, tuple) and record.args else (
+            str(record.msg)[:40])
+        held = self.throttle.allow(f"{record.levelno}:{facility}")
+        if held is None:
+            return False
+        if held:
+            record.msg = f"{record.msg} ({held} like it not logged)"
+        return True
+
+
+def _librdkafka_logger() -> logging.Logger:
+    """The stdlib logger librdkafka's lines go to, its repeats held back (one filter)."""
+    logger = logging.getLogger("freshness.librdkafka")
+    if not any(isinstance(f, RepeatsHeldBack) for f in logger.filters):
+        logger.addFilter(RepeatsHeldBack())
+    return logger
+
+
 def client_config(bootstrap: str, security: KafkaSecurity, **extra: Any) -> dict[str, Any]:
     """librdkafka settings common to the consumer, the producer and the admin client."""
     conf: dict[str, Any] = {
         "bootstrap.servers": bootstrap,
-        "logger": logging.getLogger("freshness.librdkafka"),
+        "logger": _librdkafka_logger(),
         "log_level": _LIBRDKAFKA_LOG_LEVEL,
         **security.librdkafka(),
     }
@@ -124,6 +154,7 @@ class KafkaSource:
     _loop: asyncio.AbstractEventLoop | None = None
     _lag_at: float = 0.0
     _uncommitted: int = 0  # assigned partitions whose committed offset we do not know yet
+    _errors: Throttle = field(default_factory=lambda: Throttle(ERROR_LOG_EVERY_S))
 
     async def open(self) -> None:
         if self._consumer is not None:
@@ -280,8 +311,11 @@ class KafkaSource:
             self._loop.call_soon_threadsafe(self.on_committed, error)
 
     def _on_error(self, err: KafkaError) -> None:
-        log.warning("Kafka client error", error=err.str(), code=err.name(),
-                    fatal=err.fatal(), kafka=self.cfg.kafka_bootstrap)
+        held = self._errors.allow(err.name())
+        if held is not None or err.fatal():
+            log.warning("Kafka client error", error=err.str(), code=err.name(),
+                        fatal=err.fatal(), kafka=self.cfg.kafka_bootstrap,
+                        repeats_not_logged=held or 0)
 
 
 def leave_group(consumer: Consumer, within_s: float) -> None:

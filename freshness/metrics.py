@@ -26,6 +26,10 @@ class BridgeMetrics:
         self.lag_seconds = Histogram(
             "plane_bridge_lag_seconds", "Ingest time minus the Kafka record's event time",
             ["topic"], buckets=LAG_BUCKETS_S, registry=r)
+        self.event_time_ahead = Counter(
+            "plane_bridge_event_time_ahead", "Records whose Kafka timestamp was ahead of the "
+            "bridge's clock (a producer's clock ahead): stamped with the ingest time instead",
+            ["topic"], registry=r)
         self.commits = Counter(
             "plane_bridge_commits", "Kafka offset commits, by result (ok, failed)",
             ["result"], registry=r)

@@ -5,8 +5,12 @@ an `os.urandom` call for the reply token, a future with a done-callback, and a J
 into a dataclass for the ack: at the bridge's rates that, not the broker, was the limit.
 Here a publish is one core publish with a reply subject `<inbox>.<n>`; the acks come back
 on one subscription, are decoded with msgspec, and are counted into the batch they belong
-to. A batch is done when every message in it has an ack; what has none when the caller stops
-waiting is the caller's to retry (with the same Nats-Msg-Id, so never stored twice).
+to. A batch is done when every message in it has an ack or a refusal (no stream for its
+subject, an error ack: the server came back with an empty store); what has no ack when the
+caller stops waiting, or was refused, is the caller's to retry (with the same Nats-Msg-Id, so
+never stored twice). Refusals counted as "no ack yet", every round of a broker that came
+back empty waited out its whole publish timeout (2 s), and the bridge caught up at a few
+records a second (found from outside).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ class Batch:
 
     size: int
     acks: list[Ack | None] = field(init=False)
-    remaining: int = field(init=False)
+    remaining: int = field(init=False)  # messages with neither an ack nor a refusal yet
+    failed: set[int] = field(default_factory=set)  # refused: retried by the caller
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -66,11 +71,21 @@ class Batch:
             self.done.set()
 
     def settle(self, i: int, ack: Ack) -> None:
-        if self.acks[i] is None:
+        if self.acks[i] is None and i not in self.failed:
             self.acks[i] = ack
-            self.remaining -= 1
-            if self.remaining == 0:
-                self.done.set()
+            self._one_less()
+
+    def fail(self, i: int) -> None:
+        """Message i was refused (no stream for its subject, an error ack): no ack will come,
+        and the caller retries it at once rather than after its whole wait."""
+        if self.acks[i] is None and i not in self.failed:
+            self.failed.add(i)
+            self._one_less()
+
+    def _one_less(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.done.set()
 
     async def wait(self, timeout_s: float) -> bool:
         """Until every message has its ack (True), at most `timeout_s` (False)."""
@@ -154,11 +169,15 @@ class AckWindow:
         if len(self._pending) < self.max_in_flight:
             self._room.set()
         batch, i = entry
-        if not msg.data:  # a status message (no responders, ...): no ack, retried later
+        if not msg.data:  # a status message (no responders: no stream, ...)
+            batch.fail(i)
             return
         try:
             ack = _ack_decoder.decode(msg.data)
         except msgspec.DecodeError:
+            batch.fail(i)
             return
         if ack.error is None:
             batch.settle(i, ack)
+        else:
+            batch.fail(i)

@@ -22,12 +22,18 @@ from plane.contract.subjects import TRACE_HEADER_MAX, TRACE_HEADERS, Header
 CardId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
+# An amount's bound, either sign: far past any currency's, near enough that a card's sum of
+# them stays finite (two amounts of 1.7e308 summed to inf, which JSON writes as null: the
+# card's features were dropped by the guard, and the updater could not read them back).
+MAX_AMOUNT = 1e15
+
+
 class Transaction(msgspec.Struct, frozen=True, kw_only=True):
     """A Kafka record of the transactions topic (JSON). `features` are the transaction's own
     numbers (up to 32); the card's history is added by the feature guard."""
 
     card: CardId
-    amount: float
+    amount: Annotated[float, msgspec.Meta(ge=-MAX_AMOUNT, le=MAX_AMOUNT)]
     merchant: str = ""
     features: Annotated[list[float], msgspec.Meta(max_length=FEATURES)] = []
 

@@ -7,9 +7,13 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import threading
+import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from kafka_fixtures import (
@@ -30,7 +34,8 @@ from freshness.kafka_client import in_daemon_thread
 from freshness.records import Stamps, decode_bytes, encode_bytes, msg_id
 from freshness.tansu import EmbeddedTansu
 from plane.contract.config import ConnectOptions
-from plane.contract.embedded import EmbeddedNats
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.errors import ConnectionClosed
 from plane.contract.natsconn import connect
 from plane.contract.subjects import Header, Names
 
@@ -65,6 +70,9 @@ def _identity(msgs: list) -> list[tuple[int, int]]:  # type: ignore[type-arg]
         (b'{"card":"c1","amount":1,"features":' + json.dumps([0.0] * 33).encode() + b"}",
          "invalid"),
         (None, "empty"),
+        (b"", "empty: a record whose value is empty"),
+        # Two of these summed to inf in a card's features, which JSON writes as null.
+        (b'{"card":"c1","amount":1.7e308}', "invalid: Expected `float` <= 1000000000000000.0"),
     ],
 )
 def test_dead_reason(value: bytes | None, reason: str | None) -> None:
@@ -258,3 +266,109 @@ def test_freshness_names() -> None:
     assert n.scorer_consumer("tx") == "scorer_tx"
     with pytest.raises(ValueError, match="invalid stream"):
         n.features_consumer("a.b")
+
+
+# -- found from outside ---------------------------------------------------------------------
+@pytest.fixture
+async def small_payload_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    """A nats-server whose max_payload is 64 KiB (its default is 1 MiB): records near it are
+    cheap to make."""
+    conf = tmp_path / "nats.conf"
+    conf.write_text("max_payload: 65536\n")
+    async with EmbeddedNats(NatsServerSpec(extra_args=["-c", str(conf)])) as srv:
+        yield srv
+
+
+async def test_records_too_large_by_their_key_or_their_utf8_headers_are_dead_letters(
+    small_payload_server: EmbeddedNats, tansu: EmbeddedTansu, kafka_topic
+) -> None:
+    """A key larger than max_payload went into the dead letter too: the server closed the
+    connection at its publish, and the bridge retried it for ever on a closed connection;
+    a header of 25,000 "é" was counted as 25,000 bytes (it is 50,000), with the same end.
+    Now both are dead letters that fit, and the records after them flow."""
+    topic = await kafka_topic("transactions", partitions=1)
+    nc = await connect(ConnectOptions(url=small_payload_server.url))
+    try:
+        async with KafkaBridge(nc, bridge_config(tansu, topic)) as bridge:
+            body = b'{"card":"c1","amount":1.5}'
+            await produce(tansu.bootstrap, topic, [
+                (b"k" * 70_000, body, []),
+                (b"c1", b'{"card":"c1","amount":2.5,"merchant":"' + b"m" * 20_000 + b'"}',
+                 [("note", "é".encode() * 25_000)]),
+                (b"c1", body, []),
+            ])
+            assert await wait_count(nc, NAMES, NAMES.events(topic), 1) == 1
+            assert await wait_count(nc, NAMES, NAMES.dead_letter(topic), 2, settle_s=0.2) == 2
+            assert nc.is_connected and bridge.stats.dead == 2 and bridge.stats.events == 1
+        dead = await subject_messages(nc, NAMES, NAMES.dead_letter(topic))
+        reasons = [m.headers[Header.DEAD_REASON] for m in dead]
+        assert all(r.startswith("too large") for r in reasons), reasons
+        assert "its key (70000 bytes) dropped too" in reasons[0]
+        assert Header.KAFKA_KEY not in dead[0].headers and dead[1].headers[Header.KAFKA_KEY]
+    finally:
+        await nc.close()
+
+
+async def test_a_bridge_whose_connection_closes_for_good_stops_saying_so(
+    nats_server: EmbeddedNats, tansu: EmbeddedTansu, kafka_topic
+) -> None:
+    """Its NATS connection closed for good (nats-py gave up on it), the bridge retried its
+    publishes for ever, alive and silent; now it stops with `ConnectionClosed` (the command
+    exits with it, for its supervisor to restart it)."""
+    topic = await kafka_topic("transactions", partitions=1)
+    nc = await connect(ConnectOptions(url=nats_server.url))
+    cfg = bridge_config(tansu, topic, publish_timeout_s=0.2, retry_backoff_s=0.05)
+    with pytest.raises(ConnectionClosed, match="closed for good"):
+        async with KafkaBridge(nc, cfg) as bridge:
+            await produce(tansu.bootstrap, topic, [txn_line(0)])
+            await wait_count(nc, NAMES, NAMES.events(topic), 1, settle_s=0)
+            await nc.close()
+            await produce(tansu.bootstrap, topic, [txn_line(1)])
+            async with asyncio.timeout(20):
+                await bridge.wait()  # what the command waits on: it ends, saying why
+
+
+async def test_a_broker_back_with_an_empty_store_is_caught_up_at_once(
+    nats_server: EmbeddedNats, tansu: EmbeddedTansu, kafka_topic
+) -> None:
+    """nats-server back without its store (a new volume): each publish got a no-responders
+    status, which the bridge counted as "no ack yet" and waited out its publish timeout for,
+    round after round: a few records a second (found from outside). Refused publishes are
+    retried at once now."""
+    topic = await kafka_topic("transactions", partitions=1)
+    nc = await connect(ConnectOptions(url=nats_server.url))
+    try:
+        cfg = bridge_config(tansu, topic, publish_timeout_s=1.0, retry_backoff_s=0.05,
+                            max_batch=10)
+        async with KafkaBridge(nc, cfg):
+            await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(20)])
+            await wait_count(nc, NAMES, NAMES.events(topic), 20, settle_s=0)
+            await nats_server.stop()
+            assert nats_server.spec.store_dir is not None
+            shutil.rmtree(nats_server.spec.store_dir)
+            await nats_server.start()
+            await produce(tansu.bootstrap, topic, [txn_line(i) for i in range(20, 220)])
+            t0 = time.monotonic()
+            # 20 rounds of 10: 20 s and more when each waited out its publish timeout.
+            assert await wait_count(nc, NAMES, NAMES.events(topic), 200, settle_s=0.5) == 200
+            assert time.monotonic() - t0 < 10
+    finally:
+        await nc.close()
+
+
+async def test_an_event_time_ahead_of_the_bridges_clock_is_stamped_with_the_ingest_time(
+    nc: Client, tansu: EmbeddedTansu, kafka_topic
+) -> None:
+    """A producer's clock 10 minutes ahead: its records counted as fresh, and the newest of
+    their card's, for those 10 minutes (found from outside)."""
+    topic = await kafka_topic("transactions", partitions=1)
+    ahead_ms = int(time.time() * 1000) + 600_000
+    async with KafkaBridge(nc, bridge_config(tansu, topic)) as bridge:
+        await produce(tansu.bootstrap, topic, [txn_line(0)], timestamp_ms=ahead_ms)
+        assert await wait_count(nc, NAMES, NAMES.events(topic), 1) == 1
+    [m] = await subject_messages(nc, NAMES, NAMES.events(topic))
+    stamps = Stamps.from_headers(m.headers)
+    assert stamps.event_time_ms == stamps.ingest_time_ms
+    assert m.headers[Header.NATS_MSG_ID].endswith(f":{ahead_ms}")  # deduplication as before
+    assert bridge.metrics.registry.get_sample_value(
+        "plane_bridge_event_time_ahead_total", {"topic": topic}) == 1

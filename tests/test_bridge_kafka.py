@@ -10,8 +10,10 @@ start with a message that says what to do.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ from nats.aio.client import Client
 
 from freshness.bridge import KAFKA_DEAD_REASON, KAFKA_DEAD_SOURCE, KafkaBridge
 from freshness.config import BridgeConfig
-from freshness.kafka_client import consumer_config, leave_group, new_client
+from freshness.kafka_client import RepeatsHeldBack, consumer_config, leave_group, new_client
 from freshness.kafka_config import KafkaSecurity, SaslMechanism, SecurityProtocol, StartFrom
 from freshness.records import (
     KAFKA_HEADER_PREFIX,
@@ -370,3 +372,22 @@ async def test_tansu_chooses_another_port_when_its_port_is_taken_meanwhile(
             w.close()
             # The first try did meet the taken port (its log says so), the second started.
             assert any(b"AddrInUse" in line for line in kafka.log_tail)
+
+
+def test_librdkafka_repeats_are_held_back_and_counted() -> None:
+    """With a broker down librdkafka logged each failed connect, ~38 lines a second for as
+    long as it lasted (found from outside): one line per facility per interval now, saying
+    how many like it were held back."""
+    held = RepeatsHeldBack(every_s=0.2)
+
+    def line(facility: str) -> logging.LogRecord:
+        return logging.LogRecord("freshness.librdkafka", logging.ERROR, __file__, 1,
+                                 "%s [%s] %s", (facility, "rdkafka#consumer-1", "refused"),
+                                 None)
+
+    assert held.filter(line("FAIL"))
+    assert not any(held.filter(line("FAIL")) for _ in range(5))
+    assert held.filter(line("CONNECT"))  # another facility: its own count
+    time.sleep(0.25)
+    later = line("FAIL")
+    assert held.filter(later) and "(5 like it not logged)" in str(later.msg)

@@ -271,3 +271,25 @@ async def test_injected_upstream_lag_makes_the_guard_wait_or_degrade(
         lag_count = waiting.metrics.registry.get_sample_value(
             "plane_freshness_lag_seconds_count")
         assert lag_count == 2
+
+
+async def test_an_unreadable_card_value_starts_the_card_over(nc: Client) -> None:
+    """A card's value the updater cannot read back (written with a sum overflowed to null
+    by a version before the amounts' bound) raised out of its loop and stopped every update
+    after it (found from outside). The card starts over; the updater goes on."""
+    js = nc.jetstream()
+    async with FeatureUpdater(nc, UpdaterConfig(topic="transactions")) as updater:
+        kv = await ensure_features_bucket(js, NAMES)
+        await kv.put("c1", b'{"card":"c1","values":null}')
+        now = int(time.time() * 1000)
+        for i, card in enumerate(("c1", "c2")):
+            stamps = Stamps(event_time_ms=now, ingest_time_ms=now, partition=0, offset=i,
+                            key=card.encode())
+            await js.publish(NAMES.events("transactions"),
+                             msgspec.json.encode(Transaction(card=card, amount=5.0)),
+                             headers=stamps.headers(f"transactions:0:{i}:{now}"))
+        async with asyncio.timeout(10):
+            while updater.applied < 2:
+                await asyncio.sleep(0.02)
+    value = msgspec.json.decode((await kv.get("c1")).value or b"", type=CardFeatures)
+    assert value.count == 1 and value.amount_sum == 5.0

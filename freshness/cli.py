@@ -19,6 +19,7 @@ from plane.cli import (
     connect_options,
     make_connect,
     metrics_host_option,
+    metrics_option,
     replicas_option,
 )
 from plane.contract.errors import ConfigError
@@ -66,7 +67,7 @@ EXIT_FAILED = 1
 @click.option("--session-timeout-ms", default=10_000, show_default=True,
               help="Kafka group session timeout (a dead bridge's partitions move after it).")
 @click.option("--prefix", default="plane", show_default=True, help="Subject prefix.")
-@click.option("--metrics-port", type=int, default=None, help="Serve /metrics on this port.")
+@metrics_option
 @metrics_host_option
 @replicas_option
 @click.option("--log-level", default="info", show_default=True)

@@ -133,7 +133,9 @@ def names_for(prefix: str) -> Names:
 
 prefix_option = click.option("--prefix", default="plane", show_default=True,
                              help="Subject prefix of this plane.")
-metrics_option = click.option("--metrics-port", type=int, default=None,
+# A TCP port, or 0 for any free one (a bind out of range was an OverflowError traceback).
+PORT = click.IntRange(0, 65535)
+metrics_option = click.option("--metrics-port", type=PORT, default=None,
                               help="Serve Prometheus metrics on PORT (0: any free port).")
 metrics_host_option = click.option(
     "--metrics-host", envvar="PLANE_METRICS_HOST", default="127.0.0.1", show_default=True,

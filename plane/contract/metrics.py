@@ -26,6 +26,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from plane.contract.errors import cannot_listen
+
 log = structlog.get_logger("plane.metrics")
 
 CHILD_SCRAPE_TIMEOUT_S = 2.0
@@ -324,7 +326,11 @@ def serve_metrics(
         registry.register(MergedMetrics(metrics.registry, children))
     server: WSGIServer
     thread: threading.Thread
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise cannot_listen("metrics", host, port, exc, option="--metrics-port",
+                            host_option="--metrics-host") from None
     try:
         yield server.server_port
     finally:

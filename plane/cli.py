@@ -155,6 +155,24 @@ device_waits_option = click.option(
          "slot's own thread.")
 
 
+def parse_models(ctx: click.Context, param: click.Parameter,
+                 value: str | None) -> tuple[str, ...] | None:
+    """`--models M1,M2` (a click callback): the names in the order given, checked before
+    anything starts. A name given twice is refused, not merged: in `plane up` each name is
+    a node, and `risk,risk` was two nodes' metrics in one registry (a traceback once the
+    plane had started); whether it meant two nodes or was a slip, the user says which."""
+    if value is None:
+        return None
+    names = [m.strip() for m in value.split(",") if m.strip()]
+    if repeated := sorted({m for m in names if names.count(m) > 1}):
+        raise click.BadParameter(f"{', '.join(repeated)} named more than once: name each "
+                                 "model once", ctx=ctx, param=param)
+    if unknown := sorted(set(names) - MODELS.keys()):
+        raise click.BadParameter(f"unknown model(s) {', '.join(unknown)}: the plane's models "
+                                 f"are {', '.join(sorted(MODELS))}", ctx=ctx, param=param)
+    return tuple(names)
+
+
 def serving_options(f: F) -> F:
     """What every serving command (up, node, router) takes: connection, prefix, metrics,
     replicas, log level."""
@@ -167,7 +185,8 @@ def serving_options(f: F) -> F:
 @main.command()
 @serving_options
 @click.option("--models", default="risk,calibrated,tinylm", show_default=True,
-              help="Comma-separated models to serve (one node each).")
+              callback=parse_models,
+              help="Comma-separated models to serve (one node each; each named once).")
 @click.option("--slots", type=int, default=None,
               help="Slots per node (default: the backend's; on a GPU, its SM partitions shared "
                    "among the models, one request on each).")
@@ -190,7 +209,8 @@ def serving_options(f: F) -> F:
                    "every model's done-events and add no decisions).")
 def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
        creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
-       metrics_host: str, replicas: int, log_level: str, models: str, slots: int | None,
+       metrics_host: str, replicas: int, log_level: str, models: tuple[str, ...],
+       slots: int | None,
        backend: str, demo: bool, port: int | None, auth_dir: str | None,
        device_waits: str, one_process: bool, router_per_model: bool) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router (in a process of its
@@ -212,18 +232,21 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
     if one_process and router_per_model:
         raise click.UsageError("--router-per-model runs each model's router in a process of its "
                                "own: give it or --one-process, not both")
+    if not models:
+        raise click.BadParameter(f"plane up serves at least one model: give --models (the "
+                                 f"plane's models are {', '.join(sorted(MODELS))}), or leave "
+                                 "it out to serve its default", param_hint="'--models'")
     from plane.stack import StackConfig  # the node: torch and triton, once it starts
     from plane.up import run_up
 
     configure_logs(log_level)
-    model_list = tuple(m.strip() for m in models.split(",") if m.strip())
     cfg = StackConfig(
         connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
-        names=names_for(prefix), models=model_list, slots=slots, backend=backend,
+        names=names_for(prefix), models=models, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
         freshness=True, node_overrides={"device_waits": device_waits},
-        routers=len(model_list) if router_per_model else 1,
-        router_models=tuple(frozenset({m}) for m in model_list) if router_per_model else (),
+        routers=len(models) if router_per_model else 1,
+        router_models=tuple(frozenset({m}) for m in models) if router_per_model else (),
         router_processes=not one_process, log_level=log_level,
     )
     _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir))
@@ -303,7 +326,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
                    "that waited longer than this unread is refused at once (429 overloaded, "
                    "final: go elsewhere) instead of decided late. Raise it where deadlines are "
                    "long and bursts should wait rather than be refused.")
-@click.option("--models", default=None, metavar="M1,M2",
+@click.option("--models", default=None, metavar="M1,M2", callback=parse_models,
               help="Serve these models only (comma-separated; default: every model): their "
                    "requests, done-events and the other routers' notes on them. Routers split "
                    "by model read none of each other's traffic, so each adds its own CPU's "
@@ -311,7 +334,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
 def router(nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
            metrics_host: str, replicas: int, log_level: str, router_id: str | None,
-           max_inbox_wait_ms: int, models: str | None) -> None:
+           max_inbox_wait_ms: int, models: tuple[str, ...] | None) -> None:
     """Serve `<prefix>.infer.<model>` in the queue group plane-routers.
 
     \b
@@ -320,8 +343,7 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
       plane router --nats nats://127.0.0.1:4222 --models risk --router-id r-risk
     """
     configure_logs(log_level)
-    served = (frozenset(m.strip() for m in models.split(",") if m.strip())
-              if models is not None else None)
+    served = frozenset(models) if models is not None else None
     try:
         cfg = RouterConfig(names=names_for(prefix), max_inbox_wait_ms=max_inbox_wait_ms,
                            models=served)

@@ -95,3 +95,23 @@ def test_a_node_groups_last_metrics_port_must_exist() -> None:
                                        "--slots", "2", "--processes", "2",
                                        "--metrics-port", "65535"])
     assert result.exit_code == 2 and "leaves no port for member 1" in result.output
+
+
+# -- --models --------------------------------------------------------------------------------
+@pytest.mark.parametrize(("command", "models", "said"), [
+    (["up"], "", "plane up serves at least one model"),
+    (["up"], " , ", "plane up serves at least one model"),
+    (["router", "--nats", UNREACHABLE], "", "a router serves at least one model"),
+    (["up"], "risk,risk", "risk named more than once"),
+    (["up"], "risk, calibrated,risk", "risk named more than once"),
+    (["router", "--nats", UNREACHABLE], "calibrated,calibrated",
+     "calibrated named more than once"),
+    (["up"], "risk,nonsense", "unknown model(s) nonsense: the plane's models are"),
+], ids=lambda v: v[0] if isinstance(v, list) else repr(v))
+def test_a_models_list_is_checked_before_anything_starts(
+        command: list[str], models: str, said: str) -> None:
+    """`plane up --models ''` started the plane, then an IndexError; `risk,risk` started two
+    nodes of one model and ended in prometheus's DuplicateTimeseries."""
+    result = CliRunner().invoke(main, [*command, "--models", models])
+    assert result.exit_code == 2, result.output
+    assert said in result.output and "--models" in result.output

@@ -144,8 +144,17 @@ replicas_option = click.option(
     "--replicas", type=click.IntRange(1, 5), default=1, show_default=True,
     help="JetStream replicas for the streams and buckets this process creates (3 in a cluster; "
          "above 1, the slots are spread over one stream per replica).")
-log_option = click.option("--log-level", default="info", show_default=True,
-                          type=click.Choice(["debug", "info", "warning", "error"]))
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level_option(default: str = "info") -> Callable[[F], F]:
+    """Every command's --log-level, one of LOG_LEVELS (a free string was a KeyError traceback
+    in `plane.contract.logs.configure`). Any case: the gateway and the bridge took INFO."""
+    return click.option("--log-level", default=default, show_default=True,
+                        type=click.Choice(LOG_LEVELS, case_sensitive=False))
+
+
+log_option = log_level_option()
 
 
 device_waits_option = click.option(

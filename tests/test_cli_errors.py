@@ -115,3 +115,19 @@ def test_a_models_list_is_checked_before_anything_starts(
     result = CliRunner().invoke(main, [*command, "--models", models])
     assert result.exit_code == 2, result.output
     assert said in result.output and "--models" in result.output
+
+
+# -- --log-level -----------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [
+    ["up"], ["router", "--nats", UNREACHABLE], ["node", "--nats", UNREACHABLE],
+    ["gateway", "--nats", UNREACHABLE],
+    ["bridge", "--kafka", "127.0.0.1:1", "--topic", "t", "--nats", UNREACHABLE],
+    ["risk-demo"],
+], ids=lambda c: c[0])
+def test_every_command_takes_the_same_log_levels(command: list[str]) -> None:
+    """`plane gateway --log-level nonsense` was a KeyError traceback (so were the bridge's
+    and risk-demo's): every command names the levels it takes."""
+    result = CliRunner().invoke(main, [*command, "--log-level", "nonsense"])
+    assert result.exit_code == 2, result.output
+    assert "--log-level" in result.output
+    assert "'nonsense' is not one of 'debug', 'info', 'warning', 'error'" in result.output

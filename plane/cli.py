@@ -241,6 +241,10 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
     if one_process and router_per_model:
         raise click.UsageError("--router-per-model runs each model's router in a process of its "
                                "own: give it or --one-process, not both")
+    if replicas > 1 and nats_url is None:
+        raise click.UsageError("--replicas above 1 needs a JetStream cluster, and plane up's "
+                               "embedded nats-server is a lone one: leave --replicas out, or "
+                               "give --nats URL of a cluster of at least --replicas servers")
     if not models:
         raise click.BadParameter(f"plane up serves at least one model: give --models (the "
                                  f"plane's models are {', '.join(sorted(MODELS))}), or leave "

@@ -131,3 +131,21 @@ def test_every_command_takes_the_same_log_levels(command: list[str]) -> None:
     assert result.exit_code == 2, result.output
     assert "--log-level" in result.output
     assert "'nonsense' is not one of 'debug', 'info', 'warning', 'error'" in result.output
+
+
+# -- --replicas against a lone server --------------------------------------------------------
+def test_plane_up_refuses_replicas_on_its_embedded_server() -> None:
+    result = CliRunner().invoke(main, ["up", "--replicas", "3"])
+    assert result.exit_code == 2, result.output
+    assert "--replicas above 1 needs a JetStream cluster" in result.output
+
+
+@pytest.mark.parametrize("command", [["router"], ["up", "--models", "calibrated"]],
+                         ids=lambda c: c[0])
+async def test_replicas_a_lone_server_cannot_keep_are_one_line(
+        nats_server: EmbeddedNats, command: list[str]) -> None:
+    """Was nats-py's ServerError (err_code 10074) as a traceback, from `plane up`'s router
+    process and again from the command."""
+    out = await plane(*command, "--replicas", "3", "--nats", nats_server.url)
+    one_error_line(out, "runs JetStream without a cluster", "give --replicas 1")
+    assert "Traceback" not in out.stdout

@@ -199,6 +199,19 @@ def test_a_tenants_limits_default_are_kept_and_read_from_an_older_state(
     (auth.path / "auth.json").write_text(json.dumps(state))
     assert auth.load().tenants["acme"].max_connections == 1000
 
+def test_a_tenants_rate_limit_can_be_lifted(auth: AuthDir) -> None:
+    """`--max-rate 0` is no limit, as the help says of the default: a limit once set used to
+    stay for good (another setting keeps it, and 0 was refused as out of range)."""
+    auth.add_tenant("acme", share=3)  # a setting not given keeps its value
+    assert auth.load().tenants["acme"].max_rate == 500
+    auth.add_tenant("acme", max_rate=0)
+    acme = auth.load().tenants["acme"]
+    assert (acme.share, acme.max_rate) == (3, None)
+    assert auth.tenant_settings() == {"share.acme": 3, "share.beta": 1}
+    with pytest.raises(ConfigError, match=r"--max-rate must be 1\.\.1000000 \(or 0 for no "):
+        auth.add_tenant("acme", max_rate=-1)
+
+
 def test_the_allow_lists_follow_the_prefix() -> None:
     perms = {**role_permissions(Names("acme.p")), "tenant": tenant(Names("acme.p"))}
     for role, p in perms.items():
@@ -483,6 +496,20 @@ async def test_an_sdk_client_past_its_accounts_subscription_limit_says_so(
             with pytest.raises(ConnectionClosed, match="maximum subscriptions exceeded"):
                 await c.stream("tinylm", {"prompt": "hi", "max_tokens": 4}).start()
         await still_serving(plane, "acme")
+
+
+async def test_add_tenant_lifts_a_rate_limit_on_a_running_plane(auth: AuthDir) -> None:
+    """With --nats URL, `--max-rate 0` deletes the tenant's `max_rate.<t>` from PLANE_CONFIG
+    (the routers follow a deletion as a change); its other settings stay."""
+    async with secured(auth) as plane:
+        assert await config_value(plane, "max_rate.acme") == b"500"
+        out = await asyncio.to_thread(
+            subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "acme",
+                             "--max-rate", "0", "--nats", plane.url],
+            capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out
+        assert await config_value(plane, "max_rate.acme") is None
+        assert await config_value(plane, "share.acme") == b"2"
 
 
 PASSWORD = re.compile(r'password: "[^"]*"')

@@ -12,6 +12,7 @@ from plane.auth.roles import ROLES
 from plane.auth.store import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_SUBSCRIPTIONS,
+    NO_RATE_LIMIT,
     AuthDir,
     AuthState,
 )
@@ -68,7 +69,9 @@ def init(directory: str, prefix: str, as_json: bool, include_conf: str | None) -
 @click.option("--share", type=int, default=None,
               help="Weight in the fair share of slot time (1..1000; default 1).")
 @click.option("--max-rate", type=int, default=None,
-              help="Requests per second the tenant may send, per router (default: no limit).")
+              help="Requests per second the tenant may send, per router (1..1000000; "
+                   f"{NO_RATE_LIMIT}: no limit, the default; {NO_RATE_LIMIT} again lifts a "
+                   "limit set before).")
 @click.option("--max-connections", type=int, default=None,
               help="Connections the tenant's account may hold at once "
                    f"(default {DEFAULT_MAX_CONNECTIONS}).")
@@ -85,9 +88,10 @@ def add_tenant(directory: str, name: str, share: int | None, max_rate: int | Non
     """Add tenant NAME: an account that can only call the plane (`<prefix>.infer.>`, the
     imported service) and read its own replies. A server running DIR/nats.conf reloads it
     at once, with no restart (with --nats URL, checked: the tenant is let in). Again for an
-    existing tenant: changes its settings, keeps its password. --share and --max-rate go
-    into PLANE_CONFIG (`share.NAME`, `max_rate.NAME`) with --nats URL, and whenever `plane
-    up --auth DIR` starts. --max-connections and --max-subscriptions are the account's
+    existing tenant: changes the settings given, keeps the others and its password
+    (--max-rate 0 lifts a rate limit). --share and --max-rate go into PLANE_CONFIG
+    (`share.NAME`, `max_rate.NAME`, deleted when lifted) with --nats URL, and whenever
+    `plane up --auth DIR` starts. --max-connections and --max-subscriptions are the account's
     limits in nats.conf: the server refuses a connection or a subscription past them."""
     d = AuthDir(directory)
     d.add_tenant(name, share=share, max_rate=max_rate, max_connections=max_connections,

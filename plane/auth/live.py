@@ -6,22 +6,28 @@ stack's `settings`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from nats.aio.client import Client
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from plane.auth.store import AuthDir
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.natsconn import close, connect
+from plane.contract.subjects import config_key
 
 
 async def put_tenant_settings(d: AuthDir, url: str) -> dict[str, int]:
-    """Write every tenant's settings; return what was written (key -> value)."""
+    """Write every tenant's settings, and delete the rate limit of a tenant that has none
+    (`--max-rate 0` lifts one: the routers follow the deletion as they follow a change);
+    return what was written (key -> value)."""
     wanted = d.tenant_settings()
     if not wanted:
         return wanted
     state = d.load()
+    lifted = [config_key("max_rate", name) for name, t in state.tenants.items()
+              if t.max_rate is None]
     nc = await connect(d.options("admin", url, name="plane-auth", state=state))
     try:
         try:
@@ -31,6 +37,10 @@ async def put_tenant_settings(d: AuthDir, url: str) -> dict[str, int]:
                               "plane first") from exc
         for key, value in wanted.items():
             await kv.put(key, str(value).encode())
+        for key in lifted:
+            with contextlib.suppress(KeyNotFoundError):  # none set (or deleted before)
+                await kv.get(key)
+                await kv.delete(key)
     finally:
         await close(nc)
     return wanted

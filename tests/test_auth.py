@@ -42,7 +42,7 @@ from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_bi
 from plane.contract.errors import ConfigError, ConnectionClosed
 from plane.contract.messages import DoneEvent, FaultCommand, json_encoder, read_done
 from plane.contract.natsconn import connect
-from plane.contract.provision import ProvisionPlan, ensure_all
+from plane.contract.provision import ProvisionPlan, ensure_all, ensure_config_bucket
 from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import wait_until
@@ -521,7 +521,8 @@ async def test_add_tenant_says_when_the_running_server_did_not_take_the_config(
     cannot add one (nats-server logs "config reload not supported for SystemAccount" and
     keeps the old config), so the new tenant (in the config `add-tenant` writes, with the
     account) is not let in. `add-tenant --nats` says so and fails, where it used to report
-    "the running server reloaded it"; after a restart the tenant is in."""
+    "the running server reloaded it"; after a restart the tenant is in. It says too that the
+    tenant IS written, and prints its credentials first (--json): the user can use it."""
     kept: list[str] = []
     in_sys_block = False
     for line in auth.conf.read_text().splitlines():  # the lines the system account added
@@ -536,14 +537,50 @@ async def test_add_tenant_says_when_the_running_server_did_not_take_the_config(
     assert "users:" in older
     auth.conf.write_text(older)
     async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        await plane_settings_bucket(auth, server.url)  # a plane ran there
         out = await asyncio.to_thread(
             subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "gamma", "--nats",
-                             server.url], capture_output=True, text=True, cwd=ROOT)
+                             server.url, "--json"], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 1, out
         assert "did not take it on reload" in out.stderr and "restart" in out.stderr
-        assert not await can_connect(auth.options("gamma", server.url))
+        assert "tenant gamma IS written to" in out.stderr
+        login = json.loads(out.stdout)["gamma"]
+        gamma = ConnectOptions(url=server.url, user=login["user"], password=login["password"])
+        assert not await can_connect(gamma)
         await server.restart()
-        assert await can_connect(auth.options("gamma", server.url))
+        assert await can_connect(gamma)
+
+
+async def plane_settings_bucket(auth: AuthDir, url: str) -> None:
+    """PLANE_CONFIG at `url`, as a plane that ran there leaves it."""
+    nc = await connect(auth.options("admin", url))
+    try:
+        await ensure_config_bucket(nc.jetstream(), NAMES)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("plane_ran", [False, True], ids=["no server", "no plane"])
+async def test_add_tenant_writes_nothing_when_the_plane_cannot_take_it(
+        auth: AuthDir, plane_ran: bool) -> None:
+    """`add-tenant --nats URL` with nothing at URL (or a server with no plane yet) wrote the
+    tenant, then failed: a tenant in the files whose password, with --json, was never
+    printed. Now it asks first, and leaves DIR as it was."""
+    before = {f: (auth.path / f).read_bytes() for f in ("auth.json", "nats.conf")}
+    async with contextlib.AsyncExitStack() as started:
+        url = "nats://127.0.0.1:1"
+        if plane_ran:
+            server = await started.enter_async_context(
+                EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())))
+            url = server.url
+        out = await asyncio.to_thread(
+            subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "gamma", "--nats",
+                             url, "--json"], capture_output=True, text=True, cwd=ROOT,
+            timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.startswith("error: ") and "Nothing was written" in out.stderr
+    assert ("no bucket PLANE_CONFIG" if plane_ran else "cannot connect to NATS") in out.stderr
+    assert {f: (auth.path / f).read_bytes() for f in before} == before
 
 
 async def test_plane_up_auth_serves_with_the_roles(auth: AuthDir) -> None:

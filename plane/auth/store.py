@@ -145,14 +145,8 @@ class AuthDir:
         """Add a tenant (or change its settings; its password stays) and rewrite nats.conf.
         A setting not given keeps its value (its default for a new tenant); `max_rate`
         NO_RATE_LIMIT lifts the tenant's rate limit."""
-        if not TOKEN_RE.fullmatch(name) or name in RESERVED:
-            raise ConfigError(f"invalid tenant name {name!r}: 1 to 64 characters from A-Z a-z "
-                              f"0-9 _ -, none of {', '.join(sorted(RESERVED))}")
-        _check_range("share", share)
-        _check_range("max_rate", None if max_rate == NO_RATE_LIMIT else max_rate,
-                     also=f"or {NO_RATE_LIMIT} for no limit")
-        _check_range("max_connections", max_connections, LIMIT_RANGES)
-        _check_range("max_subscriptions", max_subscriptions, LIMIT_RANGES)
+        check_tenant(name, share=share, max_rate=max_rate, max_connections=max_connections,
+                     max_subscriptions=max_subscriptions)
         state = self.load()
         had = state.tenants.get(name) or Tenant(login=new_secret(name, self.rounds))
         given = {"share": share, "max_rate": max_rate, "max_connections": max_connections,
@@ -222,6 +216,21 @@ class AuthDir:
                       tenants={t: v.account() for t, v in state.tenants.items()},
                       include=state.include)
         _write_private(self.conf, text.encode())
+
+
+def check_tenant(name: str, *, share: int | None = None, max_rate: int | None = None,
+                 max_connections: int | None = None,
+                 max_subscriptions: int | None = None) -> None:
+    """What `AuthDir.add_tenant` checks before it writes: a ConfigError naming the flag. For
+    a command to check first, before it asks a server anything."""
+    if not TOKEN_RE.fullmatch(name) or name in RESERVED:
+        raise ConfigError(f"invalid tenant name {name!r}: 1 to 64 characters from A-Z a-z "
+                          f"0-9 _ -, none of {', '.join(sorted(RESERVED))}")
+    _check_range("share", share)
+    _check_range("max_rate", None if max_rate == NO_RATE_LIMIT else max_rate,
+                 also=f"or {NO_RATE_LIMIT} for no limit")
+    _check_range("max_connections", max_connections, LIMIT_RANGES)
+    _check_range("max_subscriptions", max_subscriptions, LIMIT_RANGES)
 
 
 def _check_range(key: str, value: int | None,

@@ -129,7 +129,9 @@ class PlaneMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.router_requests = Counter(
-            "plane_router_requests", "Requests answered or placed by routers",
+            "plane_router_requests",
+            "Answers routers gave themselves, by status: refusals, and answers for silent "
+            "nodes (a placed request is answered by its node: plane_node_requests_total)",
             ["model", "status"], registry=r)
         self.router_decision_seconds = Histogram(
             "plane_router_decision_seconds", "Router time from receipt to placement/refusal",

@@ -17,8 +17,11 @@ from plane.cli import (
     EXIT_OK,
     EXIT_USAGE,
     connect_options,
+    log_level_option,
+    log_option,
     make_connect,
     metrics_host_option,
+    metrics_option,
     replicas_option,
 )
 from plane.contract.errors import ConfigError
@@ -66,10 +69,10 @@ EXIT_FAILED = 1
 @click.option("--session-timeout-ms", default=10_000, show_default=True,
               help="Kafka group session timeout (a dead bridge's partitions move after it).")
 @click.option("--prefix", default="plane", show_default=True, help="Subject prefix.")
-@click.option("--metrics-port", type=int, default=None, help="Serve /metrics on this port.")
+@metrics_option
 @metrics_host_option
 @replicas_option
-@click.option("--log-level", default="info", show_default=True)
+@log_option
 @connect_options
 def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
            dead_letter_topic: str | None, kafka_security: str | None,
@@ -140,7 +143,7 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
 @click.option("--kafka", "kafka", envvar="PLANE_KAFKA", default=None, metavar="HOST:PORT",
               help="Use this Kafka instead of starting tansu.")
 @click.option("--topic", default="transactions", show_default=True)
-@click.option("--log-level", default="warning", show_default=True)
+@log_level_option("warning")
 @connect_options
 def risk_demo(duration_s: float, rate_per_s: float, cards: int, lag_ms: float,
               lag_fraction: float, freshness_ms: int, on_stale: str, deadline_ms: int,

@@ -43,12 +43,13 @@ from freshness.tansu import EmbeddedTansu
 from plane.client import Client as PlaneClient
 from plane.client import ClientConfig
 from plane.client.ticket_demo import redeem_one_ticket
-from plane.contract.config import ConnectOptions
+from plane.contract.config import MAX_DEADLINE_MS, ConnectOptions
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConfigError
 from plane.contract.messages import FEATURES, RiskRequest
 from plane.contract.natsconn import connect
 from plane.contract.replies import now_ms
+from plane.contract.settings import RANGES
 from plane.contract.subjects import Header, Names
 
 log = structlog.get_logger("freshness.demo")
@@ -84,6 +85,13 @@ class DemoPlan:
             raise ConfigError("--lag-fraction must be between 0 and 1")
         if self.cards < 1:
             raise ConfigError("--cards must be at least 1")
+        # Checked here, before anything starts: a deadline of 0 was refused by the SDK once
+        # the whole pipeline ran, in the scorer's task group (an ExceptionGroup traceback).
+        if not 1 <= self.deadline_ms <= MAX_DEADLINE_MS:
+            raise ConfigError(f"--deadline-ms must be 1..{MAX_DEADLINE_MS}")
+        low, high = RANGES["freshness_ms"]
+        if not low <= self.freshness_ms <= high:
+            raise ConfigError(f"--freshness-ms must be {low}..{high}")
 
     @property
     def scored_topic(self) -> str:

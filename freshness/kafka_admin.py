@@ -12,6 +12,17 @@ from confluent_kafka.cimpl import NewTopic  # re-exported by .admin without __al
 
 from freshness.kafka_client import client_config, new_client
 from freshness.kafka_config import KafkaSecurity
+from plane.contract.errors import Unavailable
+
+
+class KafkaUnreachable(Unavailable, TimeoutError):
+    """No Kafka broker answered at `bootstrap` in time: check the address and that a broker
+    runs there. A PlaneError, so that a command says it in one line (it was a bare
+    TimeoutError's traceback); a TimeoutError still, for callers that wait on it as one."""
+
+    def __init__(self, message: str, *, bootstrap: str) -> None:
+        super().__init__(message)
+        self.bootstrap = bootstrap
 
 
 def _ensure(bootstrap: str, topics: list[str], partitions: int, security: KafkaSecurity,
@@ -24,7 +35,11 @@ def _ensure(bootstrap: str, topics: list[str], partitions: int, security: KafkaS
             existing = set(admin.list_topics(timeout=max(left_s, 0.1)).topics)
         except KafkaException:
             if left_s <= 0:
-                raise TimeoutError(f"Kafka at {bootstrap} not reachable") from None
+                raise KafkaUnreachable(
+                    f"no Kafka broker answered at {bootstrap} within {timeout_s:g} s: check "
+                    "the address (--kafka or PLANE_KAFKA, HOST:PORT), that a broker runs "
+                    "there, and that this host reaches it (its advertised listeners, a "
+                    "firewall)", bootstrap=bootstrap) from None
             time.sleep(0.2)
             continue
         new = [NewTopic(t, num_partitions=partitions, replication_factor=1)
@@ -44,6 +59,7 @@ async def ensure_topics(
     bootstrap: str, topics: list[str], *, partitions: int = 3, timeout_s: float = 15.0,
     security: KafkaSecurity | None = None,
 ) -> None:
-    """Create the topics that do not exist yet (replication factor 1)."""
+    """Create the topics that do not exist yet (replication factor 1); KafkaUnreachable
+    when no broker answers within `timeout_s`."""
     await asyncio.to_thread(_ensure, bootstrap, topics, partitions,
                             security or KafkaSecurity(), timeout_s)

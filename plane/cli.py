@@ -133,7 +133,9 @@ def names_for(prefix: str) -> Names:
 
 prefix_option = click.option("--prefix", default="plane", show_default=True,
                              help="Subject prefix of this plane.")
-metrics_option = click.option("--metrics-port", type=int, default=None,
+# A TCP port, or 0 for any free one (a bind out of range was an OverflowError traceback).
+PORT = click.IntRange(0, 65535)
+metrics_option = click.option("--metrics-port", type=PORT, default=None,
                               help="Serve Prometheus metrics on PORT (0: any free port).")
 metrics_host_option = click.option(
     "--metrics-host", envvar="PLANE_METRICS_HOST", default="127.0.0.1", show_default=True,
@@ -142,8 +144,17 @@ replicas_option = click.option(
     "--replicas", type=click.IntRange(1, 5), default=1, show_default=True,
     help="JetStream replicas for the streams and buckets this process creates (3 in a cluster; "
          "above 1, the slots are spread over one stream per replica).")
-log_option = click.option("--log-level", default="info", show_default=True,
-                          type=click.Choice(["debug", "info", "warning", "error"]))
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level_option(default: str = "info") -> Callable[[F], F]:
+    """Every command's --log-level, one of LOG_LEVELS (a free string was a KeyError traceback
+    in `plane.contract.logs.configure`). Any case: the gateway and the bridge took INFO."""
+    return click.option("--log-level", default=default, show_default=True,
+                        type=click.Choice(LOG_LEVELS, case_sensitive=False))
+
+
+log_option = log_level_option()
 
 
 device_waits_option = click.option(
@@ -151,6 +162,24 @@ device_waits_option = click.option(
     help="How a slot waits for its device work: launched and awaited on the event loop (no "
          "thread hop per request; on a GPU, where its warm-up check passes), or on the "
          "slot's own thread.")
+
+
+def parse_models(ctx: click.Context, param: click.Parameter,
+                 value: str | None) -> tuple[str, ...] | None:
+    """`--models M1,M2` (a click callback): the names in the order given, checked before
+    anything starts. A name given twice is refused, not merged: in `plane up` each name is
+    a node, and `risk,risk` was two nodes' metrics in one registry (a traceback once the
+    plane had started); whether it meant two nodes or was a slip, the user says which."""
+    if value is None:
+        return None
+    names = [m.strip() for m in value.split(",") if m.strip()]
+    if repeated := sorted({m for m in names if names.count(m) > 1}):
+        raise click.BadParameter(f"{', '.join(repeated)} named more than once: name each "
+                                 "model once", ctx=ctx, param=param)
+    if unknown := sorted(set(names) - MODELS.keys()):
+        raise click.BadParameter(f"unknown model(s) {', '.join(unknown)}: the plane's models "
+                                 f"are {', '.join(sorted(MODELS))}", ctx=ctx, param=param)
+    return tuple(names)
 
 
 def serving_options(f: F) -> F:
@@ -165,7 +194,8 @@ def serving_options(f: F) -> F:
 @main.command()
 @serving_options
 @click.option("--models", default="risk,calibrated,tinylm", show_default=True,
-              help="Comma-separated models to serve (one node each).")
+              callback=parse_models,
+              help="Comma-separated models to serve (one node each; each named once).")
 @click.option("--slots", type=int, default=None,
               help="Slots per node (default: the backend's; on a GPU, its SM partitions shared "
                    "among the models, one request on each).")
@@ -188,7 +218,8 @@ def serving_options(f: F) -> F:
                    "every model's done-events and add no decisions).")
 def up(nats_url: str | None, user: str | None, password: str | None, token: str | None,
        creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
-       metrics_host: str, replicas: int, log_level: str, models: str, slots: int | None,
+       metrics_host: str, replicas: int, log_level: str, models: tuple[str, ...],
+       slots: int | None,
        backend: str, demo: bool, port: int | None, auth_dir: str | None,
        device_waits: str, one_process: bool, router_per_model: bool) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router (in a process of its
@@ -210,18 +241,25 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
     if one_process and router_per_model:
         raise click.UsageError("--router-per-model runs each model's router in a process of its "
                                "own: give it or --one-process, not both")
+    if replicas > 1 and nats_url is None:
+        raise click.UsageError("--replicas above 1 needs a JetStream cluster, and plane up's "
+                               "embedded nats-server is a lone one: leave --replicas out, or "
+                               "give --nats URL of a cluster of at least --replicas servers")
+    if not models:
+        raise click.BadParameter(f"plane up serves at least one model: give --models (the "
+                                 f"plane's models are {', '.join(sorted(MODELS))}), or leave "
+                                 "it out to serve its default", param_hint="'--models'")
     from plane.stack import StackConfig  # the node: torch and triton, once it starts
     from plane.up import run_up
 
     configure_logs(log_level)
-    model_list = tuple(m.strip() for m in models.split(",") if m.strip())
     cfg = StackConfig(
         connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
-        names=names_for(prefix), models=model_list, slots=slots, backend=backend,
+        names=names_for(prefix), models=models, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
         freshness=True, node_overrides={"device_waits": device_waits},
-        routers=len(model_list) if router_per_model else 1,
-        router_models=tuple(frozenset({m}) for m in model_list) if router_per_model else (),
+        routers=len(models) if router_per_model else 1,
+        router_models=tuple(frozenset({m}) for m in models) if router_per_model else (),
         router_processes=not one_process, log_level=log_level,
     )
     _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir))
@@ -301,7 +339,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
                    "that waited longer than this unread is refused at once (429 overloaded, "
                    "final: go elsewhere) instead of decided late. Raise it where deadlines are "
                    "long and bursts should wait rather than be refused.")
-@click.option("--models", default=None, metavar="M1,M2",
+@click.option("--models", default=None, metavar="M1,M2", callback=parse_models,
               help="Serve these models only (comma-separated; default: every model): their "
                    "requests, done-events and the other routers' notes on them. Routers split "
                    "by model read none of each other's traffic, so each adds its own CPU's "
@@ -309,7 +347,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
 def router(nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
            metrics_host: str, replicas: int, log_level: str, router_id: str | None,
-           max_inbox_wait_ms: int, models: str | None) -> None:
+           max_inbox_wait_ms: int, models: tuple[str, ...] | None) -> None:
     """Serve `<prefix>.infer.<model>` in the queue group plane-routers.
 
     \b
@@ -318,8 +356,7 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
       plane router --nats nats://127.0.0.1:4222 --models risk --router-id r-risk
     """
     configure_logs(log_level)
-    served = (frozenset(m.strip() for m in models.split(",") if m.strip())
-              if models is not None else None)
+    served = frozenset(models) if models is not None else None
     try:
         cfg = RouterConfig(names=names_for(prefix), max_inbox_wait_ms=max_inbox_wait_ms,
                            models=served)

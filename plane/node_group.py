@@ -43,6 +43,8 @@ from plane.contract.processes import stop_with_parent
 from plane.contract.subjects import InvalidToken, check_token
 from plane.serve import ServeSpec
 
+MAX_PORT = 65535
+
 log = structlog.get_logger("plane.node_group")
 
 # How long a member may take to drain after SIGTERM, past the node's own drain, before the
@@ -67,6 +69,10 @@ def member_configs(cfg: NodeConfig, spec: ServeSpec, processes: int
     """Each member's node configuration and serving spec: its id, slots and metrics port."""
     if cfg.slots is None:
         raise ConfigError("--processes needs --slots: the group's slots, split over them")
+    if spec.metrics_port and spec.metrics_port + processes - 1 > MAX_PORT:
+        raise ConfigError(f"--metrics-port {spec.metrics_port} leaves no port for member "
+                          f"{processes - 1} (member i serves on --metrics-port + i, at most "
+                          f"{MAX_PORT}): give a lower --metrics-port, or 0 for free ports")
     out, first = [], cfg.first_partition
     for i, n in enumerate(shares(cfg.slots, processes)):
         member_id = f"{cfg.node_id}-p{i}"

@@ -38,7 +38,7 @@ import structlog
 from nats.aio.client import Client
 
 from plane.contract.config import RouterConfig
-from plane.contract.errors import Unavailable
+from plane.contract.errors import PlaneError, Unavailable
 from plane.contract.lifecycle import Lifecycle
 from plane.contract.processes import (
     cancel_and_wait,
@@ -153,7 +153,14 @@ def main() -> None:
     from plane.serve import run_router
 
     configure_logs(log_level)
-    raise SystemExit(run(run_router(spec, cfg)))
+    try:
+        code = run(run_router(spec, cfg))
+    except PlaneError as exc:
+        # A log line, not a traceback: the error is a setting's (`--replicas 3` against a lone
+        # server), `plane up` meets it too and says it once, as `error: ...`.
+        log.error("the router's process cannot start", router=cfg.router_id, error=str(exc))
+        code = 2
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from plane.contract.embedded import EmbeddedNats, NatsServerSpec, nats_server_bi
 from plane.contract.errors import ConfigError, ConnectionClosed
 from plane.contract.messages import DoneEvent, FaultCommand, json_encoder, read_done
 from plane.contract.natsconn import connect
-from plane.contract.provision import ProvisionPlan, ensure_all
+from plane.contract.provision import ProvisionPlan, ensure_all, ensure_config_bucket
 from plane.contract.subjects import Header, Names
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import wait_until
@@ -198,6 +198,19 @@ def test_a_tenants_limits_default_are_kept_and_read_from_an_older_state(
         del t["max_connections"], t["max_subscriptions"]
     (auth.path / "auth.json").write_text(json.dumps(state))
     assert auth.load().tenants["acme"].max_connections == 1000
+
+def test_a_tenants_rate_limit_can_be_lifted(auth: AuthDir) -> None:
+    """`--max-rate 0` is no limit, as the help says of the default: a limit once set used to
+    stay for good (another setting keeps it, and 0 was refused as out of range)."""
+    auth.add_tenant("acme", share=3)  # a setting not given keeps its value
+    assert auth.load().tenants["acme"].max_rate == 500
+    auth.add_tenant("acme", max_rate=0)
+    acme = auth.load().tenants["acme"]
+    assert (acme.share, acme.max_rate) == (3, None)
+    assert auth.tenant_settings() == {"share.acme": 3, "share.beta": 1}
+    with pytest.raises(ConfigError, match=r"--max-rate must be 1\.\.1000000 \(or 0 for no "):
+        auth.add_tenant("acme", max_rate=-1)
+
 
 def test_the_allow_lists_follow_the_prefix() -> None:
     perms = {**role_permissions(Names("acme.p")), "tenant": tenant(Names("acme.p"))}
@@ -485,6 +498,20 @@ async def test_an_sdk_client_past_its_accounts_subscription_limit_says_so(
         await still_serving(plane, "acme")
 
 
+async def test_add_tenant_lifts_a_rate_limit_on_a_running_plane(auth: AuthDir) -> None:
+    """With --nats URL, `--max-rate 0` deletes the tenant's `max_rate.<t>` from PLANE_CONFIG
+    (the routers follow a deletion as a change); its other settings stay."""
+    async with secured(auth) as plane:
+        assert await config_value(plane, "max_rate.acme") == b"500"
+        out = await asyncio.to_thread(
+            subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "acme",
+                             "--max-rate", "0", "--nats", plane.url],
+            capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out
+        assert await config_value(plane, "max_rate.acme") is None
+        assert await config_value(plane, "share.acme") == b"2"
+
+
 PASSWORD = re.compile(r'password: "[^"]*"')
 
 
@@ -494,7 +521,8 @@ async def test_add_tenant_says_when_the_running_server_did_not_take_the_config(
     cannot add one (nats-server logs "config reload not supported for SystemAccount" and
     keeps the old config), so the new tenant (in the config `add-tenant` writes, with the
     account) is not let in. `add-tenant --nats` says so and fails, where it used to report
-    "the running server reloaded it"; after a restart the tenant is in."""
+    "the running server reloaded it"; after a restart the tenant is in. It says too that the
+    tenant IS written, and prints its credentials first (--json): the user can use it."""
     kept: list[str] = []
     in_sys_block = False
     for line in auth.conf.read_text().splitlines():  # the lines the system account added
@@ -509,14 +537,50 @@ async def test_add_tenant_says_when_the_running_server_did_not_take_the_config(
     assert "users:" in older
     auth.conf.write_text(older)
     async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        await plane_settings_bucket(auth, server.url)  # a plane ran there
         out = await asyncio.to_thread(
             subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "gamma", "--nats",
-                             server.url], capture_output=True, text=True, cwd=ROOT)
+                             server.url, "--json"], capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 1, out
         assert "did not take it on reload" in out.stderr and "restart" in out.stderr
-        assert not await can_connect(auth.options("gamma", server.url))
+        assert "tenant gamma IS written to" in out.stderr
+        login = json.loads(out.stdout)["gamma"]
+        gamma = ConnectOptions(url=server.url, user=login["user"], password=login["password"])
+        assert not await can_connect(gamma)
         await server.restart()
-        assert await can_connect(auth.options("gamma", server.url))
+        assert await can_connect(gamma)
+
+
+async def plane_settings_bucket(auth: AuthDir, url: str) -> None:
+    """PLANE_CONFIG at `url`, as a plane that ran there leaves it."""
+    nc = await connect(auth.options("admin", url))
+    try:
+        await ensure_config_bucket(nc.jetstream(), NAMES)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("plane_ran", [False, True], ids=["no server", "no plane"])
+async def test_add_tenant_writes_nothing_when_the_plane_cannot_take_it(
+        auth: AuthDir, plane_ran: bool) -> None:
+    """`add-tenant --nats URL` with nothing at URL (or a server with no plane yet) wrote the
+    tenant, then failed: a tenant in the files whose password, with --json, was never
+    printed. Now it asks first, and leaves DIR as it was."""
+    before = {f: (auth.path / f).read_bytes() for f in ("auth.json", "nats.conf")}
+    async with contextlib.AsyncExitStack() as started:
+        url = "nats://127.0.0.1:1"
+        if plane_ran:
+            server = await started.enter_async_context(
+                EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())))
+            url = server.url
+        out = await asyncio.to_thread(
+            subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "gamma", "--nats",
+                             url, "--json"], capture_output=True, text=True, cwd=ROOT,
+            timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.startswith("error: ") and "Nothing was written" in out.stderr
+    assert ("no bucket PLANE_CONFIG" if plane_ran else "cannot connect to NATS") in out.stderr
+    assert {f: (auth.path / f).read_bytes() for f in before} == before
 
 
 async def test_plane_up_auth_serves_with_the_roles(auth: AuthDir) -> None:

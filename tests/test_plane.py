@@ -544,6 +544,12 @@ async def test_metrics_and_service_discovery(router_processes: bool, routers: in
         series = [(s.name, tuple(sorted(s.labels.items()))) for s in samples]
         assert len(series) == len(set(series)), "a series twice in one exposition"
         assert 'plane_node_requests_total{model="risk",status="200"} 3.0' in text
+        # The routers count the answers they gave (the 400s), not the requests they placed
+        # (the node's 200s), and their help says so (it said "answered or placed").
+        assert ("# HELP plane_router_requests_total Answers routers gave themselves, by "
+                "status: refusals, and answers for silent nodes") in text
+        assert not [s for s in samples if s.name == "plane_router_requests_total"
+                    and s.labels["status"] == "200"]
         if routers == 1:
             assert 'plane_router_requests_total{model="risk",status="400"} 8.0' in text
         else:

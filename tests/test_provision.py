@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
-from plane.contract.errors import Unavailable
+from plane.contract.errors import ConfigError, Unavailable
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all_at_start
 from tests.plane_fixtures import NAMES
 
@@ -96,3 +96,9 @@ async def test_a_start_refused_by_jetstream_stops_at_once(nc: Client) -> None:
                                   ProvisionPlan(names=NAMES), who="node", within_s=10)
     assert err.value.err_code == 10058 and time.monotonic() - t0 < 1.0, err.value
     assert len(asked) <= 3  # what provisioning asks before it gives up, once
+
+
+async def test_replicas_a_lone_server_cannot_keep_say_what_to_change(nc: Client) -> None:
+    with pytest.raises(ConfigError, match=r"without a cluster.*give --replicas 1"):
+        await ensure_all_at_start(nc.jetstream(), ProvisionPlan(names=NAMES, replicas=3),
+                                  who="node", within_s=2)

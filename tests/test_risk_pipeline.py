@@ -3,15 +3,24 @@ demo, the bridge, the feature updater, the guard in the node, scores to NATS and
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
 from freshness.config import OnStale
 from freshness.demo import DemoPlan, run_risk_demo
 from freshness.demo_report import DemoReport
+from freshness.kafka_admin import KafkaUnreachable, ensure_topics
 from plane.app import main
 from plane.client.ticket_demo import TicketStory
-from plane.contract.errors import ConfigError
+from plane.contract.errors import ConfigError, PlaneError
+from plane.contract.processes import free_port
+
+PLANE = str(Path(sys.executable).parent / "plane")
 
 
 async def test_risk_demo_bridges_and_scores_every_record_once() -> None:
@@ -85,3 +94,32 @@ def test_risk_demo_cli_help_and_bad_flags() -> None:
     assert result.exit_code == 2 and "--nats" in result.output
     with pytest.raises(ConfigError):
         DemoPlan(topic="no spaces allowed")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--deadline-ms", "0"), ("--deadline-ms", "-5"),
+                                             ("--freshness-ms", "0")])
+def test_risk_demo_refuses_a_deadline_before_anything_starts(flag: str, value: str) -> None:
+    """`--deadline-ms 0` started nats-server, tansu and the plane, then ended in an
+    ExceptionGroup traceback from the scorer."""
+    result = CliRunner().invoke(main, ["risk-demo", flag, value])
+    assert result.exit_code == 2, result.output
+    assert f"error: {flag} must be 1.." in result.output
+
+
+async def test_an_unreachable_kafka_is_an_error_naming_the_broker() -> None:
+    bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(KafkaUnreachable, match=f"no Kafka broker answered at {bootstrap} "
+                       "within 1 s: check the address") as raised:
+        await ensure_topics(bootstrap, ["t"], timeout_s=1)
+    assert isinstance(raised.value, PlaneError) and isinstance(raised.value, TimeoutError)
+
+
+async def test_risk_demo_with_an_unreachable_kafka_says_so_in_one_line() -> None:
+    """Was a TimeoutError traceback after 15 s."""
+    bootstrap = f"127.0.0.1:{free_port()}"
+    out = await asyncio.to_thread(subprocess.run, [PLANE, "risk-demo", "--kafka", bootstrap],
+                                  capture_output=True, text=True, timeout=90)
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"error: no Kafka broker answered at {bootstrap} within 15 s"), out.stderr

@@ -12,9 +12,13 @@ from plane.auth.roles import ROLES
 from plane.auth.store import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_SUBSCRIPTIONS,
+    NO_RATE_LIMIT,
+    STATE_FILE,
     AuthDir,
     AuthState,
+    check_tenant,
 )
+from plane.contract.errors import ConfigError, PlaneError
 
 
 def options_json(d: AuthDir, state: AuthState, *who: str) -> str:
@@ -68,7 +72,9 @@ def init(directory: str, prefix: str, as_json: bool, include_conf: str | None) -
 @click.option("--share", type=int, default=None,
               help="Weight in the fair share of slot time (1..1000; default 1).")
 @click.option("--max-rate", type=int, default=None,
-              help="Requests per second the tenant may send, per router (default: no limit).")
+              help="Requests per second the tenant may send, per router (1..1000000; "
+                   f"{NO_RATE_LIMIT}: no limit, the default; {NO_RATE_LIMIT} again lifts a "
+                   "limit set before).")
 @click.option("--max-connections", type=int, default=None,
               help="Connections the tenant's account may hold at once "
                    f"(default {DEFAULT_MAX_CONNECTIONS}).")
@@ -76,7 +82,7 @@ def init(directory: str, prefix: str, as_json: bool, include_conf: str | None) -
               help=f"Subscriptions over all of them (default {DEFAULT_MAX_SUBSCRIPTIONS}).")
 @click.option("--nats", "nats_url", default=None,
               help="A running plane's URL: also put the settings into its PLANE_CONFIG now "
-                   "(as the admin role).")
+                   "(as the admin role); nothing is written unless it answers.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the tenant's connection options as one JSON object.")
 def add_tenant(directory: str, name: str, share: int | None, max_rate: int | None,
@@ -85,26 +91,64 @@ def add_tenant(directory: str, name: str, share: int | None, max_rate: int | Non
     """Add tenant NAME: an account that can only call the plane (`<prefix>.infer.>`, the
     imported service) and read its own replies. A server running DIR/nats.conf reloads it
     at once, with no restart (with --nats URL, checked: the tenant is let in). Again for an
-    existing tenant: changes its settings, keeps its password. --share and --max-rate go
-    into PLANE_CONFIG (`share.NAME`, `max_rate.NAME`) with --nats URL, and whenever `plane
-    up --auth DIR` starts. --max-connections and --max-subscriptions are the account's
-    limits in nats.conf: the server refuses a connection or a subscription past them."""
-    d = AuthDir(directory)
-    d.add_tenant(name, share=share, max_rate=max_rate, max_connections=max_connections,
-                 max_subscriptions=max_subscriptions)
-    reloaded = d.reload()
-    if nats_url is not None:
-        from plane.auth.live import put_tenant_settings, tenant_let_in
+    existing tenant: changes the settings given, keeps the others and its password
+    (--max-rate 0 lifts a rate limit). --share and --max-rate go into PLANE_CONFIG
+    (`share.NAME`, `max_rate.NAME`, deleted when lifted) with --nats URL, and whenever
+    `plane up --auth DIR` starts. --max-connections and --max-subscriptions are the account's
+    limits in nats.conf: the server refuses a connection or a subscription past them.
 
-        if reloaded and not asyncio.run(tenant_let_in(d, name, nats_url)):
-            raise click.ClickException(
-                f"{d.conf} now has tenant {name}, but the server at {nats_url} did not take "
-                "it on reload (nats-server cannot reload some changes, such as the system "
-                "account a config written before 2026-12-01 lacks; its log says which): "
-                "restart the server (one at a time in a cluster), then run this again")
-        asyncio.run(put_tenant_settings(d, nats_url))
+    \b
+    Outcome, never half-known:
+      exit 2   nothing written: a bad setting, or with --nats a server that does not let
+               DIR's admin in or has no plane (PLANE_CONFIG) yet
+      exit 0   written, and with --nats taken by the running plane
+      exit 1   written (the tenant and, with --json, its password are printed first), but
+               the running plane did not take it: the error says why; run the command
+               again once fixed (the password stays)
+    """
+    d = AuthDir(directory)
+    settings = {"share": share, "max_rate": max_rate, "max_connections": max_connections,
+                "max_subscriptions": max_subscriptions}
+    check_tenant(name, **settings)
+    if nats_url is not None:
+        from plane.auth.live import check_plane
+
+        try:  # before writing: an unreachable plane must not leave a tenant half-added
+            asyncio.run(check_plane(d, nats_url))
+        except PlaneError as exc:
+            raise ConfigError(f"{exc}. Nothing was written: check --nats (a running plane's "
+                              "URL), or leave it out to write DIR only") from None
+    d.add_tenant(name, **settings)
+    reloaded = d.reload()
+    # Printed before the running plane is asked: whatever it says, the tenant is written and
+    # its credentials are known (a JSON caller never saw the password of a tenant that a
+    # later failure left in the files).
     if as_json:
         click.echo(options_json(d, d.load(), name))
-        return
-    click.echo(f"tenant {name} written to {d.conf}; "
-               + ("the running server reloaded it" if reloaded else "no running server to reload"))
+    else:
+        click.echo(f"tenant {name} written to {d.conf} (its login in "
+                   f"{d.path / STATE_FILE}); "
+                   + ("the running server reloaded it" if reloaded
+                      else "no running server to reload"))
+    if nats_url is not None and (problem := asyncio.run(go_live(d, name, nats_url, reloaded))):
+        raise click.ClickException(
+            f"tenant {name} IS written to {d.conf} and {d.path / STATE_FILE}, but {problem}")
+
+
+async def go_live(d: AuthDir, name: str, url: str, reloaded: bool) -> str | None:
+    """The running plane at `url` takes tenant `name`: its server lets it in (after our
+    reload) and PLANE_CONFIG holds the tenants' settings. Why not, with what to do; None
+    when it did."""
+    from plane.auth.live import put_tenant_settings, tenant_let_in
+
+    if reloaded and not await tenant_let_in(d, name, url):
+        return (f"the server at {url} did not take it on reload (nats-server cannot reload "
+                "some changes, such as the system account a config written before 2026-12-01 "
+                "lacks; its log says which): restart the server (one at a time in a "
+                "cluster), then run this again")
+    try:
+        await put_tenant_settings(d, url)
+    except PlaneError as exc:
+        return (f"its settings did not reach PLANE_CONFIG at {url} ({exc}): run this again "
+                "once the plane answers (the password stays), or restart `plane up --auth`")
+    return None

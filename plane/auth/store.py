@@ -54,6 +54,9 @@ class Secret(msgspec.Struct, frozen=True, kw_only=True):
 DEFAULT_MAX_CONNECTIONS = 1_000
 DEFAULT_MAX_SUBSCRIPTIONS = 100_000
 LIMIT_RANGES = {"max_connections": (1, 1_000_000), "max_subscriptions": (1, 10_000_000)}
+# `add-tenant --max-rate 0`: no rate limit, a new tenant's default. Without it a limit once
+# set could never be lifted (a setting not given keeps its value, and 0 was out of range).
+NO_RATE_LIMIT = 0
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,20 +143,18 @@ class AuthDir:
                    max_rate: int | None = None, max_connections: int | None = None,
                    max_subscriptions: int | None = None) -> Tenant:
         """Add a tenant (or change its settings; its password stays) and rewrite nats.conf.
-        A setting not given keeps its value (its default for a new tenant)."""
-        if not TOKEN_RE.fullmatch(name) or name in RESERVED:
-            raise ConfigError(f"invalid tenant name {name!r}: 1 to 64 characters from A-Z a-z "
-                              f"0-9 _ -, none of {', '.join(sorted(RESERVED))}")
-        _check_range("share", share)
-        _check_range("max_rate", max_rate)
-        _check_range("max_connections", max_connections, LIMIT_RANGES)
-        _check_range("max_subscriptions", max_subscriptions, LIMIT_RANGES)
+        A setting not given keeps its value (its default for a new tenant); `max_rate`
+        NO_RATE_LIMIT lifts the tenant's rate limit."""
+        check_tenant(name, share=share, max_rate=max_rate, max_connections=max_connections,
+                     max_subscriptions=max_subscriptions)
         state = self.load()
         had = state.tenants.get(name) or Tenant(login=new_secret(name, self.rounds))
         given = {"share": share, "max_rate": max_rate, "max_connections": max_connections,
                  "max_subscriptions": max_subscriptions}
-        tenant = msgspec.structs.replace(
-            had, **{k: v for k, v in given.items() if v is not None})
+        changes: dict[str, int | None] = {k: v for k, v in given.items() if v is not None}
+        if changes.get("max_rate") == NO_RATE_LIMIT:
+            changes["max_rate"] = None  # what a tenant with no limit holds
+        tenant = msgspec.structs.replace(had, **changes)
         self._write(msgspec.structs.replace(state, tenants={**state.tenants, name: tenant}))
         return tenant
 
@@ -217,13 +218,29 @@ class AuthDir:
         _write_private(self.conf, text.encode())
 
 
+def check_tenant(name: str, *, share: int | None = None, max_rate: int | None = None,
+                 max_connections: int | None = None,
+                 max_subscriptions: int | None = None) -> None:
+    """What `AuthDir.add_tenant` checks before it writes: a ConfigError naming the flag. For
+    a command to check first, before it asks a server anything."""
+    if not TOKEN_RE.fullmatch(name) or name in RESERVED:
+        raise ConfigError(f"invalid tenant name {name!r}: 1 to 64 characters from A-Z a-z "
+                          f"0-9 _ -, none of {', '.join(sorted(RESERVED))}")
+    _check_range("share", share)
+    _check_range("max_rate", None if max_rate == NO_RATE_LIMIT else max_rate,
+                 also=f"or {NO_RATE_LIMIT} for no limit")
+    _check_range("max_connections", max_connections, LIMIT_RANGES)
+    _check_range("max_subscriptions", max_subscriptions, LIMIT_RANGES)
+
+
 def _check_range(key: str, value: int | None,
-                 ranges: Mapping[str, tuple[int, int]] = RANGES) -> None:
+                 ranges: Mapping[str, tuple[int, int]] = RANGES, also: str = "") -> None:
     if value is None:
         return
     low, high = ranges[key]
     if not low <= value <= high:
-        raise ConfigError(f"--{key.replace('_', '-')} must be {low}..{high}")
+        raise ConfigError(f"--{key.replace('_', '-')} must be {low}..{high}"
+                          + (f" ({also})" if also else ""))
 
 
 def _write_private(path: Path, data: bytes) -> None:

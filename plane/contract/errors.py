@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import TypedDict, Unpack
 
 
@@ -55,6 +56,20 @@ class Unavailable(PlaneError, ConnectionError):
 
 class ConfigError(PlaneError, ValueError):
     """A configuration value is wrong; the message names the option and what is allowed."""
+
+
+def cannot_listen(server: str, host: str, port: int, exc: OSError, *, option: str,
+                  host_option: str) -> ConfigError:
+    """The one-line error for a server of ours that cannot bind `host`:`port` (the metrics',
+    the gateway's): which address, why, and what to do, where the bare OSError was a
+    traceback. `option`/`host_option`: the flags that set them. A busy port reads as a busy
+    NATS port does (`plane.contract.embedded`)."""
+    if exc.errno == errno.EADDRINUSE:
+        why = (f"the port is in use; stop what listens there or pick another port ({option}; "
+               "0: any free port)")
+    else:  # an address not of this host, a name that does not resolve, a privileged port
+        why = f"{exc.strerror or exc}; check {host_option} and {option}"
+    return ConfigError(f"{server} cannot listen on {host}:{port}: {why}")
 
 
 class IdentityInUse(ConfigError):

@@ -26,6 +26,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from plane.contract.errors import cannot_listen
+
 log = structlog.get_logger("plane.metrics")
 
 CHILD_SCRAPE_TIMEOUT_S = 2.0
@@ -127,7 +129,9 @@ class PlaneMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.router_requests = Counter(
-            "plane_router_requests", "Requests answered or placed by routers",
+            "plane_router_requests",
+            "Answers routers gave themselves, by status: refusals, and answers for silent "
+            "nodes (a placed request is answered by its node: plane_node_requests_total)",
             ["model", "status"], registry=r)
         self.router_decision_seconds = Histogram(
             "plane_router_decision_seconds", "Router time from receipt to placement/refusal",
@@ -324,7 +328,11 @@ def serve_metrics(
         registry.register(MergedMetrics(metrics.registry, children))
     server: WSGIServer
     thread: threading.Thread
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise cannot_listen("metrics", host, port, exc, option="--metrics-port",
+                            host_option="--metrics-host") from None
     try:
         yield server.server_port
     finally:

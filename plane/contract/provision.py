@@ -30,7 +30,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from plane.contract.config import MAX_SLOTS
-from plane.contract.errors import Unavailable
+from plane.contract.errors import ConfigError, Unavailable
 from plane.contract.subjects import MAX_SLOT_SHARDS, Names
 
 log = structlog.get_logger("plane.contract.provision")
@@ -43,6 +43,9 @@ SUBJECTS_OVERLAP = 10065
 SLOT_MAX_AGE_S = 600.0
 # JetStream's "temporarily unavailable" (no meta leader yet).
 JS_TEMPORARILY_UNAVAILABLE = 10008
+# A lone server's answer to a stream or bucket of more than one replica: "replicas > 1 not
+# supported in non-clustered mode".
+REPLICAS_NOT_CLUSTERED = 10074
 # A process that starts while one of the plane's replicated streams has no leader (a cluster
 # elects one 4-9 s after a server died) finds JetStream's API silent for it: its start asks
 # again for this long before it gives up, with an error that says what to check.
@@ -222,18 +225,33 @@ def jetstream_busy(exc: BaseException) -> bool:
         exc.code == 503 or exc.err_code == JS_TEMPORARILY_UNAVAILABLE)
 
 
+def replicas_need_a_cluster(exc: BaseException) -> ConfigError | None:
+    """The error to raise for `exc` when it is a lone server refusing replicas (`--replicas`
+    above 1 against a server with no cluster: one server cannot keep copies on others), else
+    None. What a user must change is the flag or the server, so it says both."""
+    if not (isinstance(exc, APIError) and exc.err_code == REPLICAS_NOT_CLUSTERED):
+        return None
+    return ConfigError(
+        "the NATS server runs JetStream without a cluster, and a lone server keeps one copy "
+        f"of a stream (it answered {exc.description!r}): give --replicas 1 (the default), or "
+        "connect to a JetStream cluster of at least --replicas servers")
+
+
 async def at_start(make: Callable[[], Awaitable[T]], *, who: str,
                    what: str = "provisioning the plane's streams and buckets",
                    within_s: float = START_WITHIN_S) -> T:
     """`make()`, a process's provisioning at its start, asked again while JetStream cannot
     answer yet (`jetstream_busy`), for `within_s` at most; then an error that says what to
     check. A process started during a cluster's election used to stop at once on a bare
-    TimeoutError. Any other error is raised as it comes."""
+    TimeoutError. Replicas a lone server cannot keep are a ConfigError saying what to change
+    (`replicas_need_a_cluster`); any other error is raised as it comes."""
     give_up_s = time.monotonic() + within_s
     while True:
         try:
             return await make()
         except Exception as exc:
+            if (need_cluster := replicas_need_a_cluster(exc)) is not None:
+                raise need_cluster from None
             if not jetstream_busy(exc):
                 raise
             left_s = give_up_s - time.monotonic()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from plane.cli import connect_options, make_connect, names_for, prefix_option
+from plane.cli import connect_options, log_option, make_connect, names_for, prefix_option
 from plane.contract.config import MAX_BODY_BYTES, ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import run as run_on_uvloop
@@ -33,7 +33,7 @@ async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
               envvar="PLANE_GATEWAY_TENANT_TOKENS",
               help="A tenant's bearer token (repeat; env PLANE_GATEWAY_TENANT_TOKENS, space "
                    "separated): its requests go on as that tenant.")
-@click.option("--log-level", default="info", show_default=True)
+@log_option
 def gateway(nats_url: str | None, user: str | None, password: str | None, token: str | None,
             creds: str | None, tls_ca: str | None, prefix: str, host: str, port: int,
             max_body_bytes: int, bearer_token: str | None, tenant_tokens: tuple[str, ...],

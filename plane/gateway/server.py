@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 
 from plane.client import Client, ClientConfig
 from plane.contract.config import ConnectOptions
+from plane.contract.errors import cannot_listen
 from plane.contract.natsconn import close, connect
 from plane.gateway.app import build_app
 from plane.gateway.config import GatewayConfig
@@ -67,7 +68,11 @@ class Gateway:
                                          lingering_time=LINGERING_S, handler_cancellation=True)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.config.host, self.config.port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise cannot_listen("plane gateway", self.config.host, self.config.port, exc,
+                                    option="--port", host_option="--host") from None
         except BaseException:
             await self.stop()
             raise

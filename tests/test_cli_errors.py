@@ -1,0 +1,151 @@
+"""What the commands say when a flag is wrong or a port is taken: one line, `error: ...` or
+click's usage error, naming the flag and what to do, exit 2, never a traceback (each case
+below was a traceback, found by running the commands from outside).
+
+A value out of range is refused before anything starts (in-process, through click's
+CliRunner); a busy port is found by binding it, so those commands run for real against a
+real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from plane.app import main
+from plane.contract.embedded import EmbeddedNats
+
+PLANE = str(Path(sys.executable).parent / "plane")
+UNREACHABLE = "nats://127.0.0.1:1"
+
+
+@contextlib.contextmanager
+def busy_port() -> Iterator[int]:
+    """A loopback port something listens on for the block."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+async def plane(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(subprocess.run, [PLANE, *args], capture_output=True,
+                                   text=True, timeout=timeout_s)
+
+
+def one_error_line(out: subprocess.CompletedProcess[str], *wanted: str) -> None:
+    """Exit 2, no traceback, and an `error: ` line that says each of `wanted`."""
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out.stderr
+    assert all(w in errors[0] for w in wanted), errors[0]
+
+
+# -- --metrics-port, --port ------------------------------------------------------------------
+@pytest.mark.parametrize("command", [
+    ["up"], ["router", "--nats", UNREACHABLE], ["node", "--nats", UNREACHABLE],
+    ["bridge", "--kafka", "127.0.0.1:1", "--topic", "t", "--nats", UNREACHABLE],
+], ids=lambda c: c[0])
+@pytest.mark.parametrize("port", ["99999", "-5", "65536"])
+def test_a_metrics_port_out_of_range_is_refused_before_anything_starts(
+        command: list[str], port: str) -> None:
+    result = CliRunner().invoke(main, [*command, "--metrics-port", port])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "--metrics-port" in result.output and "0<=x<=65535" in result.output
+
+
+@pytest.mark.parametrize("command", [
+    ["up", "--models", "calibrated"],
+    ["router"],
+    ["bridge", "--kafka", "127.0.0.1:1", "--topic", "t"],
+], ids=lambda c: c[0])
+async def test_a_busy_metrics_port_is_one_line_naming_it(
+        nats_server: EmbeddedNats, command: list[str]) -> None:
+    nats = [] if command[0] == "up" else ["--nats", nats_server.url]
+    with busy_port() as port:
+        out = await plane(*command, *nats, "--metrics-port", str(port))
+    one_error_line(out, f"metrics cannot listen on 127.0.0.1:{port}", "the port is in use",
+                   "--metrics-port")
+
+
+async def test_a_metrics_host_not_of_this_machine_is_one_line(nats_server: EmbeddedNats) -> None:
+    out = await plane("router", "--nats", nats_server.url, "--metrics-port", "0",
+                      "--metrics-host", "192.0.2.1")  # TEST-NET-1: never this host's
+    one_error_line(out, "metrics cannot listen on 192.0.2.1:0", "check --metrics-host")
+
+
+async def test_a_busy_gateway_port_is_one_line_naming_it(nats_server: EmbeddedNats) -> None:
+    with busy_port() as port:
+        out = await plane("gateway", "--nats", nats_server.url, "--port", str(port))
+    one_error_line(out, f"gateway cannot listen on 127.0.0.1:{port}", "the port is in use",
+                   "--port")
+
+
+def test_a_node_groups_last_metrics_port_must_exist() -> None:
+    result = CliRunner().invoke(main, ["node", "--nats", UNREACHABLE, "--model", "calibrated",
+                                       "--slots", "2", "--processes", "2",
+                                       "--metrics-port", "65535"])
+    assert result.exit_code == 2 and "leaves no port for member 1" in result.output
+
+
+# -- --models --------------------------------------------------------------------------------
+@pytest.mark.parametrize(("command", "models", "said"), [
+    (["up"], "", "plane up serves at least one model"),
+    (["up"], " , ", "plane up serves at least one model"),
+    (["router", "--nats", UNREACHABLE], "", "a router serves at least one model"),
+    (["up"], "risk,risk", "risk named more than once"),
+    (["up"], "risk, calibrated,risk", "risk named more than once"),
+    (["router", "--nats", UNREACHABLE], "calibrated,calibrated",
+     "calibrated named more than once"),
+    (["up"], "risk,nonsense", "unknown model(s) nonsense: the plane's models are"),
+], ids=lambda v: v[0] if isinstance(v, list) else repr(v))
+def test_a_models_list_is_checked_before_anything_starts(
+        command: list[str], models: str, said: str) -> None:
+    """`plane up --models ''` started the plane, then an IndexError; `risk,risk` started two
+    nodes of one model and ended in prometheus's DuplicateTimeseries."""
+    result = CliRunner().invoke(main, [*command, "--models", models])
+    assert result.exit_code == 2, result.output
+    assert said in result.output and "--models" in result.output
+
+
+# -- --log-level -----------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [
+    ["up"], ["router", "--nats", UNREACHABLE], ["node", "--nats", UNREACHABLE],
+    ["gateway", "--nats", UNREACHABLE],
+    ["bridge", "--kafka", "127.0.0.1:1", "--topic", "t", "--nats", UNREACHABLE],
+    ["risk-demo"],
+], ids=lambda c: c[0])
+def test_every_command_takes_the_same_log_levels(command: list[str]) -> None:
+    """`plane gateway --log-level nonsense` was a KeyError traceback (so were the bridge's
+    and risk-demo's): every command names the levels it takes."""
+    result = CliRunner().invoke(main, [*command, "--log-level", "nonsense"])
+    assert result.exit_code == 2, result.output
+    assert "--log-level" in result.output
+    assert "'nonsense' is not one of 'debug', 'info', 'warning', 'error'" in result.output
+
+
+# -- --replicas against a lone server --------------------------------------------------------
+def test_plane_up_refuses_replicas_on_its_embedded_server() -> None:
+    result = CliRunner().invoke(main, ["up", "--replicas", "3"])
+    assert result.exit_code == 2, result.output
+    assert "--replicas above 1 needs a JetStream cluster" in result.output
+
+
+@pytest.mark.parametrize("command", [["router"], ["up", "--models", "calibrated"]],
+                         ids=lambda c: c[0])
+async def test_replicas_a_lone_server_cannot_keep_are_one_line(
+        nats_server: EmbeddedNats, command: list[str]) -> None:
+    """Was nats-py's ServerError (err_code 10074) as a traceback, from `plane up`'s router
+    process and again from the command."""
+    out = await plane(*command, "--replicas", "3", "--nats", nats_server.url)
+    one_error_line(out, "runs JetStream without a cluster", "give --replicas 1")
+    assert "Traceback" not in out.stdout

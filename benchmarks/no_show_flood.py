@@ -109,10 +109,12 @@ async def main() -> None:
                 if not line:
                     raise RuntimeError("plane up exited")
             until_s = time.monotonic() + args.duration
-            tasks = [honest(srv.url, body, until_s) for _ in range(2)]
-            flood = flooder(srv.url, json.dumps(body).encode(), until_s, args.gap_ms / 1000)
+            honest_tasks = [asyncio.ensure_future(honest(srv.url, body, until_s))
+                            for _ in range(2)]
             samples_task = asyncio.ensure_future(busy_slots(srv.url, until_s))
-            *honest_ok, (flood_ok, flood_sent) = await asyncio.gather(*tasks, flood)
+            flood_ok, flood_sent = await flooder(srv.url, json.dumps(body).encode(), until_s,
+                                                 args.gap_ms / 1000)
+            honest_ok = [await t for t in honest_tasks]
             samples = await samples_task
             async with Client.connect(srv.url) as c:
                 view = await collect(c.nc, Names(), timeout_s=2.0)

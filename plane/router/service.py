@@ -500,10 +500,12 @@ class Router(Lifecycle, TaskOwner):
                 # for good must still find a dead node).
                 if now - seen > timeout_s * (BEHIND_PATIENCE if behind else 1):
                     self._forget_node(node, f"no heartbeat for {now - seen:.1f} s")
+            unread = self._backlog()  # requests waiting to be read: a holder's among them
             for ms in self.models.values():
                 ms.window.expire(now)
                 ms.rates.expire(now)
-                self.admission.tidy(ms, now)
+                if not unread:  # (its promise is spared at its decision, not lapsed here)
+                    self.admission.tidy(ms, now)
                 self.metrics.promises_open.labels(ms.model).set(len(ms.promises))
                 self.metrics.promise_depth.labels(ms.model).set(self.admission.depth(ms, now))
             for then in self.publisher.expire(now):

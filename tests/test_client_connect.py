@@ -302,3 +302,29 @@ async def test_an_answer_within_the_routers_grace_reaches_the_caller(
     assert silent.status == 504 and silent.local and silent.reason == Reason.DEADLINE
     assert silent.headers[Header.REQUEST_ID] == "silent-1"
     assert 0.05 + 0.3 <= waited < 2.0, waited
+
+
+async def test_a_stream_refused_before_its_start_leaves_no_subscription(
+        nats_server: EmbeddedNats) -> None:
+    """A stream whose one message is a final refusal: its inbox is let go at once, not at
+    an `aclose` the caller may never make (the gateway's refused streams each kept a
+    subscription, its task and the stream, for good: found in review)."""
+    nc = await nats.connect(nats_server.url)
+
+    async def refuse(msg: Msg) -> None:
+        body, headers = error_reply(dict(msg.headers or {})[Header.REQUEST_ID], Status.BUSY,
+                                    Reason.DEADLINE, "none frees in time")
+        await nc.publish(msg.reply, body, headers=headers)
+
+    await nc.subscribe(Names().infer("tinylm"), cb=refuse)
+    await nc.flush()
+    try:
+        async with Client.connect(nats_server.url) as plane:
+            await plane.stream("tinylm", {"prompt": "x"}, raise_errors=False).start()
+            before = len(plane.nc._subs)  # the client's own (its inbox for calls back)
+            for _ in range(5):
+                stream = plane.stream("tinylm", {"prompt": "x"}, raise_errors=False)
+                assert not await stream.start() and stream.status == 429
+            assert len(plane.nc._subs) == before
+    finally:
+        await nc.close()

@@ -235,6 +235,10 @@ class TokenStream:
             delay_ms = client.retry_delay_for(result, self._policy,
                                               attempt - self._first_attempt + 1, deadline_at)
             if delay_ms is None:
+                # Its one message was final: nothing more comes on the inbox. Left subscribed
+                # until `aclose`, a refusal the caller did not close (the gateway's) kept a
+                # subscription, its task and the stream alive, one per refusal.
+                await self._unsubscribe()
                 return
             given = result.headers.get(Header.TICKET) if result.status == Status.BUSY else None
             if given:

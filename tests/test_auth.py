@@ -141,6 +141,14 @@ async def still_serving(plane: Secured, tenant: str = "acme") -> None:
     assert result.node == NODE
 
 
+async def put_config_value(plane: Secured, key: str, value: bytes) -> None:
+    nc = await connect(plane.auth.options("admin", plane.url))
+    try:
+        await (await nc.jetstream().key_value(NAMES.config_bucket)).put(key, value)
+    finally:
+        await nc.close()
+
+
 async def config_value(plane: Secured, key: str) -> bytes | None:
     nc = await connect(plane.auth.options("admin", plane.url))
     try:
@@ -503,6 +511,9 @@ async def test_add_tenant_lifts_a_rate_limit_on_a_running_plane(auth: AuthDir) -
     (the routers follow a deletion as a change); its other settings stay."""
     async with secured(auth) as plane:
         assert await config_value(plane, "max_rate.acme") == b"500"
+        # beta has no limit in DIR; one set by hand in PLANE_CONFIG is the operator's, and
+        # lifting acme's must leave it (every limitless tenant's was deleted: found in review).
+        await put_config_value(plane, "max_rate.beta", b"40")
         out = await asyncio.to_thread(
             subprocess.run, [PLANE, "auth", "add-tenant", str(auth.path), "acme",
                              "--max-rate", "0", "--nats", plane.url],
@@ -510,6 +521,7 @@ async def test_add_tenant_lifts_a_rate_limit_on_a_running_plane(auth: AuthDir) -
         assert out.returncode == 0, out
         assert await config_value(plane, "max_rate.acme") is None
         assert await config_value(plane, "share.acme") == b"2"
+        assert await config_value(plane, "max_rate.beta") == b"40"
 
 
 PASSWORD = re.compile(r'password: "[^"]*"')

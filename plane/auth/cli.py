@@ -130,15 +130,17 @@ def add_tenant(directory: str, name: str, share: int | None, max_rate: int | Non
                    f"{d.path / STATE_FILE}); "
                    + ("the running server reloaded it" if reloaded
                       else "no running server to reload"))
-    if nats_url is not None and (problem := asyncio.run(go_live(d, name, nats_url, reloaded))):
+    if nats_url is not None and (problem := asyncio.run(go_live(
+            d, name, nats_url, reloaded, lifted=max_rate == NO_RATE_LIMIT))):
         raise click.ClickException(
             f"tenant {name} IS written to {d.conf} and {d.path / STATE_FILE}, but {problem}")
 
 
-async def go_live(d: AuthDir, name: str, url: str, reloaded: bool) -> str | None:
+async def go_live(d: AuthDir, name: str, url: str, reloaded: bool, *,
+                  lifted: bool = False) -> str | None:
     """The running plane at `url` takes tenant `name`: its server lets it in (after our
     reload) and PLANE_CONFIG holds the tenants' settings. Why not, with what to do; None
-    when it did."""
+    when it did. `lifted`: its rate limit was lifted (`--max-rate 0`)."""
     from plane.auth.live import put_tenant_settings, tenant_let_in
 
     if reloaded and not await tenant_let_in(d, name, url):
@@ -147,7 +149,7 @@ async def go_live(d: AuthDir, name: str, url: str, reloaded: bool) -> str | None
                 "lacks; its log says which): restart the server (one at a time in a "
                 "cluster), then run this again")
     try:
-        await put_tenant_settings(d, url)
+        await put_tenant_settings(d, url, lifted=name if lifted else None)
     except PlaneError as exc:
         return (f"its settings did not reach PLANE_CONFIG at {url} ({exc}): run this again "
                 "once the plane answers (the password stays), or restart `plane up --auth`")

@@ -19,22 +19,25 @@ from plane.contract.natsconn import close, connect
 from plane.contract.subjects import Names, config_key
 
 
-async def put_tenant_settings(d: AuthDir, url: str) -> dict[str, int]:
-    """Write every tenant's settings, and delete the rate limit of a tenant that has none
-    (`--max-rate 0` lifts one: the routers follow the deletion as they follow a change);
-    return what was written (key -> value)."""
+async def put_tenant_settings(d: AuthDir, url: str, *, lifted: str | None = None
+                              ) -> dict[str, int]:
+    """Write every tenant's settings, and delete the rate limit of tenant `lifted` when it
+    has none now (`--max-rate 0` lifts one: the routers follow the deletion as they follow a
+    change; only its own: another tenant's set by hand in PLANE_CONFIG stays); return what
+    was written (key -> value)."""
     wanted = d.tenant_settings()
-    if not wanted:
-        return wanted
     state = d.load()
-    lifted = [config_key("max_rate", name) for name, t in state.tenants.items()
-              if t.max_rate is None]
+    gone = state.tenants.get(lifted) if lifted is not None else None
+    lifted_keys = ([config_key("max_rate", lifted)]
+                   if lifted is not None and gone is not None and gone.max_rate is None else [])
+    if not wanted and not lifted_keys:
+        return wanted
     nc = await connect(d.options("admin", url, name="plane-auth", state=state))
     try:
         kv = await _config_bucket(nc, state.names, url)
         for key, value in wanted.items():
             await kv.put(key, str(value).encode())
-        for key in lifted:
+        for key in lifted_keys:
             with contextlib.suppress(KeyNotFoundError):  # none set (or deleted before)
                 await kv.get(key)
                 await kv.delete(key)

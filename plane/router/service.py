@@ -71,6 +71,9 @@ WATCHDOG_PERIOD_S = 0.02
 # after such a spell wakes it at once. On this project's VMs a timer's wake from idle costs
 # ~220 us of CPU (`benchmarks/wake_cost.py`): 50 a second were an idle router's main cost.
 IDLE_WATCHDOG_PERIOD_S = 0.1
+# Promises lapse on the watchdog's tick (`Admission.tidy`) this long after their time, when
+# no decision saw them lapse first: a forward's hop and a busy loop's turns.
+TIDY_GRACE_S = 0.25
 ASK_NODE_TIMEOUT_S = 0.25
 ASK_NODE_WITHIN_S = 2.0
 # The watchdog judges nodes by their heartbeats only while the router's own loop keeps time:
@@ -500,14 +503,19 @@ class Router(Lifecycle, TaskOwner):
                 # for good must still find a dead node).
                 if now - seen > timeout_s * (BEHIND_PATIENCE if behind else 1):
                     self._forget_node(node, f"no heartbeat for {now - seen:.1f} s")
-            unread = self._backlog()  # requests waiting to be read: a holder's among them
+            # Promises no decision looked at lapse here too, only while no request waits to
+            # be read or decided (a holder's promise is spared at its decision, however late
+            # the router gets to it), and only TIDY_GRACE_S after their time (a holder's retry
+            # forwarded from another router is on its way meanwhile).
+            idle = not self._backlog() and not self.requests.in_hand()
             for ms in self.models.values():
                 ms.window.expire(now)
                 ms.rates.expire(now)
-                if not unread:  # (its promise is spared at its decision, not lapsed here)
-                    self.admission.tidy(ms, now)
+                if idle:
+                    self.admission.tidy(ms, now - TIDY_GRACE_S)
                 self.metrics.promises_open.labels(ms.model).set(len(ms.promises))
                 self.metrics.promise_depth.labels(ms.model).set(self.admission.depth(ms, now))
+            await self.peers.tell()  # what the tick dropped (none: returns at once)
             for then in self.publisher.expire(now):
                 self._spawn(then(TimedOut()))
             self.inflight.tick(now)

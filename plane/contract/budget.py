@@ -21,12 +21,19 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+LEARNED_PRIOR_MIN = 5  # samples a window must hold for its median to become its prior
+
 
 @dataclass(slots=True)
 class ServiceWindow:
     size: int = 256
     prior_us: int = 1000  # what we assume before the first sample
     max_age_s: float | None = None  # samples older than this are dropped by `expire`
+    # As samples age out, the window's prior becomes the median of what it held (while it
+    # held LEARNED_PRIOR_MIN at least, so that one outlier is not it): emptied, it is that,
+    # and a model's learned rate outlives a quiet spell, where the configured prior may be
+    # far off (the token rates).
+    learn_prior: bool = False
     _samples: deque[int] = field(init=False)  # in arrival order
     _sorted: list[int] = field(init=False, default_factory=list)  # the same, sorted
     _times: deque[float] = field(init=False)  # monotonic time of each sample, when aging
@@ -62,6 +69,9 @@ class ServiceWindow:
         if self.max_age_s is None:
             return 0
         cutoff, gone = now_s - self.max_age_s, 0
+        if (self.learn_prior and self._times and self._times[0] < cutoff
+                and len(self._sorted) >= LEARNED_PRIOR_MIN):
+            self.prior_us = self._p50  # samples go: their median stays, should all go
         while self._times and self._times[0] < cutoff:
             self._times.popleft()
             self._drop(self._samples.popleft())
@@ -151,7 +161,9 @@ FULL = 1000  # a stream that produced all its max_tokens, in per mille
 # was the p99 of a small window until 128 newer streams pushed it out, and every stream
 # whose deadline it did not fit was refused `deadline` (final) meanwhile, so none came to
 # teach a newer rate: the model refused long streams for good. Longer than the cycle's
-# (2 s): one sample a stream, not one a request.
+# (2 s): one sample a stream, not one a request. Emptied, a window keeps the median of what
+# it held as its prior (`ServiceWindow.learn_prior`): a quiet spell does not send a slow
+# device back to a prior four times too fast.
 RATES_MAX_AGE_S = 10.0
 
 
@@ -166,14 +178,14 @@ class TokenRates:
     """
 
     prefill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
-        size=128, prior_us=PRIOR_PREFILL_NS, max_age_s=RATES_MAX_AGE_S))
+        size=128, prior_us=PRIOR_PREFILL_NS, max_age_s=RATES_MAX_AGE_S, learn_prior=True))
     decode: ServiceWindow = field(default_factory=lambda: ServiceWindow(
-        size=128, prior_us=PRIOR_DECODE_NS, max_age_s=RATES_MAX_AGE_S))
+        size=128, prior_us=PRIOR_DECODE_NS, max_age_s=RATES_MAX_AGE_S, learn_prior=True))
     # How much of max_tokens streams produce (per mille): a model that often ends early
     # (END sampled, callers that cancel) frees its slot early, and promises are spaced by
     # what streams take, not by what they may take (the p99 still bounds deadlines).
     fill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
-        size=128, prior_us=FULL, max_age_s=RATES_MAX_AGE_S))
+        size=128, prior_us=FULL, max_age_s=RATES_MAX_AGE_S, learn_prior=True))
 
     def learn(self, prompt_tokens: int, tokens: int, prefill_us: int, decode_us: int,
               max_tokens: int = 0, now_s: float = 0.0) -> None:

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from plane.contract.embedded import (
+    STORE_LOCK,
     STORE_PREFIX,
     EmbeddedNats,
     NatsServerSpec,
     embedded_gomaxprocs,
+    hold_store,
 )
 from plane.contract.processes import free_port
 
@@ -79,12 +81,22 @@ async def test_a_killed_processs_store_is_swept_by_the_next_server(tmp_path: Pat
     dead.wait()
     orphan = tmp_path / f"{STORE_PREFIX}{dead.pid}-abc"
     (orphan / "jetstream").mkdir(parents=True)
+    (orphan / STORE_LOCK).touch()  # its owner's lock, let go as it died
+    # A pid this process cannot see (another PID namespace sharing /tmp), whose owner lives
+    # and holds its lock: left alone.
+    elsewhere = tmp_path / f"{STORE_PREFIX}{dead.pid}-def"
+    elsewhere.mkdir()
+    held = hold_store(str(elsewhere))
     mine = tmp_path / f"{STORE_PREFIX}{os.getpid()}-xyz"
     mine.mkdir()
     other = tmp_path / f"{STORE_PREFIX}notapid"
     other.mkdir()
-    async with EmbeddedNats() as srv:
-        store = srv.spec.store_dir
-        assert store is not None and Path(store).parent == tmp_path
-        assert not orphan.exists() and mine.exists() and other.exists()
-    assert not _is_dir(store)  # its own, removed as it stops
+    try:
+        async with EmbeddedNats() as srv:
+            store = srv.spec.store_dir
+            assert store is not None and Path(store).parent == tmp_path
+            assert not orphan.exists() and elsewhere.exists()
+            assert mine.exists() and other.exists()
+        assert not _is_dir(store)  # its own, removed as it stops
+    finally:
+        os.close(held)

@@ -21,6 +21,7 @@ of 6 runs of tests/test_cluster.py, against over 80% in 4 of 4 with Go's default
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import glob
 import os
 import re
@@ -86,21 +87,49 @@ MAX_VIOLATIONS_KEPT = 1000
 # A lone server's JetStream store: a temporary directory named for the process that made
 # it, removed when that process stops the server, and by the next one to start a server if
 # it was killed first (`plane up` under SIGKILL left its store in the temporary directory).
+# Its owner holds a lock on STORE_LOCK in it for as long as it lives: a pid alone would not
+# do where the temporary directory is shared across PID namespaces (containers mounting the
+# host's /tmp), whose live processes this one cannot see.
 STORE_PREFIX = "plane-nats-"
+STORE_LOCK = ".owner"
 
 
 def sweep_orphan_stores(root: str | None = None) -> list[str]:
-    """Remove the stores (`<tmp>/plane-nats-<pid>-*`) of processes that no longer run; the
-    paths removed. A live process's (or a pid reused since: then kept) is left alone."""
+    """Remove the stores (`<tmp>/plane-nats-<pid>-*`) of processes that no longer run and
+    no longer hold their lock; the paths removed. Any other is left alone (a live process's,
+    one without a lock, a pid reused since)."""
     root = root or tempfile.gettempdir()
     gone = []
     for path in glob.glob(os.path.join(root, f"{STORE_PREFIX}*-*")):
         pid = os.path.basename(path)[len(STORE_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or _alive(int(pid)) or not _lock_free(path):
             continue
         shutil.rmtree(path, ignore_errors=True)
         gone.append(path)
     return gone
+
+
+def hold_store(path: str) -> int:
+    """Take the owner's lock of store `path` (its STORE_LOCK); the fd that holds it (closed:
+    let go; the process's end lets it go too)."""
+    fd = os.open(os.path.join(path, STORE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _lock_free(path: str) -> bool:
+    """Whether nobody holds store `path`'s lock (False too when it has none to take)."""
+    try:
+        fd = os.open(os.path.join(path, STORE_LOCK), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -121,6 +150,7 @@ class EmbeddedNats(ChildProcess):
         super().__init__()
         self.spec = spec or NatsServerSpec()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._store_lock: int | None = None  # the fd holding its store's STORE_LOCK
         self.port: int | None = None
         # Every permissions violation the server logged (`Publish Violation`, `Subscription
         # Violation`), however long ago: `log_tail` keeps only the last lines.
@@ -142,6 +172,7 @@ class EmbeddedNats(ChildProcess):
         if s.store_dir is None:
             sweep_orphan_stores()
             self._tmp = tempfile.TemporaryDirectory(prefix=f"{STORE_PREFIX}{os.getpid()}-")
+            self._store_lock = hold_store(self._tmp.name)
             s.store_dir = self._tmp.name
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(s.port), "-js"]
         args += ["-sd", s.store_dir]
@@ -200,5 +231,8 @@ class EmbeddedNats(ChildProcess):
     async def close(self) -> None:
         await self.stop()
         if self._tmp is not None:
+            if self._store_lock is not None:
+                os.close(self._store_lock)
+                self._store_lock = None
             self._tmp.cleanup()
             self._tmp = None

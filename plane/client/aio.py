@@ -19,9 +19,9 @@ caller's deadline; it waits for an answer until the deadline plus `ClientConfig.
 answer_margin_ms`, because the plane counts the deadline from when the router received the
 request and answers within its grace of it (docs/design.md): at the deadline exactly, the
 client would answer "no answer" for an answer on its way (a 200 of work done, or the
-router's own 429 for a request it held). While the connection is down (reconnecting) an
-attempt waits for it at most `ClientConfig.reconnect_wait_ms`, then the call ends 503
-`no-capacity` locally.
+router's own 429 for a request it held). An attempt about to be sent while the connection
+is down (reconnecting) waits for it at most `ClientConfig.reconnect_wait_ms`, then the call
+ends 503 `no-capacity` locally (one already sent waits for its answer as above).
 """
 
 from __future__ import annotations

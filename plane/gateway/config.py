@@ -31,9 +31,10 @@ class GatewayConfig:
     # most `ready_timeout_s` for one, and keeps the answer for `ready_cache_s`.
     ready_timeout_s: float = 0.5
     ready_cache_s: float = 1.0
-    # While the gateway's NATS connection is down, a request waits this long for it to come
-    # back (a server's restart), then is answered 503 `no-capacity` (not held for the SDK's
-    # 30 s wait of a call with no deadline).
+    # While the gateway's NATS connection is down, a request that comes meanwhile waits this
+    # long for it to come back (a server's restart), then is answered 503 `no-capacity` (not
+    # held for the SDK's 30 s wait of a call with no deadline). One sent before the drop
+    # waits for its answer as any (its deadline and the SDK's answer margin, or 30 s).
     reconnect_wait_ms: int = 1000
 
     def __post_init__(self) -> None:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,25 @@ from plane.pulse.targets import NatsTarget  # noqa: E402
 BIN = Path(sys.executable).parent
 DEADLINE_MS = 1000
 STANDING_SHARE = 0.5  # a second with at least this share refused at first try: the line stood
+
+
+@contextlib.asynccontextmanager
+async def plane_up(url: str, slots: int) -> AsyncIterator[None]:
+    """`plane up` on `url`, serving `calibrated` on `slots` slots as its own process, from
+    ready (its "Ctrl-C" line) to the block's end (then terminated)."""
+    up = subprocess.Popen(
+        [str(BIN / "plane"), "up", "--nats", url, "--models", "calibrated", "--slots",
+         str(slots), "--log-level", "warning", "--metrics-port", "0"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert up.stdout is not None
+        while "Ctrl-C" not in (line := await asyncio.to_thread(up.stdout.readline)):
+            if not line:
+                raise RuntimeError("plane up exited")
+        yield
+    finally:
+        up.terminate()
+        up.wait(timeout=30)
 
 
 def refused_by_second(outcomes: list[Outcome]) -> list[float]:
@@ -93,33 +114,21 @@ async def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     body = json.dumps({"duration_us": args.work_us}).encode()
-    async with EmbeddedNats() as srv:
-        up = subprocess.Popen(
-            [str(BIN / "plane"), "up", "--nats", srv.url, "--models", "calibrated",
-             "--slots", str(args.slots), "--log-level", "warning", "--metrics-port", "0"],
-            stdout=subprocess.PIPE, text=True)
-        try:
-            assert up.stdout is not None
-            while "Ctrl-C" not in (line := await asyncio.to_thread(up.stdout.readline)):
-                if not line:
-                    raise RuntimeError("plane up exited")
-            await capacity(srv.url, body, args.slots, 1.0)  # a warm-up (the given capacity)
-            target = NatsTarget(ConnectOptions(url=srv.url, name="burst-line"),
-                                model="calibrated", deadline_ms=DEADLINE_MS,
-                                policy=RetryPolicy())
-            burst_task = asyncio.create_task(
-                burst(srv.url, body, args.burst, args.burst_at)) if args.burst else None
-            async with target:
-                t0 = time.monotonic()
-                result = await run_load(target, body, LoadConfig(
-                    rate=args.factor * args.capacity, duration_s=args.duration,
-                    concurrency=4096))
-                seconds = time.monotonic() - t0
-            burst_answers = await burst_task if burst_task is not None else {}
-            stats = await holder_stats(srv.url)
-        finally:
-            up.terminate()
-            up.wait(timeout=30)
+    async with EmbeddedNats() as srv, plane_up(srv.url, args.slots):
+        await capacity(srv.url, body, args.slots, 1.0)  # a warm-up (the given capacity)
+        target = NatsTarget(ConnectOptions(url=srv.url, name="burst-line"),
+                            model="calibrated", deadline_ms=DEADLINE_MS,
+                            policy=RetryPolicy())
+        burst_task = asyncio.create_task(
+            burst(srv.url, body, args.burst, args.burst_at)) if args.burst else None
+        async with target:
+            t0 = time.monotonic()
+            result = await run_load(target, body, LoadConfig(
+                rate=args.factor * args.capacity, duration_s=args.duration,
+                concurrency=4096))
+            seconds = time.monotonic() - t0
+        burst_answers = await burst_task if burst_task is not None else {}
+        stats = await holder_stats(srv.url)
     shares = refused_by_second(result.outcomes)
     out: dict[str, Any] = {
         "slots": args.slots, "work_us": args.work_us, "offered_per_s": args.factor * args.capacity,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the plane's own modules (run as a script from any directory)
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import nats  # noqa: E402
+from burst_line import plane_up  # noqa: E402
 
 from plane.client import Client  # noqa: E402
 from plane.contract.backoff import RetryPolicy  # noqa: E402
@@ -43,7 +44,6 @@ from plane.contract.lifecycle import run  # noqa: E402
 from plane.contract.subjects import Header, Names  # noqa: E402
 from plane.observe.planeview import collect  # noqa: E402
 
-BIN = Path(sys.executable).parent
 NODE = "node0-calibrated"  # `plane up`'s node for the model
 DEADLINE_MS = 2000
 SAMPLE_S = 0.05
@@ -98,29 +98,17 @@ async def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     body = {"duration_us": args.work_us}
-    async with EmbeddedNats() as srv:
-        up = subprocess.Popen(
-            [str(BIN / "plane"), "up", "--nats", srv.url, "--models", "calibrated",
-             "--slots", str(args.slots), "--log-level", "warning", "--metrics-port", "0"],
-            stdout=subprocess.PIPE, text=True)
-        try:
-            assert up.stdout is not None
-            while "Ctrl-C" not in (line := await asyncio.to_thread(up.stdout.readline)):
-                if not line:
-                    raise RuntimeError("plane up exited")
-            until_s = time.monotonic() + args.duration
-            honest_tasks = [asyncio.ensure_future(honest(srv.url, body, until_s))
-                            for _ in range(2)]
-            samples_task = asyncio.ensure_future(busy_slots(srv.url, until_s))
-            flood_ok, flood_sent = await flooder(srv.url, json.dumps(body).encode(), until_s,
-                                                 args.gap_ms / 1000)
-            honest_ok = [await t for t in honest_tasks]
-            samples = await samples_task
-            async with Client.connect(srv.url) as c:
-                view = await collect(c.nc, Names(), timeout_s=2.0)
-        finally:
-            up.terminate()
-            up.wait(timeout=30)
+    async with EmbeddedNats() as srv, plane_up(srv.url, args.slots):
+        until_s = time.monotonic() + args.duration
+        honest_tasks = [asyncio.ensure_future(honest(srv.url, body, until_s))
+                        for _ in range(2)]
+        samples_task = asyncio.ensure_future(busy_slots(srv.url, until_s))
+        flood_ok, flood_sent = await flooder(srv.url, json.dumps(body).encode(), until_s,
+                                             args.gap_ms / 1000)
+        honest_ok = [await t for t in honest_tasks]
+        samples = await samples_task
+        async with Client.connect(srv.url) as c:
+            view = await collect(c.nc, Names(), timeout_s=2.0)
     counted = [busy for at_s, busy in samples if at_s >= args.work_us / 1e6]
     idle = sum(1 for busy in counted if busy < args.slots) / max(1, len(counted))
     out: dict[str, Any] = {

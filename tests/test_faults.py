@@ -176,10 +176,14 @@ async def test_nats_server_restarted_under_load() -> None:
             # refused at once, `overloaded` (go elsewhere now). Every call not lost is served
             # or refused by the plane, none left to time out; most made before the restart
             # (30, 20 ms apart) are served.
-            unserved = {i: (round(t0 - down_s, 2), res.statuses, res.reason)
+            # (A 504 the router gave at a deadline that passed in the outage is the plane's
+            # answer too: the SDK waits for it past the deadline, `answer_margin_ms`.)
+            unserved = {i: (round(t0 - down_s, 2), res.statuses, res.reason, res.local)
                         for i, (t0, _, res) in calls.items()
                         if res.status != 200 and i not in lost}
-            assert all(statuses[-1] == 429 for _, statuses, _ in unserved.values()), unserved
+            assert all(statuses[-1] == 429 or (statuses[-1] == 504 and not local)
+                       for _, statuses, _, local in unserved.values()), {
+                i: u for i, u in unserved.items() if u[1][-1] != 429}
             ok = sum(1 for _, _, res in calls.values() if res.status == 200)
             assert ok >= MIN_SERVED, (counts, unserved)
             # The plane recovered by itself: new calls succeed.

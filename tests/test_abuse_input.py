@@ -30,6 +30,7 @@ from plane.contract.errors import BadRequest
 from plane.contract.headers import MAX_HEADER_BYTES, read_caller
 from plane.contract.logs import LineSink
 from plane.contract.natsconn import Throttle
+from plane.contract.publish import publish
 from plane.contract.subjects import Header, config_key
 from plane.gateway import Gateway, GatewayConfig
 from plane.gateway.server import LINGERING_S
@@ -125,6 +126,33 @@ async def test_router_refuses_every_bad_caller_header_400_and_echoes_the_valid_i
     assert stack.routers[0].nc.stats["reconnects"] == 0
 
 
+async def test_router_refuses_a_plane_header_given_twice_400_naming_it(
+    stack: PlaneStack,
+) -> None:
+    """NATS allows a header name twice (nats.go's `Header.Add`, nats.js's `append`); nats-py
+    kept the last value, so `Plane-Deadline-Ms: 5` then `: 9000` ran as 9000, silently."""
+    async with client(stack.url) as nc:
+        inbox = nc.new_inbox()
+        answers: asyncio.Queue[Msg] = asyncio.Queue()
+        await nc.subscribe(inbox, cb=answers.put)
+
+        async def raw(block: bytes) -> Msg:
+            await publish(nc, NAMES.infer("calibrated"), calibrated(100), block, reply=inbox)
+            return await asyncio.wait_for(answers.get(), 5)
+
+        m = await raw(b"NATS/1.0\r\nPlane-Request-Id: dup-1\r\nPlane-Deadline-Ms: 5\r\n"
+                      b"Plane-Deadline-Ms: 9000\r\n\r\n")
+        assert status(m) == 400 and header(m, Header.REASON) == "bad-request", m.headers
+        assert header(m, Header.REQUEST_ID) == "dup-1"
+        assert "Plane-Deadline-Ms given more than once" in json.loads(m.data)["error"]
+        m = await raw(b"NATS/1.0\r\nPlane-Request-Id: dup-2\r\nPlane-Request-Id: dup-3\r\n\r\n")
+        assert status(m) == 400
+        assert_fresh_id(header(m, Header.REQUEST_ID), "dup-3")  # neither is echoed
+        # Repeated headers that are not the plane's are the caller's business.
+        m = await raw(b"NATS/1.0\r\nPlane-Request-Id: dup-4\r\nX-Tag: a\r\nX-Tag: b\r\n\r\n")
+        assert status(m) == 200 and header(m, Header.REQUEST_ID) == "dup-4"
+
+
 @pytest.fixture
 async def gateway(stack: PlaneStack) -> AsyncIterator[Gateway]:
     async with Gateway(GatewayConfig(port=0), ConnectOptions(url=stack.url)) as gw:
@@ -160,6 +188,20 @@ async def test_gateway_answers_bad_headers_400_never_500(gateway: Gateway) -> No
         async with http.post(url, json={"duration_us": 100},
                              headers={Header.REQUEST_ID: "g-1", Header.ATTEMPT: "3"}) as r:
             assert r.status == 200 and r.headers[Header.REQUEST_ID] == "g-1"
+    # A Plane- header twice (HTTP names are case-insensitive): a 400 naming it. Sent raw:
+    # aiohttp's client keeps one of a name.
+    body = b'{"duration_us": 100}'
+    assert gateway.port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(b"POST /v1/infer/calibrated HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Plane-Request-Id: g-2\r\nplane-deadline-ms: 5\r\nPlane-Deadline-Ms: 9000\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, sent = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"Plane-Request-Id: g-2" in head, head
+    assert "Plane-Deadline-Ms given more than once" in json.loads(sent)["error"]
 
 
 async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> float:

@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats
-from plane.contract.header_lines import parse_header_lines
+from plane.contract.header_lines import REPEATED, parse_header_lines
 from plane.contract.natsconn import close, connect
 from plane.contract.publish import publish
 from tests.plane_fixtures import wait_until
@@ -30,9 +30,30 @@ CASES = [
 ]
 
 
+def nats_py_s(raw: bytes) -> dict[str, str]:
+    """What nats-py reads, and the names it read more than once (the one thing it drops)."""
+    out = Client._parse_header_lines(raw)
+    seen: set[str] = set()
+    repeated = []
+    for line in raw.split(b"\r\n"):  # the names nats-py kept, in their order, counted
+        name = line.partition(b":")[0].strip().decode("ascii", "replace")
+        if name in out and line.count(b":"):
+            if name in seen:
+                repeated.append(name)
+            seen.add(name)
+    return {**out, REPEATED: ", ".join(repeated)} if repeated else out
+
+
 def test_the_same_as_nats_py_on_known_cases() -> None:
     for raw in CASES:
-        assert parse_header_lines(raw) == Client._parse_header_lines(raw), raw
+        assert parse_header_lines(raw) == nats_py_s(raw), raw
+
+
+def test_names_given_more_than_once_are_named() -> None:
+    raw = b"A: 1\r\nPlane-Deadline-Ms: 5\r\nA: 2\r\nPlane-Deadline-Ms: 9000\r\nA: 3\r\n"
+    assert parse_header_lines(raw) == {"A": "3", "Plane-Deadline-Ms": "9000",
+                                       REPEATED: "A, Plane-Deadline-Ms, A"}
+    assert REPEATED not in parse_header_lines(b"Plane Repeated: x\r\n")  # no line makes it
 
 
 def test_the_same_as_nats_py_on_random_blocks(rng: random.Random) -> None:
@@ -40,7 +61,7 @@ def test_the_same_as_nats_py_on_random_blocks(rng: random.Random) -> None:
                 b"\xc3\xa9", b"\xff", b"0", b"\x00", b"\x85"]
     for _ in range(3000):
         raw = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
-        assert parse_header_lines(raw) == Client._parse_header_lines(raw), raw
+        assert parse_header_lines(raw) == nats_py_s(raw), raw
 
 
 async def test_the_plane_s_connections_read_headers_with_it() -> None:

@@ -7,6 +7,10 @@ message, which a node reads per request, it costs about twice what this does
 against 9-10 in a busy one), with the same result for any input (`str.split()` splits on
 exactly what `str.isspace` calls space; tests/test_header_lines.py checks both against each
 other).
+A name given twice keeps its last value, as in nats-py, and is named under `REPEATED` (a key
+no header line can make: a name with white space inside is skipped), so that a reader can
+refuse what it cannot read one way (`plane.contract.headers.read_caller`); nats-py's dict
+would have kept only the last.
 `use_fast_header_lines(nc)` puts it on one connection (an instance attribute: nats-py's
 `_process_headers` reads it through `self`; nats-py is pinned in pyproject.toml).
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 from nats.aio.client import Client
 
 _CRLF = b"\r\n"
+REPEATED = "Plane Repeated"  # the names given more than once, ", "-joined
 
 
 def parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -32,6 +37,8 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
             continue
         if key and key.split() != [key]:  # white space inside the name
             continue
+        if key in out:
+            out[REPEATED] = f"{out[REPEATED]}, {key}" if REPEATED in out else key
         out[key] = value.strip().decode("utf-8", "replace")
     return out
 

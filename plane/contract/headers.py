@@ -24,6 +24,8 @@ Limits (also in docs/design.md, "Headers"):
   Content-Type       1..128 printable ASCII characters (0x20-0x7E)
   every header       names and values together at most MAX_HEADER_BYTES (UTF-8), so that the
                      router's messages on a caller's behalf stay far under the server's limits
+  a `Plane-` header  at most once (NATS and HTTP both allow a name twice; which value counts
+                     would be a guess, so it is a 400 naming it)
 
 NATS and HTTP both strip the white space around a header value before we see it, so ' 50'
 arrives as '50' by either route; the settings parser sees raw values and refuses it.
@@ -35,9 +37,11 @@ import re
 from collections.abc import Mapping
 
 import msgspec
+from multidict import MultiMapping
 
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import BadRequest
+from plane.contract.header_lines import REPEATED
 from plane.contract.subjects import Header, InvalidToken, check_token
 
 MAX_ID_CHARS = 128
@@ -87,6 +91,27 @@ class CallerHeaders(msgspec.Struct, frozen=True, kw_only=True):
     stream_deadline_ms: int | None = None  # budget for the whole stream (streams only)
     wake: str | None = None  # the caller's inbox, where the router calls a holder back
     wait_ms: int | None = None  # how long it will wait for its start rather than a 429
+
+
+def repeated(headers: Mapping[str, str]) -> list[str]:
+    """The `Plane-` headers given more than once, each named once: a NATS message's as
+    `plane.contract.header_lines` lists them (nats-py's dict kept the last), an HTTP
+    request's (aiohttp's multidict, every field in order) counted without case."""
+    if type(headers) is not dict and isinstance(headers, MultiMapping):  # (the router's: a dict)
+        seen: set[str] = set()
+        names = []
+        for name, _ in headers.items():  # every field (its keys() are each name once)
+            low = name.lower()
+            if low.startswith("plane-"):
+                if low in seen:
+                    names.append(name)
+                seen.add(low)
+    else:
+        listed = headers.get(REPEATED)
+        if not listed:
+            return []
+        names = [n for n in listed.split(", ") if n.startswith("Plane-")]
+    return list(dict.fromkeys(names))
 
 
 def _wake(headers: Mapping[str, str]) -> str | None:
@@ -146,6 +171,11 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
         request_id = _text(headers, Header.REQUEST_ID, _VISIBLE)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
+    if twice := repeated(headers):
+        raise BadRequest(f"{', '.join(twice)} given more than once: send each Plane- header "
+                         "once (which value counts would be a guess)",
+                         request_id=None if Header.REQUEST_ID.lower() in
+                         {n.lower() for n in twice} else request_id)
     try:
         # A character is at most 4 bytes in UTF-8 (`header_bytes` adds 4 a header): only
         # headers that might be over are encoded to count them (two C-level sums, against an

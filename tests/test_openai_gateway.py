@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgspec
 import nats
 import openai
 import pytest
@@ -187,17 +188,21 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot(
     assert len(again.choices[0].text) == 5  # the slot serves on
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", f"/v1/infer/{MODEL}"])
 async def test_a_client_that_leaves_before_a_whole_answer_frees_the_slot(
-        stack: PlaneStack, gateway: Gateway, admin: NATS) -> None:
-    """A whole completion (`stream: false`) whose HTTP client gives up (its timeout, a closed
-    tab) is cancelled: the slot generated for nobody up to max_tokens (found from outside).
-    The client's disconnect cancels the gateway's handler, which cancels the generation."""
+        stack: PlaneStack, gateway: Gateway, admin: NATS, path: str) -> None:
+    """A whole completion (`stream: false`), or the plane's own route asked for one reply,
+    whose HTTP client gives up (its timeout, a closed tab) is cancelled: the slot generated
+    for nobody up to max_tokens (found from outside, on each route in turn). The client's
+    disconnect cancels the gateway's handler, which cancels the generation."""
     cancels = await listen(admin, NAMES.cancel_all())
     await slow(admin, 5000)  # 200 tokens: a second at least, if not cancelled
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200}
+    if path != "/v1/completions":
+        del body["model"]
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         with pytest.raises(TimeoutError):
-            async with http.post(f"{gateway.url}/v1/completions", json=body,
+            async with http.post(f"{gateway.url}{path}", json=body,
                                  headers={Header.REQUEST_ID: "whole-1"},
                                  timeout=aiohttp.ClientTimeout(total=0.3)):
                 pass
@@ -234,6 +239,35 @@ async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOp
         with pytest.raises(openai.AuthenticationError):
             await stranger.completions.create(model=MODEL, prompt="x")
     assert [m.id async for m in oa.models.list()] == [MODEL]
+
+
+async def test_the_plane_s_route_answers_a_generation_in_one_reply_as_a_plain_request(
+        stack: PlaneStack, gateway: Gateway) -> None:
+    """Without `Plane-Stream`, `/v1/infer/tinylm` runs the generation as a stream (so that a
+    client gone cancels it) and answers what a plain NATS request gets: the same body (JSON
+    or msgpack) and the node's headers."""
+    body = {"prompt": PROMPT, "max_tokens": 20}
+    async with Client.connect(stack.url) as c:
+        plain = await c.call(MODEL, body, deadline_ms=5000)
+    assert plain.ok
+    auth = {"Authorization": f"Bearer {TOKEN}", Header.DEADLINE_MS: "5000"}
+    async with aiohttp.ClientSession(headers=auth) as http:
+        async with http.post(f"{gateway.url}/v1/infer/{MODEL}", json=body,
+                             headers={Header.REQUEST_ID: "one-1"}) as r:
+            assert r.status == 200 and r.content_type == "application/json"
+            got = await r.json()
+            headers = r.headers
+        packed = msgspec.msgpack.encode(body)
+        async with http.post(f"{gateway.url}/v1/infer/{MODEL}", data=packed,
+                             headers={"Content-Type": "application/msgpack"}) as r:
+            assert r.status == 200 and r.content_type == "application/msgpack"
+            unpacked = msgspec.msgpack.decode(await r.read())
+    want = plain.json()
+    assert got["text"] == want["text"] and got["finish_reason"] == want["finish_reason"] == "length"
+    assert got["usage"]["completion_tokens"] == 20 and set(got) == set(want)
+    assert unpacked["text"] == want["text"]
+    assert headers[Header.REQUEST_ID] == "one-1" and headers[Header.NODE] == NODE
+    assert headers[Header.SLOT] == "0" and int(headers[Header.SERVICE_US]) > 0
 
 
 # -- the plane's own SSE ---------------------------------------------------------------------

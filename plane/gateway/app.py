@@ -13,7 +13,9 @@ back to it in Plane-Ticket and goes out again when it sends that header).
 
 Streams: `Plane-Stream: 1` (or `Accept: text/event-stream`) on a model that streams answers
 with Server-Sent Events (`plane.gateway.sse`); `POST /v1/completions` and
-`/v1/chat/completions` speak OpenAI's API (`plane.gateway.openai_compat`).
+`/v1/chat/completions` speak OpenAI's API (`plane.gateway.openai_compat`). A generation asked
+for as one reply runs as a plane stream too, gathered into the plain reply, so that an HTTP
+client that leaves cancels it (`sse.whole_answer`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,13 @@ from plane.gateway.config import GatewayConfig
 from plane.gateway.metrics import GatewayMetrics
 from plane.gateway.openapi import build_openapi
 from plane.gateway.ready import RouterProbe
-from plane.gateway.sse import open_stream, plane_events, stream_deadline_problem, wants_stream
+from plane.gateway.sse import (
+    open_stream,
+    plane_events,
+    stream_deadline_problem,
+    wants_stream,
+    whole_answer,
+)
 
 __all__ = ["build_app", "http_headers"]
 
@@ -111,6 +119,8 @@ async def _infer(request: web.Request, model: str) -> web.StreamResponse:
         if stream.started:
             return await plane_events(request, stream)
         result = stream.result  # its one message: a refusal, answered as any request's
+    elif MODELS[model].streams:  # a whole generation: run as a stream, so a client gone stops it
+        return await whole_answer(request, model, body, args, caller.deadline_ms)
     else:
         result = await client.call(model, body, policy=NO_RETRY, **args)
     assert result is not None

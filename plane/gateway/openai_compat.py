@@ -85,6 +85,7 @@ from plane.gateway.sse import (
     EventWriter,
     event,
     open_stream,
+    read_whole,
     stream_deadline_problem,
     stream_headers,
 )
@@ -284,19 +285,11 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
 
 async def _whole(stream: TokenStream, shape: _Shape, created: int, model: str) -> web.Response:
     """A started stream, read to its end, as one OpenAI answer."""
-    try:
-        async with contextlib.aclosing(aiter(stream)) as pieces:
-            async for _ in pieces:
-                pass
-    finally:
-        await stream.aclose()  # the cancel, when the HTTP client left (handler cancelled)
+    reply = await read_whole(stream)
     result = stream.result
     assert result is not None
-    if not result.ok:
+    if reply is None:
         return from_result(result)
-    reply = TinyLMReply(text=stream.text, finish_reason=stream.finish_reason or "stop",
-                        usage=stream.usage or Usage(prompt_tokens=0, completion_tokens=0,
-                                                    slot_us=0, sm_ms=0.0))
     rid = shape.prefix + stream.start_headers.get(Header.REQUEST_ID, stream.request_id)
     return web.Response(status=200, body=shape.whole(rid, created, model, reply),
                         headers=http_headers(result.headers))

@@ -36,9 +36,9 @@ from plane.client.aio import CallOptions
 from plane.client.result import header_int
 from plane.contract.backoff import NO_RETRY
 from plane.contract.headers import CallerHeaders
-from plane.contract.messages import Usage
+from plane.contract.messages import TinyLMReply, Usage, msgpack_encoder
 from plane.contract.models import MODELS
-from plane.contract.subjects import Header
+from plane.contract.subjects import MSGPACK, Header
 from plane.gateway.common import CLIENT_KEY, http_headers
 
 EVENT_STREAM = "text/event-stream"
@@ -145,6 +145,46 @@ async def open_stream(request: web.Request, model: str, body: bytes, args: CallO
         await stream.aclose()
         raise
     return stream
+
+
+async def read_whole(stream: TokenStream) -> TinyLMReply | None:
+    """A started stream read to its end, as one answer (`{"text", "finish_reason", "usage"}`,
+    what a request without `Plane-Stream` gets); None when it did not end 200
+    (`stream.result` says how). Cancelled with the handler (an HTTP client gone), it cancels
+    the stream: its slot frees within a token step."""
+    try:
+        async with contextlib.aclosing(aiter(stream)) as pieces:
+            async for _ in pieces:
+                pass
+    finally:
+        await stream.aclose()  # the cancel, when the HTTP client left (handler cancelled)
+    assert stream.result is not None
+    if not stream.result.ok:
+        return None
+    return TinyLMReply(text=stream.text, finish_reason=stream.finish_reason or "stop",
+                       usage=stream.usage or Usage(prompt_tokens=0, completion_tokens=0,
+                                                   slot_us=0, sm_ms=0.0))
+
+
+async def whole_answer(request: web.Request, model: str, body: bytes, args: CallOptions,
+                       deadline_ms: int | None) -> web.Response:
+    """A generation asked for as one reply, run as a plane stream and gathered here: an HTTP
+    client that leaves cancels it (as one plain request, its slot generated on to
+    `max_tokens` for nobody). The answer is the plain request's: the body the node would
+    have sent (JSON, or msgpack when asked), the start's `Plane-Node` and `Plane-Slot`, the
+    end's status and `Plane-Service-Us`; `deadline_ms` (Plane-Deadline-Ms) bounds the whole
+    answer, as a plain request's does. A refusal is answered as any request's."""
+    stream = await open_stream(request, model, body, args, deadline_ms)
+    reply = await read_whole(stream) if stream.started else None
+    result = stream.result
+    assert result is not None
+    if reply is None:
+        return web.Response(status=result.status, body=result.body,
+                            headers=http_headers(result.headers))
+    msgpack = args.get("content_type") == MSGPACK
+    data = msgpack_encoder.encode(reply) if msgpack else _json.encode(reply)
+    return web.Response(status=result.status, body=data, headers=http_headers(
+        {**stream.start_headers, **result.headers}, content_type=MSGPACK if msgpack else None))
 
 
 async def plane_events(request: web.Request, stream: TokenStream) -> web.StreamResponse:

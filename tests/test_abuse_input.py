@@ -170,8 +170,9 @@ async def test_gateway_answers_bad_headers_400_never_500(gateway: Gateway) -> No
     url = f"{gateway.url}/v1/infer/calibrated"
     async with aiohttp.ClientSession() as http:
         wrong = []
+        # One header over aiohttp's 8190-byte line: its parser answered a text/plain 400.
         for bad in [*BAD_HEADERS, {Header.REQUEST_ID: "i" * 200},
-                    {Header.REQUEST_ID: "has space"}]:
+                    {Header.REQUEST_ID: "has space"}, {"X-Big": "b" * 9000}]:
             async with http.post(url, json={"duration_us": 100}, headers=bad) as r:
                 body = await r.read()
                 rid = r.headers.get(Header.REQUEST_ID)
@@ -179,7 +180,7 @@ async def test_gateway_answers_bad_headers_400_never_500(gateway: Gateway) -> No
                 ok_id = (rid is not None and FRESH_ID.fullmatch(rid) is not None
                          and rid != sent)
                 if not (r.status == 400 and r.headers.get(Header.REASON) == "bad-request"
-                        and ok_id and len(body) < 1024):
+                        and ok_id and len(body) < 1024 and "error" in json.loads(body)):
                     wrong.append((str(bad)[:60], r.status, rid and rid[:20]))
         assert not wrong, wrong
         # A model name with a trailing newline passed the token check (a regex `$`).

@@ -26,6 +26,12 @@ log = structlog.get_logger("plane.gateway")
 # How long aiohttp reads on (and drops) the rest of a body the gateway answered early, so that
 # a client still sending sees the answer rather than a reset, before it closes the connection.
 LINGERING_S = 1.0
+# aiohttp's parser refuses a head line (the request line, one header) over 8190 bytes with a
+# text/plain 400 of its own, before any handler runs; the plane's limit is on a request's
+# headers together (`MAX_HEADER_BYTES`, 8 KiB), refused in our JSON by `read_caller`. So its
+# parser takes lines up to 64 KiB, and ours says what is wrong; a line over that is still
+# aiohttp's plain 400.
+MAX_HEAD_LINE = 64 * 1024
 
 
 class Gateway:
@@ -65,7 +71,9 @@ class Gateway:
             self._runner = web.AppRunner(app, access_log=None,
                                          shutdown_timeout=self.config.shutdown_timeout_s,
                                          keepalive_timeout=self.config.header_timeout_s,
-                                         lingering_time=LINGERING_S, handler_cancellation=True)
+                                         lingering_time=LINGERING_S, handler_cancellation=True,
+                                         max_line_size=MAX_HEAD_LINE,
+                                         max_field_size=MAX_HEAD_LINE)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.config.host, self.config.port)
             try:

@@ -221,7 +221,17 @@ async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOp
     assert missing.value.code == "model_not_found" and "tinylm" in missing.value.message
     with pytest.raises(openai.BadRequestError) as too_long:
         await oa.completions.create(model=MODEL, prompt="x" * 10, max_tokens=255, stream=True)
-    assert too_long.value.code == "bad-request" and "context" in too_long.value.message
+    assert too_long.value.code == "context_length_exceeded"  # OpenAI's code for it
+    assert "the prompt is 10 UTF-8 bytes, and 255 are to be generated" in too_long.value.message
+    assert "shorten it by at least 9 bytes or ask for at most 246 tokens (max_tokens)" in (
+        too_long.value.message)
+    with pytest.raises(openai.BadRequestError) as chat_too_long:  # in its own fields' terms
+        await oa.chat.completions.create(model=MODEL, max_completion_tokens=16,
+                                         messages=[{"role": "user", "content": "x" * 300}])
+    assert chat_too_long.value.code == "context_length_exceeded"
+    assert "the messages are 317 UTF-8 bytes" in chat_too_long.value.message
+    assert "$.prompt" not in chat_too_long.value.message
+    assert "shorten it by at least 77 bytes" in chat_too_long.value.message
     assert too_long.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="n \\(only 1\\)"):
         await oa.completions.create(model=MODEL, prompt="x", n=2)

@@ -263,6 +263,8 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
         prompt = asked.render()
     except BadRequest as exc:
         return error_response(400, f"invalid request: {exc}", code=Reason.BAD_REQUEST), model
+    if problem := asked.too_long(prompt):  # OpenAI's code for it, which its clients know
+        return error_response(400, problem, code="context_length_exceeded"), model
     body = _json.encode(PlaneBody(prompt=prompt, max_tokens=tokens,
                                   temperature=asked.temperature, seed=asked.seed,
                                   top_p=asked.top_p))

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import msgspec
 
 from plane.contract.errors import BadRequest
+from plane.contract.messages import TINYLM_CONTEXT, TINYLM_DEFAULT_MAX_TOKENS
 
 
 # -- what OpenAI clients send (fields not named here are ignored) ------------------------------
@@ -51,6 +52,24 @@ class _Asked(msgspec.Struct, frozen=True, kw_only=True):
     def tokens_field(self) -> str:
         """The name of the field `tokens` came from, for an error about it."""
         return "max_tokens"
+
+    def prompt_is(self, n: int) -> str:
+        """What the prompt of `n` UTF-8 bytes is, in the caller's terms."""
+        return f"the prompt is {n} UTF-8 bytes"
+
+    def too_long(self, prompt: str) -> str | None:
+        """Why `prompt` (as rendered) and the tokens asked for do not fit tinylm's context,
+        in the caller's own fields (None: they fit). The plane would say it of `$.prompt`,
+        a field a chat caller never sent."""
+        n = len(prompt.encode())
+        tokens = self.tokens() or TINYLM_DEFAULT_MAX_TOKENS
+        if n + tokens <= TINYLM_CONTEXT:
+            return None
+        fix = f"shorten it by at least {n + tokens - TINYLM_CONTEXT} bytes"
+        if n < TINYLM_CONTEXT:
+            fix += f" or ask for at most {TINYLM_CONTEXT - n} tokens ({self.tokens_field()})"
+        return (f"this model's context is {TINYLM_CONTEXT} tokens (one per UTF-8 byte); "
+                f"{self.prompt_is(n)}, and {tokens} are to be generated: {fix}")
 
     @property
     def include_usage(self) -> bool:
@@ -124,6 +143,10 @@ class ChatRequest(_Asked, frozen=True, kw_only=True):
             # With no tools, "auto" and "none" ask for nothing.
             ("tool_choice", self.tool_choice not in (None, "none", "auto")),
             ("function_call", self.function_call not in (None, "none", "auto"))) if bad]
+
+    def prompt_is(self, n: int) -> str:
+        return (f"the messages are {n} UTF-8 bytes as its prompt (a `role: content` line "
+                "each, then `assistant:`)")
 
     def render(self) -> str:
         """One prompt for a model without a chat template: a `role: content` line per

@@ -50,6 +50,7 @@ from plane.contract.canonical import CanonicalLog
 from plane.contract.errors import BadRequest
 from plane.contract.lifecycle import cancel_and_wait
 from plane.contract.messages import (
+    CUT_SHORT,
     CalibratedReply,
     CalibratedRequest,
     DoneEvent,
@@ -620,7 +621,8 @@ class Slot(Generating):
                        prompt_tokens=gen.prompt_tokens if gen else 0,
                        tokens=gen.tokens if gen else 0,
                        prefill_us=gen.prefill_us if gen else 0,
-                       decode_us=gen.decode_us if gen else 0)
+                       decode_us=gen.decode_us if gen else 0,
+                       cut=gen is not None and gen.finish in CUT_SHORT)
         cmd = b""
         try:
             if answer is not None:

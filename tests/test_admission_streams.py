@@ -85,6 +85,45 @@ def test_one_slow_stream_ages_out_of_the_rates() -> None:
     assert few.decode.p99_us == PRIOR_DECODE_NS
 
 
+def test_streams_cut_short_do_not_shorten_the_deadline_bound() -> None:
+    """Six streams ran to max_tokens, then twelve were cancelled at their first token: how
+    far the cancelled got says nothing of how far the next stream goes. The schedule spaces
+    by what streams took (the fill's p50); the deadline bound (the p99) by the streams that
+    ran to their own end. Before, twelve cancels made the p99 a 2% fill, and a 250-token
+    stream was admitted to a deadline its first few tokens fitted (found from outside: it
+    ended 504 `deadline` instead of a 429 at once)."""
+    r = TokenRates()
+    for i in range(6):
+        r.learn(prompt_tokens=10, tokens=250, prefill_us=500, decode_us=100_000, max_tokens=250,
+                now_s=i * 0.1)
+    for i in range(12):
+        r.learn(prompt_tokens=10, tokens=5, prefill_us=500, decode_us=2_000, max_tokens=250,
+                now_s=1 + i * 0.1, cut=True)
+    whole, _, _ = r.predict(overhead(0), 10, 250)
+    assert whole.p99_us >= 250 * 400  # every token, at 400 µs
+    assert whole.p50_us < 20 * 400  # spaced by what streams took: most were cut at 5 tokens
+    # Only cut streams: the bound stays every token.
+    cut = TokenRates()
+    for i in range(12):
+        cut.learn(prompt_tokens=10, tokens=5, prefill_us=500, decode_us=2_000, max_tokens=250,
+                  now_s=i * 0.1, cut=True)
+    assert cut.predict(overhead(0), 10, 250)[0].p99_us >= 250 * 400
+
+
+def test_after_a_quiet_spell_streams_are_assumed_to_run_to_max_tokens() -> None:
+    """Streams that ended early by themselves (END sampled) aged out: the router knows
+    nothing recent of how far streams go, and bounds the next by max_tokens (it kept their
+    median as the p99 before, and admitted streams it could not finish in time)."""
+    r = TokenRates()
+    for i in range(20):
+        r.learn(prompt_tokens=10, tokens=10, prefill_us=500, decode_us=4_000, max_tokens=250,
+                now_s=i * 0.1)
+    assert r.predict(overhead(0), 10, 250)[0].p99_us < 20 * 400
+    r.expire(2.0 + RATES_MAX_AGE_S + 0.01)
+    whole, _, _ = r.predict(overhead(0), 10, 250)
+    assert whole.p99_us >= 250 * 400 and whole.p50_us >= 250 * 400
+
+
 def stream_ask(now: float, *, ttft_s: float, stream_s: float, r: TokenRates,
                max_tokens: int, ticket: str | None = None) -> Ask:
     whole, first_p99, _ = r.predict(overhead(500), 10, max_tokens)

@@ -177,6 +177,7 @@ async def test_a_stream_arrives_in_order_and_its_text_is_the_one_replys() -> Non
     assert ev.tokens == usage.completion_tokens
     assert ev.prefill_us > 0 and ev.decode_us > 0
     assert ev.work_us == ev.prefill_us + ev.decode_us <= ev.service_us
+    assert not ev.cut  # it ran to its own end: a measure of how far streams go
 
 
 async def test_a_one_reply_request_gets_no_stream_messages() -> None:
@@ -297,7 +298,7 @@ async def test_a_caller_that_stops_reading_stops_its_stream() -> None:
         await wait_until(lambda: any(e.request_id == "gone-1" for e in done), 2,
                          "the stream's done-event")
     ev = next(e for e in done if e.request_id == "gone-1")
-    assert ev.status == 200 and ev.tokens < 50, ev
+    assert ev.status == 200 and ev.tokens < 50 and ev.cut, ev
     assert stack.nodes[0].streams.readers_gone >= 1
 
 
@@ -310,7 +311,7 @@ async def test_a_caller_whose_connection_closes_stops_its_stream() -> None:
         await wait_until(lambda: any(e.request_id == "closed-1" for e in done), 2,
                          "the stream's done-event")
     ev = next(e for e in done if e.request_id == "closed-1")
-    assert ev.status == 200 and ev.tokens < 50, ev
+    assert ev.status == 200 and ev.tokens < 50 and ev.cut, ev
 
 
 async def test_the_stream_deadline_ends_it_504_with_the_usage_so_far() -> None:
@@ -324,6 +325,7 @@ async def test_the_stream_deadline_ends_it_504_with_the_usage_so_far() -> None:
     assert 0 < end.usage.completion_tokens == len(s.text) < 250
     assert end_headers(s)[Header.REASON] == "deadline"
     assert done[-1].status == 504 and done[-1].tokens == end.usage.completion_tokens
+    assert done[-1].cut
 
 
 async def test_a_stream_past_its_ttft_deadline_is_refused_504_without_a_start() -> None:

@@ -183,25 +183,39 @@ class TokenRates:
         size=128, prior_us=PRIOR_DECODE_NS, max_age_s=RATES_MAX_AGE_S, learn_prior=True))
     # How much of max_tokens streams produce (per mille): a model that often ends early
     # (END sampled, callers that cancel) frees its slot early, and promises are spaced by
-    # what streams take, not by what they may take (the p99 still bounds deadlines).
+    # what streams take, not by what they may take.
     fill: ServiceWindow = field(default_factory=lambda: ServiceWindow(
-        size=128, prior_us=FULL, max_age_s=RATES_MAX_AGE_S, learn_prior=True))
+        size=128, prior_us=FULL, max_age_s=RATES_MAX_AGE_S))
+    # The same of the streams that ran to their own end (END sampled, or max_tokens): its
+    # p99 bounds deadlines. A stream cut short (cancelled, its caller gone, its deadline)
+    # says nothing of how far the next one goes: learnt from those, a run of streams
+    # cancelled at their first token had the router admit long streams to deadlines only
+    # their first token fitted (each then ended 504). Neither window learns its prior: with
+    # nothing recent the router assumes max_tokens (found from outside: the median kept
+    # after a quiet spell was the p99 of the next admission).
+    reach: ServiceWindow = field(default_factory=lambda: ServiceWindow(
+        size=128, prior_us=FULL, max_age_s=RATES_MAX_AGE_S))
 
     def learn(self, prompt_tokens: int, tokens: int, prefill_us: int, decode_us: int,
-              max_tokens: int = 0, now_s: float = 0.0) -> None:
-        """One generation's done-event, at monotonic `now_s` (for its age)."""
+              max_tokens: int = 0, now_s: float = 0.0, cut: bool = False) -> None:
+        """One generation's done-event, at monotonic `now_s` (for its age); `cut`: it was
+        ended before its own end (`DoneEvent.cut`)."""
         if prompt_tokens > 0 and prefill_us > 0:
             self.prefill.add(prefill_us * 1000 // prompt_tokens, now_s)
         if tokens > 0 and decode_us > 0:
             self.decode.add(decode_us * 1000 // tokens, now_s)
         if max_tokens > 0:
-            self.fill.add(min(FULL, tokens * FULL // max_tokens), now_s)
+            share = min(FULL, tokens * FULL // max_tokens)
+            self.fill.add(share, now_s)
+            if not cut:
+                self.reach.add(share, now_s)
 
     def expire(self, now_s: float) -> None:
         """Drop the samples older than RATES_MAX_AGE_S (an emptied window is its prior)."""
         self.prefill.expire(now_s)
         self.decode.expire(now_s)
         self.fill.expire(now_s)
+        self.reach.expire(now_s)
 
     def predict(self, overhead: ServiceWindow, prompt_tokens: int,
                 max_tokens: int) -> tuple[Prediction, int, int]:
@@ -216,7 +230,7 @@ class TokenRates:
 
         whole = Prediction(
             overhead.p50_us + work(pre.p50_us, dec.p50_us, fill.p50_us),
-            overhead.p99_us + work(pre.p99_us, dec.p99_us, fill.p99_us),
+            overhead.p99_us + work(pre.p99_us, dec.p99_us, self.reach.p99_us),
             overhead.mean_us + work(pre.mean_us, dec.mean_us, fill.mean_us),
             overhead.p90_us + work(pre.p90_us, dec.p90_us, fill.p90_us))
         first_p99 = overhead.p99_us + work(pre.p99_us, dec.p99_us, 0)

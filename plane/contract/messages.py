@@ -125,6 +125,11 @@ class StreamFinish(enum.StrEnum):
     ERROR = "error"  # the slot failed mid-stream (status 503)
 
 
+# A stream that ended so ran for less than it would have: how far it got is no measure of
+# how far streams go (`DoneEvent.cut`).
+CUT_SHORT = frozenset({StreamFinish.CANCELLED, StreamFinish.DEADLINE, StreamFinish.ERROR})
+
+
 class StreamEnd(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The body of a stream's `end` message (JSON)."""
 
@@ -181,6 +186,9 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     tokens: int = 0  # produced
     prefill_us: int = 0
     decode_us: int = 0
+    # The stream was ended before its own end (its caller cancelled or left, or its stream
+    # deadline came): its tokens say how long it ran, not how far a stream goes.
+    cut: bool = False
 
 
 class PeerNote(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

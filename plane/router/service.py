@@ -375,7 +375,7 @@ class Router(Lifecycle, TaskOwner):
             # they hold whatever our own loop was doing (a lag here made a stream that ran
             # right after a router's start teach nothing: CI, test_streams_client).
             ms.rates.learn(ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us,
-                           fl.max_tokens, now)
+                           fl.max_tokens, now, ev.cut)
         # The slot's whole cycle as this router sees it (publish -> done-event), not only the
         # node's service time: that is when the slot is free again, and what promises must be
         # spaced by. Not while our loop lags (it would measure the lag), nor from a 200 whose

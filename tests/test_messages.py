@@ -30,17 +30,18 @@ def test_old_reader_accepts_new_advert() -> None:
 def test_old_reader_accepts_new_done_event() -> None:
     # DoneEvent is array-like: new fields are appended at the end.
     wire = msgspec.msgpack.encode(["rid", "n", "tinylm", 1, 200, 350, "r0", 0, 16,
-                                   5, 7, 40, 90, "future-field"])
+                                   5, 7, 40, 90, True, "future-field"])
     ev = done_decoder.decode(wire)
     assert isinstance(ev, DoneEvent) and ev.service_us == 350 and ev.sms == 16
     assert (ev.prompt_tokens, ev.tokens, ev.prefill_us, ev.decode_us) == (5, 7, 40, 90)
+    assert ev.cut
 
 
 def test_new_reader_accepts_old_done_event() -> None:
     """A node from before `sms` was appended: the field takes its default."""
     wire = msgspec.msgpack.encode(["rid", "n", "risk", 1, 200, 350, "r0", 0])
     ev = done_decoder.decode(wire)
-    assert isinstance(ev, DoneEvent) and ev.sms == 0
+    assert isinstance(ev, DoneEvent) and ev.sms == 0 and not ev.cut
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from plane.contract.messages import NodeAdvert, Reason, SlotAdvert, Status
 from plane.contract.subjects import Names
 from plane.router.admission import (
     CALL_TRIP_MAX_AGE_S,
+    CALLERS_MAX,
     NEWCOMER_PARK_SLACK_S,
     PROMISE_MAX_LINKS,
     STANDING_CYCLES,
@@ -55,8 +56,9 @@ def busy_until(ms: ModelSlots, *free_at_s: float) -> None:
 
 
 def ask(now: float, deadline_s: float = 1.0, ticket: str | None = None,
-        pred: Prediction = MS10) -> Ask:
-    return Ask(now_s=now, deadline_s=now + deadline_s, prediction=pred, ticket=ticket)
+        pred: Prediction = MS10, caller: str = "") -> Ask:
+    return Ask(now_s=now, deadline_s=now + deadline_s, prediction=pred, ticket=ticket,
+               caller=caller)
 
 
 def test_free_slot_is_placed() -> None:
@@ -712,6 +714,45 @@ def test_promises_pinned_for_callers_who_stopped_coming_back_let_the_slots_go() 
     assert placed_at < made * 0.2 / 2, (placed_at, made)
 
 
+def test_callers_who_never_come_back_unpin_their_own_tickets_not_others() -> None:
+    """A burst of HTTP callers through the gateway (one connection, never back) and NATS
+    callers who come back at their time with their tickets, on one model: the no-shows stop
+    pinning the gateway's tickets, and only its. Averaged per model, they unpinned every
+    caller's, and the NATS callers were told overlapping times 130-205 ms out, six of seven
+    refused again on their return (found from outside)."""
+    ms, adm = slots(1), Admission("r")
+    now = 0.0
+    busy_until(ms, 0.010)
+    for _ in range(12):  # the gateway's callers: refused, never back
+        assert isinstance(adm.decide(ms, ask(now, caller="gw")), Refuse)
+        now += 0.1  # each promise lapses (the slot is busy again each time)
+        busy_until(ms, now + 0.010)
+    assert not adm.pins("calibrated", "gw") and adm.pins("calibrated", "js")
+    assert adm.redemption["calibrated"] < 0.5  # the model's average (plane status) says so
+    # Four NATS callers at once: successive times, each a promise that pins slot time.
+    told = []
+    for _ in range(4):
+        d = adm.decide(ms, ask(now, caller="js"))
+        assert isinstance(d, Refuse) and d.ticket in adm.tickets, d
+        assert d.retry_after_ms is not None
+        told.append(d.retry_after_ms)
+    assert told == sorted(told) and told[-1] - told[0] >= 3 * 9, told
+    # A gateway caller now: an estimate only (no slot time held for it).
+    gw = adm.decide(ms, ask(now, caller="gw"))
+    assert isinstance(gw, Refuse) and gw.ticket not in adm.tickets
+    # A caller nobody can name ("") keeps its own record: untouched by either.
+    assert adm.pins("calibrated", "")
+
+
+def test_the_callers_kept_are_bounded() -> None:
+    ms, adm = slots(1), Admission("r")
+    busy_until(ms, 0.010)
+    for i in range(CALLERS_MAX + 50):
+        adm._count("calibrated", f"c{i}", redeemed=False)
+    assert len(adm.by_caller) == CALLERS_MAX
+    assert ("calibrated", "c0") not in adm.by_caller  # the least recently counted went
+
+
 def test_a_slot_past_its_predicted_end_is_promised_later_as_its_overrun_grows() -> None:
     """Cold streams ran 3x their prediction, and holders were promised `now` (the slot's
     predicted end had passed) again and again: one was refused four times in 35 ms. Past its
@@ -759,7 +800,7 @@ def test_a_newcomer_whose_caller_would_not_come_back_waits_for_a_slot_about_to_f
     the next arrival, so a newcomer waits (parked) for a slot predicted to free within a
     quarter of the p50, holding it; one later than that is refused at once."""
     ms, adm = slots(2), Admission("r")
-    adm.redemption["calibrated"] = 0.0
+    adm.by_caller[("calibrated", "")] = 0.0
     busy_until(ms, 0.002, 0.008)
     d = adm.decide(ms, ask(0.0))
     assert isinstance(d, Park) and d.holder.pinned and d.holder.parked

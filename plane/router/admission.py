@@ -63,7 +63,15 @@ PARK_MAX_SHARE = 1.0
 # pinned kept to their end, one caller resending every 5 ms without its tickets, 2 slots of
 # 200 ms, held the book full of its promises: both slots idle and every caller refused
 # `overloaded` for 2 s and more; found from outside.)
+# The average is kept per caller (`Ask.caller`: the connection a request came from, as far as
+# the router can tell), so that callers who never come back stop pinning their own tickets
+# and nobody else's: kept per model, a burst of HTTP callers through the gateway (which
+# retries nothing) unpinned the tickets of NATS callers who came back at their time with
+# them, and 0-14% of those found a slot (found from outside). Callers the router cannot tell
+# apart (a reply subject of its own per request) share one average, "" (as per model before).
 MIN_REDEMPTION = 0.5
+CALLERS_MAX = 4096  # the callers whose averages are kept (the least recently counted go)
+Whose = tuple[str, str]  # (model, caller): whose tickets an average counts
 # A newcomer that finds every slot busy but one predicted to free (after every open promise)
 # within this share of the p50 service time waits for it (parked, as a holder would) instead
 # of being refused. A refusal nobody redeems (callers that never retry) leaves the slot idle
@@ -221,6 +229,9 @@ class Ask(msgspec.Struct, frozen=True):
     came_s: float | None = None
     # How long it may wait here for its start, from when it came (`Plane-Wait-Ms`; 0: none).
     wait_s: float = 0.0
+    # Who it came from, as far as the router can tell (`plane.router.caller.caller_of`): whose
+    # record of coming back decides whether its ticket pins slot time.
+    caller: str = ""
 
     @property
     def judged_s(self) -> float:
@@ -420,11 +431,14 @@ class Admission:
         self._prefix = ticket_prefix
         self.on_lateness = on_lateness  # (model, seconds a holder came after its due time)
         self.tickets: dict[str, Promise] = {}  # pinned promises this router made, open
-        # Tickets that pinned no slot time, until they lapse: ticket -> (model, expires_s).
-        self._unpinned: dict[str, tuple[str, float]] = {}
-        self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
-        self._unpin_due: set[str] = set()  # models whose average fell under MIN_REDEMPTION
-        self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
+        # Tickets that pinned no slot time, until they lapse: ticket -> (whose, expires_s).
+        self._unpinned: dict[str, tuple[Whose, float]] = {}
+        # Tickets redeemed, an exponential average in [0, 1]: per model over all callers
+        # (what `plane status` shows), and per (model, caller), which decides the pinning.
+        self.redemption: dict[str, float] = {}
+        self.by_caller: dict[Whose, float] = {}
+        self._unpin_due: set[Whose] = set()  # callers whose average fell under MIN_REDEMPTION
+        self._lapsed: dict[str, tuple[Whose, float]] = {}  # ticket -> (whose, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
         # Whether another router calls the holders of a promise the given router made: the
         # maker while it is alive; once it is gone, the promiser (`Peers.calls_elsewhere`).
@@ -694,12 +708,12 @@ class Admission:
             if (unpinned := self._unpinned.pop(ask.ticket, None)) is not None:
                 # A ticket that held no slot time: the caller goes as a newcomer.
                 self.stats["ticket-unpinned"] += 1
-                self._count(unpinned[0], redeemed=True)
+                self._count(*unpinned[0], redeemed=True)
                 return None
             if (lapsed := self._lapsed.pop(ask.ticket, None)) is not None:
                 # Came back after its promise lapsed: late, not a no-show.
                 self.stats["ticket-late"] += 1
-                self._count(lapsed[0], redeemed=True)
+                self._count(*lapsed[0], redeemed=True)
                 return None
             self.stats["ticket-unknown"] += 1
             return None
@@ -712,10 +726,10 @@ class Admission:
         if r.expires_s < ask.judged_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
-            self._count(ms.model, redeemed=True)
+            self._count(ms.model, r.caller, redeemed=True)
             return None
         if ask.park_until_s is None:
-            self._count(ms.model, redeemed=True)
+            self._count(ms.model, r.caller, redeemed=True)
         self.stats["ticket-valid"] += 1
         return r
 
@@ -780,27 +794,38 @@ class Admission:
         if p is None or not any(q is p for q in ms.promises):
             return
         if ask.park_until_s is None:  # it did come back (a parked re-decide counted already)
-            self._count(ms.model, redeemed=True)
+            self._count(ms.model, p.caller, redeemed=True)
         self.stats["holder-refused-by-check"] += 1
         self._slipped(ms.model, p, ask.now_s)
         self.forget(ms, p)
 
-    def _count(self, model: str, *, redeemed: bool) -> None:
+    def _count(self, model: str, caller: str, *, redeemed: bool) -> None:
+        """One of `caller`'s tickets for `model` redeemed, or a no-show."""
+        step = REDEMPTION_WEIGHT * float(redeemed)
         rate = self.redemption.get(model, 1.0)
-        self.redemption[model] = now = rate + REDEMPTION_WEIGHT * (float(redeemed) - rate)
+        self.redemption[model] = rate + step - REDEMPTION_WEIGHT * rate
+        whose = (model, caller)
+        rate = self.by_caller.pop(whose, 1.0)  # re-inserted: the most recently counted last
+        self.by_caller[whose] = now = rate + step - REDEMPTION_WEIGHT * rate
+        if len(self.by_caller) > CALLERS_MAX:
+            del self.by_caller[next(iter(self.by_caller))]
         if now < MIN_REDEMPTION <= rate:
-            self._unpin_due.add(model)  # the promises pinned meanwhile go at the next look
+            self._unpin_due.add(whose)  # its promises pinned meanwhile go at the next look
 
-    def _unpin(self, ms: ModelSlots) -> None:
-        """Callers stopped coming back for their tickets: the promises this router pinned
-        for holders not here (neither parked nor called) stop holding slot time, and count
-        as the tickets made unpinned do (a holder that comes goes as a newcomer, redeemed).
-        Kept pinned to their end, a book filled by one caller who never came back left the
-        slots idle through its whole chain."""
-        for p in [p for p in ms.promises if not (p.foreign or p.parked or p.called_s)
-                  and p.ticket in self.tickets]:
+    def pins(self, model: str, caller: str) -> bool:
+        """Whether a ticket for `caller` holds slot time: while it comes back for them."""
+        return self.by_caller.get((model, caller), 1.0) >= MIN_REDEMPTION
+
+    def _unpin(self, ms: ModelSlots, caller: str) -> None:
+        """`caller` stopped coming back for its tickets: the promises this router pinned for
+        it, for holders not here (neither parked nor called), stop holding slot time, and
+        count as the tickets made unpinned do (a holder that comes goes as a newcomer,
+        redeemed). Kept pinned to their end, a book filled by one caller who never came back
+        left the slots idle through its whole chain."""
+        for p in [p for p in ms.promises if p.caller == caller and not (
+                p.foreign or p.parked or p.called_s) and p.ticket in self.tickets]:
             self.forget(ms, p)
-            self._unpinned[p.ticket] = (ms.model, p.expires_s)
+            self._unpinned[p.ticket] = ((ms.model, caller), p.expires_s)
             self.stats["promise-unpinned"] += 1
 
     def _spared(self, ask: Ask) -> Promise | None:
@@ -820,15 +845,15 @@ class Admission:
             if p.foreign:
                 self.foreign.pop(p.ticket, None)
             elif self.tickets.pop(p.ticket, None) is not None:
-                self._lapse(p.ticket, ms.model, now_s)
+                self._lapse(p.ticket, (ms.model, p.caller), now_s)
         # Unpinned tickets lapse at their expiry (oldest first: dicts keep order) ...
         unpinned = self._unpinned
         while unpinned:
-            ticket, (model, expires_s) = next(iter(unpinned.items()))
+            ticket, (whose, expires_s) = next(iter(unpinned.items()))
             if expires_s >= now_s and len(unpinned) <= LAPSED_MAX:
                 break
             del unpinned[ticket]
-            self._lapse(ticket, model, now_s)
+            self._lapse(ticket, whose, now_s)
         # ... and a lapsed ticket is known for LAPSED_KEEP_S more (a late holder's).
         lapsed = self._lapsed
         while lapsed:
@@ -836,10 +861,11 @@ class Admission:
             if lapsed_s >= now_s - LAPSED_KEEP_S and len(lapsed) <= LAPSED_MAX:
                 break
             del lapsed[ticket]
-        if ms.model in self._unpin_due:
-            self._unpin_due.discard(ms.model)
-            if self.redemption.get(ms.model, 1.0) < MIN_REDEMPTION:
-                self._unpin(ms)
+        if self._unpin_due:
+            for whose in [w for w in self._unpin_due if w[0] == ms.model]:
+                self._unpin_due.discard(whose)
+                if not self.pins(*whose):
+                    self._unpin(ms, whose[1])
 
     def tidy(self, ms: ModelSlots, now_s: float) -> None:
         """Lapse what has lapsed without a decision to see it (the watchdog's tick): the
@@ -847,11 +873,11 @@ class Admission:
         request."""
         self._expire(ms, now_s)
 
-    def _lapse(self, ticket: str, model: str, now_s: float) -> None:
+    def _lapse(self, ticket: str, whose: Whose, now_s: float) -> None:
         """A ticket whose holder did not come in time: a no-show, unless it still comes
         within LAPSED_KEEP_S (then redeemed, late: `_holder`)."""
-        self._lapsed[ticket] = (model, now_s)
-        self._count(model, redeemed=False)
+        self._lapsed[ticket] = (whose, now_s)
+        self._count(*whose, redeemed=False)
 
     def forget(self, ms: ModelSlots, p: Promise, *, tell: bool = True,
                kept: bool = False) -> None:
@@ -877,7 +903,7 @@ class Admission:
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
         due_s = max(now, start_s + lag_s - RETURN_LEAD_S)
         wait_ms = _wait_ms(due_s, now)
-        pinned = self.redemption.get(ms.model, 1.0) >= MIN_REDEMPTION
+        pinned = self.pins(ms.model, ask.caller)
         on_call = pinned and self._on_call(ms.model, ask)
         # A holder on call comes when a slot really frees, whatever the schedule's error. A
         # holder refused again keeps a place (its new promise replaces its old one: the book
@@ -946,14 +972,14 @@ class Admission:
             expires_s=told_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
             issued_s=now, pinned=pinned, wake=ask.wake, promised_s=due_s,
-            ahead=on_call and ask.first_p99_us is None,
+            ahead=on_call and ask.first_p99_us is None, caller=ask.caller,
         )
         if promise.pinned:
             ms.promises.add(promise)
             self.notes.append(PromiseChange(ms.model, promise, made=True))
             self.tickets[promise.ticket] = promise
         else:
-            self._unpinned[promise.ticket] = (ms.model, promise.expires_s)
+            self._unpinned[promise.ticket] = ((ms.model, ask.caller), promise.expires_s)
         return Refuse(
             Status.BUSY, Reason.BUSY,
             f"all {ms.model} slots are busy: come back in {told_ms} ms with this ticket"
@@ -976,6 +1002,7 @@ class Admission:
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
             service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
+            caller=ask.caller,
         )
         promise.parked = True
         ms.promises.add(promise)

@@ -62,6 +62,7 @@ class Promise:
     # Its holder is on call for work long beside a call's trip (not a stream): called a trip
     # before a slot is predicted to free, not when it frees (`Admission.call_ahead`).
     ahead: bool = False
+    caller: str = ""  # who it was made for (`Ask.caller`): whose no-show it is if it lapses
 
     @property
     def back_s(self) -> float:

@@ -60,6 +60,7 @@ from plane.router.admission import (
     Refuse,
     ticket_owner,
 )
+from plane.router.caller import caller_of
 from plane.router.fairness import FairShare
 from plane.router.inbox import Inbox, stale, turn, turn_due
 from plane.router.inflight import InFlight, InFlightBook
@@ -439,7 +440,8 @@ class RequestPath:
                     # its inbox is in its own account, out of the router's reach; told the
                     # usual Retry-After, not one that counts on a call.
                     wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake,
-                    came_s=received, wait_s=(caller.wait_ms or 0) / 1000),
+                    came_s=received, wait_s=(caller.wait_ms or 0) / 1000,
+                    caller=caller_of(msg.reply, hdrs)),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if owner is not None and owner != self.cfg.router_id and not forwarded:

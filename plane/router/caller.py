@@ -1,0 +1,29 @@
+"""Who a request came from, as far as the router can tell: whose record of coming back for
+its tickets decides whether its next ticket pins slot time (`Admission.pins`).
+
+A NATS client makes its requests with one reply prefix per connection (nats-py, nats.js and
+nats.go all subscribe once to `_INBOX.<nuid>.*` and reply on `_INBOX.<nuid>.<token>`), so the
+reply subject without its last token names the connection. A request that came across a
+tenant's service import has a reply subject the server made for it; the server names its
+connection in `Nats-Request-Info` (`<server id>/<client id>`) instead. A client that makes a
+reply subject of its own per request (an old-style request: `_INBOX.<nuid>`, two tokens)
+cannot be told apart from another: "", the callers nobody can name, who share one record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from plane.contract.headers import request_info
+from plane.contract.subjects import Header
+
+UNNAMED = ""
+
+
+def caller_of(reply: str, headers: Mapping[str, str]) -> str:
+    """The caller `reply` (a request's reply subject) and its `headers` name."""
+    if Header.NATS_REQUEST_INFO in headers:
+        info = request_info(headers)
+        return f"{info.acc}:{info.client}" if info.client else UNNAMED
+    prefix, _, _ = reply.rpartition(".")
+    return prefix if "." in prefix else UNNAMED

@@ -71,3 +71,29 @@ async def test_a_caller_whose_tickets_lapse_stops_pinning_slot_time() -> None:
         refused = [m for m in replies if status(m) == 429]
         assert refused and all(header(m, Header.TICKET) not in router.tickets for m in refused)
         assert any(not router.pins("calibrated", c) for (_, c) in router.by_caller)
+
+
+async def test_tickets_honoured_counts_tickets_handed_out_not_newcomers_that_waited() -> None:
+    """First-retry success on the board is honoured / issued. Newcomers that waited here for
+    their start (`Plane-Wait-Ms`) were counted honoured with no ticket issued: 478 honoured
+    of 0 issued in a run of waiting callers, and 5.7% "first-retry success" for callers
+    (`hey`) that never retried at all (found from outside)."""
+    async with plane(models=("calibrated",), slots=1) as stack, client(stack.url) as nc:
+        sample = stack.metrics.registry.get_sample_value
+        labels = {"model": "calibrated"}
+
+        async def waits(rid: str) -> Msg:
+            return await nc.request(NAMES.infer("calibrated"), calibrated(WORK_US), timeout=10,
+                                    headers={Header.REQUEST_ID: rid, Header.WAIT_MS: "2000",
+                                             Header.DEADLINE_MS: "5000"})
+
+        replies = await asyncio.gather(*(waits(f"w-{j}") for j in range(4)))
+        assert [status(m) for m in replies] == [200] * 4
+        assert (sample("plane_tickets_parked_total", labels) or 0) >= 1
+        assert (sample("plane_tickets_honoured_total", labels) or 0) == 0
+        assert (sample("plane_tickets_issued_total", labels) or 0) == 0
+        # A ticket handed out and brought back is honoured.
+        outcomes = await asyncio.gather(*(comes_back(nc, f"t-{j}") for j in range(2)))
+        assert (429, 200) in outcomes, outcomes
+        issued = sample("plane_tickets_issued_total", labels) or 0
+        assert 1 <= (sample("plane_tickets_honoured_total", labels) or 0) <= issued

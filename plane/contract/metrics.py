@@ -165,7 +165,9 @@ class PlaneMetrics:
         self.tickets_issued = Counter(
             "plane_tickets_issued", "Tickets handed out with 429s", ["model"], registry=r)
         self.tickets_honoured = Counter(
-            "plane_tickets_honoured", "Tickets redeemed onto a slot", ["model"], registry=r)
+            "plane_tickets_honoured",
+            "Tickets handed out with 429s that were redeemed onto a slot (a newcomer that "
+            "waited for its start is not one: plane_tickets_parked)", ["model"], registry=r)
         self.forwarded = Counter(
             "plane_router_forwarded",
             "Requests forwarded to another router: a ticket holder's to the router that made "

@@ -1002,7 +1002,7 @@ class Admission:
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
             service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
-            caller=ask.caller,
+            caller=ask.caller, newcomer=True,
         )
         promise.parked = True
         ms.promises.add(promise)

@@ -63,6 +63,7 @@ class Promise:
     # before a slot is predicted to free, not when it frees (`Admission.call_ahead`).
     ahead: bool = False
     caller: str = ""  # who it was made for (`Ask.caller`): whose no-show it is if it lapses
+    newcomer: bool = False  # a newcomer's, waiting here for its start: no ticket was handed out
 
     @property
     def back_s(self) -> float:

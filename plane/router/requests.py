@@ -812,7 +812,8 @@ class RequestPath:
                     self.fair.kept(r.model, r.tenant, r.ask.ticket)
                 if p.place.redeemed is not None:
                     self.admission.redeemed(r.ms, p.place.redeemed, time.monotonic())
-                    self._tickets_honoured(r.model).inc()
+                    if not p.place.redeemed.newcomer:  # a ticket's, not a waiting newcomer's
+                        self._tickets_honoured(r.model).inc()
                 await self.peers.tell_taken(r.model, view, p.place, r.ask, r.rid)
                 self._look_ahead(r.ms, False)
                 await self._decided(r, "placed", view)

@@ -333,6 +333,12 @@ async def test_the_router_refuses_a_stale_request_unread_with_its_wait() -> None
         assert Header.TICKET not in h
         assert "behind" in json.loads(answer.data)["error"]
         assert router.metrics.behind.labels("calibrated")._value.get() == 1
+        # Its caller's wait is in the refusal decision time (it was left out: the slowest
+        # refusals missing from the board's p99; found from outside).
+        waits = router.metrics.registry.get_sample_value(
+            "plane_router_decision_seconds_sum",
+            {"model": "calibrated", "outcome": "refused-behind"})
+        assert waits is not None and abs(waits - 0.53) < 0.01, waits
         with pytest.raises(nats.errors.TimeoutError):  # exactly one answer
             await answers.next_msg(timeout=0.3)
 

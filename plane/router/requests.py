@@ -342,6 +342,9 @@ class RequestPath:
         model = self.cfg.names.infer_model_of(msg.subject)
         label = model if model in self._models else "unknown"
         self.metrics.behind.labels(label).inc()
+        # Its caller's wait for the 429, from the router's receipt: the longest of any
+        # refusal's, and the one the refusal decision time must not leave out.
+        self._decision_s(label, "refused-behind").observe(waited_s)
         hdrs = msg.headers or {}
         rid = echoed_request_id(hdrs) or self._new_rid()
         waited_ms, behind_ms = round(waited_s * 1000), round(behind_s * 1000)

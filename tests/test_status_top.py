@@ -203,6 +203,21 @@ def test_metrics_facts_and_rates_between_two_scrapes() -> None:
     assert over_interval(MetricsFacts(url="u", error="down"), old, 1.0).error == "down"
 
 
+def test_accepted_latency_is_what_callers_waited_when_a_router_says() -> None:
+    """A router's /metrics has the time from its receipt to the answer: accepted p50/p99 are
+    read from it (the slot's own time cannot show a wait before the slot); a node's alone
+    gives the slot's time."""
+    answered = METRICS_TEXT + """# TYPE plane_router_answered_seconds histogram
+plane_router_answered_seconds_bucket{model="risk",le="0.001"} 10.0
+plane_router_answered_seconds_bucket{model="risk",le="0.01"} 100.0
+plane_router_answered_seconds_bucket{model="risk",le="+Inf"} 100.0
+"""
+    f = metrics_facts("u", answered)
+    assert f.accepted_p50_ms == pytest.approx(1000 * (0.001 + 0.009 * 40 / 90))
+    assert metrics_facts("u", METRICS_TEXT).accepted_p50_ms == pytest.approx(
+        1000 * 0.001 * 50 / 90)
+
+
 def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
     """A router that called holders lately reports their way back (`plane status --json`
     shows it); one that did not leaves the fields out, and they read as unknown."""

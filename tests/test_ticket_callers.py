@@ -92,6 +92,13 @@ async def test_tickets_honoured_counts_tickets_handed_out_not_newcomers_that_wai
         assert (sample("plane_tickets_parked_total", labels) or 0) >= 1
         assert (sample("plane_tickets_honoured_total", labels) or 0) == 0
         assert (sample("plane_tickets_issued_total", labels) or 0) == 0
+        # The router's answered time shows their wait for the slot, one after another (40,
+        # 80, 120, 160 ms), which the slot's own time (40 ms each) does not.
+        assert sample("plane_router_answered_seconds_count", labels) == 4
+        answered = sample("plane_router_answered_seconds_sum", labels) or 0
+        on_slot = sample("plane_slot_service_seconds_sum", labels) or 0
+        assert on_slot >= 0.9 * 0.16 and answered >= 0.9 * 0.4, (answered, on_slot)
+        assert answered > 2 * on_slot, (answered, on_slot)
         # A ticket handed out and brought back is honoured.
         outcomes = await asyncio.gather(*(comes_back(nc, f"t-{j}") for j in range(2)))
         assert (429, 200) in outcomes, outcomes

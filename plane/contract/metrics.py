@@ -136,6 +136,13 @@ class PlaneMetrics:
         self.router_decision_seconds = Histogram(
             "plane_router_decision_seconds", "Router time from receipt to placement/refusal",
             ["model", "outcome"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.router_answered_seconds = Histogram(
+            "plane_router_answered_seconds",
+            "Requests placed and answered 200 (not streams): from the router's receipt to the "
+            "slot's done-event, which the node sends with the answer. What a caller waits, "
+            "less its trip to the router and the answer's back; its wait in the router, the "
+            "broker and the slot's pull included (plane_slot_service_seconds: the slot alone)",
+            ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.refusals = Counter(
             "plane_refusals", "Refusals by reason", ["model", "reason"], registry=r)
         self.behind = Counter(

@@ -97,7 +97,8 @@ class MetricsFacts(msgspec.Struct, kw_only=True):
     tickets_issued: float = 0.0
     tickets_honoured: float = 0.0
     first_retry_success: float | None = None  # honoured / issued
-    accepted_p50_ms: float | None = None  # plane_slot_service_seconds, interpolated
+    # plane_router_answered_seconds (else plane_slot_service_seconds), interpolated
+    accepted_p50_ms: float | None = None
     accepted_p99_ms: float | None = None
     gpu_util_pct: dict[str, float] = {}  # "node/device" -> %
     refusals_per_s: float | None = None  # `plane top` only: from two scrapes
@@ -293,6 +294,7 @@ def _ms(buckets: dict[float, float], q: float) -> float | None:
 def metrics_facts(url: str, text: str) -> MetricsFacts:
     f = MetricsFacts(url=url)
     buckets: dict[float, float] = {}
+    answered: dict[float, float] = {}
     decisions: dict[float, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -308,6 +310,9 @@ def metrics_facts(url: str, text: str) -> MetricsFacts:
                 case "plane_slot_service_seconds_bucket":
                     le = float(s.labels["le"])
                     buckets[le] = buckets.get(le, 0.0) + s.value
+                case "plane_router_answered_seconds_bucket":
+                    le = float(s.labels["le"])
+                    answered[le] = answered.get(le, 0.0) + s.value
                 case "plane_gpu_utilization_ratio":
                     key = f"{s.labels.get('node', '')}/{s.labels.get('device', '')}"
                     f.gpu_util_pct[key] = 100 * s.value
@@ -316,6 +321,10 @@ def metrics_facts(url: str, text: str) -> MetricsFacts:
                 case "plane_router_decision_seconds_bucket":
                     le = float(s.labels["le"])
                     decisions[le] = decisions.get(le, 0.0) + s.value
+    # Accepted latency as callers wait for it, from a router's /metrics (its receipt to the
+    # answer); a node's alone has only the time on the slot.
+    if any(answered.values()):
+        buckets = answered
     f.buckets, f.decision_buckets = buckets, decisions
     return with_latency(f, buckets, decisions)
 

@@ -41,6 +41,8 @@ class InFlight(msgspec.Struct):
     placing: bool = True  # the publish has not returned yet: not ours to resolve
     resolving: bool = False
     max_tokens: int = 0  # a generation's (what its done-event's tokens are a share of)
+    received_s: float = 0.0  # monotonic, when the router received it (0: not known)
+    streams: bool = False  # a stream: its done-event comes at its end, not its answer
     attempt: str = "1"  # `Plane-Attempt` as on the slot message: the caller's, made unique
 
 

@@ -911,6 +911,8 @@ class RequestPath:
             # The router owns the deadline of what it placed: a stream's whole one.
             answer_by_s=(ask.end_deadline_s or ask.deadline_s) + self.cfg.deadline_grace_ms / 1000,
             max_tokens=r.max_tokens, attempt=attempt,
+            received_s=ask.came_s if ask.came_s is not None else ask.now_s,
+            streams=ask.end_deadline_s is not None,
         ))
 
     async def _refuse(self, msg: Msg, rid: str, model: str, r: Refuse,

@@ -38,7 +38,7 @@ from plane.contract.messages import (
     json_encoder,
     read_done,
 )
-from plane.contract.metrics import PlaneMetrics
+from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS
 from plane.contract.natsconn import on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
@@ -122,6 +122,7 @@ class Router(Lifecycle, TaskOwner):
         self.nc = nc
         self.cfg = cfg
         self.metrics = metrics or PlaneMetrics()
+        self._answered_s = Children(self.metrics.router_answered_seconds)
         self.names = cfg.names
         self.js = nc.jetstream(timeout=cfg.publish_timeout_s)
         self.admission = Admission(
@@ -370,6 +371,8 @@ class Router(Lifecycle, TaskOwner):
             self.requests.ended(fl, ev.status, ev.service_us, ev.sms)
         if ev.status != int(Status.OK):
             return
+        if not fl.streams and fl.received_s:
+            self._answered_s(fl.model).observe(now - fl.received_s)
         if ev.tokens or ev.prompt_tokens:
             # A generation: its per-token rates, timed by the node on the slot's thread, so
             # they hold whatever our own loop was doing (a lag here made a stream that ran

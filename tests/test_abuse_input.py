@@ -90,6 +90,8 @@ BAD_HEADERS: list[dict[str, str]] = [
     {Header.AVOID_NODE: "bad.node"},
     {Header.AVOID_NODE: "n" * 65},
     {Header.CONTENT_TYPE: "a" * 200},
+    # A tenant name the plane cannot keep was counted as tenant `other`, silently.
+    {Header.TENANT: "a b"}, {Header.TENANT: "t" * 65}, {Header.TENANT: "t.x"},
     *({Header.WAIT_MS: v} for v in ("0", "-1", "+5", "5.0", "600001", "\u00b2", "1" * 50)),
     # The router publishes to a wake inbox: never a wildcard, never a subject outside the
     # callers' inboxes (a slot's would put an empty message on the slot).

@@ -42,7 +42,7 @@ from multidict import MultiMapping
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import BadRequest
 from plane.contract.header_lines import REPEATED
-from plane.contract.subjects import Header, InvalidToken, check_token
+from plane.contract.subjects import TOKEN_RE, Header, InvalidToken, check_token
 
 MAX_ID_CHARS = 128
 MAX_ATTEMPT = 10_000
@@ -112,6 +112,16 @@ def repeated(headers: Mapping[str, str]) -> list[str]:
             return []
         names = [n for n in listed.split(", ") if n.startswith("Plane-")]
     return list(dict.fromkeys(names))
+
+
+def _tenant(headers: Mapping[str, str]) -> None:
+    """`Plane-Tenant`, where it counts (a sender inside the plane's account: across an import
+    the server's `Nats-Request-Info` names the account, and the header is ignored): a name
+    the plane can keep, or a 400 (it was counted as tenant `other`, silently)."""
+    raw = headers.get(Header.TENANT)
+    if raw is not None and Header.NATS_REQUEST_INFO not in headers and not TOKEN_RE.fullmatch(
+            raw):
+        raise ValueError(f"{Header.TENANT} must be 1..64 of A-Z a-z 0-9 _ -, got {shown(raw)}")
 
 
 def _wake(headers: Mapping[str, str]) -> str | None:
@@ -187,6 +197,7 @@ def read_caller(headers: Mapping[str, str]) -> CallerHeaders:
         avoid = headers.get(Header.AVOID_NODE)
         if avoid is not None:
             check_token("node", avoid)
+        _tenant(headers)
         return CallerHeaders(
             request_id=request_id,
             deadline_ms=_number(headers, Header.DEADLINE_MS, MAX_DEADLINE_MS),

@@ -539,17 +539,30 @@ class Slot(Generating):
         connected, and while no router can have acted on it yet (`must_take`), a plain ack
         does it (the router acts only after the deadline plus a grace, or when the node is
         gone); otherwise take the message through the API, which says who was first. False:
-        someone else answered; stay silent (and tell routers the slot is free)."""
+        someone else answered; stay silent (and tell routers the slot is free).
+
+        Ours is on record (`answered`, by placement and by attempt) the moment it is ours,
+        before the answer goes: a router that finds the message gone asks us whether we
+        answered (a broker that lost its stream loses the message for both of us), and
+        must hear "yes" even while our loop is stalled between the claim and the answer."""
         cur.answered = True
+        h = cur.msg.headers or {}
+        mine = (placement_id(self.stream, stream_sequence(cur.msg)),
+                attempt_id(cur.request_id, h.get(Header.ATTEMPT, "1")))
         if (self.nc.is_connected and replies.now_ms() <= cur.answer_by_ms
                 and not self.must_take(cur.fetched_s)):
+            self.answered.add(mine[0])
+            self.answered.add(mine[1])
             await cur.msg.ack()
             return True
         outcome = await take(self.js, self.stream, cur.msg.metadata.sequence.stream)
         with contextlib.suppress(Exception):
             await cur.msg.ack()  # clears our consumer's pending message either way
-        if outcome is Take.GONE or await self._router_answered(cur.msg.headers or {},
-                                                               cur.request_id):
+        if outcome is Take.GONE:  # the router took it (or the broker lost it: it asks us)
+            self._done(cur, NOT_ANSWERED, 0)
+            return False
+        self.answered.add(mine[0])
+        if await self._router_answered(h, cur.request_id):
             self._done(cur, NOT_ANSWERED, 0)
             return False
         return True

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import nats
 from nats.aio.msg import Msg
 
 from plane.client import Client as PlaneClient
@@ -195,6 +196,39 @@ async def test_nats_server_restarted_under_load() -> None:
                 assert time.monotonic() < t_end, res
                 await asyncio.sleep(0.1)
         assert stack.routers[0].models["calibrated"].healthy_count() == 2
+
+
+async def test_requests_running_when_the_server_restarts_are_answered_once() -> None:
+    """nats-server killed and started again while requests run on their slots: its memory
+    stream comes back empty, so the slot messages are gone for the node (which finds them
+    gone when it claims its answer, and stays silent: "the router took it") and for the
+    router at the deadline ("the node took it"): nobody answered a plain NATS caller, 4 runs
+    of 4 (found from outside; the SDK's own 504 hid it). The router asks the node now, and
+    answers what the node did not."""
+    async with EmbeddedNats() as srv, \
+            plane(srv.url, models=("calibrated",), slots=2) as stack:
+        # A caller back on its connection before the deadline (core NATS cannot deliver an
+        # answer to a connection that is down).
+        nc = await nats.connect(srv.url, reconnect_time_wait=0.05, max_reconnect_attempts=-1)
+        inbox = nc.new_inbox()
+        got: list[Msg] = []
+
+        async def keep(msg: Msg) -> None:
+            got.append(msg)
+
+        await nc.subscribe(inbox, cb=keep)
+        rids = [f"restart-{i}" for i in range(2)]
+        for rid in rids:
+            await nc.publish(NAMES.infer("calibrated"), calibrated(400_000), reply=inbox,
+                             headers={Header.REQUEST_ID: rid, Header.DEADLINE_MS: "3000"})
+        await wait_until(lambda: slots_running(stack) == 2, 5, "both requests running")
+        await srv.restart(kill=True)
+        await wait_until(lambda: {(m.headers or {}).get(Header.REQUEST_ID) for m in got}
+                         >= set(rids), 10, "an answer to each request")
+        await asyncio.sleep(1.0)  # nothing more comes
+        await nc.close()
+        answers = Counter((m.headers or {}).get(Header.REQUEST_ID) for m in got)
+        assert answers == Counter(rids), answers
 
 
 async def test_a_message_that_lands_after_its_router_answered_it_is_not_answered_again() -> None:

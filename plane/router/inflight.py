@@ -124,15 +124,26 @@ class InFlightBook:
                 # never landed (nobody else will answer) or a node took it and its done-event
                 # was lost; the node is asked below.
                 outcome = Take.UNKNOWN
+            attempt = attempt_id(fl.request_id, fl.attempt)
             if outcome is Take.GONE:
-                log.info("node answered first", request_id=fl.request_id, node=fl.node)
+                # Taken by its node, which answers; or lost by the broker (a server that
+                # restarted with its memory stream empty): then the node finds it gone too
+                # and stays silent. So a live node is asked: it has its claim on record
+                # before it answers (by attempt: a sequence may be reused by a stream made
+                # anew). A dead one cannot say: it took the message and its answer went
+                # with its done-event, or neither did.
+                if not node_alive or await self._asked(fl, attempt, node_alive):
+                    log.info("node answered first", request_id=fl.request_id, node=fl.node)
+                    return
+                log.warning("slot message gone and its node did not answer it (the broker "
+                            "lost it?); answering", request_id=fl.request_id, node=fl.node)
+                await self._answer(fl, status, reason, text)
                 return
             # Ours now, but a node whose ack and done-event were lost (its broker died) may
             # have answered before the deadline all the same: it remembers, so ask. A node
             # presumed dead is asked once, briefly; a live one patiently (our own server may
             # be failing over). Without a sequence (the publish's outcome unknown), by the
             # attempt: the message may have landed and been answered all the same.
-            attempt = attempt_id(fl.request_id, fl.attempt)
             asked = placement_id(fl.stream, seq) if seq is not None else attempt
             if await self._asked(fl, asked, node_alive):
                 log.info("node says it answered", request_id=fl.request_id, node=fl.node)

@@ -13,7 +13,9 @@ import aiohttp
 import pytest
 
 from plane.contract.config import ConnectOptions
-from plane.contract.subjects import Names
+from plane.contract.messages import Reason, Status
+from plane.contract.replies import error_headers
+from plane.contract.subjects import Header, Names
 from plane.gateway import Gateway, GatewayConfig, http_headers
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import wait_until
@@ -48,6 +50,15 @@ def test_retry_after_is_whole_seconds_rounded_up() -> None:
     assert (h["Retry-After"], h["Retry-After-Ms"], h["X-Server-Time"]) == (
         "2", "1001", "1700000000000")
     assert http_headers({"Retry-After-Ms": "3"})["Retry-After"] == "1"
+    assert http_headers({"Retry-After-Ms": "0"})["Retry-After"] == "0"
+
+
+def test_a_refusal_says_retry_after_the_same_over_nats_and_http() -> None:
+    """No wait is 0 in both (NATS said 1, the gateway 0, for the same refusal)."""
+    for ms, seconds in ((0, "0"), (1, "1"), (1000, "1"), (1001, "2")):
+        nats_headers = error_headers("r", Status.BUSY, Reason.DEADLINE, retry_after_ms=ms)
+        assert nats_headers[Header.RETRY_AFTER] == seconds
+        assert http_headers(nats_headers)["Retry-After"] == seconds
     assert "Retry-After" not in http_headers({"Plane-Status": "200"})
 
 

@@ -50,7 +50,9 @@ def _error_pairs(
              (Header.SERVER_TIME, str(now_ms())), (Header.REASON, reason.value)]
     if retry_after_ms is not None:
         pairs += ((Header.RETRY_AFTER_MS, str(retry_after_ms)),
-                  (Header.RETRY_AFTER, str(max(1, math.ceil(retry_after_ms / 1000)))))
+                  # Whole seconds rounded up; no wait is 0, as the gateway says it (it said 1:
+                  # a client reading only Retry-After waited a second for nothing).
+                  (Header.RETRY_AFTER, str(math.ceil(retry_after_ms / 1000))))
     if ticket is not None:
         pairs.append((Header.TICKET, one_value(ticket)))
     if node is not None:

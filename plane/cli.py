@@ -137,8 +137,9 @@ def main() -> None:
 
     \b
     Examples:
-      plane up                       # embedded nats-server, router, node, metrics
-      plane up --demo                # the same, plus example calls, then stop
+      plane up                       # embedded nats-server, router, a node per model
+      plane up --metrics-port 9464   # the same, and one /metrics for all of it
+      plane up --demo                # example calls, then stop
       plane node --nats nats://127.0.0.1:4222 --model risk --slots 2
       plane pulse --nats nats://127.0.0.1:4222 --rate 200 --duration 10
     """
@@ -166,7 +167,8 @@ prefix_option = click.option("--prefix", default="plane", show_default=True,
 # A TCP port, or 0 for any free one (a bind out of range was an OverflowError traceback).
 PORT = click.IntRange(0, 65535)
 metrics_option = click.option("--metrics-port", type=PORT, default=None,
-                              help="Serve Prometheus metrics on PORT (0: any free port).")
+                              help="Serve Prometheus metrics on PORT (0: any free port; "
+                                   "default: no metrics served).")
 metrics_host_option = click.option(
     "--metrics-host", envvar="PLANE_METRICS_HOST", default="127.0.0.1", show_default=True,
     help="Address the metrics server binds (0.0.0.0 in a container Prometheus scrapes).")
@@ -256,7 +258,9 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
        backend: str, demo: bool, port: int | None, auth_dir: str | None,
        device_waits: str, one_process: bool, router_per_model: bool) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router (in a process of its
-    own; with --router-per-model one per model), nodes, metrics (one /metrics for all).
+    own; with --router-per-model one per model), nodes; with --metrics-port, one /metrics
+    for all (none without it). Prints the NATS URL (and the metrics URL) after the start-up
+    log.
 
     \b
     Examples:

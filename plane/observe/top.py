@@ -34,6 +34,13 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _cycle(m: ModelFacts | None) -> str:
+    """A cycle's p50/p99, or `-` when none was measured (a router's prior is no figure)."""
+    if m is None or m.cycle_p50_us is None or m.cycle_p99_us is None:
+        return "-"
+    return f"{m.cycle_p50_us:.0f}/{m.cycle_p99_us:.0f} µs"
+
+
 def routers_table(view: PlaneView) -> Table:
     t = Table(title="routers", title_justify="left", expand=False)
     # "behind": how long the router has read its inbox late (its CPU is the limit).
@@ -49,8 +56,7 @@ def routers_table(view: PlaneView) -> Table:
                 "-" if m is None else f"{m.healthy}/{m.slots}",
                 "-" if m is None else str(m.busy),
                 _n(r.promises_open) if first else "", _n(r.in_flight) if first else "",
-                "-" if m is None else (f"{_n(m.cycle_p50_us, '{:.0f}')}/"
-                                       f"{_n(m.cycle_p99_us, '{:.0f}')} µs"),
+                _cycle(m),
                 _pct(r.redemption.get(model)),
                 (_n(r.behind_ms, "{:.0f} ms") if r.behind_ms else "-") if first else "")
             first = False

@@ -411,6 +411,9 @@ class Router(Lifecycle, TaskOwner):
                     "slots": len(ms.slots), "healthy": ms.healthy_count(),
                     "busy": ms.busy_count(time.monotonic()), "p50_overhead_us": ms.window.p50_us,
                     "p99_overhead_us": ms.window.p99_us,
+                    # 0: the two above are the window's prior, not measured (`plane status`
+                    # shows `-`): nothing placed lately, or ever.
+                    "overhead_samples": ms.window.count,
                     **({"call_trip_p50_us": trips.p50_us, "call_trip_p99_us": trips.p99_us}
                        if (trips := self.admission.call_trips.get(m)) is not None
                        and trips.count else {}),

@@ -120,6 +120,26 @@ async def test_a_cycle_nobody_measured_is_shown_as_unknown_not_as_the_prior() ->
     assert "1000/1000" not in fresh_text[1], fresh_text[1]
 
 
+async def test_tickets_redeemed_is_a_count_of_the_tickets_settled() -> None:
+    """Tickets nobody comes back for: "tickets redeemed" was the router's average, which
+    starts at 100% (18.5% after 16 no-shows, beside first-retry success 0.0%). It is the
+    count now: none of those settled."""
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=1)) as stack:
+        await _load(stack.url)  # refusals with tickets; nobody comes back with one
+        async with client(stack.url) as nc:
+            for _ in range(100):  # until they lapse (the watchdog's tick)
+                view = await collect(nc, Names(), timeout_s=1.0)
+                (r,) = view.routers
+                if (t := r.ticket_returns.get("calibrated")) is not None and t.no_shows:
+                    break
+                await asyncio.sleep(0.1)
+    assert t is not None and t.redeemed == 0 and t.no_shows >= 1, r
+    assert r.redemption["calibrated"] > 0.5  # what the column showed: 90% after one
+    out = io.StringIO()
+    Console(file=out, width=200).print(routers_table(view))
+    assert f"0/{t.no_shows} (0%)" in out.getvalue(), out.getvalue()
+
+
 async def test_status_of_a_dead_server_is_unhealthy_and_fast() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

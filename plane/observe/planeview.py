@@ -7,7 +7,7 @@ The facts and where each comes from:
 | fact | from |
 | --- | --- |
 | slots, healthy, busy (router's view) | router status |
-| promises open, requests in flight, ticket redemption | router status |
+| promises open, requests in flight, tickets redeemed (of those settled) | router status |
 | router cycle p50/p99 (placement to done, beyond requested work) | router status |
 | slots, healthy, busy, backend (node's own) | node status |
 | GPU utilisation | node status (its last NVML reading), else `plane_gpu_utilization_ratio` |
@@ -57,12 +57,27 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     start_slip_p99_us: dict[str, int] | None = None
 
 
+class TicketReturns(msgspec.Struct, kw_only=True):
+    """A model's tickets settled at a router since it started (`plane.router.ticket_tally`)."""
+
+    redeemed: int = 0
+    no_shows: int = 0
+
+    @property
+    def settled(self) -> int:
+        return self.redeemed + self.no_shows
+
+
 class RouterFacts(msgspec.Struct, kw_only=True):
     router: str
     models: dict[str, ModelFacts]
     promises_open: int | None = None
     in_flight: int | None = None
+    # The router's recent average of redeemed tickets, which decides whether promises pin
+    # slot time: it starts at 1 and moves a tenth of the way per ticket settled, so it is no
+    # share of tickets (16 no-shows: 18.5%). `ticket_returns` counts them.
     redemption: dict[str, float] = {}
+    ticket_returns: dict[str, TicketReturns] = {}  # empty: none settled, or a router too old
     ticket_stats: dict[str, int] = {}  # what ticket holders found (parked, refused, late)
     # How long the router has been behind on its inbox (0: it is not; None: not reported).
     behind_ms: int | None = None
@@ -195,6 +210,9 @@ def router_facts(body: dict[str, Any]) -> RouterFacts:
         models={m: model_facts(v) for m, v in (body.get("models") or {}).items()},
         promises_open=body.get("tickets"), in_flight=body.get("inflight"),
         redemption=body.get("redemption") or {},
+        ticket_returns={m: TicketReturns(redeemed=int(v.get("redeemed", 0)),
+                                         no_shows=int(v.get("no_shows", 0)))
+                        for m, v in (body.get("ticket_returns") or {}).items()},
         ticket_stats=body.get("ticket_stats") or {}, behind_ms=body.get("behind_ms"))
 
 

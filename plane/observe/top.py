@@ -20,6 +20,7 @@ from plane.observe.planeview import (
     MetricsFacts,
     ModelFacts,
     PlaneView,
+    TicketReturns,
     collect,
     over_interval,
     scrape,
@@ -41,6 +42,14 @@ def _cycle(m: ModelFacts | None) -> str:
     return f"{m.cycle_p50_us:.0f}/{m.cycle_p99_us:.0f} µs"
 
 
+def _redeemed(t: TicketReturns | None) -> str:
+    """Tickets redeemed of those settled, counted (`-`: none settled). Was the router's
+    recent average, which starts at 100%: 18.5% after 16 tickets and none redeemed."""
+    if t is None or not t.settled:
+        return "-"
+    return f"{t.redeemed}/{t.settled} ({100 * t.redeemed / t.settled:.0f}%)"
+
+
 def routers_table(view: PlaneView) -> Table:
     t = Table(title="routers", title_justify="left", expand=False)
     # "behind": how long the router has read its inbox late (its CPU is the limit).
@@ -57,7 +66,7 @@ def routers_table(view: PlaneView) -> Table:
                 "-" if m is None else str(m.busy),
                 _n(r.promises_open) if first else "", _n(r.in_flight) if first else "",
                 _cycle(m),
-                _pct(r.redemption.get(model)),
+                _redeemed(r.ticket_returns.get(model)),
                 (_n(r.behind_ms, "{:.0f} ms") if r.behind_ms else "-") if first else "")
             first = False
     return t

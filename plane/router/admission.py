@@ -29,6 +29,7 @@ from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise, simulate, would_delay
 from plane.router.slips import Slips
+from plane.router.ticket_tally import TicketTally
 
 # A promise is kept this long past its due time for a late holder (then released). It covers
 # the reply's trip, the caller's timer, the SDK's jitter (up to 2 ms) and a caller's process
@@ -423,6 +424,8 @@ class Admission:
         # Tickets that pinned no slot time, until they lapse: ticket -> (model, expires_s).
         self._unpinned: dict[str, tuple[str, float]] = {}
         self.redemption: dict[str, float] = {}  # per model, exponential average in [0, 1]
+        # Per model, tickets settled, counted (`plane status`; the average above starts at 1).
+        self.ticket_tally: dict[str, TicketTally] = {}
         self._unpin_due: set[str] = set()  # models whose average fell under MIN_REDEMPTION
         self._lapsed: dict[str, tuple[str, float]] = {}  # ticket -> (model, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
@@ -699,7 +702,7 @@ class Admission:
             if (lapsed := self._lapsed.pop(ask.ticket, None)) is not None:
                 # Came back after its promise lapsed: late, not a no-show.
                 self.stats["ticket-late"] += 1
-                self._count(lapsed[0], redeemed=True)
+                self._count(lapsed[0], redeemed=True, lapsed=True)
                 return None
             self.stats["ticket-unknown"] += 1
             return None
@@ -785,7 +788,14 @@ class Admission:
         self._slipped(ms.model, p, ask.now_s)
         self.forget(ms, p)
 
-    def _count(self, model: str, *, redeemed: bool) -> None:
+    def _count(self, model: str, *, redeemed: bool, lapsed: bool = False) -> None:
+        """A ticket settled: `redeemed`, or a no-show; `lapsed`: redeemed after it was
+        counted a no-show (the average takes both; the tally, the ticket once)."""
+        tally = self.ticket_tally.setdefault(model, TicketTally())
+        if lapsed:
+            tally.came_after_all()
+        else:
+            tally.settled(redeemed=redeemed)
         rate = self.redemption.get(model, 1.0)
         self.redemption[model] = now = rate + REDEMPTION_WEIGHT * (float(redeemed) - rate)
         if now < MIN_REDEMPTION <= rate:

@@ -431,7 +431,10 @@ class Router(Lifecycle, TaskOwner):
             },
             "tickets": len(self.admission.tickets),
             "ticket_stats": dict(self.admission.stats),
+            # The recent average that decides whether promises pin slot time (from 1), and
+            # the tickets settled, counted (`plane.router.ticket_tally`).
             "redemption": self.admission.redemption,
+            "ticket_returns": {m: t.as_dict() for m, t in self.admission.ticket_tally.items()},
             "inflight": len(self.inflight),
             # How long it has been behind on its inbox (`plane.router.inbox`; 0: it is not).
             "behind_ms": self.requests.behind_ms(),

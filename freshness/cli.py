@@ -17,6 +17,7 @@ from plane.cli import (
     EXIT_OK,
     EXIT_USAGE,
     connect_options,
+    connect_options_with,
     log_level_option,
     log_option,
     make_connect,
@@ -144,7 +145,9 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
               help="Use this Kafka instead of starting tansu.")
 @click.option("--topic", default="transactions", show_default=True)
 @log_level_option("warning")
-@connect_options
+@connect_options_with("NATS URL(s) of a running server, comma separated (env "
+                      "PLANE_NATS). Default: a nats-server of the demo's own on a free "
+                      "loopback port.")
 def risk_demo(duration_s: float, rate_per_s: float, cards: int, lag_ms: float,
               lag_fraction: float, freshness_ms: int, on_stale: str, deadline_ms: int,
               kafka: str | None, topic: str, log_level: str, nats_url: str | None,

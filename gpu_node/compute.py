@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from gpu_node.device_wait import CALIBRATED, DeviceWork, TimedWork
+from gpu_node.partitions import count_slots
 from gpu_node.pinned import RowPacker, Staged
 from kernels.risk import FEATURES, HIDDEN, RiskWeights, risk_reference, risk_reference_out
 from plane.contract.config import BACKENDS
@@ -88,7 +89,10 @@ class Backend(Protocol):
 
     def make_slot(self, k: int) -> SlotRunner: ...
 
-    def describe(self) -> str: ...
+    def describe(self, slots: int | None = None) -> str:
+        """One line for the start-up log: the device and its partitions, for `slots` slots
+        (None: the backend's default count)."""
+        ...
 
 
 class TorchSlot:
@@ -149,8 +153,10 @@ class TorchBackend:
         torch.set_num_threads(1)
         self._weights = RiskWeights.from_seed(seed)
 
-    def describe(self) -> str:
-        return "torch on cpu: 2 slots, one thread each"
+    def describe(self, slots: int | None = None) -> str:
+        # Was "2 slots" whatever the node ran (`plane node --slots 1` logged both 1 and 2).
+        n = self.default_slots() if slots is None else slots
+        return f"torch on cpu: {count_slots(n)}, one thread each"
 
     def default_slots(self) -> int:
         return 2

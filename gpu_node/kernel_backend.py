@@ -274,10 +274,10 @@ class KernelBackend:
         self.partition = self.plan.kind
         self._weights = self._weights_host.to(self.device)
 
-    def describe(self) -> str:
+    def describe(self, slots: int | None = None) -> str:
         where = "cpu" if self.device.type == "cpu" else torch.cuda.get_device_name(self.device)
         paths = f"; {self.request_paths}" if self.request_paths else ""
-        return f"{self.name} on {where}: {self.plan.describe()}{paths}"
+        return f"{self.name} on {where}: {self.plan.describe(slots)}{paths}"
 
     def default_slots(self) -> int:
         return self.plan.slots

@@ -223,7 +223,7 @@ class Node(Lifecycle, TaskOwner):
             gen := self.slots[-1].generator) is not None else {}
         log.info("node started", node=self.cfg.node_id, model=self.cfg.model,
                  backend=self.backend.name, partition=self.backend.partition,
-                 slots=len(self.slots), choice=self.backend.describe(), **decode,
+                 slots=len(self.slots), choice=self.backend.describe(len(self.slots)), **decode,
                  gil_switch_us=round(sys.getswitchinterval() * 1e6))  # the process's now
 
     async def stop(self) -> None:

@@ -45,6 +45,11 @@ def partition_granularity(cc_major: int) -> tuple[int, int]:
     return 2, 2
 
 
+def count_slots(n: int) -> str:
+    """`n` slot(s), for a log line: "1 slot", "16 slots"."""
+    return f"{n} slot" if n == 1 else f"{n} slots"
+
+
 @dataclass(frozen=True)
 class PartitionPlan:
     kind: str  # GREEN_CONTEXT | STREAM | NONE
@@ -53,9 +58,13 @@ class PartitionPlan:
     slots: int  # default slots on this device: sm_count // sms_per_slot
     note: str  # one line for the start-up log: what was chosen and why
 
-    def describe(self) -> str:
+    def describe(self, slots: int | None = None) -> str:
+        """`slots` (None: the default, `self.slots`) of this plan's partitions; a count the
+        node was given says the device's own default too."""
+        n = self.slots if slots is None else slots
+        default = "" if n == self.slots else f" (the device's default: {self.slots})"
         return (
-            f"{self.slots} slots x {self.sms_per_slot} of {self.sm_count} SMs, "
+            f"{count_slots(n)}{default} x {self.sms_per_slot} of {self.sm_count} SMs, "
             f"{self.kind}: {self.note}"
         )
 

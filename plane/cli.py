@@ -42,11 +42,41 @@ EXIT_USAGE = 2
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# What each command does with no --nats (and no PLANE_NATS), said in its --help: only
+# `plane up` (and `plane risk-demo`) start a server of their own; every other command was
+# told "default: embedded server" and then stopped, or failed to connect to "None".
+NATS_REQUIRED_HELP = ("NATS URL(s) of the plane, comma separated (env PLANE_NATS). Required: "
+                      "without it the command stops with exit 2.")
+NATS_UP_HELP = ("NATS URL(s) of a running server, comma separated (env PLANE_NATS). "
+                "Default: an embedded nats-server of this plane's own (on --port, or a free "
+                "port).")
+
+
+def connect_options_with(nats_help: str) -> Callable[[F], F]:
+    """The NATS connection options every command takes; `nats_help` says what the command
+    does without --nats."""
+    def add(f: F) -> F:
+        return _connect_options(f, nats_help)
+    return add
+
+
 def connect_options(f: F) -> F:
-    """The NATS connection options every command takes."""
+    """The NATS connection options of a command that needs --nats."""
+    return _connect_options(f, NATS_REQUIRED_HELP)
+
+
+def require_nats(nats_url: str | None) -> str:
+    """The --nats URL of a command that connects to a running plane, or one usage line
+    saying to give it (was `cannot connect to NATS at None` from the router and the node)."""
+    if nats_url is None:
+        raise click.UsageError("give --nats URL (or PLANE_NATS) of the plane's NATS server: "
+                               "only `plane up` starts one of its own")
+    return nats_url
+
+
+def _connect_options(f: F, nats_help: str) -> F:
     opts = [
-        click.option("--nats", "nats_url", envvar="PLANE_NATS", default=None,
-                     help="NATS URL(s), comma separated (default: embedded server)."),
+        click.option("--nats", "nats_url", envvar="PLANE_NATS", default=None, help=nats_help),
         click.option("--user", envvar="PLANE_NATS_USER", default=None),
         click.option("--password", envvar="PLANE_NATS_PASSWORD", default=None),
         click.option("--token", envvar="PLANE_NATS_TOKEN", default=None),
@@ -107,8 +137,9 @@ def main() -> None:
 
     \b
     Examples:
-      plane up                       # embedded nats-server, router, node, metrics
-      plane up --demo                # the same, plus example calls, then stop
+      plane up                       # embedded nats-server, router, a node per model
+      plane up --metrics-port 9464   # the same, and one /metrics for all of it
+      plane up --demo                # example calls, then stop
       plane node --nats nats://127.0.0.1:4222 --model risk --slots 2
       plane pulse --nats nats://127.0.0.1:4222 --rate 200 --duration 10
     """
@@ -136,7 +167,8 @@ prefix_option = click.option("--prefix", default="plane", show_default=True,
 # A TCP port, or 0 for any free one (a bind out of range was an OverflowError traceback).
 PORT = click.IntRange(0, 65535)
 metrics_option = click.option("--metrics-port", type=PORT, default=None,
-                              help="Serve Prometheus metrics on PORT (0: any free port).")
+                              help="Serve Prometheus metrics on PORT (0: any free port; "
+                                   "default: no metrics served).")
 metrics_host_option = click.option(
     "--metrics-host", envvar="PLANE_METRICS_HOST", default="127.0.0.1", show_default=True,
     help="Address the metrics server binds (0.0.0.0 in a container Prometheus scrapes).")
@@ -182,17 +214,20 @@ def parse_models(ctx: click.Context, param: click.Parameter,
     return tuple(names)
 
 
-def serving_options(f: F) -> F:
+def serving_options(nats_help: str = NATS_REQUIRED_HELP) -> Callable[[F], F]:
     """What every serving command (up, node, router) takes: connection, prefix, metrics,
     replicas, log level."""
-    for option in reversed((connect_options, prefix_option, metrics_option,
-                            metrics_host_option, replicas_option, log_option)):
-        f = option(f)
-    return f
+    def add(f: F) -> F:
+        for option in reversed((connect_options_with(nats_help), prefix_option,
+                                metrics_option, metrics_host_option, replicas_option,
+                                log_option)):
+            f = option(f)
+        return f
+    return add
 
 
 @main.command()
-@serving_options
+@serving_options(NATS_UP_HELP)
 @click.option("--models", default="risk,calibrated,tinylm", show_default=True,
               callback=parse_models,
               help="Comma-separated models to serve (one node each; each named once).")
@@ -223,7 +258,9 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
        backend: str, demo: bool, port: int | None, auth_dir: str | None,
        device_waits: str, one_process: bool, router_per_model: bool) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router (in a process of its
-    own; with --router-per-model one per model), nodes, metrics (one /metrics for all).
+    own; with --router-per-model one per model), nodes; with --metrics-port, one /metrics
+    for all (none without it). Prints the NATS URL (and the metrics URL) after the start-up
+    log.
 
     \b
     Examples:
@@ -266,7 +303,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 
 
 @main.command()
-@serving_options
+@serving_options()
 @click.option("--model", default="risk", show_default=True, type=click.Choice(sorted(MODELS)))
 @click.option("--slots", type=int, default=None, help="Slots to claim (default: backend's).")
 @click.option("--backend", default="auto", show_default=True,
@@ -306,6 +343,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
       plane node --nats nats://127.0.0.1:4222 --model risk --slots 2 --metrics-port 9465
       plane node --nats nats://127.0.0.1:4222 --model risk --slots 16 --processes 4
     """
+    require_nats(nats_url)
     configure_logs(log_level)
     cfg = NodeConfig(names=names_for(prefix), model=model, slots=slots, backend=backend,
                      sms_per_slot=sms_per_slot, allow_faults=allow_faults,
@@ -330,7 +368,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
 
 
 @main.command()
-@serving_options
+@serving_options()
 @click.option("--router-id", default=None, help="Router name (default: r-<hostname>).")
 @click.option("--max-inbox-wait-ms", type=click.IntRange(10, MAX_DEADLINE_MS),
               default=RouterConfig.max_inbox_wait_ms,
@@ -355,6 +393,7 @@ def router(nats_url: str | None, user: str | None, password: str | None, token: 
       plane router --nats nats://127.0.0.1:4222 --metrics-port 9466
       plane router --nats nats://127.0.0.1:4222 --models risk --router-id r-risk
     """
+    require_nats(nats_url)
     configure_logs(log_level)
     served = frozenset(models) if models is not None else None
     try:

@@ -682,6 +682,32 @@ def test_late_holders_are_not_no_shows() -> None:
     assert isinstance(pinned, Refuse) and pinned.ticket in adm.tickets  # promises still pin
 
 
+def test_the_ticket_tally_counts_each_ticket_once_where_the_average_starts_at_one() -> None:
+    """`plane status` showed the average as "tickets redeemed": 18.5% after 16 tickets and
+    none redeemed (0.9^16). The tally says 0 of 16; a holder back after its lapse turns its
+    no-show into a redemption, counted once."""
+    ms, adm = slots(1), Admission("r")
+    tickets: list[str] = []
+    now = 0.0
+    while len(tickets) < 16:  # as many as the book takes at once, then they lapse
+        busy_until(ms, now + 0.010)
+        d = adm.decide(ms, ask(now))
+        assert isinstance(d, Refuse)
+        if d.ticket:
+            tickets.append(d.ticket)
+            continue
+        ms.slots["n/0"].release(now + 0.010)
+        now += 1.0
+        adm.tidy(ms, now)  # every promise lapsed, nobody came
+    ms.slots["n/0"].release(now + 0.010)
+    now += 1.0
+    adm.tidy(ms, now)
+    assert abs(adm.redemption["calibrated"] - 0.9 ** 16) < 1e-9  # 18.5%
+    assert adm.ticket_tally["calibrated"].as_dict() == {"redeemed": 0, "no_shows": 16}
+    adm.decide(ms, ask(now + 0.1, ticket=tickets[-1]))  # one comes back, late
+    assert adm.ticket_tally["calibrated"].as_dict() == {"redeemed": 1, "no_shows": 15}
+
+
 def test_promises_pinned_for_callers_who_stopped_coming_back_let_the_slots_go() -> None:
     """One caller resending without its tickets filled the book with promises: both slots
     idled through the chain (2 x 200 ms, 16 promises: 1.6 s) and every caller was refused

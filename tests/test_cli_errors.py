@@ -16,10 +16,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from plane.app import main
+from plane.app import LazyCommand, main
 from plane.contract.embedded import EmbeddedNats
 
 PLANE = str(Path(sys.executable).parent / "plane")
@@ -95,6 +96,41 @@ def test_a_node_groups_last_metrics_port_must_exist() -> None:
                                        "--slots", "2", "--processes", "2",
                                        "--metrics-port", "65535"])
     assert result.exit_code == 2 and "leaves no port for member 1" in result.output
+
+
+# -- --nats ----------------------------------------------------------------------------------
+def nats_help(name: str) -> str:
+    """The --help text of a command's --nats option."""
+    command = main.commands[name]
+    if isinstance(command, LazyCommand):
+        command = command.load()
+    [option] = [p for p in command.params if p.name == "nats_url"]
+    assert isinstance(option, click.Option) and option.help is not None
+    return option.help
+
+
+@pytest.mark.parametrize("name", ["node", "router", "status", "top", "gateway", "bridge"])
+def test_the_nats_help_of_a_command_without_a_server_says_it_is_required(name: str) -> None:
+    """Every command's help said `(default: embedded server)`; only `plane up` (and
+    `plane risk-demo`) start one: the others stop with exit 2."""
+    said = nats_help(name)
+    assert "embedded" not in said and "Required" in said and "PLANE_NATS" in said
+
+
+def test_the_nats_help_says_what_up_pulse_and_risk_demo_do_without_it() -> None:
+    assert "Default: an embedded nats-server" in nats_help("up")
+    assert "Give it or --url" in nats_help("pulse") and "embedded" not in nats_help("pulse")
+    assert "Default: a nats-server of the demo's own" in nats_help("risk-demo")
+
+
+@pytest.mark.parametrize("name", ["router", "node"])
+def test_a_router_or_node_without_nats_says_give_nats_in_one_line(name: str) -> None:
+    """Was `cannot connect to NATS at None`, after the start-up log."""
+    result = CliRunner().invoke(main, [name], env={"PLANE_NATS": None, "PLANE_AUTH": None})
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert errors == ["Error: give --nats URL (or PLANE_NATS) of the plane's NATS server: "
+                      "only `plane up` starts one of its own"], result.output
 
 
 # -- --models --------------------------------------------------------------------------------

@@ -258,6 +258,20 @@ def test_nats_config_is_valid_and_routes_to_every_server(
         assert out.returncode == 0, f"{name}: {out.stdout}{out.stderr}"
 
 
+def test_deploy_docs_check_of_the_nats_config_runs_as_written(tmp_path: Path) -> None:
+    """docs/deploy.md said `nats-server -c compose/nats.conf -t`, which fails: nats.conf
+    reads $SERVER_NAME, which each container sets. The doc's command, run by a shell from
+    the repository with nats-server on the PATH and no SERVER_NAME, passes."""
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    [command] = re.findall(r"`([^`]*nats-server -c compose/nats.conf[^`]*)`", doc)
+    (tmp_path / "nats-server").symlink_to(nats_server_binary())
+    env = {k: v for k, v in os.environ.items() if k != "SERVER_NAME"}
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env.get('PATH', '')}"
+    out = subprocess.run(["sh", "-c", command], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30, env=env)
+    assert out.returncode == 0, f"{command}: {out.stdout}{out.stderr}"
+
+
 def test_kafka_broker_flags_exist_and_the_bridge_points_at_it(
     services: dict[str, dict[str, Any]], plane_lines: list[CommandLine]
 ) -> None:

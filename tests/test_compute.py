@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from gpu_node.compute import FEATURES, RiskWeights, TorchSlot, make_backend, risk_reference
+from gpu_node.node import Node
 from gpu_node.partitions import (
     GREEN_CONTEXT,
     STREAM,
@@ -26,7 +28,10 @@ from gpu_node.partitions import (
 )
 from gpu_node.pinned import RowPacker, Staged, count_cpu_allocations
 from plane.contract import messages
+from plane.contract.config import ConnectOptions, NodeConfig
+from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConfigError
+from plane.contract.natsconn import close, connect
 
 REPO = Path(__file__).resolve().parents[1]
 # Scores of the seeded model before kernels/ existed: the weights must not drift.
@@ -204,6 +209,40 @@ def test_h200_defaults_to_sixteen_slots_of_eight_sms() -> None:
     assert plan.describe().startswith("16 slots x 8 of 132 SMs, green-context")
 
 
+def test_a_plan_describes_the_slots_a_node_runs_not_only_its_default() -> None:
+    plan = plan_partitions(sm_count=132, cc_major=9, sms_per_slot=None, green=True, note="ok")
+    assert plan.describe(16) == plan.describe()
+    assert plan.describe(1).startswith(
+        "1 slot (the device's default: 16) x 8 of 132 SMs, green-context")
+
+
+def test_the_torch_backend_describes_the_slots_a_node_runs() -> None:
+    """Was "torch on cpu: 2 slots, one thread each" whatever the node ran."""
+    backend = make_backend("torch")
+    assert backend.describe() == "torch on cpu: 2 slots, one thread each"
+    assert backend.describe(1) == "torch on cpu: 1 slot, one thread each"
+    assert backend.describe(5) == "torch on cpu: 5 slots, one thread each"
+
+
+@pytest.mark.parametrize(("model", "slots"), [("calibrated", 1), ("tinylm", None)])
+async def test_a_nodes_start_up_log_says_one_slot_count(
+        nats_server: EmbeddedNats, model: str, slots: int | None) -> None:
+    """`plane node --slots 1` (and tinylm's one slot on a CPU, its default) logged
+    `"slots": 1` beside `"choice": "torch on cpu: 2 slots, one thread each"`."""
+    nc = await connect(ConnectOptions(url=nats_server.url, name="describe-test"))
+    node = Node(nc, NodeConfig(model=model, node_id="n-describe", slots=slots,
+                               backend="torch"))
+    try:
+        with capture_logs() as logs:
+            await node.start()
+        [started] = [e for e in logs if e["event"] == "node started"]
+        assert started["slots"] == 1
+        assert started["choice"] == "torch on cpu: 1 slot, one thread each"
+    finally:
+        await node.stop()
+        await close(nc)
+
+
 @pytest.mark.parametrize(
     ("cc_major", "asked", "size", "slots"),
     [
@@ -246,8 +285,6 @@ def test_partition_granularity_follows_the_driver_guideline() -> None:
 
 
 def test_sms_per_slot_off_a_gpu_is_said_to_be_ignored() -> None:
-    from structlog.testing import capture_logs
-
     with capture_logs() as logs:
         backend = make_backend("torch", sms_per_slot=16)
     assert backend.name == "torch"

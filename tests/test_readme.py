@@ -101,3 +101,13 @@ def test_port_and_nats_do_not_go_together() -> None:
 def test_version() -> None:
     done = subprocess.run([PLANE, "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and re.fullmatch(r"plane, version \S+\n", done.stdout)
+
+
+def test_readme_says_what_plane_up_prints_and_serves() -> None:
+    """The README said `plane up` "prints the URL first" (its start-up log comes first, then
+    the URL: `tests/test_up.py`) and gives "one /metrics" (only with --metrics-port)."""
+    readme = (REPO / "README.md").read_text()
+    [bare] = [line for line in readme.splitlines() if line.startswith(".venv/bin/plane up  ")]
+    assert "after its start-up log" in bare and "URL first" not in bare, bare
+    [row] = [line for line in readme.splitlines() if line.startswith("| `plane up` |")]
+    assert "with `--metrics-port`, one /metrics" in row and "no /metrics without it" in row, row

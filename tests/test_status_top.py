@@ -5,6 +5,7 @@ a dead server alike; the pure parts (histogram quantiles, rates between two scra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from rich.console import Console
 from plane.contract.subjects import Names
 from plane.observe.planeview import (
     MetricsFacts,
+    PlaneView,
     behind_problems,
     bucket_quantile,
     collect,
@@ -27,7 +29,8 @@ from plane.observe.planeview import (
     over_interval,
     router_facts,
 )
-from plane.observe.top import run_top
+from plane.observe.top import routers_table, run_top
+from plane.router.occupancy import CYCLE_MAX_AGE_S
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import calibrated, client
 
@@ -84,6 +87,57 @@ async def test_status_prints_every_router_and_node_and_exits_0() -> None:
                  "node0-calibrated", "cycle p50/p99", "slot streams", "PLANE_SLOTS"):
         assert word in text, word
     assert "…" not in text, text  # into a pipe, no column is cut short
+
+
+async def test_a_cycle_nobody_measured_is_shown_as_unknown_not_as_the_prior() -> None:
+    """Before any placement, and again once the router's samples aged out after the load,
+    `plane status` showed the window's prior as "cycle p50/p99 1000/1000 µs"."""
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=1)) as stack:
+        fresh = await _status("--nats", stack.url, "--json")
+        fresh_text = await _status("--nats", stack.url)
+        async with client(stack.url) as nc:
+            async def load() -> None:  # through the status call: samples age out in 2 s
+                while True:
+                    await nc.request("plane.infer.calibrated", calibrated(2_000), timeout=5)
+                    await asyncio.sleep(0.05)
+
+            loading = asyncio.create_task(load())
+            await asyncio.sleep(0.5)
+            loaded = await _status("--nats", stack.url, "--json")
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+        await asyncio.sleep(CYCLE_MAX_AGE_S + 1.5)  # the samples age out (the watchdog's tick)
+        quiet = await _status("--nats", stack.url, "--json")
+    for code, _, err, _ in (fresh, loaded, quiet):
+        assert code == 0, err
+    [before, during, after] = [json.loads(out)["routers"][0]["models"]["calibrated"]
+                               for _, out, _, _ in (fresh, loaded, quiet)]
+    assert before["cycle_samples"] == 0 and before["cycle_p50_us"] is None
+    assert before["cycle_p99_us"] is None
+    assert during["cycle_samples"] >= 1 and during["cycle_p50_us"] is not None
+    assert after["cycle_samples"] == 0 and after["cycle_p50_us"] is None
+    assert "1000/1000" not in fresh_text[1], fresh_text[1]
+
+
+async def test_tickets_redeemed_is_a_count_of_the_tickets_settled() -> None:
+    """Tickets nobody comes back for: "tickets redeemed" was the router's average, which
+    starts at 100% (18.5% after 16 no-shows, beside first-retry success 0.0%). It is the
+    count now: none of those settled."""
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=1)) as stack:
+        await _load(stack.url)  # refusals with tickets; nobody comes back with one
+        async with client(stack.url) as nc:
+            for _ in range(100):  # until they lapse (the watchdog's tick)
+                view = await collect(nc, Names(), timeout_s=1.0)
+                (r,) = view.routers
+                if (t := r.ticket_returns.get("calibrated")) is not None and t.no_shows:
+                    break
+                await asyncio.sleep(0.1)
+    assert t is not None and t.redeemed == 0 and t.no_shows >= 1, r
+    assert r.redemption["calibrated"] > 0.5  # what the column showed: 90% after one
+    out = io.StringIO()
+    Console(file=out, width=200).print(routers_table(view))
+    assert f"0/{t.no_shows} (0%)" in out.getvalue(), out.getvalue()
 
 
 async def test_status_of_a_dead_server_is_unhealthy_and_fast() -> None:
@@ -239,3 +293,19 @@ def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
     assert quiet.call_trip_p50_us is None and quiet.call_trip_p99_us is None
     assert called.start_slip_p99_us == {"ahead_0": 1200, "ahead_2": 4200}
     assert quiet.start_slip_p99_us is None
+
+
+def test_a_cycle_of_no_samples_is_unknown_and_an_older_routers_figure_is_kept() -> None:
+    """`overhead_samples` 0: the p50/p99 a router reports are its window's prior (1000 µs),
+    shown as `-`; a router too old to report the count keeps its figures."""
+    r = router_facts({"router": "r0", "models": {
+        "calibrated": {"slots": 1, "healthy": 1, "busy": 0, "p50_overhead_us": 1000,
+                       "p99_overhead_us": 1000, "overhead_samples": 0},
+        "risk": {"slots": 1, "healthy": 1, "busy": 0, "p50_overhead_us": 900,
+                 "p99_overhead_us": 1500}}})
+    prior, older = r.models["calibrated"], r.models["risk"]
+    assert (prior.cycle_p50_us, prior.cycle_p99_us, prior.cycle_samples) == (None, None, 0)
+    assert (older.cycle_p50_us, older.cycle_p99_us, older.cycle_samples) == (900, 1500, None)
+    out = io.StringIO()
+    Console(file=out, width=200).print(routers_table(PlaneView(routers=[r], nodes=[])))
+    assert "1000/1000" not in out.getvalue() and "900/1500 µs" in out.getvalue()

@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import nats
+from click.testing import CliRunner
 
+from plane.app import main
 from plane.contract.subjects import Header, Names
 
 PLANE = str(Path(sys.executable).parent / "plane")
@@ -209,6 +212,19 @@ def test_help_shows_examples_and_bad_options_fail_clearly() -> None:
     bad = subprocess.run([PLANE, "node", "--slots", "0", "--nats", "nats://127.0.0.1:1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--slots must be between 1 and 1024" in bad.stderr
+
+
+def test_help_says_plane_up_serves_metrics_only_with_a_metrics_port() -> None:
+    """`plane --help` said `plane up  # ... metrics` and `plane up --help` "one /metrics for
+    all", while `plane up` serves no /metrics unless --metrics-port is given."""
+    top = CliRunner().invoke(main, ["--help"]).output
+    for line in (line for line in top.splitlines() if "plane up" in line and "metrics" in line):
+        assert "--metrics-port" in line, line
+    up = main.commands["up"]
+    assert "with --metrics-port, one /metrics for all (none without it)" in " ".join(
+        (up.help or "").split())
+    [port] = [p for p in up.params if p.name == "metrics_port"]
+    assert isinstance(port, click.Option) and "default: no metrics served" in (port.help or "")
 
 
 def test_plane_up_router_process_runs_the_plane_it_was_started_with(tmp_path: Path) -> None:

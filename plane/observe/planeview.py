@@ -7,7 +7,7 @@ The facts and where each comes from:
 | fact | from |
 | --- | --- |
 | slots, healthy, busy (router's view) | router status |
-| promises open, requests in flight, ticket redemption | router status |
+| promises open, requests in flight, tickets redeemed (of those settled) | router status |
 | router cycle p50/p99 (placement to done, beyond requested work) | router status |
 | slots, healthy, busy, backend (node's own) | node status |
 | GPU utilisation | node status (its last NVML reading), else `plane_gpu_utilization_ratio` |
@@ -45,8 +45,10 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     slots: int = 0
     healthy: int = 0
     busy: int = 0
+    # None: unknown, or only the window's prior (no cycle measured lately: `cycle_samples` 0).
     cycle_p50_us: int | None = None
     cycle_p99_us: int | None = None
+    cycle_samples: int | None = None  # None: a router too old to say
     # A called holder's way back (router to holder and back), once holders were called lately.
     call_trip_p50_us: int | None = None
     call_trip_p99_us: int | None = None
@@ -55,12 +57,27 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     start_slip_p99_us: dict[str, int] | None = None
 
 
+class TicketReturns(msgspec.Struct, kw_only=True):
+    """A model's tickets settled at a router since it started (`plane.router.ticket_tally`)."""
+
+    redeemed: int = 0
+    no_shows: int = 0
+
+    @property
+    def settled(self) -> int:
+        return self.redeemed + self.no_shows
+
+
 class RouterFacts(msgspec.Struct, kw_only=True):
     router: str
     models: dict[str, ModelFacts]
     promises_open: int | None = None
     in_flight: int | None = None
+    # The router's recent average of redeemed tickets, which decides whether promises pin
+    # slot time: it starts at 1 and moves a tenth of the way per ticket settled, so it is no
+    # share of tickets (16 no-shows: 18.5%). `ticket_returns` counts them.
     redemption: dict[str, float] = {}
+    ticket_returns: dict[str, TicketReturns] = {}  # empty: none settled, or a router too old
     ticket_stats: dict[str, int] = {}  # what ticket holders found (parked, refused, late)
     # How long the router has been behind on its inbox (0: it is not; None: not reported).
     behind_ms: int | None = None
@@ -172,18 +189,31 @@ def _status_subject(info: dict[str, Any]) -> str | None:
     return None
 
 
+def model_facts(v: dict[str, Any]) -> ModelFacts:
+    """A model's entry in a router's status. A cycle of no samples is the window's prior
+    (`ServiceWindow.prior_us`, 1000 µs): shown as measured, `plane status` said "cycle
+    p50/p99 1000/1000 µs" seconds after the load stopped. It is unknown (`-`) instead."""
+    samples = v.get("overhead_samples")
+    measured = samples != 0
+    return ModelFacts(slots=v.get("slots", 0), healthy=v.get("healthy", 0),
+                      busy=v.get("busy", 0),
+                      cycle_p50_us=v.get("p50_overhead_us") if measured else None,
+                      cycle_p99_us=v.get("p99_overhead_us") if measured else None,
+                      cycle_samples=samples,
+                      call_trip_p50_us=v.get("call_trip_p50_us"),
+                      call_trip_p99_us=v.get("call_trip_p99_us"),
+                      start_slip_p99_us=v.get("start_slip_p99_us"))
+
+
 def router_facts(body: dict[str, Any]) -> RouterFacts:
     return RouterFacts(
         router=str(body.get("router", "?")),
-        models={m: ModelFacts(slots=v.get("slots", 0), healthy=v.get("healthy", 0),
-                              busy=v.get("busy", 0), cycle_p50_us=v.get("p50_overhead_us"),
-                              cycle_p99_us=v.get("p99_overhead_us"),
-                              call_trip_p50_us=v.get("call_trip_p50_us"),
-                              call_trip_p99_us=v.get("call_trip_p99_us"),
-                              start_slip_p99_us=v.get("start_slip_p99_us"))
-                for m, v in (body.get("models") or {}).items()},
+        models={m: model_facts(v) for m, v in (body.get("models") or {}).items()},
         promises_open=body.get("tickets"), in_flight=body.get("inflight"),
         redemption=body.get("redemption") or {},
+        ticket_returns={m: TicketReturns(redeemed=int(v.get("redeemed", 0)),
+                                         no_shows=int(v.get("no_shows", 0)))
+                        for m, v in (body.get("ticket_returns") or {}).items()},
         ticket_stats=body.get("ticket_stats") or {}, behind_ms=body.get("behind_ms"))
 
 

@@ -20,6 +20,7 @@ from plane.observe.planeview import (
     MetricsFacts,
     ModelFacts,
     PlaneView,
+    TicketReturns,
     collect,
     over_interval,
     scrape,
@@ -32,6 +33,21 @@ def _n(v: float | int | None, fmt: str = "{:g}") -> str:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _cycle(m: ModelFacts | None) -> str:
+    """A cycle's p50/p99, or `-` when none was measured (a router's prior is no figure)."""
+    if m is None or m.cycle_p50_us is None or m.cycle_p99_us is None:
+        return "-"
+    return f"{m.cycle_p50_us:.0f}/{m.cycle_p99_us:.0f} µs"
+
+
+def _redeemed(t: TicketReturns | None) -> str:
+    """Tickets redeemed of those settled, counted (`-`: none settled). Was the router's
+    recent average, which starts at 100%: 18.5% after 16 tickets and none redeemed."""
+    if t is None or not t.settled:
+        return "-"
+    return f"{t.redeemed}/{t.settled} ({100 * t.redeemed / t.settled:.0f}%)"
 
 
 def routers_table(view: PlaneView) -> Table:
@@ -49,9 +65,8 @@ def routers_table(view: PlaneView) -> Table:
                 "-" if m is None else f"{m.healthy}/{m.slots}",
                 "-" if m is None else str(m.busy),
                 _n(r.promises_open) if first else "", _n(r.in_flight) if first else "",
-                "-" if m is None else (f"{_n(m.cycle_p50_us, '{:.0f}')}/"
-                                       f"{_n(m.cycle_p99_us, '{:.0f}')} µs"),
-                _pct(r.redemption.get(model)),
+                _cycle(m),
+                _redeemed(r.ticket_returns.get(model)),
                 (_n(r.behind_ms, "{:.0f} ms") if r.behind_ms else "-") if first else "")
             first = False
     return t

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from plane.cli import EXIT_UNHEALTHY, connect_options, make_connect
+from plane.cli import EXIT_UNHEALTHY, connect_options_with, make_connect
 from plane.client.attempt import with_start_wait
 from plane.contract.backoff import NO_RETRY, RetryPolicy
 from plane.contract.config import MAX_DEADLINE_MS
@@ -35,7 +35,8 @@ def _headers(raw: tuple[str, ...]) -> dict[str, str]:
 
 
 @click.command("pulse")
-@connect_options
+@connect_options_with("NATS URL(s) of the plane, comma separated (env PLANE_NATS). Give it "
+                      "or --url (required with --stream).")
 @click.option("--url", default=None, help="Load this HTTP endpoint instead of the plane.")
 @click.option("--model", default="calibrated", show_default=True)
 @click.option("--body", default=None, help="Request body as JSON (default: valid for --model).")

@@ -29,6 +29,7 @@ from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise, simulate, would_delay
 from plane.router.slips import Slips
+from plane.router.ticket_tally import TicketTally
 
 # A promise is kept this long past its due time for a late holder (then released). It covers
 # the reply's trip, the caller's timer, the SDK's jitter (up to 2 ms) and a caller's process
@@ -433,10 +434,12 @@ class Admission:
         self.tickets: dict[str, Promise] = {}  # pinned promises this router made, open
         # Tickets that pinned no slot time, until they lapse: ticket -> (whose, expires_s).
         self._unpinned: dict[str, tuple[Whose, float]] = {}
-        # Tickets redeemed, an exponential average in [0, 1]: per model over all callers
-        # (what `plane status` shows), and per (model, caller), which decides the pinning.
+        # Tickets redeemed, an exponential average in [0, 1]: per model over all callers,
+        # and per (model, caller), which decides the pinning.
         self.redemption: dict[str, float] = {}
         self.by_caller: dict[Whose, float] = {}
+        # Per model, tickets settled, counted (`plane status`; the averages start at 1).
+        self.ticket_tally: dict[str, TicketTally] = {}
         self._unpin_due: set[Whose] = set()  # callers whose average fell under MIN_REDEMPTION
         self._lapsed: dict[str, tuple[Whose, float]] = {}  # ticket -> (whose, when it lapsed)
         self.foreign: dict[str, Promise] = {}  # promises other routers made, by ticket
@@ -713,7 +716,7 @@ class Admission:
             if (lapsed := self._lapsed.pop(ask.ticket, None)) is not None:
                 # Came back after its promise lapsed: late, not a no-show.
                 self.stats["ticket-late"] += 1
-                self._count(*lapsed[0], redeemed=True)
+                self._count(*lapsed[0], redeemed=True, lapsed=True)
                 return None
             self.stats["ticket-unknown"] += 1
             return None
@@ -799,8 +802,16 @@ class Admission:
         self._slipped(ms.model, p, ask.now_s)
         self.forget(ms, p)
 
-    def _count(self, model: str, caller: str, *, redeemed: bool) -> None:
-        """One of `caller`'s tickets for `model` redeemed, or a no-show."""
+    def _count(self, model: str, caller: str, *, redeemed: bool, lapsed: bool = False
+               ) -> None:
+        """One of `caller`'s tickets for `model` settled: `redeemed`, or a no-show; `lapsed`:
+        redeemed after it was counted a no-show (the averages take both; the tally, the
+        ticket once)."""
+        tally = self.ticket_tally.setdefault(model, TicketTally())
+        if lapsed:
+            tally.came_after_all()
+        else:
+            tally.settled(redeemed=redeemed)
         step = REDEMPTION_WEIGHT * float(redeemed)
         rate = self.redemption.get(model, 1.0)
         self.redemption[model] = rate + step - REDEMPTION_WEIGHT * rate

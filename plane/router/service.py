@@ -414,6 +414,9 @@ class Router(Lifecycle, TaskOwner):
                     "slots": len(ms.slots), "healthy": ms.healthy_count(),
                     "busy": ms.busy_count(time.monotonic()), "p50_overhead_us": ms.window.p50_us,
                     "p99_overhead_us": ms.window.p99_us,
+                    # 0: the two above are the window's prior, not measured (`plane status`
+                    # shows `-`): nothing placed lately, or ever.
+                    "overhead_samples": ms.window.count,
                     **({"call_trip_p50_us": trips.p50_us, "call_trip_p99_us": trips.p99_us}
                        if (trips := self.admission.call_trips.get(m)) is not None
                        and trips.count else {}),
@@ -431,7 +434,10 @@ class Router(Lifecycle, TaskOwner):
             },
             "tickets": len(self.admission.tickets),
             "ticket_stats": dict(self.admission.stats),
+            # The recent average that decides whether promises pin slot time (from 1), and
+            # the tickets settled, counted (`plane.router.ticket_tally`).
             "redemption": self.admission.redemption,
+            "ticket_returns": {m: t.as_dict() for m, t in self.admission.ticket_tally.items()},
             "inflight": len(self.inflight),
             # How long it has been behind on its inbox (`plane.router.inbox`; 0: it is not).
             "behind_ms": self.requests.behind_ms(),

@@ -97,6 +97,28 @@ async def test_openai_bodies_the_plane_cannot_honour_are_400s_that_name_them(
         assert 'status="500"' not in await r.text()
 
 
+async def test_openai_fields_null_where_openai_allows_it_are_not_given(
+        gateway: Gateway, http: aiohttp.ClientSession) -> None:
+    """Every field OpenAI's schema marks nullable may be null, meaning its default: clients
+    that send each field they know (null when unset) got 400 "Expected `int`, got `null`"
+    for `n`, `stream`, `echo`."""
+    nulls = dict.fromkeys(("max_tokens", "temperature", "top_p", "seed", "stream",
+                           "stream_options", "n", "stop", "logit_bias", "frequency_penalty",
+                           "presence_penalty", "user"))
+    completion = {"model": MODEL, "prompt": "hi", **nulls,
+                  **dict.fromkeys(("echo", "logprobs", "best_of", "suffix"))}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": None}], **nulls,
+            **dict.fromkeys(("max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                             "tool_choice", "functions", "function_call", "response_format"))}
+    for path, body in [("/v1/completions", completion), ("/v1/chat/completions", chat)]:
+        got, answer = await _post(http, f"{gateway.url}{path}", body)
+        assert got == 200, (path, answer)
+        assert answer["usage"]["completion_tokens"] == 16, answer  # tinylm's default
+        got, answer = await _post(http, f"{gateway.url}{path}",
+                                  {**body, "stream_options": {"include_usage": None}})
+        assert got == 200, (path, answer)
+
+
 async def test_a_stream_deadline_shorter_than_the_first_tokens_is_a_400_on_both_routes(
         gateway: Gateway, http: aiohttp.ClientSession) -> None:
     headers = {Header.DEADLINE_MS: "100", Header.STREAM_DEADLINE_MS: "50"}

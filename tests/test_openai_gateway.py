@@ -80,7 +80,12 @@ async def plane_text(stack: PlaneStack, max_tokens: int, prompt: str = PROMPT) -
 async def test_completions_whole_and_streamed(stack: PlaneStack,
                                               oa: openai.AsyncOpenAI) -> None:
     expected = await plane_text(stack, 60)
-    whole = await oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60)
+    raw = await oa.completions.with_raw_response.create(model=MODEL, prompt=PROMPT,
+                                                        max_tokens=60)
+    # Where it ran, as a whole answer on /v1/infer says (the start's headers, merged).
+    assert raw.headers[Header.NODE] == NODE and raw.headers[Header.SLOT] == "0"
+    assert int(raw.headers[Header.SERVICE_US]) > 0
+    whole = raw.parse()
     assert whole.object == "text_completion" and whole.model == MODEL
     assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 60

@@ -10,7 +10,9 @@ already have (the `openai` package, curl -N) work unchanged:
   messages rendered into one prompt, a `role: content` line each, then `assistant:`), with
   `stream: false` (one JSON completion with `usage`) or `stream: true` (Server-Sent Events
   in OpenAI's chunk shape, `data: [DONE]` last; a usage chunk before it when
-  `stream_options.include_usage`). `GET /v1/models` lists the models that stream.
+  `stream_options.include_usage`; `stream_options` without `stream: true` is a 400, as at
+  OpenAI). `GET /v1/models` lists the models that stream. A field OpenAI's schema marks
+  nullable may be null: not given.
 - `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p` and `seed` are
   the plane's own (`tinylm`: greedy, temperature 0, when none is given, where OpenAI's
   default is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `top_logprobs`,
@@ -103,7 +105,8 @@ _json = msgspec.json.Encoder()
 # -- errors ----------------------------------------------------------------------------------
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                NOT_FOUND: "invalid_request_error", 408: "invalid_request_error",
-               413: "invalid_request_error", 415: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error",
                429: "rate_limit_error", 503: "server_error", 504: "timeout_error"}
 
 
@@ -254,6 +257,9 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
     if bad := asked.unsupported():
         return error_response(400, f"not supported by the plane: {', '.join(bad)}",
                               code="unsupported_parameter"), model
+    if asked.stream_options is not None and not asked.stream:  # as OpenAI answers it
+        return error_response(400, "stream_options is only allowed with \"stream\": true: "
+                              "drop it, or ask for a stream", code=Reason.BAD_REQUEST), model
     if (tokens := asked.tokens()) is not None and tokens < 1:
         return error_response(400, f"{asked.tokens_field()} must be at least 1, got {tokens}",
                               code=Reason.BAD_REQUEST), model
@@ -293,8 +299,10 @@ async def _whole(stream: TokenStream, shape: _Shape, created: int, model: str) -
     if reply is None:
         return from_result(result)
     rid = shape.prefix + stream.start_headers.get(Header.REQUEST_ID, stream.request_id)
+    # The start's Plane-Node and Plane-Slot with the end's status and Plane-Service-Us, as
+    # a whole answer on /v1/infer (`sse.whole_answer`) has them.
     return web.Response(status=200, body=shape.whole(rid, created, model, reply),
-                        headers=http_headers(result.headers))
+                        headers=http_headers({**stream.start_headers, **result.headers}))
 
 
 async def _events(request: web.Request, stream: TokenStream, shape: _Shape, created: int,

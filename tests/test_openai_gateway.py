@@ -8,6 +8,7 @@ The gateway names a tenant by bearer token here, as in production: the `openai` 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -218,6 +219,68 @@ async def test_a_client_that_leaves_before_a_whole_answer_frees_the_slot(
     async with aiohttp.ClientSession() as anon, anon.get(f"{gateway.url}/metrics") as r:
         assert 'plane_gateway_requests_total{model="tinylm",status="499"} 1.0' in await r.text()
     await slow(admin, 0)
+
+
+async def test_a_generation_cancelled_by_another_client_is_an_error_not_a_cut_answer(
+        stack: PlaneStack, gateway: Gateway, admin: NATS) -> None:
+    """A cancel for a generation's request id on its slot's cancel subject, from another NATS
+    client: OpenAI's routes and /v1/infer's whole answer sent the cut text as a 200, with
+    `finish_reason: "cancelled"` (no OpenAI finish reason). Now a whole answer is a 503
+    `cancelled` (the openai package told not to retry it), an OpenAI stream under way ends
+    with an error event and `[DONE]`, and the plane's own SSE keeps its `end` event."""
+    await slow(admin, 3000)  # 200 tokens: 0.6 s at least, if not cancelled
+
+    async def cancel(rid: str) -> None:
+        await wait_until(lambda: slots_running(stack) == 1, 5, "the generation to start")
+        await admin.publish(NAMES.cancel(NODE, 0), b"", headers={Header.REQUEST_ID: rid})
+
+    openai_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200}
+    chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                 "max_tokens": 200}
+    cases: list[tuple[str, dict[str, object], dict[str, str]]] = [
+        ("/v1/completions", openai_body, {}),
+        ("/v1/chat/completions", chat_body, {}),
+        (f"/v1/infer/{MODEL}", {"prompt": PROMPT, "max_tokens": 200}, {}),
+        ("/v1/completions", {**openai_body, "stream": True}, {}),
+        ("/v1/chat/completions", {**chat_body, "stream": True}, {}),
+        (f"/v1/infer/{MODEL}", {"prompt": PROMPT, "max_tokens": 200}, {Header.STREAM: "1"}),
+    ]
+    got = []
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for i, (path, body, extra) in enumerate(cases):
+            rid = f"victim-{i}"
+            canceller = asyncio.create_task(cancel(rid))
+            async with http.post(f"{gateway.url}{path}", json=body,
+                                 headers={Header.REQUEST_ID: rid, **extra}) as r:
+                got.append((r.status, r.headers.copy(), await r.text()))
+            await canceller
+            await wait_until(lambda: slots_running(stack) == 0, 5, "the slot to free")
+    await slow(admin, 0)
+    for status, headers, text in got[:2]:  # OpenAI's whole answers
+        assert status == 503 and headers[Header.REASON] == "cancelled", text
+        assert headers["x-should-retry"] == "false" and headers[Header.NODE] == NODE
+        error = json.loads(text)["error"]
+        assert error["code"] == "cancelled" and error["type"] == "server_error"
+        assert "not by this client" in error["message"] and "send the request again" in (
+            error["message"])
+    status, headers, text = got[2]  # /v1/infer's whole answer
+    assert status == 503 and headers[Header.STATUS] == "503", text
+    assert json.loads(text)["reason"] == "cancelled" and "text" not in json.loads(text)
+    for status, _, text in got[3:5]:  # OpenAI's streams: cut as a deadline cuts them
+        assert status == 200 and "cancelled" not in [
+            (c.get("choices") or [{}])[0].get("finish_reason")
+            for c in map(json.loads, _data(text)[:-1])], text
+        assert _data(text)[-1] == "[DONE]" and json.loads(_data(text)[-2])["error"][
+            "code"] == "cancelled", text
+    status, _, text = got[5]  # the plane's own SSE: its documented end event
+    name, end = events(text)[-1]
+    assert status == 200 and name == "end" and end["finish_reason"] == "cancelled", text
+    assert end["status"] == 200
+
+
+def _data(sse: str) -> list[str]:
+    """The data lines of an SSE body, in order."""
+    return [line[len("data: "):] for line in sse.splitlines() if line.startswith("data: ")]
 
 
 async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOpenAI) -> None:

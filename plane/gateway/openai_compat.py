@@ -27,7 +27,9 @@ already have (the `openai` package, curl -N) work unchanged:
   `overloaded` refusal says `x-should-retry: false` (no slot frees in time, or the plane is
   past what it can promise: go elsewhere). Bad input is a 400, a model
   the plane does not stream a 404 `model_not_found`. A stream that fails once started (its
-  deadline, a node lost) ends with an `error` data event, then `[DONE]`.
+  deadline, a node lost, a cancel for it from another NATS client) ends with an `error` data
+  event, then `[DONE]`; a whole answer so cut is its error status (a cancelled one: 503
+  `cancelled` with `x-should-retry: false`), never a 200 with cut text.
 - Deadlines, request ids and tickets ride in the plane's headers as on `/v1/infer`
   (`Plane-Deadline-Ms`: the first token's budget for a stream; `Plane-Stream-Deadline-Ms`);
   bearer tokens name tenants as there. An HTTP client that goes away cancels its generation,
@@ -83,8 +85,12 @@ from plane.gateway.openai_types import (
     PlaneBody,
 )
 from plane.gateway.sse import (
+    CANCELLED_REASON,
+    CANCELLED_STATUS,
     ClientGone,
     EventWriter,
+    cancelled_elsewhere,
+    cancelled_headers,
     event,
     open_stream,
     read_whole,
@@ -131,6 +137,11 @@ def error_response(status: int, message: str, code: str | None = None,
         out["WWW-Authenticate"] = 'Bearer realm="plane"'
     return web.Response(status=status, body=_json.encode(ErrorEnvelope(error=err)),
                         headers=out)
+
+
+# The `openai` package retries a 5xx by itself unless told not to: a generation cancelled by
+# someone else was meant to stop, so its 503 says so.
+NO_RETRY_HEADER = {"x-should-retry": "false"}
 
 
 def from_result(result: Result) -> web.Response:
@@ -296,6 +307,9 @@ async def _whole(stream: TokenStream, shape: _Shape, created: int, model: str) -
     reply = await read_whole(stream)
     result = stream.result
     assert result is not None
+    if reply is None and (why := cancelled_elsewhere(stream)) is not None:
+        return error_response(CANCELLED_STATUS, why, CANCELLED_REASON,
+                              {**cancelled_headers(stream), **NO_RETRY_HEADER})
     if reply is None:
         return from_result(result)
     rid = shape.prefix + stream.start_headers.get(Header.REQUEST_ID, stream.request_id)
@@ -318,7 +332,10 @@ async def _events(request: web.Request, stream: TokenStream, shape: _Shape, crea
                 await writer.send(event(shape.piece(rid, created, model, piece)))
         result = stream.result
         assert result is not None
-        if result.ok:
+        if (why := cancelled_elsewhere(stream)) is not None:  # no OpenAI finish_reason says it
+            await writer.send(event(_json.encode(ErrorEnvelope(error=error_body(
+                CANCELLED_STATUS, why, CANCELLED_REASON)))))
+        elif result.ok:
             await writer.send(event(shape.last(rid, created, model, stream.finish_reason)))
             if include_usage:
                 await writer.send(event(shape.usage(rid, created, model, stream.usage)))

@@ -31,8 +31,10 @@ already have (the `openai` package, curl -N) work unchanged:
   event, then `[DONE]`; a whole answer so cut is its error status (a cancelled one: 503
   `cancelled` with `x-should-retry: false`), never a 200 with cut text.
 - Deadlines, request ids and tickets ride in the plane's headers as on `/v1/infer`
-  (`Plane-Deadline-Ms`: the first token's budget for a stream; `Plane-Stream-Deadline-Ms`);
-  bearer tokens name tenants as there. An HTTP client that goes away cancels its generation,
+  (`Plane-Deadline-Ms`: the first token's budget for a stream; `Plane-Stream-Deadline-Ms`).
+  The `openai` package retries a 429 after its `Retry-After-Ms` but cannot send the ticket
+  back: the gateway holds it and gives it to that retry (`plane.gateway.tickets`). Bearer
+  tokens name tenants as there. An HTTP client that goes away cancels its generation,
   mid-stream or before its whole answer (both run as a plane stream; a whole answer's
   `Plane-Deadline-Ms` bounds all of it), and is counted as status 499.
 """
@@ -97,6 +99,7 @@ from plane.gateway.sse import (
     stream_deadline_problem,
     stream_headers,
 )
+from plane.gateway.tickets import attach_ticket, keep_ticket
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -230,6 +233,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:  # the HTTP client left (its stream was cancelled)
         observe_gone(request, request.get(MODEL_KEY, "_unknown"), started)
         raise
+    keep_ticket(request, response, time.monotonic())
     observe(request, model, response, started)
     return response
 
@@ -286,6 +290,7 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
                                   temperature=asked.temperature, seed=asked.seed,
                                   top_p=asked.top_p))
     args = call_args(caller, request)
+    attach_ticket(request, caller, raw, args, time.monotonic())
     created = int(time.time())  # a wall-clock stamp, as OpenAI's
     # Generated as a stream either way (a whole answer gathered here): an HTTP client that
     # leaves (aiohttp cancels its handler) cancels it, and its slot frees within a token

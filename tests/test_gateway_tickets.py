@@ -68,3 +68,13 @@ def test_the_retry_key_is_what_a_retry_repeats_and_a_first_try_says_so() -> None
                            ({}, False)]:
         h = CIMultiDict(headers)
         assert says_first_try(h, read_caller(h)) is first, headers
+
+
+def test_a_flood_of_identical_refusals_is_taken_in_order_and_leaves_nothing_behind() -> None:
+    book = HeldTickets(max_held=10_000)
+    for i in range(1000):  # successive refusals: successive times
+        book.keep(K, f"r-{i}", due_s=1.0 + i / 1000, now_s=1.0)
+    assert [book.take(K, 1.5) for _ in range(3)] == ["r-0", "r-1", "r-2"]
+    assert book.take(K, 1.0 + GOOD_FOR_S + 0.5) == "r-501"  # those before no longer good
+    book.keep(OTHER, "o-1", due_s=9.0, now_s=8.0)  # the rest go as it is kept
+    assert len(book) == 1 and book.take(K, 9.0) is None

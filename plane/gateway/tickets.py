@@ -20,7 +20,7 @@ and gives it to a request with that key that brings no ticket of its own:
   package's count of its retries; `Plane-Attempt: 1`);
 - for as long as the ticket can still count (`GOOD_FOR_S` past its time), and at most once;
 - identical requests refused together (two clients, one prompt) hold a ticket each, and
-  their retries take them in due order, one each.
+  their retries take them in the order they were refused (told successive times), one each.
 
 What it cannot tell apart: two clients of one bearer token sending identical bodies, the
 second as a first try that says nothing of it (curl) and comes after the first's
@@ -64,53 +64,60 @@ class _Held:
 
 
 class HeldTickets:
-    """The tickets of 429s answered, by retry key, until taken or no longer good."""
+    """The tickets of 429s answered, by retry key, until taken or no longer good. Each
+    request costs a look at the tickets of its own key only, the earliest kept first (a
+    flood of identical bodies refused holds many under one key: each is due after the one
+    kept before it, so the first that is due comes first)."""
 
     def __init__(self, max_held: int) -> None:
         self.max_held = max_held
-        self._by_key: dict[bytes, list[_Held]] = {}
+        self._by_key: dict[bytes, deque[_Held]] = {}
         self._order: deque[_Held] = deque()  # as kept: the oldest dropped first
+        self._live = 0
 
     def __len__(self) -> int:
-        return sum(len(held) for held in self._by_key.values())
+        return self._live
 
     def keep(self, key: bytes, ticket: str, due_s: float, now_s: float) -> None:
-        """Hold `ticket` for the retry of the request `key` names, due at `due_s`."""
+        """Hold `ticket` for the retry of the request `key` names, due at `due_s`; the
+        oldest tickets go now if no longer good, or past `max_held`."""
         held = _Held(key=key, ticket=ticket, due_s=due_s)
-        self._by_key.setdefault(key, []).append(held)
+        self._by_key.setdefault(key, deque()).append(held)
         self._order.append(held)
+        self._live += 1
         while self._order and (len(self._order) > self.max_held or self._order[0].gone
                                or self._order[0].due_s + GOOD_FOR_S <= now_s):
             self._drop(self._order.popleft())
 
     def take(self, key: bytes, now_s: float) -> str | None:
-        """The ticket due first among those held for `key` whose time has come and that are
-        still good, which is then no longer held; None when there is none."""
-        held = self._by_key.get(key)
-        if not held:
-            return None
-        for h in [h for h in held if h.due_s + GOOD_FOR_S <= now_s]:
-            self._drop(h)
-        ready = [h for h in held if h.due_s <= now_s]
-        if not ready:
-            return None
-        first = min(ready, key=lambda h: h.due_s)
-        self._drop(first)
-        return first.ticket
+        """The first ticket kept for `key` whose time has come and that is still good, which
+        is then no longer held; None when there is none."""
+        line = self._by_key.get(key)
+        while line and line[0].due_s + GOOD_FOR_S <= now_s:  # gone with age
+            self._drop(line[0])
+        for h in line or ():
+            if not h.gone and h.due_s <= now_s < h.due_s + GOOD_FOR_S:
+                self._drop(h)  # the line changes: no next step of this loop
+                return h.ticket
+        return None
 
     def forget(self, key: bytes, ticket: str) -> None:
         """A request brought `ticket` itself: it is not to be given again."""
-        for h in list(self._by_key.get(key, ())):
-            if h.ticket == ticket:
-                self._drop(h)
+        for h in self._by_key.get(key, ()):
+            if h.ticket == ticket and not h.gone:
+                self._drop(h)  # the line changes: no next step of this loop
+                return
 
     def _drop(self, h: _Held) -> None:
-        if h.gone:
-            return
-        h.gone = True
-        held = self._by_key[h.key]
-        held.remove(h)
-        if not held:
+        """No longer held (given, or gone with age). An entry leaves its key's line once
+        all kept before it have (in `_order` it leaves from the front)."""
+        if not h.gone:
+            h.gone = True
+            self._live -= 1
+        line = self._by_key.get(h.key)
+        while line and line[0].gone:
+            line.popleft()
+        if line is not None and not line:
             del self._by_key[h.key]
 
 

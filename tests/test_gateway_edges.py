@@ -74,6 +74,11 @@ async def test_openai_bodies_the_plane_cannot_honour_are_400s_that_name_them(
         (chat, {"model": MODEL, "messages": user, "top_logprobs": 2}, 400, "top_logprobs"),
         (completions, {"model": MODEL, "prompt": "hi", "logit_bias": {"50": 10}}, 400,
          "logit_bias"),
+        # OpenAI refuses it too: a caller that asked for a usage chunk gets no stream.
+        (chat, {"model": MODEL, "messages": user, "stream_options": {"include_usage": True}},
+         400, "stream_options is only allowed with \"stream\": true"),
+        (completions, {"model": MODEL, "prompt": "hi", "stream": False,
+                       "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ]
     wrong = []
     for url, body, status, says in cases:
@@ -95,6 +100,29 @@ async def test_openai_bodies_the_plane_cannot_honour_are_400s_that_name_them(
     assert got == 415 and "JSON" in answer["error"]["message"], answer
     async with http.get(f"{gateway.url}/metrics") as r:
         assert 'status="500"' not in await r.text()
+
+
+async def test_openai_fields_null_where_openai_allows_it_are_not_given(
+        gateway: Gateway, http: aiohttp.ClientSession) -> None:
+    """Every field OpenAI's schema marks nullable may be null, meaning its default: clients
+    that send each field they know (null when unset) got 400 "Expected `int`, got `null`"
+    for `n`, `stream`, `echo`."""
+    nulls = dict.fromkeys(("max_tokens", "temperature", "top_p", "seed", "stream",
+                           "stream_options", "n", "stop", "logit_bias", "frequency_penalty",
+                           "presence_penalty", "user"))
+    completion = {"model": MODEL, "prompt": "hi", **nulls,
+                  **dict.fromkeys(("echo", "logprobs", "best_of", "suffix"))}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": None}], **nulls,
+            **dict.fromkeys(("max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                             "tool_choice", "functions", "function_call", "response_format"))}
+    for path, body in [("/v1/completions", completion), ("/v1/chat/completions", chat)]:
+        got, answer = await _post(http, f"{gateway.url}{path}", body)
+        assert got == 200, (path, answer)
+        assert answer["usage"]["completion_tokens"] == 16, answer  # tinylm's default
+        async with http.post(f"{gateway.url}{path}", json={
+                **body, "stream": True, "stream_options": {"include_usage": None}}) as r:
+            text = await r.text()
+            assert r.status == 200 and text.endswith("data: [DONE]\n\n"), (path, text)
 
 
 async def test_a_stream_deadline_shorter_than_the_first_tokens_is_a_400_on_both_routes(
@@ -129,7 +157,8 @@ async def test_openai_routes_answer_a_wrong_method_or_path_in_openais_shape(
                                  ("POST", "/v1/models", 405)]:
         async with http.request(method, f"{gateway.url}{path}") as r:
             answer = await r.json()
-            assert r.status == status and answer["error"]["type"], (method, path, answer)
+            assert r.status == status, (method, path, answer)
+            assert answer["error"]["type"] == "invalid_request_error", (method, path, answer)
 
 
 async def test_the_bearer_scheme_is_case_insensitive(gateway: Gateway) -> None:

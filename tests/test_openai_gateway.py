@@ -8,6 +8,7 @@ The gateway names a tenant by bearer token here, as in production: the `openai` 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -35,6 +36,7 @@ MODEL = "tinylm"
 NODE = "node0-tinylm"
 PROMPT = "The plane"  # greedy from here never samples END: a stream runs to max_tokens
 TOKEN = "acme-token-0123"
+BURST = 3
 
 
 @pytest.fixture
@@ -80,7 +82,12 @@ async def plane_text(stack: PlaneStack, max_tokens: int, prompt: str = PROMPT) -
 async def test_completions_whole_and_streamed(stack: PlaneStack,
                                               oa: openai.AsyncOpenAI) -> None:
     expected = await plane_text(stack, 60)
-    whole = await oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60)
+    raw = await oa.completions.with_raw_response.create(model=MODEL, prompt=PROMPT,
+                                                        max_tokens=60)
+    # Where it ran, as a whole answer on /v1/infer says (the start's headers, merged).
+    assert raw.headers[Header.NODE] == NODE and raw.headers[Header.SLOT] == "0"
+    assert int(raw.headers[Header.SERVICE_US]) > 0
+    whole = raw.parse()
     assert whole.object == "text_completion" and whole.model == MODEL
     assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
     assert whole.usage is not None and whole.usage.completion_tokens == 60
@@ -162,6 +169,66 @@ async def test_a_busy_plane_is_a_rate_limit_error(stack: PlaneStack, admin: NATS
     assert isinstance(err.body, dict) and "busy" in err.body["message"]
 
 
+@pytest.mark.parametrize("how", ["openai", "openai-stream", "curl-retry"])
+async def test_a_retry_at_retry_after_without_the_ticket_is_served(
+        gateway: Gateway, admin: NATS, how: str) -> None:
+    """The `openai` package retries a 429 after its `Retry-After-Ms`, and curl --retry after
+    its Retry-After, but neither can send `Plane-Ticket` back: each came back as a newcomer,
+    and while promises were pinned its own promise refused it again (the openai package with
+    `max_retries=1`: 2 of 10 raised `RateLimitError` after their retry, found from outside;
+    here, nearly every one). The gateway holds each 429's ticket and gives it to the retry:
+    a burst refused behind a stream is served, every one at its first retry."""
+    # Token steps of 40 ms learned by the router (from done-events, of the shapes that
+    # follow), then of 30: the slot frees before each predicted time, whatever else this
+    # host runs (a retry late by its event loop, 10-20 ms with everything in one process,
+    # does not make the next one's slot late), and a holder that finds its slot still busy
+    # is the ticket's failure, not the schedule's.
+    await slow(admin, 40_000)
+    deadline = {Header.DEADLINE_MS: "5000"}  # the default's is shorter than the burst's wait
+    auth = {"Authorization": f"Bearer {TOKEN}", **deadline}
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=TOKEN,
+                                  max_retries=1, timeout=20,
+                                  default_headers=deadline) as retrying, \
+            aiohttp.ClientSession(headers=auth) as http:
+        for _ in range(2):
+            await retrying.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        await slow(admin, 30_000)
+        # The holder is the burst's tenant's (another tenant's would halve its share:
+        # refusals `tenant-share`, with no ticket to carry).
+        holder = await retrying.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                                   stream=True)
+        async for _ in holder:
+            break  # it started: the slot is its own for 210 ms more at least
+
+        async def with_openai(i: int) -> int:
+            raw = await retrying.completions.with_raw_response.create(
+                model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=4,
+                stream=how == "openai-stream")
+            if how == "openai-stream":
+                async for _ in raw.parse():
+                    pass
+            return raw.retries_taken
+
+        async def like_curl(i: int) -> int:  # the same bytes again, at Retry-After-Ms
+            body = msgspec.json.encode({"prompt": f"{PROMPT} {i}", "max_tokens": 4})
+            for retries in range(2):
+                async with http.post(f"{gateway.url}/v1/infer/{MODEL}", data=body) as r:
+                    await r.read()
+                    if r.status != 429 or retries:
+                        assert r.status == 200, (retries, r.headers)
+                        return retries
+                    assert r.headers[Header.REASON] == "busy", r.headers
+                    await asyncio.sleep(int(r.headers[Header.RETRY_AFTER_MS]) / 1000)
+            raise AssertionError("unreachable")
+
+        one = like_curl if how == "curl-retry" else with_openai
+        retries = await asyncio.gather(*(one(i) for i in range(BURST)))
+        await holder.close()
+    await slow(admin, 0)
+    assert retries.count(1) >= BURST - 1, retries  # refused: the slot was the holder's
+    assert set(retries) <= {0, 1}, retries
+
+
 async def test_a_client_that_leaves_mid_stream_frees_the_slot(
         stack: PlaneStack, admin: NATS, oa: openai.AsyncOpenAI) -> None:
     cancels = await listen(admin, NAMES.cancel_all())
@@ -213,6 +280,68 @@ async def test_a_client_that_leaves_before_a_whole_answer_frees_the_slot(
     async with aiohttp.ClientSession() as anon, anon.get(f"{gateway.url}/metrics") as r:
         assert 'plane_gateway_requests_total{model="tinylm",status="499"} 1.0' in await r.text()
     await slow(admin, 0)
+
+
+async def test_a_generation_cancelled_by_another_client_is_an_error_not_a_cut_answer(
+        stack: PlaneStack, gateway: Gateway, admin: NATS) -> None:
+    """A cancel for a generation's request id on its slot's cancel subject, from another NATS
+    client: OpenAI's routes and /v1/infer's whole answer sent the cut text as a 200, with
+    `finish_reason: "cancelled"` (no OpenAI finish reason). Now a whole answer is a 503
+    `cancelled` (the openai package told not to retry it), an OpenAI stream under way ends
+    with an error event and `[DONE]`, and the plane's own SSE keeps its `end` event."""
+    await slow(admin, 3000)  # 200 tokens: 0.6 s at least, if not cancelled
+
+    async def cancel(rid: str) -> None:
+        await wait_until(lambda: slots_running(stack) == 1, 5, "the generation to start")
+        await admin.publish(NAMES.cancel(NODE, 0), b"", headers={Header.REQUEST_ID: rid})
+
+    openai_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200}
+    chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                 "max_tokens": 200}
+    cases: list[tuple[str, dict[str, object], dict[str, str]]] = [
+        ("/v1/completions", openai_body, {}),
+        ("/v1/chat/completions", chat_body, {}),
+        (f"/v1/infer/{MODEL}", {"prompt": PROMPT, "max_tokens": 200}, {}),
+        ("/v1/completions", {**openai_body, "stream": True}, {}),
+        ("/v1/chat/completions", {**chat_body, "stream": True}, {}),
+        (f"/v1/infer/{MODEL}", {"prompt": PROMPT, "max_tokens": 200}, {Header.STREAM: "1"}),
+    ]
+    got = []
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for i, (path, body, extra) in enumerate(cases):
+            rid = f"victim-{i}"
+            canceller = asyncio.create_task(cancel(rid))
+            async with http.post(f"{gateway.url}{path}", json=body,
+                                 headers={Header.REQUEST_ID: rid, **extra}) as r:
+                got.append((r.status, r.headers.copy(), await r.text()))
+            await canceller
+            await wait_until(lambda: slots_running(stack) == 0, 5, "the slot to free")
+    await slow(admin, 0)
+    for status, headers, text in got[:2]:  # OpenAI's whole answers
+        assert status == 503 and headers[Header.REASON] == "cancelled", text
+        assert headers["x-should-retry"] == "false" and headers[Header.NODE] == NODE
+        error = json.loads(text)["error"]
+        assert error["code"] == "cancelled" and error["type"] == "server_error"
+        assert "not by this client" in error["message"] and "send the request again" in (
+            error["message"])
+    status, headers, text = got[2]  # /v1/infer's whole answer
+    assert status == 503 and headers[Header.STATUS] == "503", text
+    assert json.loads(text)["reason"] == "cancelled" and "text" not in json.loads(text)
+    for status, _, text in got[3:5]:  # OpenAI's streams: cut as a deadline cuts them
+        assert status == 200 and "cancelled" not in [
+            (c.get("choices") or [{}])[0].get("finish_reason")
+            for c in map(json.loads, _data(text)[:-1])], text
+        assert _data(text)[-1] == "[DONE]" and json.loads(_data(text)[-2])["error"][
+            "code"] == "cancelled", text
+    status, _, text = got[5]  # the plane's own SSE: its documented end event
+    name, end = events(text)[-1]
+    assert status == 200 and name == "end" and end["finish_reason"] == "cancelled", text
+    assert end["status"] == 200
+
+
+def _data(sse: str) -> list[str]:
+    """The data lines of an SSE body, in order."""
+    return [line[len("data: "):] for line in sse.splitlines() if line.startswith("data: ")]
 
 
 async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOpenAI) -> None:

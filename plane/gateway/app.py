@@ -9,7 +9,10 @@ gateway (an unknown model is a 404 `not-found`), or aiohttp itself (404 and 405 
 method it has no route for: `json_errors` rewrites its plain-text bodies).
 
 The gateway never retries: the HTTP caller sees each refusal and decides (the ticket comes
-back to it in Plane-Ticket and goes out again when it sends that header).
+back to it in Plane-Ticket and goes out again when it sends that header). For a caller that
+cannot send it (the `openai` package, curl --retry) the gateway holds the ticket of each 429
+and gives it to the retry, a request that repeats the refused one exactly at its
+Retry-After or later (`plane.gateway.tickets`).
 
 Streams: `Plane-Stream: 1` (or `Accept: text/event-stream`) on a model that streams answers
 with Server-Sent Events (`plane.gateway.sse`); `POST /v1/completions` and
@@ -71,6 +74,7 @@ from plane.gateway.sse import (
     wants_stream,
     whole_answer,
 )
+from plane.gateway.tickets import TICKETS_KEY, HeldTickets, attach_ticket, keep_ticket
 
 __all__ = ["build_app", "http_headers"]
 
@@ -86,6 +90,7 @@ async def infer(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:  # the HTTP client left (a stream of its was cancelled)
         observe_gone(request, model, started)
         raise
+    keep_ticket(request, response, time.monotonic())
     observe(request, model, response, started)
     return response
 
@@ -112,9 +117,11 @@ async def _infer(request: web.Request, model: str) -> web.StreamResponse:
             response.force_close()
         return response
     args = call_args(caller, request)
-    if wants_stream(caller, request, model):
-        if problem := stream_deadline_problem(caller):
-            return gateway_error(Status.BAD_REQUEST, Reason.BAD_REQUEST, problem, rid)
+    as_stream = wants_stream(caller, request, model)
+    if as_stream and (problem := stream_deadline_problem(caller)):
+        return gateway_error(Status.BAD_REQUEST, Reason.BAD_REQUEST, problem, rid)
+    attach_ticket(request, caller, body, args, time.monotonic())
+    if as_stream:
         stream = await open_stream(request, model, body, args, caller.stream_deadline_ms)
         if stream.started:
             return await plane_events(request, stream)
@@ -236,6 +243,7 @@ def build_app(client: Client, config: GatewayConfig, metrics: GatewayMetrics,
                           middlewares=[json_errors, bearer_auth])
     app[CLIENT_KEY], app[CONFIG_KEY], app[METRICS_KEY] = client, config, metrics
     app[CANONICAL_KEY] = CanonicalLog("plane.gateway.requests")
+    app[TICKETS_KEY] = HeldTickets(config.max_held_tickets)
     app[PROBE_KEY] = probe or RouterProbe(client.nc, config.names.router_service,
                                           timeout_s=config.ready_timeout_s,
                                           cache_s=config.ready_cache_s)

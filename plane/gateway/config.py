@@ -36,6 +36,9 @@ class GatewayConfig:
     # held for the SDK's 30 s wait of a call with no deadline). One sent before the drop
     # waits for its answer as any (its deadline and the SDK's answer margin, or 30 s).
     reconnect_wait_ms: int = 1000
+    # The tickets of 429s held for retries that cannot bring them back (`plane.gateway.
+    # tickets`): at most this many at once (a few hundred bytes each), the oldest dropped.
+    max_held_tickets: int = 10_000
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):
@@ -45,6 +48,8 @@ class GatewayConfig:
             raise ConfigError("ready_timeout_s must be 0.01..60 s and ready_cache_s 0..60 s")
         if not 0 <= self.reconnect_wait_ms <= 600_000:
             raise ConfigError("reconnect_wait_ms must be 0..600000 ms")
+        if not 1 <= self.max_held_tickets <= 1_000_000:
+            raise ConfigError("max_held_tickets must be 1..1000000")
         if not 0 <= self.port <= 65535:
             raise ConfigError("--port must be in 0..65535")
         if not 1 <= self.max_body_bytes <= 16 * 1024 * 1024:

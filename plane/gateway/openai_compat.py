@@ -10,7 +10,9 @@ already have (the `openai` package, curl -N) work unchanged:
   messages rendered into one prompt, a `role: content` line each, then `assistant:`), with
   `stream: false` (one JSON completion with `usage`) or `stream: true` (Server-Sent Events
   in OpenAI's chunk shape, `data: [DONE]` last; a usage chunk before it when
-  `stream_options.include_usage`). `GET /v1/models` lists the models that stream.
+  `stream_options.include_usage`; `stream_options` without `stream: true` is a 400, as at
+  OpenAI). `GET /v1/models` lists the models that stream. A field OpenAI's schema marks
+  nullable may be null: not given.
 - `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p` and `seed` are
   the plane's own (`tinylm`: greedy, temperature 0, when none is given, where OpenAI's
   default is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `top_logprobs`,
@@ -25,10 +27,14 @@ already have (the `openai` package, curl -N) work unchanged:
   `overloaded` refusal says `x-should-retry: false` (no slot frees in time, or the plane is
   past what it can promise: go elsewhere). Bad input is a 400, a model
   the plane does not stream a 404 `model_not_found`. A stream that fails once started (its
-  deadline, a node lost) ends with an `error` data event, then `[DONE]`.
+  deadline, a node lost, a cancel for it from another NATS client) ends with an `error` data
+  event, then `[DONE]`; a whole answer so cut is its error status (a cancelled one: 503
+  `cancelled` with `x-should-retry: false`), never a 200 with cut text.
 - Deadlines, request ids and tickets ride in the plane's headers as on `/v1/infer`
-  (`Plane-Deadline-Ms`: the first token's budget for a stream; `Plane-Stream-Deadline-Ms`);
-  bearer tokens name tenants as there. An HTTP client that goes away cancels its generation,
+  (`Plane-Deadline-Ms`: the first token's budget for a stream; `Plane-Stream-Deadline-Ms`).
+  The `openai` package retries a 429 after its `Retry-After-Ms` but cannot send the ticket
+  back: the gateway holds it and gives it to that retry (`plane.gateway.tickets`). Bearer
+  tokens name tenants as there. An HTTP client that goes away cancels its generation,
   mid-stream or before its whole answer (both run as a plane stream; a whole answer's
   `Plane-Deadline-Ms` bounds all of it), and is counted as status 499.
 """
@@ -81,14 +87,19 @@ from plane.gateway.openai_types import (
     PlaneBody,
 )
 from plane.gateway.sse import (
+    CANCELLED_REASON,
+    CANCELLED_STATUS,
     ClientGone,
     EventWriter,
+    cancelled_elsewhere,
+    cancelled_headers,
     event,
     open_stream,
     read_whole,
     stream_deadline_problem,
     stream_headers,
 )
+from plane.gateway.tickets import attach_ticket, keep_ticket
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -103,7 +114,8 @@ _json = msgspec.json.Encoder()
 # -- errors ----------------------------------------------------------------------------------
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                NOT_FOUND: "invalid_request_error", 408: "invalid_request_error",
-               413: "invalid_request_error", 415: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error",
                429: "rate_limit_error", 503: "server_error", 504: "timeout_error"}
 
 
@@ -128,6 +140,11 @@ def error_response(status: int, message: str, code: str | None = None,
         out["WWW-Authenticate"] = 'Bearer realm="plane"'
     return web.Response(status=status, body=_json.encode(ErrorEnvelope(error=err)),
                         headers=out)
+
+
+# The `openai` package retries a 5xx by itself unless told not to: a generation cancelled by
+# someone else was meant to stop, so its 503 says so.
+NO_RETRY_HEADER = {"x-should-retry": "false"}
 
 
 def from_result(result: Result) -> web.Response:
@@ -216,6 +233,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:  # the HTTP client left (its stream was cancelled)
         observe_gone(request, request.get(MODEL_KEY, "_unknown"), started)
         raise
+    keep_ticket(request, response, time.monotonic())
     observe(request, model, response, started)
     return response
 
@@ -254,6 +272,9 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
     if bad := asked.unsupported():
         return error_response(400, f"not supported by the plane: {', '.join(bad)}",
                               code="unsupported_parameter"), model
+    if asked.stream_options is not None and not asked.stream:  # as OpenAI answers it
+        return error_response(400, "stream_options is only allowed with \"stream\": true: "
+                              "drop it, or ask for a stream", code=Reason.BAD_REQUEST), model
     if (tokens := asked.tokens()) is not None and tokens < 1:
         return error_response(400, f"{asked.tokens_field()} must be at least 1, got {tokens}",
                               code=Reason.BAD_REQUEST), model
@@ -269,6 +290,7 @@ async def _generate(request: web.Request, shape: _Shape) -> tuple[web.StreamResp
                                   temperature=asked.temperature, seed=asked.seed,
                                   top_p=asked.top_p))
     args = call_args(caller, request)
+    attach_ticket(request, caller, raw, args, time.monotonic())
     created = int(time.time())  # a wall-clock stamp, as OpenAI's
     # Generated as a stream either way (a whole answer gathered here): an HTTP client that
     # leaves (aiohttp cancels its handler) cancels it, and its slot frees within a token
@@ -290,11 +312,16 @@ async def _whole(stream: TokenStream, shape: _Shape, created: int, model: str) -
     reply = await read_whole(stream)
     result = stream.result
     assert result is not None
+    if reply is None and (why := cancelled_elsewhere(stream)) is not None:
+        return error_response(CANCELLED_STATUS, why, CANCELLED_REASON,
+                              {**cancelled_headers(stream), **NO_RETRY_HEADER})
     if reply is None:
         return from_result(result)
     rid = shape.prefix + stream.start_headers.get(Header.REQUEST_ID, stream.request_id)
+    # The start's Plane-Node and Plane-Slot with the end's status and Plane-Service-Us, as
+    # a whole answer on /v1/infer (`sse.whole_answer`) has them.
     return web.Response(status=200, body=shape.whole(rid, created, model, reply),
-                        headers=http_headers(result.headers))
+                        headers=http_headers({**stream.start_headers, **result.headers}))
 
 
 async def _events(request: web.Request, stream: TokenStream, shape: _Shape, created: int,
@@ -310,7 +337,10 @@ async def _events(request: web.Request, stream: TokenStream, shape: _Shape, crea
                 await writer.send(event(shape.piece(rid, created, model, piece)))
         result = stream.result
         assert result is not None
-        if result.ok:
+        if (why := cancelled_elsewhere(stream)) is not None:  # no OpenAI finish_reason says it
+            await writer.send(event(_json.encode(ErrorEnvelope(error=error_body(
+                CANCELLED_STATUS, why, CANCELLED_REASON)))))
+        elif result.ok:
             await writer.send(event(shape.last(rid, created, model, stream.finish_reason)))
             if include_usage:
                 await writer.send(event(shape.usage(rid, created, model, stream.usage)))

@@ -15,22 +15,25 @@ from plane.contract.messages import TINYLM_CONTEXT, TINYLM_DEFAULT_MAX_TOKENS
 
 # -- what OpenAI clients send (fields not named here are ignored) ------------------------------
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
     type: str
 
 
+# Every field OpenAI's schema marks nullable is `| None`, null meaning "not given" (its
+# default): `{"n": null}` from a client that fills every field was a 400 "Expected `int`,
+# got `null`".
 class _Asked(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None  # None: False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = None  # None: 1
     stop: str | list[str] | None = None
     # Asked of the answer's content or its tokens: the plane cannot honour them, and an
     # answer that ignored them would look like one that did (a JSON-mode caller would get
@@ -39,7 +42,7 @@ class _Asked(msgspec.Struct, frozen=True, kw_only=True):
     response_format: ResponseFormat | None = None
 
     def unsupported(self) -> list[str]:
-        out = ["n (only 1)"] if self.n != 1 else []
+        out = ["n (only 1)"] if self.n not in (None, 1) else []
         return out + [name for name, bad in (
             ("stop", bool(self.stop)), ("logit_bias", bool(self.logit_bias)),
             ("response_format (only text)", self.response_format is not None
@@ -73,12 +76,12 @@ class _Asked(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 class CompletionRequest(_Asked, frozen=True, kw_only=True):
     prompt: str | list[str]
-    echo: bool = False
+    echo: bool | None = None  # None: False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -88,7 +91,7 @@ class CompletionRequest(_Asked, frozen=True, kw_only=True):
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             out.append("prompt as a list of other than one string")
         return out + [name for name, bad in (
-            ("echo", self.echo), ("logprobs", self.logprobs is not None),
+            ("echo", bool(self.echo)), ("logprobs", self.logprobs is not None),
             ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))) if bad]
 
     def render(self) -> str:

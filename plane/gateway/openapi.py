@@ -45,7 +45,9 @@ _ERRORS = {
     "413": "The body is larger than the gateway's limit.",
     "429": "Every slot is busy: come back after Retry-After-Ms with Plane-Ticket "
            "(`Plane-Reason: busy`), or go elsewhere now (`Plane-Reason: deadline`).",
-    "503": "No healthy capacity for the model, or its node failed: try again or elsewhere.",
+    "503": "No healthy capacity for the model, or its node failed: try again or elsewhere. "
+           "`Plane-Reason: cancelled`: another client cancelled the generation (its text "
+           "was cut); send it again if you still want it.",
     "504": "The deadline passed before an answer.",
 }
 
@@ -66,7 +68,9 @@ def _request_headers(*, streams: bool = False) -> list[dict[str, Any]]:
         _header(Header.REQUEST_ID, visible, "Your id, echoed; generated when absent."),
         _header(Header.ATTEMPT, {"type": "integer", "minimum": 1, "maximum": MAX_ATTEMPT},
                 "1 for the first try; increment on each retry."),
-        _header(Header.TICKET, visible, "The ticket of an earlier 429, sent back on the retry."),
+        _header(Header.TICKET, visible, "The ticket of an earlier 429, sent back on the retry "
+                "(absent, the gateway gives a retry of the same request, at Retry-After or "
+                "later, the ticket it answered it)."),
         _header(Header.AVOID_NODE, {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                 "A node that just answered 503: place this request elsewhere."),
         _header(Header.WAIT_MS, {"type": "integer", "minimum": 1, "maximum": MAX_DEADLINE_MS},

@@ -36,12 +36,22 @@ from plane.client.aio import CallOptions
 from plane.client.result import header_int
 from plane.contract.backoff import NO_RETRY
 from plane.contract.headers import CallerHeaders
-from plane.contract.messages import TinyLMReply, Usage, msgpack_encoder
+from plane.contract.messages import Status, StreamFinish, TinyLMReply, Usage, msgpack_encoder
 from plane.contract.models import MODELS
 from plane.contract.subjects import MSGPACK, Header
-from plane.gateway.common import CLIENT_KEY, http_headers
+from plane.gateway.common import CLIENT_KEY, JSON, error_json, http_headers
 
 EVENT_STREAM = "text/event-stream"
+# A generation cancelled by someone other than its HTTP client (a cancel for its request id
+# on its `Plane-Cancel-Subject`, from another NATS client of the plane's or its tenant's
+# account): the gateway cancels only for a client gone, which reads nothing more. Its text is
+# cut, so it is not a 200: an OpenAI client knows no `cancelled` finish and would take the
+# cut text for a whole one (`finish_reason` is "stop" or "length" in a whole answer). 503:
+# the plane's status for a generation it started and did not finish (a node lost mid-stream
+# is a 503 too); not a 4xx, the client asked for nothing wrong. The plane's own SSE route
+# keeps its `end` event, finish `cancelled`, as the stream's reader sees it on NATS.
+CANCELLED_STATUS = Status.UNAVAILABLE
+CANCELLED_REASON = StreamFinish.CANCELLED.value
 
 log = structlog.get_logger("plane.gateway")
 _json = msgspec.json.Encoder()
@@ -147,11 +157,34 @@ async def open_stream(request: web.Request, model: str, body: bytes, args: CallO
     return stream
 
 
+def cancelled_elsewhere(stream: TokenStream) -> str | None:
+    """Why a stream that ended 200 is no whole answer, for its HTTP caller (None: it is, or
+    it did not end 200): it was cancelled by someone else (`CANCELLED_STATUS`)."""
+    result = stream.result
+    if result is None or not result.ok or stream.finish_reason != StreamFinish.CANCELLED:
+        return None
+    tokens = stream.usage.completion_tokens if stream.usage else len(stream.pieces)
+    return (f"the generation was cancelled on the plane after {tokens} tokens, by a cancel"
+            f" for its request id ({stream.request_id}) on its stream's "
+            f"{Header.CANCEL_SUBJECT}, not by this client: its text is not whole; send the "
+            "request again for a whole answer")
+
+
+def cancelled_headers(stream: TokenStream) -> dict[str, str]:
+    """The HTTP headers of a stream cancelled elsewhere: the start's and the end's, with the
+    status and reason it is answered with."""
+    assert stream.result is not None
+    return http_headers({**stream.start_headers, **stream.result.headers,
+                         Header.STATUS: str(int(CANCELLED_STATUS)),
+                         Header.REASON: CANCELLED_REASON}, content_type=JSON)
+
+
 async def read_whole(stream: TokenStream) -> TinyLMReply | None:
     """A started stream read to its end, as one answer (`{"text", "finish_reason", "usage"}`,
     what a request without `Plane-Stream` gets); None when it did not end 200
-    (`stream.result` says how). Cancelled with the handler (an HTTP client gone), it cancels
-    the stream: its slot frees within a token step."""
+    (`stream.result` says how) or was cancelled by someone else (`cancelled_elsewhere` says
+    how). Cancelled with the handler (an HTTP client gone), it cancels the stream: its slot
+    frees within a token step."""
     try:
         async with contextlib.aclosing(aiter(stream)) as pieces:
             async for _ in pieces:
@@ -159,7 +192,7 @@ async def read_whole(stream: TokenStream) -> TinyLMReply | None:
     finally:
         await stream.aclose()  # the cancel, when the HTTP client left (handler cancelled)
     assert stream.result is not None
-    if not stream.result.ok:
+    if not stream.result.ok or cancelled_elsewhere(stream) is not None:
         return None
     return TinyLMReply(text=stream.text, finish_reason=stream.finish_reason or "stop",
                        usage=stream.usage or Usage(prompt_tokens=0, completion_tokens=0,
@@ -173,11 +206,15 @@ async def whole_answer(request: web.Request, model: str, body: bytes, args: Call
     `max_tokens` for nobody). The answer is the plain request's: the body the node would
     have sent (JSON, or msgpack when asked), the start's `Plane-Node` and `Plane-Slot`, the
     end's status and `Plane-Service-Us`; `deadline_ms` (Plane-Deadline-Ms) bounds the whole
-    answer, as a plain request's does. A refusal is answered as any request's."""
+    answer, as a plain request's does. A refusal is answered as any request's; a generation
+    cancelled by someone else is a 503 `cancelled` (`CANCELLED_STATUS`)."""
     stream = await open_stream(request, model, body, args, deadline_ms)
     reply = await read_whole(stream) if stream.started else None
     result = stream.result
     assert result is not None
+    if reply is None and (why := cancelled_elsewhere(stream)) is not None:
+        return web.Response(status=CANCELLED_STATUS, body=error_json(why, CANCELLED_REASON),
+                            headers=cancelled_headers(stream))
     if reply is None:
         return web.Response(status=result.status, body=result.body,
                             headers=http_headers(result.headers))

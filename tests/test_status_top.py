@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 
 from plane.contract.subjects import Names
+from plane.observe.denials import Denials
 from plane.observe.planeview import (
     MetricsFacts,
     behind_problems,
@@ -224,3 +225,19 @@ def test_router_facts_keep_the_call_trips_a_router_reports() -> None:
     assert quiet.call_trip_p50_us is None and quiet.call_trip_p99_us is None
     assert called.start_slip_p99_us == {"ahead_0": 1200, "ahead_2": 4200}
     assert quiet.start_slip_p99_us is None
+
+
+async def test_what_the_server_refused_is_named_with_its_subject_not_taken_for_silence() -> None:
+    # nats-py hands the server's -ERR to the error callback, lowercased.
+    d = Denials("gateway")
+    violation = "nats: permissions violation for {} to \"{}\""
+    await d.on_error(Exception(violation.format("publish", "$srv.info.plane-router")))
+    await d.on_error(Exception(violation.format("subscription", "_inbox.x.*")))
+    await d.on_error(Exception("nats: some other error"))
+    assert d.of("$SRV.INFO.plane-node") is None
+    told = d.of("$SRV.INFO.plane-router")
+    assert told is not None and told.startswith(
+        'not allowed: user "gateway" may not publish to $SRV.INFO.plane-router ')
+    # What no asking named: the inbox (no reply could come back), once.
+    assert [p.split(" (")[0] for p in d.untold()] == [
+        'not allowed: user "gateway" may not subscribe to _inbox.x.*']

@@ -240,7 +240,9 @@ class Node(Lifecycle, TaskOwner):
         if self.nc.is_connected and not self.standing.superseded:
             await asyncio.gather(*(s.sweep("the node stopped") for s in self.slots),
                                  return_exceptions=True)
-        if not self.standing.superseded:  # else the key is the process's that replaced us
+        # Else the key is the process's that replaced us; and with the connection down the
+        # delete would wait out JetStream's 5 s timeout to no end (its advert's TTL ends it).
+        if not self.standing.superseded and self.nc.is_connected:
             with contextlib.suppress(Exception):
                 await self._nodes_kv.delete(advert_key(self.cfg.node_id, self.cfg.model))
         # Gone from the status endpoint before the heartbeats stop: a process starting with

@@ -21,7 +21,9 @@ can end silently: its consumer's leader died with its server (a cluster), and th
 new leader knows no waiting pulls, so the slot heard nothing until its next renewal (up to
 `RENEW_AT` of the expiry) while routers placed on it. A renewal overlaps the last fifth of
 its predecessor's life, so two stand at once for a while (three at most, when a reconnect
-renews as well), within the consumer's `max_waiting` of 4.
+renews as well), within the consumer's `max_waiting` of 4. While the connection is down
+the consumer takes no pulls (`reaches` False), but nothing is silent: nats-py reconnects, and
+the pull is asked again once it has.
 """
 
 from __future__ import annotations
@@ -177,7 +179,9 @@ class StandingPull:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, due_s)):
                     await self._renewed.wait()
-            if not self._renewed.is_set():
+            if not self._nc.is_connected:
+                await self._until_connected()
+            elif not self._renewed.is_set():
                 now = time.monotonic()
                 if now >= self._heard_s + self._silent_s:
                     self.silences += 1
@@ -191,14 +195,29 @@ class StandingPull:
                 await asyncio.sleep(ERROR_BACKOFF_S)
             self._renewed.clear()
             self._back_off = False
-            if not self._nc.is_connected:
-                await asyncio.sleep(ERROR_BACKOFF_S)
-                continue
             try:
                 await self._issue()
             except Exception as exc:  # a reconnect under way: try again shortly
                 log.warning("pull request not sent", subject=self._next_subject, error=repr(exc))
                 await asyncio.sleep(ERROR_BACKOFF_S)
+
+    async def _until_connected(self) -> None:
+        """While the connection is down nothing stands at the broker and nothing can be asked:
+        the consumer takes no pulls (`reaches` False), but the pull is not silent, and there
+        is nothing to count or log (nats-py reconnects, and says so). A silence counted on
+        every pass meanwhile logged 158 lines in 10 s for two slots and climbed
+        `plane_slot_pull_silences_total`. Back, the pull is asked again at once (a restarted
+        or failed-over broker keeps no waiting pulls), and the consumer is taken to be there,
+        as at a claim: a 503 or a 409 says otherwise, a heartbeat or a delivery confirms."""
+        was = self.reaches
+        self._reached(False)
+        # Polled: nats-py has no awaitable for "reconnected", and its callback is the
+        # connection's owner's (`plane.contract.natsconn.connect`).
+        while not self._nc.is_connected:  # noqa: ASYNC110
+            await asyncio.sleep(ERROR_BACKOFF_S)
+        self._renewed.set()
+        if was:
+            self._reached(True)
 
     def _reached(self, ok: bool) -> None:
         if ok != self.reaches:

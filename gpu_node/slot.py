@@ -184,11 +184,19 @@ class Slot(Generating):
         return self._pull is None or self._pull.reaches
 
     def _pull_reaches(self, ok: bool) -> None:
-        log.warning("slot consumer answers again" if ok else "slot consumer unreachable",
-                    model=self.model, slot=self.k, stream=self.stream)
+        connected = self.nc.is_connected
+        if ok:
+            log.warning("slot consumer answers again", model=self.model, slot=self.k,
+                        stream=self.stream)
+        else:
+            log.warning("slot consumer unreachable", model=self.model, slot=self.k,
+                        stream=self.stream, why="the broker ended its pull" if connected
+                        else "the NATS connection is down")
         self.metrics.slot_healthy.labels(*self._label).set(int(ok and self._claimed))
         self._changed()
-        if not ok and (self._unreached is None or self._unreached.done()):
+        # Connection down: the broker cannot be asked whether the consumer is gone; once it
+        # is back, the node checks every slot's consumer (`Node._after_reconnect`).
+        if not ok and connected and (self._unreached is None or self._unreached.done()):
             self._unreached = asyncio.create_task(self._reclaim_if_lost(),
                                                   name=f"unreached-{self.model}-{self.k}")
 

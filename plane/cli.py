@@ -422,24 +422,30 @@ NO_URL_HELP = ("Without --nats there is nothing to ask: `plane up`'s embedded se
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (with \"healthy\").")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.1, 10), default=1.0,
               show_default=True, help="Seconds for connecting, and again for the answers.")
+@click.option("--router", "router_id", default=None, metavar="ID",
+              help="Check this router's health alone (a router's own health check): exit 0 "
+                   "when it answers and sees a healthy slot.")
 def status(nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None, prefix: str, metrics_urls: tuple[str, ...],
-           as_json: bool, timeout_s: float) -> None:
+           as_json: bool, timeout_s: float, router_id: str | None) -> None:
     """Every router and node once: slots healthy/busy, promises open, in flight, cycle
     p50/p99, GPU utilisation (with --metrics: refusals, first-retry success, accepted
     p50/p99). Health check: exit 0 when a router and a node answer and a router sees a
-    healthy slot; 1 otherwise (a dead server too, within about 2 x --timeout).
+    healthy slot (with --router ID: when router ID answers and sees one); 1 otherwise (a
+    dead server too, within about 2 x --timeout). What the server does not let the user
+    ask is named as such. The `router` role of `plane auth` may run it.
 
     \b
     Examples:
       plane status --nats nats://127.0.0.1:4222 && echo healthy
       plane status --nats nats://127.0.0.1:4222 --json --metrics http://127.0.0.1:9466/metrics
+      PLANE_AUTH=/auth:router plane status --nats nats://nats-1:4222 --router router-1
     """
     if nats_url is None:
         raise click.UsageError(NO_URL_HELP)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-status")
     _run(run_status(conn, names_for(prefix), metrics_urls=metrics_urls, as_json=as_json,
-                    timeout_s=timeout_s))
+                    timeout_s=timeout_s, router=router_id))
 
 
 @main.command()

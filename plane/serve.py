@@ -54,21 +54,26 @@ async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
 
 
 async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequence[str] = (),
-                     as_json: bool = False, timeout_s: float = 1.0) -> int:
+                     as_json: bool = False, timeout_s: float = 1.0,
+                     router: str | None = None) -> int:
     """Print every router and node once (and what `metrics_urls` add); exit 0 when a router
-    and a node answer and some slot is healthy to a router, else 1. Bounded: a dead server
-    or a silent process costs at most about `timeout_s` each for connecting and asking."""
+    and a node answer and some slot is healthy to a router (with `router`: when that router
+    answers and sees a healthy slot), else 1. Bounded: a dead server or a silent process
+    costs at most about `timeout_s` each for connecting and asking."""
     from plane.observe.console import console  # rich, for the tables: only here
+    from plane.observe.denials import Denials
     from plane.observe.planeview import PlaneView, connect_fast
     from plane.observe.top import render, snapshot
 
+    denials = Denials(opts.user)
     try:
-        nc = await connect_fast(opts, timeout_s)
+        nc = await connect_fast(opts, timeout_s, denials)
     except Unavailable as exc:
-        view = PlaneView(routers=[], nodes=[], problems=[str(exc)])
+        view = PlaneView(routers=[], nodes=[], problems=[str(exc)], router=router)
     else:
         try:
-            view = await snapshot(nc, names, metrics_urls, timeout_s=timeout_s)
+            view = await snapshot(nc, names, metrics_urls, timeout_s=timeout_s,
+                                  denials=denials, router=router)
         finally:
             with contextlib.suppress(Exception):
                 await nc.close()
@@ -84,14 +89,17 @@ async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequen
 
 async def run_top_command(opts: ConnectOptions, names: Names, *, metrics_urls: Sequence[str],
                           interval_s: float) -> int:
+    from plane.observe.denials import Denials
     from plane.observe.planeview import connect_fast
     from plane.observe.top import run_top
 
-    nc = await connect_fast(opts, 2.0)
+    denials = Denials(opts.user)
+    nc = await connect_fast(opts, 2.0, denials)
     try:
         stop = stop_event()
         async with asyncio.TaskGroup() as tg:
-            top = tg.create_task(run_top(nc, names, metrics_urls, interval_s=interval_s))
+            top = tg.create_task(run_top(nc, names, metrics_urls, interval_s=interval_s,
+                                         denials=denials))
             await stop.wait()  # Ctrl-C
             top.cancel()
     finally:

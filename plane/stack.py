@@ -17,7 +17,7 @@ from plane.contract.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.lifecycle import Lifecycle
 from plane.contract.metrics import ChildMetrics, PlaneMetrics, serve_metrics
-from plane.contract.natsconn import connect
+from plane.contract.natsconn import close_now, connect
 from plane.contract.subjects import Names
 from plane.contract.tracing import Tracing
 from plane.router import Router, router_connection
@@ -162,7 +162,9 @@ class PlaneStack(Lifecycle):
     async def _connect(self, name: str, role: str) -> Client:
         opts = replace(self.cfg.roles.get(role, self.cfg.connect), url=self.url, name=name)
         nc = await connect(router_connection(opts) if role == "router" else opts)
-        self._stack.push_async_callback(nc.close)
+        # Not `nc.close`: with the server gone it raised into the stop (`plane up` exited 1
+        # with a traceback after its nats-server died).
+        self._stack.push_async_callback(close_now, nc)
         self.clients.append(nc)
         return nc
 

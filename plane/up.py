@@ -31,6 +31,7 @@ from plane.contract.lifecycle import stop_event, until_any
 from plane.contract.messages import FEATURES, Status
 from plane.contract.metrics import PlaneMetrics, serve_metrics
 from plane.contract.natsconn import close, connect
+from plane.contract.processes import how_it_ended
 from plane.contract.subjects import Header, Names
 from plane.contract.tracing import Tracing
 from plane.serve import ServeSpec
@@ -61,6 +62,7 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
     `auth_dir`'s config when given (`plane auth init`): then each part connects with its
     role, the rest (demo calls) as admin."""
     auth = AuthDir(auth_dir) if auth_dir is not None else None
+    server: EmbeddedNats | None = None
     async with contextlib.AsyncExitStack() as started:
         if cfg.connect.url is None:
             server = await started.enter_async_context(
@@ -72,14 +74,15 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
                           roles=auth.roles(), settings=auth.tenant_settings())
         code = await _serve(await started.enter_async_context(
             PlaneStack(cfg, tracing=Tracing.from_env("plane"))), cfg, demo=demo,
-            credentials=auth.path / STATE_FILE if auth is not None else None)
+            credentials=auth.path / STATE_FILE if auth is not None else None, server=server)
     return code
 
 
 async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool,
-                 credentials: Path | None = None) -> int:
+                 credentials: Path | None = None, server: EmbeddedNats | None = None) -> int:
     """Print where the plane is (the URL first) and how to call it; serve or demo.
-    `credentials`: the auth state the server runs with (the calls below need a login)."""
+    `credentials`: the auth state the server runs with (the calls below need a login).
+    `server`: the embedded nats-server, when it runs one; it stops whole if it dies."""
     names = cfg.names
     body = json.dumps(example_body(cfg.models[0]))
     lines = [f"plane is up: NATS {stack.url}"]
@@ -113,7 +116,18 @@ async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool,
             await nc.close()
     say("Ctrl-C stops everything.")
     stop = stop_event()
-    await until_any(stop, *(c.lost for c in stack.router_children))
+    await until_any(stop, *(c.lost for c in stack.router_children),
+                    *([server.lost] if server is not None else []))
+    if not stop.is_set() and server is not None and server.lost.is_set():
+        # Not restarted in place: its JetStream state (the slot stream, placements in
+        # flight, the live settings) died with it, and a fresh server on the same port would
+        # serve a plane that only looks whole. Stopped whole, and exit 1: whatever runs us
+        # (systemd, a container's restart policy) starts the whole plane again.
+        say(f"stopping: the embedded nats-server exited on its own "
+            f"({how_it_ended(server.exit_code)}) and its JetStream state with it: start "
+            "`plane up` again (a supervisor does), or run nats-server yourself and pass "
+            "--nats URL")
+        return 1
     if not stop.is_set():  # a router's process exited on its own (its log says why)
         say("stopping: the router's process exited")
         return 1

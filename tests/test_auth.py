@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import nats
 import pytest
+import yaml
 from kafka_fixtures import SESSION_TIMEOUT_MS, kafka_topic, produce, tansu, txn_line
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
@@ -611,6 +613,60 @@ async def test_plane_up_auth_serves_with_the_roles(auth: AuthDir) -> None:
     assert f"credentials: required; every role's and tenant's user and password are in " \
            f"{auth.path / 'auth.json'}" in text, text
     assert auth.options("admin").password not in text
+
+
+async def test_the_compose_router_health_check_passes_as_its_role(auth: AuthDir) -> None:
+    """compose's router-1 health check, its very command, as the role compose gives it,
+    against `plane up --auth`: it passes (it never could: `plane status` asked on bare
+    `$SRV.INFO`, which the role's `$SRV.INFO.>` does not match, and said "no router
+    answers"). As a role without those rights it fails naming what the server refused,
+    never as an outage ("no router answers", "no leader")."""
+    router1 = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())[
+        "services"]["router-1"]
+    _, role = router1["environment"]["PLANE_AUTH"].rsplit(":", 1)
+    command = router1["healthcheck"]["test"]
+    assert command[:3] == ["CMD", "plane", "status"], command
+    proc = await asyncio.create_subprocess_exec(
+        PLANE, "up", "--auth", str(auth.path), "--models", "calibrated", "--slots", "2",
+        "--log-level", "warning", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        async with asyncio.timeout(90):
+            while "Ctrl-C" not in (line := (await proc.stdout.readline()).decode()):
+                assert line, "".join(lines)
+                lines.append(line)
+        url = next(m.group(1) for x in lines if (m := re.match(r"plane is up: NATS (\S+)", x)))
+        # The check's own arguments, but for where this plane is: its URL, its router's id.
+        args = [*command[2:]]
+        args[args.index("--nats") + 1] = url
+        args[args.index("--router") + 1] = "router0"
+
+        async def check(as_role: str, argv: list[str]) -> tuple[int, str]:
+            env = {**os.environ, "PLANE_AUTH": f"{auth.path}:{as_role}"}
+            out = await asyncio.create_subprocess_exec(
+                PLANE, *argv, "--json", env=env, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT)
+            text, _ = await asyncio.wait_for(out.communicate(), 30)
+            assert out.returncode is not None
+            return out.returncode, text.decode()
+
+        code, text = await check(role, args)
+        assert code == 0, text
+        plane_wide = args[:args.index("--router")] + args[args.index("--router") + 2:]
+        code, text = await check(role, plane_wide)  # the whole plane's health, as the role
+        assert code == 0 and json.loads(text)["problems"] == [], text
+        code, text = await check("gateway", args)
+        problems = json.loads(text)["problems"]
+        assert code == 1 and problems, text
+        assert any(p.startswith(f'not allowed: user "gateway" may not publish to $SRV.INFO.'
+                                f"{NAMES.router_service} ") for p in problems), problems
+        assert not [p for p in problems if "no router answers" in p or "no leader" in p], problems
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+            await asyncio.wait_for(proc.wait(), 60)
 
 
 async def test_the_bridge_role_feeds_features_the_node_role_reads(

@@ -347,3 +347,19 @@ async def test_a_slot_whose_claim_fails_after_a_reconnect_is_claimed_again() -> 
                 assert time.monotonic() < t_end, res
                 await asyncio.sleep(0.1)
                 res = await sdk.call("calibrated", {"duration_us": 100}, deadline_ms=1000)
+
+
+async def test_a_plane_stops_cleanly_and_at_once_with_its_server_gone() -> None:
+    """Stopped while its server is dead: no error out of the stop (nats-py's close raised
+    into it, flushing what it buffered into the dead transport: `plane up` exited 1 with a
+    traceback), and no wait on a broker that cannot answer (the node's advert delete waited
+    out JetStream's 5 s timeout)."""
+    async with EmbeddedNats() as srv:
+        stack = plane(srv.url, models=("calibrated",), slots=2)
+        started = await stack.__aenter__()
+        await srv.stop(kill=True)
+        await wait_until(lambda: not any(s.reaches for s in started.nodes[0].slots), 10,
+                         "the slots out of reach")
+        t0 = time.monotonic()
+        await stack.__aexit__(None, None, None)
+        assert time.monotonic() - t0 < 3.0

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 
+import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -15,6 +16,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 import gpu_node.pull as pull_module
 from gpu_node.pull import StandingPull, _Delivered
+from plane.contract.embedded import EmbeddedNats
 from tests.plane_fixtures import listen, wait_until
 
 STREAM, SUBJECT, CONSUMER = "PULLTEST", "pulltest.slot", "pulltest_slot"
@@ -192,6 +194,40 @@ async def test_a_pull_that_falls_silent_is_asked_again(nc: Client) -> None:
     await nc.jetstream().publish(SUBJECT, b"after")
     assert await _take(pull, 1) == [b"after"]
     await pull.stop()
+
+
+async def test_a_pull_whose_connection_is_down_is_not_silent(
+        nats_server: EmbeddedNats) -> None:
+    """The server gone for a while (restarted, or dead): nothing can be asked and nothing
+    stands, so the consumer takes no pulls (`reaches` False, the slot's health gauge 0); but
+    the pull is not silent. Counted and logged on every pass while disconnected, it was 158
+    `pull silent` lines in 10 s for two slots. Back, it is asked again and delivers."""
+    async def quiet(exc: Exception) -> None:  # the refused reconnects: expected here
+        pass
+
+    nc = await nats.connect(nats_server.url, reconnect_time_wait=0.1,
+                            max_reconnect_attempts=-1, error_cb=quiet)
+    try:
+        await _setup(nc)
+        reached: list[bool] = []
+        told: list[int] = []
+        pull = StandingPull(nc, STREAM, CONSUMER, expires_s=30, heartbeat_s=0.1,
+                            on_reach=reached.append, on_silent=lambda: told.append(1))
+        await pull.start()
+        await _standing(nc)
+        await nats_server.stop(kill=True)
+        await asyncio.sleep(1.0)  # four times the silence (2.5 beats of 0.1 s) and more
+        assert pull.silences == 0 and told == []
+        assert not pull.reaches and reached == [False]
+        await nats_server.start()  # its port and store: the stream and consumer are back
+        await wait_until(lambda: nc.is_connected, 10, "the reconnect")
+        await wait_until(lambda: pull.reaches, 5, "the pull back in reach")
+        await nc.jetstream().publish(SUBJECT, b"after")
+        assert await _take(pull, 1) == [b"after"]
+        assert pull.silences == 0 and reached == [False, True]
+        await pull.stop()
+    finally:
+        await nc.close()
 
 
 async def test_a_busy_pull_is_not_taken_for_silent(nc: Client) -> None:

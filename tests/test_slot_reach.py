@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
+import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.provision import ProvisionPlan, ensure_all
@@ -62,3 +64,34 @@ async def test_a_slot_whose_stream_is_gone_is_claimed_again_once_it_is_back(
             nc.request(NAMES.infer(MODEL), calibrated(20_000), timeout=5,
                        headers={Header.DEADLINE_MS: "2000"}) for _ in range(2)))
         assert sorted((r.headers or {}).get(Header.SLOT) for r in replies) == ["0", "1"]
+
+
+async def test_a_slots_health_gauge_is_0_while_the_connection_is_down(
+        nats_server: EmbeddedNats) -> None:
+    """No server, no pulls taken: `plane_slot_healthy` says so (it stayed 1 for as long as the
+    server was gone), and 1 again once the slot is served after the reconnect (the restarted
+    server lost the memory-stored slot stream: the node claims its slots again)."""
+    async with plane(nats_server.url, models=(MODEL,), slots=2) as stack:
+        def gauges() -> list[float | None]:
+            return [stack.metrics.registry.get_sample_value(
+                "plane_slot_healthy", {"model": MODEL, "slot": str(k)}) for k in (0, 1)]
+
+        assert gauges() == [1.0, 1.0]
+        await nats_server.stop(kill=True)
+        await wait_until(lambda: gauges() == [0.0, 0.0], 10, "both slots' gauges at 0")
+        assert all(s.claimed and not s.reaches for s in stack.nodes[0].slots)
+        await nats_server.start()
+        await wait_until(lambda: gauges() == [1.0, 1.0], 20, "both slots' gauges back at 1")
+        view = stack.routers[0].models[MODEL]
+        await wait_until(lambda: view.healthy_count() == 2, 10, "the router to see both")
+        reply = await asyncio.wait_for(_call(stack.url), 10)
+        assert (reply.headers or {}).get(Header.STATUS) == "200"
+
+
+async def _call(url: str) -> Msg:
+    nc = await nats.connect(url)
+    try:
+        return await nc.request(NAMES.infer(MODEL), calibrated(1000), timeout=5,
+                                headers={Header.DEADLINE_MS: "2000"})
+    finally:
+        await nc.close()

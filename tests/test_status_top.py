@@ -18,6 +18,7 @@ import pytest
 from rich.console import Console
 
 from plane.contract.subjects import Names
+from plane.observe.denials import Denials
 from plane.observe.planeview import (
     MetricsFacts,
     PlaneView,
@@ -309,3 +310,19 @@ def test_a_cycle_of_no_samples_is_unknown_and_an_older_routers_figure_is_kept() 
     out = io.StringIO()
     Console(file=out, width=200).print(routers_table(PlaneView(routers=[r], nodes=[])))
     assert "1000/1000" not in out.getvalue() and "900/1500 µs" in out.getvalue()
+
+
+async def test_what_the_server_refused_is_named_with_its_subject_not_taken_for_silence() -> None:
+    # nats-py hands the server's -ERR to the error callback, lowercased.
+    d = Denials("gateway")
+    violation = "nats: permissions violation for {} to \"{}\""
+    await d.on_error(Exception(violation.format("publish", "$srv.info.plane-router")))
+    await d.on_error(Exception(violation.format("subscription", "_inbox.x.*")))
+    await d.on_error(Exception("nats: some other error"))
+    assert d.of("$SRV.INFO.plane-node") is None
+    told = d.of("$SRV.INFO.plane-router")
+    assert told is not None and told.startswith(
+        'not allowed: user "gateway" may not publish to $SRV.INFO.plane-router ')
+    # What no asking named: the inbox (no reply could come back), once.
+    assert [p.split(" (")[0] for p in d.untold()] == [
+        'not allowed: user "gateway" may not subscribe to _inbox.x.*']

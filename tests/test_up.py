@@ -3,6 +3,7 @@ stops everything it started (no orphan nats-server)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -20,6 +21,7 @@ import nats
 from click.testing import CliRunner
 
 from plane.app import main
+from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header, Names
 
 PLANE = str(Path(sys.executable).parent / "plane")
@@ -140,6 +142,44 @@ def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
         rest = proc.stdout.read()
         assert "the router's process exited" in rest, rest
         _left_none(children)
+
+
+def test_plane_up_stops_whole_when_its_nats_server_dies() -> None:
+    # Its embedded server's JetStream state (the slot stream, placements in flight, live
+    # settings) dies with it: `plane up` neither restarts it in place nor serves on without
+    # it (it went on serving /metrics with stale values, its slots "healthy"), but stops
+    # everything and exits 1 saying so, for a supervisor to start it again whole.
+    with _plane_up("--models", "calibrated", "--log-level", "warning") as proc:
+        lines = _until_up(proc)
+        children = _children(proc.pid)
+        [server] = [c for c in children
+                    if b"nats-server" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.kill(server, signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1, "".join(lines)
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert ("stopping: the embedded nats-server exited on its own (killed by SIGKILL)"
+                in rest), rest
+        assert "Traceback" not in rest, rest
+        _left_none(children)
+
+
+async def test_plane_up_stops_cleanly_on_sigint_with_its_nats_server_gone() -> None:
+    # A server of its own (`--nats`) that died: the nodes wait for it to come back (nats-py
+    # reconnects), and a Ctrl-C meanwhile stops `plane up` as cleanly as any other: exit 0,
+    # no traceback (nats-py's close raised into the stop: exit 1).
+    async with EmbeddedNats() as server:
+        with _plane_up("--nats", server.url, "--models", "calibrated",
+                       "--log-level", "warning") as proc:
+            lines = _until_up(proc)
+            await server.stop(kill=True)
+            await asyncio.sleep(3.0)  # the node's slots out of reach, its pulls waiting
+            proc.send_signal(signal.SIGINT)
+            rc = await asyncio.to_thread(proc.wait, 30)
+            assert proc.stdout is not None
+            rest = proc.stdout.read()
+            assert rc == 0, "".join(lines) + rest
+            assert "Traceback" not in rest and "pull silent" not in rest, rest
 
 
 async def test_plane_up_runs_a_router_process_per_model_when_asked() -> None:

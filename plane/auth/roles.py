@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nats.micro.service import ServiceVerb, control_subject
+
 from plane.contract.subjects import CLIENT_DISCONNECTS, Names
 
 ROLES = ("router", "node", "bridge", "gateway", "admin")
@@ -85,9 +87,12 @@ def router(n: Names) -> Permissions:
             f"{p}.router.>",  # forwards to the promise maker; the id check on start
             f"{p}.node.*.answered",  # "did you answer it?" before the watchdog answers
             INBOX, SERVICE_REPLIES,  # answers: refusals, and 503/504 for a silent node
-            # Its container's health check, `plane status`: find the routers and nodes and
-            # ask each for its status (reads only).
-            "$SRV.PING.>", "$SRV.INFO.>", f"{p}.node.*.status",
+            # Its container's health check, `plane status --router <id>`: find the plane's
+            # routers and nodes by their services' names and ask each for its status (reads
+            # only; its own status is under `P.router.>`). Bare `$SRV.INFO`, which `.>` does
+            # not match, was what `plane status` asked: the check could never pass.
+            *[control_subject(ServiceVerb.INFO, s) for s in (n.router_service, n.node_service)],
+            f"{p}.node.*.status",
             *_provision(n), *_take(n), *_watch(n.config_bucket, n.nodes_bucket),
             # keeps a cluster's slot leaders apart (`plane.contract.slot_leaders`)
             *[f"$JS.API.STREAM.LEADER.STEPDOWN.{s}" for s in n.slot_streams()],

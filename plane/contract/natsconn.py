@@ -153,11 +153,18 @@ async def close(nc: Client, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
             return
         except (TimeoutError, nats.errors.Error) as exc:
             log.warning("nats drain cut short: closing", error=repr(exc))
+    await close_now(nc)
+
+
+async def close_now(nc: Client) -> None:
+    """Close without draining (for a connection whose users have stopped), as cleanly with
+    the server gone as with it there. Idempotent."""
     try:
         await nc.close()
     except (nats.errors.Error, OSError, RuntimeError) as exc:
         # nats-py 2.16 flushes what it buffered while disconnected into the dead transport
-        # (uvloop: RuntimeError "handler is closed"). The client is closed all the same (its
-        # status is set first); what it buffered had nowhere to go.
+        # (uvloop: RuntimeError "handler is closed"; the stdlib loop: ConnectionResetError).
+        # The client is closed all the same (its status is set first); what it buffered had
+        # nowhere to go.
         log.info("nats closed without its server", error=repr(exc),
                  unsent_bytes=nc.pending_data_size)

@@ -21,8 +21,8 @@ from plane.contract.lifecycle import cancel_and_wait
 
 log = structlog.get_logger("plane.processes")
 
-__all__ = ["ChildProcess", "cancel_and_wait", "die_with_parent", "free_port", "stop_by_pid",
-           "stop_with_parent"]
+__all__ = ["ChildProcess", "cancel_and_wait", "die_with_parent", "free_port", "how_it_ended",
+           "stop_by_pid", "stop_with_parent"]
 
 LOG_TAIL_LINES = 200
 PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
@@ -73,15 +73,28 @@ async def stop_by_pid(
         await proc.wait()
 
 
+def how_it_ended(exit_code: int | None) -> str:
+    """A process's end in words: "exit code 3", "killed by SIGKILL"."""
+    if exit_code is not None and exit_code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exit_code).name}"
+    return f"exit code {exit_code}"
+
+
 class ChildProcess(ABC):
     """A server run as our child: `start()` (the subclass's: how to run it and when it is
     ready), `stop()` by PID, `restart()` on the same address; the last lines of its log are
-    kept in `log_tail` for the error that says why it did not start."""
+    kept in `log_tail` for the error that says why it did not start. `lost` is set when it
+    exits once ready while nobody asked it to (killed, crashed), `exit_code` says how:
+    whoever owns it decides what that means (`plane up` stops whole)."""
 
     def __init__(self) -> None:
         self._proc: asyncio.subprocess.Process | None = None
         self._log_task: asyncio.Task[None] | None = None
         self.log_tail: list[bytes] = []
+        self.lost = asyncio.Event()
+        self.exit_code: int | None = None
+        self.program = ""  # its executable's name, once started
 
     @property
     def pid(self) -> int | None:
@@ -98,6 +111,9 @@ class ChildProcess(ABC):
                      env: dict[str, str] | None = None) -> asyncio.StreamReader:
         """Start the process; return the stream its log comes on (stderr, or stdout and
         stderr together when `log_on_stdout`)."""
+        self.lost.clear()
+        self.exit_code = None
+        self.program = os.path.basename(args[0])
         self._proc = await asyncio.create_subprocess_exec(
             *args,
             stdin=asyncio.subprocess.DEVNULL,
@@ -119,12 +135,26 @@ class ChildProcess(ABC):
         return b"".join(self.log_tail[-lines:]).decode(errors="replace")
 
     def _keep_reading(self, stream: asyncio.StreamReader) -> None:
-        """Read the log for as long as the process runs (a full pipe would block it)."""
-        self._log_task = asyncio.create_task(self._read_log(stream))
+        """Read the log for as long as the process runs (a full pipe would block it), and
+        tell when it ends on its own (`lost`)."""
+        self._log_task = asyncio.create_task(self._read_log(stream, self._proc))
 
-    async def _read_log(self, stream: asyncio.StreamReader) -> None:
+    async def _read_log(self, stream: asyncio.StreamReader,
+                        proc: asyncio.subprocess.Process | None) -> None:
         while line := await stream.readline():
             self._remember(line)
+        # Its log ended: it exited. Stopped by us, `stop` has let go of it first.
+        if proc is None or self._proc is not proc:
+            return
+        code = await proc.wait()
+        if self._proc is proc:
+            self.exit_code = code
+            # Its last words when it exited by itself (a crash says why); a signal's victim
+            # has none worth repeating.
+            why = {"last_log": self._last_log(3)} if code >= 0 else {}
+            log.error("a child process exited on its own", program=self.program, pid=proc.pid,
+                      how=how_it_ended(code), **why)
+            self.lost.set()
 
     async def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
         """Stop by PID (SIGTERM, or SIGKILL when `kill`); idempotent."""

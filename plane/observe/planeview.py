@@ -1,5 +1,6 @@
 """What `plane status` and `plane top` show: every router and node, found through NATS service
-discovery (`$SRV.INFO`) and asked on their `status` endpoints, plus what Prometheus endpoints
+discovery (`$SRV.INFO.<service>`, by the plane's service names: what the `router` role may
+ask) and asked on their `status` endpoints, plus what Prometheus endpoints
 given with `--metrics` add (refusals, tickets, accepted latency, GPU utilisation).
 
 The facts and where each comes from:
@@ -15,7 +16,8 @@ The facts and where each comes from:
 | slot streams: messages, leader, replicas current/all (a cluster's) | `$JS.API.STREAM.INFO` |
 
 Everything here is bounded in time: a dead server or a silent process costs at most
-`timeout_s`, never a hang (a compose health check allows 5 s).
+`timeout_s`, never a hang (a compose health check allows 5 s). What the server refused to
+let this connection ask is named as such (`plane.observe.denials`), not as silence.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 import msgspec
 import nats
 from nats.aio.client import Client
+from nats.js.api import DEFAULT_PREFIX as JS_API
+from nats.micro.service import ServiceVerb, control_subject
 from prometheus_client.parser import text_string_to_metric_families
 
 from plane.contract.config import ConnectOptions
@@ -37,8 +41,10 @@ from plane.contract.errors import Unavailable
 from plane.contract.natsconn import connect_kwargs
 from plane.contract.provision import slot_stream_infos
 from plane.contract.subjects import Names
+from plane.observe.denials import Denials
 
 QUIET_S = 0.15  # discovery ends this long after the last service answered
+SETTLE_S = 0.5  # for the server's word on what it refused (`_settle`)
 
 
 class ModelFacts(msgspec.Struct, kw_only=True):
@@ -136,17 +142,23 @@ class PlaneView(msgspec.Struct, kw_only=True):
     metrics: list[MetricsFacts] = []
     problems: list[str] = []
     took_ms: float = 0.0
+    # The one router whose health this view is about (`plane status --router`: a router's
+    # own health check); None: the plane's.
+    router: str | None = None
 
     @property
     def healthy(self) -> bool:
-        """A router and a node answer, and some slot is healthy to a router."""
-        return bool(self.routers) and bool(self.nodes) and any(
-            m.healthy > 0 for r in self.routers for m in r.models.values())
+        """A router and a node answer, and some slot is healthy to a router; with `router`,
+        that router answers and sees a healthy slot (so it has a node)."""
+        routers = [r for r in self.routers if self.router in (None, r.router)]
+        return bool(routers) and (self.router is not None or bool(self.nodes)) and any(
+            m.healthy > 0 for r in routers for m in r.models.values())
 
 
-async def connect_fast(opts: ConnectOptions, timeout_s: float) -> Client:
+async def connect_fast(opts: ConnectOptions, timeout_s: float,
+                       denials: Denials | None = None) -> Client:
     """One try per server, bounded by `timeout_s` (the commands that serve retry for ten
-    seconds; a health check must not)."""
+    seconds; a health check must not). `denials` hears what the server refuses it."""
     async def quiet(exc: Exception) -> None:
         return None
 
@@ -154,7 +166,8 @@ async def connect_fast(opts: ConnectOptions, timeout_s: float) -> Client:
           "connect_timeout": timeout_s, "reconnect_time_wait": 0.05}
     try:
         async with asyncio.timeout(timeout_s):
-            return await nats.connect(**kw, error_cb=quiet)
+            return await nats.connect(
+                **kw, error_cb=denials.on_error if denials is not None else quiet)
     except Exception as exc:
         raise Unavailable(f"cannot connect to NATS at {opts.url}: {exc!r}") from exc
 
@@ -229,12 +242,19 @@ def node_facts(body: dict[str, Any]) -> NodeFacts:
         gpu_util_pct=gpu.get("utilization_pct"))
 
 
-async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0) -> PlaneView:
-    """Find the plane's services and ask each for its status, within about `timeout_s`."""
+async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0,
+                  denials: Denials | None = None, router: str | None = None) -> PlaneView:
+    """Find the plane's services and ask each for its status, within about `timeout_s`.
+    `denials`: the connection's (`connect_fast`), to name what the server refused as such;
+    `router`: the router whose health the view is about (`PlaneView.router`)."""
     t0 = time.monotonic()
-    infos = await _gather_replies(nc, "$SRV.INFO", timeout_s / 2)
-    wanted = [(i.get("name"), _status_subject(i)) for i in infos
-              if i.get("name") in (names.router_service, names.node_service)]
+    told = denials if denials is not None else Denials(None)
+    services = (names.router_service, names.node_service)
+    found = await asyncio.gather(*(
+        _gather_replies(nc, control_subject(ServiceVerb.INFO, s), timeout_s / 2)
+        for s in services))
+    wanted = [(i.get("name"), _status_subject(i)) for infos in found for i in infos
+              if i.get("name") in services]
     problems: list[str] = []
 
     async def ask(kind: str, subject: str) -> tuple[str, dict[str, Any] | None]:
@@ -242,23 +262,37 @@ async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0) -> PlaneV
             m = await nc.request(subject, b"", timeout=timeout_s / 2)
             return kind, json.loads(m.data)
         except Exception as exc:
-            problems.append(f"{subject}: no answer ({type(exc).__name__})")
+            await _settle(nc)
+            problems.append(told.of(subject) or f"{subject}: no answer ({type(exc).__name__})")
             return kind, None
 
     answers, streams = await asyncio.gather(
         asyncio.gather(*(ask(str(k), s) for k, s in wanted if s is not None)),
-        _slot_streams(nc, names, timeout_s / 2, problems))
+        _slot_streams(nc, names, timeout_s / 2, problems, told))
     routers = sorted((router_facts(b) for k, b in answers
                       if b is not None and k == names.router_service), key=lambda r: r.router)
     nodes = sorted((node_facts(b) for k, b in answers
                     if b is not None and k == names.node_service), key=lambda n: n.node)
     problems.extend(behind_problems(routers))
-    if not routers:
-        problems.append("no router answers (plane router, or plane up)")
-    if not nodes:
-        problems.append("no node answers (plane node, or plane up)")
+    await _settle(nc)  # the server's refusals, if any, are in
+    for service, none in ((names.router_service, not routers), (names.node_service, not nodes)):
+        if none:
+            what = "router" if service == names.router_service else "node"
+            problems.append(told.of(control_subject(ServiceVerb.INFO, service))
+                            or f"no {what} answers (plane {what}, or plane up)")
+    if router is not None and routers and router not in {r.router for r in routers}:
+        problems.append(f"router {router} does not answer (the others do)")
+    problems.extend(told.untold())
     return PlaneView(routers=routers, nodes=nodes, slot_streams=streams, problems=problems,
-                     took_ms=(time.monotonic() - t0) * 1000)
+                     took_ms=(time.monotonic() - t0) * 1000, router=router)
+
+
+async def _settle(nc: Client) -> None:
+    """Until the server has answered everything sent so far (its -ERR of a refusal comes
+    before the PONG), briefly: a dead server must not hold a health check up."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(SETTLE_S):
+            await nc.flush()
 
 
 # A router behind on its inbox this long is named among the problems: a burst puts one behind
@@ -273,15 +307,17 @@ def behind_problems(routers: list[RouterFacts]) -> list[str]:
             for r in routers if r.behind_ms is not None and r.behind_ms >= BEHIND_PROBLEM_MS]
 
 
-async def _slot_streams(nc: Client, names: Names, timeout_s: float,
-                        problems: list[str]) -> list[SlotStreamFacts]:
+async def _slot_streams(nc: Client, names: Names, timeout_s: float, problems: list[str],
+                        denials: Denials) -> list[SlotStreamFacts]:
     """The slot streams that exist; one that does not answer (no leader: a cluster electing
-    one) is a problem named."""
+    one, or the server refused to let us ask) is a problem named."""
     facts = []
     for name, info in await slot_stream_infos(nc.jetstream(timeout=timeout_s), names):
         if isinstance(info, Exception):
-            problems.append(f"slot stream {name}: no answer ({type(info).__name__}): "
-                            "no leader (a cluster electing one)?")
+            await _settle(nc)
+            problems.append(denials.of(f"{JS_API}.STREAM.INFO.{name}") or (
+                f"slot stream {name}: no answer ({type(info).__name__}): no leader (a "
+                "cluster electing one)?"))
             continue
         c = info.cluster
         if c is None or not c.replicas:

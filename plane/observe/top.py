@@ -16,6 +16,7 @@ from rich.text import Text
 
 from plane.contract.subjects import Names
 from plane.observe.console import console as default_console
+from plane.observe.denials import Denials
 from plane.observe.planeview import (
     MetricsFacts,
     ModelFacts,
@@ -133,10 +134,12 @@ def render(view: PlaneView, *, live: bool = False) -> Group:
 
 
 async def snapshot(nc: Client, names: Names, metrics_urls: Sequence[str], *,
-                   timeout_s: float) -> PlaneView:
-    """The plane's status and the given endpoints' metrics, gathered at once."""
+                   timeout_s: float, denials: Denials | None = None,
+                   router: str | None = None) -> PlaneView:
+    """The plane's status and the given endpoints' metrics, gathered at once (`denials`,
+    `router`: as `collect` takes them)."""
     view, metrics = await asyncio.gather(
-        collect(nc, names, timeout_s=timeout_s),
+        collect(nc, names, timeout_s=timeout_s, denials=denials, router=router),
         asyncio.gather(*(asyncio.to_thread(scrape, u, timeout_s) for u in metrics_urls)))
     view.metrics = list(metrics)
     return view
@@ -144,8 +147,9 @@ async def snapshot(nc: Client, names: Names, metrics_urls: Sequence[str], *,
 
 async def run_top(nc: Client, names: Names, metrics_urls: Sequence[str], *,
                   interval_s: float, iterations: int | None = None,
-                  console: Console | None = None) -> PlaneView:
-    """Refresh until cancelled (Ctrl-C), or `iterations` times; returns the last view."""
+                  console: Console | None = None, denials: Denials | None = None) -> PlaneView:
+    """Refresh until cancelled (Ctrl-C), or `iterations` times; returns the last view.
+    `denials`: the connection's (`connect_fast`), to name what the server refuses."""
     console = console or default_console()
     last: dict[str, tuple[float, MetricsFacts]] = {}
     view = PlaneView(routers=[], nodes=[])
@@ -153,7 +157,8 @@ async def run_top(nc: Client, names: Names, metrics_urls: Sequence[str], *,
         i = 0
         while iterations is None or i < iterations:
             started = time.monotonic()
-            view = await snapshot(nc, names, metrics_urls, timeout_s=min(1.0, interval_s))
+            view = await snapshot(nc, names, metrics_urls, timeout_s=min(1.0, interval_s),
+                                  denials=denials)
             now = time.monotonic()
             shown = []
             for m in view.metrics:

@@ -151,7 +151,10 @@ async def close(nc: Client, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
             async with asyncio.timeout(timeout_s):
                 await nc.drain()
             return
-        except (TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, nats.errors.Error, OSError, RuntimeError) as exc:
+            # Its server gone during the drain: nats-py writes into the dead transport
+            # (uvloop: RuntimeError; a `plane up` SIGKILLed left its router child to stop
+            # on its own, and it exited with that traceback; found from outside).
             log.warning("nats drain cut short: closing", error=repr(exc))
     await close_now(nc)
 

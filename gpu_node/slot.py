@@ -564,18 +564,20 @@ class Slot(Generating):
             await cur.msg.ack()
             return True
         outcome = await take(self.js, self.stream, cur.msg.metadata.sequence.stream)
+        if outcome is not Take.GONE:  # ours (or nobody could say): on record at once
+            self.answered.add(mine[0])
+            self.answered.add(mine[1])
         with contextlib.suppress(Exception):
             await cur.msg.ack()  # clears our consumer's pending message either way
         if outcome is Take.GONE:  # the router took it (or the broker lost it: it asks us)
             self._done(cur, NOT_ANSWERED, 0)
             return False
-        self.answered.add(mine[0])
         if await self._router_answered(h, cur.request_id):
             self._done(cur, NOT_ANSWERED, 0)
             return False
         return True
 
-    async def _router_answered(self, h: Mapping[str, str], request_id: str) -> bool:
+    async def _router_answered(self, h: Mapping[str, str], request_id: str) -> bool | None:
         """Past its deadline, a message we took may be one its router answered without the
         broker's word (its publish's outcome unknown in a failover: it landed late). Record
         the attempt as ours, then ask that router (`plane.contract.ownership`); True: it

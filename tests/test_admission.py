@@ -770,6 +770,19 @@ def test_callers_who_never_come_back_unpin_their_own_tickets_not_others() -> Non
     assert adm.pins("calibrated", "")
 
 
+def test_a_waiting_newcomers_promise_that_lapses_is_no_no_show() -> None:
+    """A newcomer parked for a slot about to free holds a promise of its own, but was handed
+    no ticket: its lapse (a loop that lagged past it) is nobody's no-show (it was counted
+    one, against its caller's record and the tally)."""
+    ms, adm = slots(2), Admission("r")
+    busy_until(ms, 0.002, 0.008)
+    d = adm.decide(ms, ask(0.0, caller="c"))
+    assert isinstance(d, Park) and d.holder.newcomer
+    adm.tidy(ms, 5.0)  # long past its window: it lapses
+    assert d.holder.ticket not in adm.tickets
+    assert ("calibrated", "c") not in adm.by_caller and "calibrated" not in adm.redemption
+
+
 def test_the_callers_kept_are_bounded() -> None:
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.010)

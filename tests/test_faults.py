@@ -279,6 +279,44 @@ async def test_a_message_that_lands_after_its_router_answered_it_is_not_answered
         assert answers["late-2"][0].headers[Header.NODE] == view.node
 
 
+async def test_a_message_found_gone_that_its_node_did_not_answer_is_answered_once() -> None:
+    """The router finds its placement's message gone at the deadline and the node says it
+    did not answer it (a restarted server lost it, or the node's take is still on its way):
+    the router answers, and records the attempt first, so that a node whose take then goes
+    through asks it before answering and stays silent (without the record the node answered
+    too: two answers; found in review)."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        view = next(iter(router.models["calibrated"].slots.values()))
+        js = nc.jetstream()
+        got: list[Msg] = []
+        inbox = nc.new_inbox()
+
+        async def keep(msg: Msg) -> None:
+            got.append(msg)
+
+        await nc.subscribe(inbox, cb=keep)
+        now = time.monotonic()
+        fl = InFlight(request_id="gone-1", model="calibrated", reply=inbox,
+                      node=view.node, key=view.key, placed_s=now, tenant="default",
+                      subject=view.subject, stream=view.stream,
+                      deadline_s=now + 0.05, answer_by_s=now + 0.1, attempt="1~x")
+        router.inflight.placed(router.inflight.track(fl), 999_999)  # a sequence not there
+        await wait_until(lambda: got, 5, "the router's 504")
+        assert got[0].headers[Header.STATUS] == "504"  # type: ignore[index]
+        # The node's take, late: the same attempt lands on the slot and the node takes it.
+        past_ms = int(time.time() * 1000) - 200
+        await js.publish(view.subject, calibrated(1000), headers={
+            Header.REPLY_TO: inbox, Header.REQUEST_ID: "gone-1",
+            Header.DEADLINE_AT: str(past_ms), Header.DEADLINE_MS: "50",
+            Header.WORK_US: "1000", Header.ROUTER: router.cfg.router_id,
+            Header.ATTEMPT: "1~x"})
+        await wait_until(lambda: slots_running(stack) == 0, 5, "the slot free")
+        await asyncio.sleep(1.0)
+        assert len(got) == 1, [m.headers for m in got]
+
+
 async def test_two_requests_a_caller_gave_one_id_stay_apart_in_the_ownership_protocol() -> None:
     """Router and node name a placement by `<request id>#<attempt>` where the broker cannot
     say who answers, and the router finds such a placement's message by it: a caller that

@@ -5,6 +5,9 @@ replies. After the deadline, a node or a router that wants to answer must first 
 message through the JetStream API, which says definitively whether it was still there. Only
 the one whose delete succeeded answers; the broker serialises the two. So a lost done-event, a
 router that lost its server, or a node that dies mid-request can never make two answers.
+A message that neither removed (a restarted server's memory stream comes back empty) reads
+as "the other's" to both: the router asks the node, which has its claim on record before it
+answers, and answers only on its "no", recording the attempt as below.
 
 When the broker cannot say (a cluster failing over: the router's publish got no PubAck and
 the message is nowhere to be found, or a delete that keeps timing out), the router answers at
@@ -56,12 +59,13 @@ def attempt_id(request_id: str, attempt: str) -> str:
 
 
 async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float,
-                       within_s: float, gone: Callable[[], bool] | None = None) -> bool:
+                       within_s: float, gone: Callable[[], bool] | None = None) -> bool | None:
     """Ask the other side (a node's or a router's `answered` subject) whether it answered
     `asked` (a placement or an attempt id). Asked again while the question cannot get
-    through (a server failing over); False when it stays silent, or unreachable, for
-    `within_s`, or as soon as `gone()` says it is gone (its heartbeats lapsed): nobody else
-    will answer."""
+    through (a server failing over). True: it says it did; False: it says it did not; None:
+    it stayed silent, or unreachable, for `within_s`, or `gone()` says it is gone (its
+    heartbeats lapsed). Where the message is still ours to answer, silence means nobody
+    else will (test it for truth: None is falsy); where it is gone, only a "no" does."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + within_s
     while True:
@@ -70,7 +74,7 @@ async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float
             return reply.data == b"1"
         except Exception:
             if loop.time() >= give_up or (gone is not None and gone()):
-                return False
+                return None
             await asyncio.sleep(0.05)
 
 

@@ -855,7 +855,8 @@ class Admission:
         for p in ms.promises.expire(now_s, spare=spare):
             if p.foreign:
                 self.foreign.pop(p.ticket, None)
-            elif self.tickets.pop(p.ticket, None) is not None:
+            elif self.tickets.pop(p.ticket, None) is not None and not p.newcomer:
+                # (A waiting newcomer's promise was no ticket handed out: no no-show.)
                 self._lapse(p.ticket, (ms.model, p.caller), now_s)
         # Unpinned tickets lapse at their expiry (oldest first: dicts keep order) ...
         unpinned = self._unpinned

@@ -53,7 +53,7 @@ class InFlightBook:
     def __init__(
         self, js: JetStreamContext, *, answer: Answer, freed: Callable[[InFlight], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
-        asked: Callable[[InFlight, str, bool], Awaitable[bool]],
+        asked: Callable[[InFlight, str, bool], Awaitable[bool | None]],
     ) -> None:
         self._js = js
         self._asked = asked
@@ -130,11 +130,15 @@ class InFlightBook:
                 # restarted with its memory stream empty): then the node finds it gone too
                 # and stays silent. So a live node is asked: it has its claim on record
                 # before it answers (by attempt: a sequence may be reused by a stream made
-                # anew). A dead one cannot say: it took the message and its answer went
-                # with its done-event, or neither did.
-                if not node_alive or await self._asked(fl, attempt, node_alive):
+                # anew), and only its "no" is taken for one. A dead or silent one cannot
+                # say: it took the message and its answer went with its done-event, or
+                # neither did (kept silent, as before).
+                if not node_alive or await self._asked(fl, attempt, node_alive) is not False:
                     log.info("node answered first", request_id=fl.request_id, node=fl.node)
                     return
+                # Recorded before we answer: a node whose take went through while our
+                # question overtook it asks us before it answers (as for UNKNOWN below).
+                self.answered_unsure.add(attempt)
                 log.warning("slot message gone and its node did not answer it (the broker "
                             "lost it?); answering", request_id=fl.request_id, node=fl.node)
                 await self._answer(fl, status, reason, text)

@@ -32,6 +32,7 @@ from plane.contract.budget import predict
 from plane.contract.canonical import CanonicalLog
 from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
+from plane.contract.header_lines import REPEATED
 from plane.contract.headers import (
     asked_ms,
     echoed_request_id,
@@ -585,6 +586,7 @@ class RequestPath:
         """The caller's headers, and what the owner of a forward needs (docs/design.md)."""
         now = time.monotonic()
         headers = dict(r.msg.headers or {})
+        headers.pop(REPEATED, None)  # our reader's note, no header (nats-py refuses its name)
         headers[Header.FORWARDED_BY] = self.cfg.router_id
         headers[Header.REPLY_TO] = r.msg.reply
         headers[Header.FORWARD_UNTIL] = str(replies.now_ms() + int(self._forward_wait_s(r) * 1000))

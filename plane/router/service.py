@@ -564,7 +564,7 @@ class Router(Lifecycle, TaskOwner):
         there is no JetStream leader (one run at a time: `Reprovisioner`)."""
         await self._reprovisioner.again()
 
-    async def _node_answered(self, fl: InFlight, asked: str, patient: bool) -> bool:
+    async def _node_answered(self, fl: InFlight, asked: str, patient: bool) -> bool | None:
         """True only when the node says it answered that placement (or attempt); a live node
         is asked patiently (our own server may be failing over), until its heartbeats lapse
         (then it is dead: asked patiently on, a request on a node killed at its deadline was

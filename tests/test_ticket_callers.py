@@ -11,7 +11,10 @@ import asyncio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from plane.client import Client as PlaneClient
+from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header
+from plane.router.caller import UNNAMED, caller_of
 from tests.plane_fixtures import NAMES, calibrated, client, header, plane, status
 
 WORK_US = 40_000  # a slot cycle of ~40 ms: refusals are certain while one runs
@@ -104,3 +107,21 @@ async def test_tickets_honoured_counts_tickets_handed_out_not_newcomers_that_wai
         assert (429, 200) in outcomes, outcomes
         issued = sample("plane_tickets_issued_total", labels) or 0
         assert 1 <= (sample("plane_tickets_honoured_total", labels) or 0) <= issued
+
+
+async def test_a_clients_streams_and_requests_are_one_caller_and_another_clients_are_not(
+) -> None:
+    """The router tells callers apart by their reply subject less its last token: a client's
+    streams were each on an inbox of their own (`_INBOX.<nuid>`: no caller the router could
+    name), so every stream caller shared one record, and a gateway's no-shows (its
+    generations are streams) unpinned every NATS caller's stream tickets (found in review)."""
+    async with EmbeddedNats() as srv, PlaneClient.connect(srv.url) as one, \
+            PlaneClient.connect(srv.url) as two:
+        first, second = one.stream_inbox(), one.stream_inbox()
+        assert first != second
+        assert caller_of(first, {}) == caller_of(second, {}) != UNNAMED
+        assert caller_of(two.stream_inbox(), {}) not in (caller_of(first, {}), UNNAMED)
+        assert caller_of(one.nc.new_inbox(), {}) == UNNAMED  # one inbox a request: unnamed
+        # Across a tenant's import the server names the connection.
+        info = {Header.NATS_REQUEST_INFO: '{"acc":"TENANT","server":"S1","id":7}'}
+        assert caller_of("_R_.abc.def", info) == "TENANT:S1/7"

@@ -27,6 +27,7 @@ ends 503 `no-capacity` locally (one already sent waits for its answer as above).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -140,6 +141,13 @@ class Client:
         self.on_close = OnClose(nc)
         self.replies = ReplyInbox(nc)
         self.request_ids = RequestIds()
+        # Each stream's inbox, under one prefix of this client's: `_INBOX.<nuid>.<n>`, as its
+        # requests' replies are, so that the router tells this caller's tickets from others'
+        # (`plane.router.caller`; an inbox of its own per stream made every stream caller
+        # one, "": a gateway's no-shows unpinned everybody's streams). Its own subscription
+        # each: a stream's reader that stops reading is seen by its node.
+        self._stream_prefix = nc.new_inbox()
+        self._streams = itertools.count(1)
         self.on_close.add(self.replies, self.replies.fail_all)
         if self.calls is not None:
             self.on_close.add(self.calls, self.calls.wake_all)
@@ -295,6 +303,10 @@ class Client:
                 avoid_node = reply_headers.get(Header.NODE) or avoid_node
             waited_ms += await self.pause(given, delay_ms)
             attempt += 1
+
+    def stream_inbox(self) -> str:
+        """A new stream's inbox: `<this client's stream prefix>.<n>`."""
+        return f"{self._stream_prefix}.{next(self._streams)}"
 
     def reconnect_until(self, deadline_at: float) -> float:
         """Until when an attempt waits for a lost connection (monotonic; calls and streams)."""

@@ -268,7 +268,8 @@ class TokenStream:
         queue: asyncio.Queue[Msg | None] = asyncio.Queue()
         self._queue = queue
 
-        inbox = nc.new_inbox()  # each message queued as nats-py reads it: no task wake between
+        inbox = self._client.stream_inbox()  # `Client.stream_inbox`: the caller's own prefix
+        # Each message queued as nats-py reads it: no task wake between.
         self._sub = await subscribe_as_read(nc, inbox, queue.put_nowait)
         # A close ends the wait for the next message at once (`_end_silent` says why).
         self._client.on_close.add(self, lambda: queue.put_nowait(None))

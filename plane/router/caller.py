@@ -3,7 +3,8 @@ its tickets decides whether its next ticket pins slot time (`Admission.pins`).
 
 A NATS client makes its requests with one reply prefix per connection (nats-py, nats.js and
 nats.go all subscribe once to `_INBOX.<nuid>.*` and reply on `_INBOX.<nuid>.<token>`), so the
-reply subject without its last token names the connection. A request that came across a
+reply subject without its last token names the connection; the SDK's streams have their
+inboxes under one prefix of their client's too (`Client.stream_inbox`). A request that came across a
 tenant's service import has a reply subject the server made for it; the server names its
 connection in `Nats-Request-Info` (`<server id>/<client id>`) instead. A client that makes a
 reply subject of its own per request (an old-style request: `_INBOX.<nuid>`, two tokens)

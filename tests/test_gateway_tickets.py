@@ -50,6 +50,18 @@ def test_the_book_is_bounded_the_oldest_dropped_first() -> None:
     assert len(book) == 1
 
 
+def test_tickets_given_out_do_not_count_against_the_bound() -> None:
+    """Given tickets stay in the book's order until they reach its front: counted against
+    `max_held`, they had live tickets dropped early under a flood (found in review)."""
+    book = HeldTickets(max_held=3)
+    book.keep(b"a" * 20, "r-a", due_s=1.0, now_s=0.5)
+    book.keep(b"b" * 20, "r-b", due_s=1.0, now_s=0.5)
+    book.keep(b"c" * 20, "r-c", due_s=1.0, now_s=0.5)
+    assert book.take(b"b" * 20, 1.0) == "r-b"  # given: the middle of the order
+    book.keep(b"d" * 20, "r-d", due_s=1.5, now_s=1.0)  # three held: none need go
+    assert len(book) == 3 and book.take(b"a" * 20, 1.0) == "r-a"
+
+
 def test_the_retry_key_is_what_a_retry_repeats_and_a_first_try_says_so() -> None:
     def key(path: str = "/v1/completions", body: bytes = b'{"prompt":"x"}',
             **headers: str) -> bytes:

@@ -85,7 +85,9 @@ class HeldTickets:
         self._by_key.setdefault(key, deque()).append(held)
         self._order.append(held)
         self._live += 1
-        while self._order and (len(self._order) > self.max_held or self._order[0].gone
+        # Bounded by the tickets still held (given ones leave `_order` as they reach its
+        # front, or with age: counted, they dropped live tickets early under a flood).
+        while self._order and (self._live > self.max_held or self._order[0].gone
                                or self._order[0].due_s + GOOD_FOR_S <= now_s):
             self._drop(self._order.popleft())
 

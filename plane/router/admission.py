@@ -729,10 +729,10 @@ class Admission:
         if r.expires_s < ask.judged_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
-            self._count(ms.model, r.caller, redeemed=True)
+            self._count(ms.model, ask.caller, redeemed=True)
             return None
         if ask.park_until_s is None:
-            self._count(ms.model, r.caller, redeemed=True)
+            self._count(ms.model, ask.caller, redeemed=True)
         self.stats["ticket-valid"] += 1
         return r
 
@@ -797,7 +797,7 @@ class Admission:
         if p is None or not any(q is p for q in ms.promises):
             return
         if ask.park_until_s is None:  # it did come back (a parked re-decide counted already)
-            self._count(ms.model, p.caller, redeemed=True)
+            self._count(ms.model, ask.caller, redeemed=True)
         self.stats["holder-refused-by-check"] += 1
         self._slipped(ms.model, p, ask.now_s)
         self.forget(ms, p)

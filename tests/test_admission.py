@@ -783,6 +783,29 @@ def test_a_waiting_newcomers_promise_that_lapses_is_no_no_show() -> None:
     assert ("calibrated", "c") not in adm.by_caller and "calibrated" not in adm.redemption
 
 
+def test_callers_that_come_once_and_never_back_start_the_next_unpinned() -> None:
+    """A caller the router has no record of starts where callers' first tickets stand:
+    callers that each open a connection for one request and never come back (each a new
+    caller, each starting at 1) kept their tickets pinned for ever (found in review)."""
+    ms, adm = slots(1), Admission("r")
+    now = 0.0
+    busy_until(ms, 0.010)
+    for i in range(12):
+        assert isinstance(adm.decide(ms, ask(now, caller=f"once-{i}")), Refuse)
+        now += 0.1
+        busy_until(ms, now + 0.010)
+    assert not adm.pins("calibrated", "someone-new")
+    d = adm.decide(ms, ask(now, caller="someone-new"))
+    assert isinstance(d, Refuse) and d.ticket not in adm.tickets  # an estimate, no slot time
+    # A caller that comes back earns its own record: pinned after a few tickets redeemed.
+    for n in range(1, 11):
+        adm._count("calibrated", "regular", redeemed=True)
+        if adm.pins("calibrated", "regular"):
+            break
+    assert 1 < n <= 6, n
+    assert not adm.pins("calibrated", "someone-else")  # the others' start is unchanged
+
+
 def test_the_callers_kept_are_bounded() -> None:
     ms, adm = slots(1), Admission("r")
     busy_until(ms, 0.010)

@@ -438,6 +438,10 @@ class Admission:
         # and per (model, caller), which decides the pinning.
         self.redemption: dict[str, float] = {}
         self.by_caller: dict[Whose, float] = {}
+        # Per model, the same average over callers' first tickets: where a caller the router
+        # has no record of starts (a caller that opens a connection a request never returned
+        # to one: starting each at 1 it never stopped pinning).
+        self.first_tickets: dict[str, float] = {}
         # Per model, tickets settled, counted (`plane status`; the averages start at 1).
         self.ticket_tally: dict[str, TicketTally] = {}
         self._unpin_due: set[Whose] = set()  # callers whose average fell under MIN_REDEMPTION
@@ -816,7 +820,11 @@ class Admission:
         rate = self.redemption.get(model, 1.0)
         self.redemption[model] = rate + step - REDEMPTION_WEIGHT * rate
         whose = (model, caller)
-        rate = self.by_caller.pop(whose, 1.0)  # re-inserted: the most recently counted last
+        first = self.first_tickets.get(model, 1.0)
+        rate = self.by_caller.pop(whose, -1.0)  # re-inserted: the most recently counted last
+        if rate < 0:  # its first ticket settled
+            self.first_tickets[model] = first + step - REDEMPTION_WEIGHT * first
+            rate = first
         self.by_caller[whose] = now = rate + step - REDEMPTION_WEIGHT * rate
         if len(self.by_caller) > CALLERS_MAX:
             del self.by_caller[next(iter(self.by_caller))]
@@ -825,7 +833,9 @@ class Admission:
 
     def pins(self, model: str, caller: str) -> bool:
         """Whether a ticket for `caller` holds slot time: while it comes back for them."""
-        return self.by_caller.get((model, caller), 1.0) >= MIN_REDEMPTION
+        known = self.by_caller.get((model, caller))
+        return (known if known is not None else self.first_tickets.get(model, 1.0)
+                ) >= MIN_REDEMPTION
 
     def _unpin(self, ms: ModelSlots, caller: str) -> None:
         """`caller` stopped coming back for its tickets: the promises this router pinned for

@@ -434,8 +434,9 @@ class Router(Lifecycle, TaskOwner):
             },
             "tickets": len(self.admission.tickets),
             "ticket_stats": dict(self.admission.stats),
-            # The recent average that decides whether promises pin slot time (from 1), and
-            # the tickets settled, counted (`plane.router.ticket_tally`).
+            # The recent average of tickets redeemed over all callers (from 1; each caller's
+            # own decides whether its promises pin slot time: `Admission.pins`), and the
+            # tickets settled, counted (`plane.router.ticket_tally`).
             "redemption": self.admission.redemption,
             "ticket_returns": {m: t.as_dict() for m, t in self.admission.ticket_tally.items()},
             "inflight": len(self.inflight),

@@ -7,6 +7,7 @@ routers before the nodes), whatever fails."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from nats.aio.client import Client
 from freshness.guard import guarded_enricher
 from plane.contract.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.contract.embedded import EmbeddedNats
-from plane.contract.lifecycle import Lifecycle
+from plane.contract.lifecycle import Lifecycle, freeze_startup_heap
 from plane.contract.metrics import ChildMetrics, PlaneMetrics, serve_metrics
 from plane.contract.natsconn import close_now, connect
 from plane.contract.subjects import Names
@@ -97,7 +98,11 @@ class PlaneStack(Lifecycle):
                 children=self._router_metrics()))
             # The node's modules (torch and triton: seconds) are imported here, once the router
             # processes are started: their own start-up runs meanwhile, on another core.
+            first_import = "gpu_node.node" not in sys.modules
             from gpu_node.node import Node
+
+            if first_import:  # its heap out of the collector's reach before any traffic
+                freeze_startup_heap()
 
             first_partition = 0  # on one GPU, each node's slots after the last node's
             for i in range(cfg.nodes_per_model):

@@ -27,7 +27,7 @@ from plane.contract import logs
 from plane.contract.backoff import NO_RETRY
 from plane.contract.config import NodeConfig
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
-from plane.contract.lifecycle import stop_event, until_any
+from plane.contract.lifecycle import freeze_startup_heap, stop_event, until_any
 from plane.contract.messages import FEATURES, Status
 from plane.contract.metrics import PlaneMetrics, serve_metrics
 from plane.contract.natsconn import close, connect
@@ -63,6 +63,9 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
     role, the rest (demo calls) as admin."""
     auth = AuthDir(auth_dir) if auth_dir is not None else None
     server: EmbeddedNats | None = None
+    # Before anything starts: a SIGTERM during the start-up (or the moment its banner says it
+    # is up) stops it cleanly once started, instead of killing it with its children.
+    stop = stop_event()
     async with contextlib.AsyncExitStack() as started:
         if cfg.connect.url is None:
             server = await started.enter_async_context(
@@ -73,12 +76,12 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
             cfg = replace(cfg, connect=auth.options("admin", cfg.connect.url, name="plane-up"),
                           roles=auth.roles(), settings=auth.tenant_settings())
         code = await _serve(await started.enter_async_context(
-            PlaneStack(cfg, tracing=Tracing.from_env("plane"))), cfg, demo=demo,
+            PlaneStack(cfg, tracing=Tracing.from_env("plane"))), cfg, stop, demo=demo,
             credentials=auth.path / STATE_FILE if auth is not None else None, server=server)
     return code
 
 
-async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool,
+async def _serve(stack: PlaneStack, cfg: StackConfig, stop: asyncio.Event, *, demo: bool,
                  credentials: Path | None = None, server: EmbeddedNats | None = None) -> int:
     """Print where the plane is (the URL first) and how to call it; serve or demo.
     `credentials`: the auth state the server runs with (the calls below need a login).
@@ -115,7 +118,6 @@ async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool,
         finally:
             await nc.close()
     say("Ctrl-C stops everything.")
-    stop = stop_event()
     await until_any(stop, *(c.lost for c in stack.router_children),
                     *([server.lost] if server is not None else []))
     if not stop.is_set() and server is not None and server.lost.is_set():
@@ -172,7 +174,10 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
 async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) -> int:
     from gpu_node.node import Node  # torch and triton (see the module's docstring)
 
+    freeze_startup_heap()  # what that import brought, before any request can arrive
+
     metrics = PlaneMetrics()
+    stop = stop_event()  # before its start-up log says it serves (see `run_up`)
     nc = await connect(spec.connect)
     try:
         with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
@@ -183,7 +188,7 @@ async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) 
                 await stack.enter_async_context(
                     Node(nc, cfg, metrics, replicas=spec.replicas, enrich=enrich,
                          tracing=Tracing.from_env("plane-node")))
-                await stop_event().wait()
+                await stop.wait()
     finally:
         await close(nc)  # drains; closes when the server is gone
     return 0

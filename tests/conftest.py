@@ -27,6 +27,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from plane.contract.embedded import EmbeddedNats
+from plane.contract.lifecycle import freeze_startup_heap
 from plane.contract.replies import ok_headers
 from plane.contract.subjects import Header, Names
 from tests.leftovers import kill_all, left_running
@@ -73,6 +74,17 @@ SESSION_MARK = "PLANE_TEST_SESSION"
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[SESSION_MARK] = uuid.uuid4().hex
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What the commands that compute do before they serve (`plane.contract.lifecycle`):
+    the imports' heap (torch's ~155k objects) frozen out of the cyclic collector's reach.
+    This process runs routers and nodes on its loop; without it every full collection walked
+    that heap for 100-500 ms on a busy host, and one stopped a Node.js caller's first
+    request past its 200 ms deadline (`test_any_language`: a 504 in two clean clones)."""
+    import gpu_node.node  # noqa: F401  (torch, triton: the node's, imported by its tests anyway)
+
+    freeze_startup_heap()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

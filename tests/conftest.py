@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib
 import faulthandler
+import gc
 import random
 import sys
 import uuid
@@ -111,6 +112,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.unfreeze()  # as `lifecycle.run` does: native extensions check for leaks at exit
     if _real_stderr is not sys.__stderr__:
         _real_stderr.close()
 

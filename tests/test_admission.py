@@ -25,6 +25,7 @@ from plane.router.admission import (
     Place,
     Refuse,
 )
+from plane.router.caller import again_record
 from plane.router.fairness import FairShare
 from plane.router.occupancy import ModelSlots
 from plane.router.promises import (
@@ -56,9 +57,9 @@ def busy_until(ms: ModelSlots, *free_at_s: float) -> None:
 
 
 def ask(now: float, deadline_s: float = 1.0, ticket: str | None = None,
-        pred: Prediction = MS10, caller: str = "") -> Ask:
+        pred: Prediction = MS10, caller: str = "", retry: bool = False) -> Ask:
     return Ask(now_s=now, deadline_s=now + deadline_s, prediction=pred, ticket=ticket,
-               caller=caller)
+               caller=caller, retry=retry or ticket is not None)
 
 
 def test_free_slot_is_placed() -> None:
@@ -768,6 +769,35 @@ def test_callers_who_never_come_back_unpin_their_own_tickets_not_others() -> Non
     assert isinstance(gw, Refuse) and gw.ticket not in adm.tickets
     # A caller nobody can name ("") keeps its own record: untouched by either.
     assert adm.pins("calibrated", "")
+
+
+def test_a_caller_that_retries_once_keeps_its_first_tickets_pinned() -> None:
+    """A caller that retries a refusal once comes back for every ticket given to a first
+    attempt and for none given to a retry (refused for its tenant's share first, then busy).
+    Judged together, the retries' no-shows unpinned its first tickets: their holders, back on
+    time, found no slot held and were refused again (two tenants at 2x: 31-71% of first
+    retries served, found from outside). Judged apart, the first tickets stay pinned."""
+    ms, adm = slots(1), Admission("r")
+    now = 0.0
+    for _ in range(12):
+        busy_until(ms, now + 0.010)
+        first = adm.decide(ms, ask(now, caller="c"))
+        assert isinstance(first, Refuse) and first.ticket in adm.tickets, first
+        assert first.retry_after_ms is not None
+        for _ in range(2):  # retries refused with tickets it never comes back for
+            d = adm.decide(ms, ask(now, caller="c", retry=True))
+            assert isinstance(d, Refuse) and d.ticket, d
+        back = now + first.retry_after_ms / 1000
+        ms.slots["n/0"].busy = False  # the slot's done-event came as the holder is back
+        d = adm.decide(ms, ask(back, ticket=first.ticket, caller="c"))
+        assert isinstance(d, Place) and d.redeemed is not None, d
+        adm.redeemed(ms, d.redeemed, back)
+        now = back + 0.3  # the retries' tickets lapse
+        adm.tidy(ms, now)
+    assert adm.pins("calibrated", "c")
+    assert not adm.pins("calibrated", again_record("c"))  # its retries' tickets: estimates
+    tally = adm.ticket_tally["calibrated"]
+    assert (tally.redeemed, tally.no_shows) == (12, 24), tally  # every no-show still counted
 
 
 def test_a_waiting_newcomers_promise_that_lapses_is_no_no_show() -> None:

@@ -25,6 +25,7 @@ import msgspec
 from plane.contract.budget import Prediction, ServiceWindow, fits
 from plane.contract.messages import Reason, Status
 from plane.contract.subjects import InvalidToken, check_token
+from plane.router.caller import again_record
 from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise, simulate, would_delay
@@ -233,6 +234,14 @@ class Ask(msgspec.Struct, frozen=True):
     # Who it came from, as far as the router can tell (`plane.router.caller.caller_of`): whose
     # record of coming back decides whether its ticket pins slot time.
     caller: str = ""
+    # A retry (it came with a ticket, or said an attempt past 1): a ticket given to it is
+    # judged in its caller's record for retries (`plane.router.caller.again_record`).
+    retry: bool = False
+
+    @property
+    def record(self) -> str:
+        """The record a ticket given to it is judged in (`Promise.caller`)."""
+        return again_record(self.caller) if self.retry else self.caller
 
     @property
     def judged_s(self) -> float:
@@ -733,10 +742,12 @@ class Admission:
         if r.expires_s < ask.judged_s:
             self.stats["ticket-late"] += 1
             self.forget(ms, r)
-            self._count(ms.model, ask.caller, redeemed=True)
+            self._count(ms.model, r.caller or ask.caller, redeemed=True)
             return None
         if ask.park_until_s is None:
-            self._count(ms.model, ask.caller, redeemed=True)
+            # In the record it was given under (another router's promise names none here:
+            # the caller that came).
+            self._count(ms.model, r.caller or ask.caller, redeemed=True)
         self.stats["ticket-valid"] += 1
         return r
 
@@ -801,7 +812,7 @@ class Admission:
         if p is None or not any(q is p for q in ms.promises):
             return
         if ask.park_until_s is None:  # it did come back (a parked re-decide counted already)
-            self._count(ms.model, ask.caller, redeemed=True)
+            self._count(ms.model, p.caller or ask.caller, redeemed=True)
         self.stats["holder-refused-by-check"] += 1
         self._slipped(ms.model, p, ask.now_s)
         self.forget(ms, p)
@@ -925,7 +936,7 @@ class Admission:
         lag_s = RETURN_LAG_SHARE * (p.likely_us - p.expected_us) / 1e6
         due_s = max(now, start_s + lag_s - RETURN_LEAD_S)
         wait_ms = _wait_ms(due_s, now)
-        pinned = self.pins(ms.model, ask.caller)
+        pinned = self.pins(ms.model, ask.record)
         on_call = pinned and self._on_call(ms.model, ask)
         # A holder on call comes when a slot really frees, whatever the schedule's error. A
         # holder refused again keeps a place (its new promise replaces its old one: the book
@@ -994,14 +1005,14 @@ class Admission:
             expires_s=told_s + _late_tolerance_s(ask.prediction),
             service_s=ask.prediction.expected_us / 1e6,
             issued_s=now, pinned=pinned, wake=ask.wake, promised_s=due_s,
-            ahead=on_call and ask.first_p99_us is None, caller=ask.caller,
+            ahead=on_call and ask.first_p99_us is None, caller=ask.record,
         )
         if promise.pinned:
             ms.promises.add(promise)
             self.notes.append(PromiseChange(ms.model, promise, made=True))
             self.tickets[promise.ticket] = promise
         else:
-            self._unpinned[promise.ticket] = ((ms.model, ask.caller), promise.expires_s)
+            self._unpinned[promise.ticket] = ((ms.model, ask.record), promise.expires_s)
         return Refuse(
             Status.BUSY, Reason.BUSY,
             f"all {ms.model} slots are busy: come back in {told_ms} ms with this ticket"
@@ -1024,7 +1035,7 @@ class Admission:
         promise = Promise(
             ticket=new_ticket(self._prefix), due_s=start_s, expires_s=start_s,
             service_s=ask.prediction.expected_us / 1e6, issued_s=ask.now_s, pinned=True,
-            caller=ask.caller, newcomer=True,
+            caller=ask.record, newcomer=True,
         )
         promise.parked = True
         ms.promises.add(promise)

@@ -62,7 +62,7 @@ class Promise:
     # Its holder is on call for work long beside a call's trip (not a stream): called a trip
     # before a slot is predicted to free, not when it frees (`Admission.call_ahead`).
     ahead: bool = False
-    caller: str = ""  # who it was made for (`Ask.caller`): whose no-show it is if it lapses
+    caller: str = ""  # whose record it was made in (`Ask.record`): whose no-show if it lapses
     newcomer: bool = False  # a newcomer's, waiting here for its start: no ticket was handed out
 
     @property

@@ -445,7 +445,8 @@ class RequestPath:
                     # usual Retry-After, not one that counts on a call.
                     wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake,
                     came_s=received, wait_s=(caller.wait_ms or 0) / 1000,
-                    caller=caller_of(msg.reply, hdrs)),
+                    caller=caller_of(msg.reply, hdrs),
+                    retry=caller.ticket is not None or (caller.attempt or 1) > 1),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
         if owner is not None and owner != self.cfg.router_id and not forwarded:

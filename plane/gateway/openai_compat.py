@@ -12,7 +12,9 @@ already have (the `openai` package, curl -N) work unchanged:
   in OpenAI's chunk shape, `data: [DONE]` last; a usage chunk before it when
   `stream_options.include_usage`; `stream_options` without `stream: true` is a 400, as at
   OpenAI). `GET /v1/models` lists the models that stream. A field OpenAI's schema marks
-  nullable may be null: not given.
+  nullable may be null: not given. A completion's `prompt` absent or null is OpenAI's
+  default, `<|endoftext|>`: generation from the document boundary alone (tinylm's END,
+  which begins every prompt), the empty prompt.
 - `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p` and `seed` are
   the plane's own (`tinylm`: greedy, temperature 0, when none is given, where OpenAI's
   default is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `top_logprobs`,

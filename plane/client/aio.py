@@ -21,7 +21,9 @@ request and answers within its grace of it (docs/design.md): at the deadline exa
 client would answer "no answer" for an answer on its way (a 200 of work done, or the
 router's own 429 for a request it held). An attempt about to be sent while the connection
 is down (reconnecting) waits for it at most `ClientConfig.reconnect_wait_ms`, then the call
-ends 503 `no-capacity` locally (one already sent waits for its answer as above).
+ends 503 `no-capacity` locally; one already sent waits for its answer as above, or, with
+`ClientConfig.end_on_disconnect`, ends 503 `unhealthy` locally the moment the connection
+drops.
 """
 
 from __future__ import annotations
@@ -46,10 +48,13 @@ from plane.client.attempt import (
 )
 from plane.client.connection import (
     CONNECT_ATTEMPTS,
+    DROPPED,
     NOT_CONNECTED,
     ROUTERS_BACK_POLL_MS,
     Comeback,
+    ConnectionDropped,
     OnClose,
+    OnDrop,
     closed_error,
     open_connection,
 )
@@ -103,6 +108,12 @@ class ClientConfig:
     # before the call ends 503 `no-capacity` locally; None: until the call's deadline (or
     # `wait_ms`). The gateway sets it short: an HTTP caller is better told at once.
     reconnect_wait_ms: int | None = None
+    # A call or stream waiting for the plane when the connection drops ends at once, a local
+    # 503 `unhealthy` (`plane.client.connection.OnDrop`: what the plane sent meanwhile is
+    # lost). False: it waits on until its deadline (or `wait_ms`), for an answer a
+    # connection back in time (another server of a cluster) may still bring. The gateway
+    # sets it: an HTTP caller is better told at once than held.
+    end_on_disconnect: bool = False
     seed: int | None = None  # the jitter's random source; None: seeded from the OS
     # Give the router an inbox (`Plane-Wake`) where it calls a ticket's holder back: on every
     # attempt that may be followed by another (`plane.client.wake`).
@@ -149,6 +160,9 @@ class Client:
         self._stream_prefix = nc.new_inbox()
         self._streams = itertools.count(1)
         self.on_close.add(self.replies, self.replies.fail_all)
+        self.on_drop = OnDrop(nc) if self.config.end_on_disconnect else None
+        if self.on_drop is not None:
+            self.on_drop.add(self.replies, lambda: self.replies.fail_all(ConnectionDropped))
         if self.calls is not None:
             self.on_close.add(self.calls, self.calls.wake_all)
 
@@ -393,5 +407,8 @@ class Client:
             b, h = local_reply(
                 Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}", rid
             )
+            return b, h, True
+        except ConnectionDropped:  # `end_on_disconnect`: its answer, if any, is lost
+            b, h = local_reply(Status.UNAVAILABLE, Reason.UNHEALTHY, DROPPED, rid)
             return b, h, True
         return msg.data, msg.headers or {}, False  # nats-py makes a dict per message

@@ -23,6 +23,8 @@ each token message's text.
   `Plane-Cancel-Subject`) and unsubscribes, so the slot frees within a token step. Leaving an
   `async for` by `break` without `async with` relies on the event loop closing the abandoned
   iterator (asyncio does it at once, in a task); `async with` does it before it returns.
+- With `ClientConfig.end_on_disconnect`, a connection that drops while it waits ends it at
+  once, a local 503 `unhealthy` (what the plane sends meanwhile is lost), and cancels it.
 - It never hangs: with no message for the TTFT budget (or `ClientConfig.wait_ms`) before the
   start, or past the stream deadline afterwards (with none given: `wait_ms` between two
   messages), plus `ClientConfig.stream_margin_ms` for the plane's own answer, the stream ends
@@ -42,7 +44,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
-from plane.client.connection import NOT_CONNECTED, closed_error
+from plane.client.connection import DROPPED, DROPPED_MID_STREAM, NOT_CONNECTED, closed_error
 from plane.client.result import Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
@@ -120,6 +122,7 @@ class TokenStream:
         self._stream_at: float | None = None  # monotonic: the whole stream's deadline
         self._begun = False
         self._closed = False  # aclose ran: nothing more is sent or read
+        self._dropped = False  # the connection dropped under it (`end_on_disconnect`)
         self._wake: str | None = None  # the client's inbox for calls back (`Plane-Wake`)
         self._start_lock: asyncio.Lock | None = None
 
@@ -271,8 +274,11 @@ class TokenStream:
         inbox = self._client.stream_inbox()  # `Client.stream_inbox`: the caller's own prefix
         # Each message queued as nats-py reads it: no task wake between.
         self._sub = await subscribe_as_read(nc, inbox, queue.put_nowait)
-        # A close ends the wait for the next message at once (`_end_silent` says why).
+        # A close ends the wait for the next message at once (`_end_silent` says why), and
+        # so does a drop for a client that asks it (`ClientConfig.end_on_disconnect`).
         self._client.on_close.add(self, lambda: queue.put_nowait(None))
+        if self._client.on_drop is not None:
+            self._client.on_drop.add(self, lambda: self._dropped_under(queue))
         if self._closed:  # closed while it subscribed
             await self._unsubscribe()
             return
@@ -355,10 +361,22 @@ class TokenStream:
         body, headers = local_reply(status, reason, message, self.request_id)
         self._finish(int(status), body, headers, local=True)
 
+    def _dropped_under(self, queue: asyncio.Queue[Msg | None]) -> None:
+        """The connection dropped while this stream waited for its next message: what the
+        plane sends meanwhile is lost (`OnDrop`), so the wait ends now."""
+        self._dropped = True
+        queue.put_nowait(None)
+
     async def _end_silent(self, what: str) -> None:
         if self._client.nc.is_closed:  # closed under it: say why, not "no message"
             self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY,
                                str(closed_error(self._client.nc)))
+            return
+        if self._dropped:  # the cancel goes out at the reconnect: a node still on stops
+            self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY, DROPPED if not self.started
+                               else DROPPED_MID_STREAM.format(
+                                   node=self.start_headers.get(Header.NODE)))
+            await self._cancel()
             return
         where = f" (node {self.start_headers.get(Header.NODE)})" if self.started else ""
         self._finish_local(Status.DEADLINE, Reason.DEADLINE,
@@ -394,6 +412,8 @@ class TokenStream:
 
     async def _unsubscribe(self) -> None:
         self._client.on_close.discard(self)
+        if self._client.on_drop is not None:
+            self._client.on_drop.discard(self)
         sub, self._sub = self._sub, None
         if sub is not None:
             try:

@@ -29,7 +29,8 @@ already have (the `openai` package, curl -N) work unchanged:
   `overloaded` refusal says `x-should-retry: false` (no slot frees in time, or the plane is
   past what it can promise: go elsewhere). Bad input is a 400, a model
   the plane does not stream a 404 `model_not_found`. A stream that fails once started (its
-  deadline, a node lost, a cancel for it from another NATS client) ends with an `error` data
+  deadline, a node lost, a cancel for it from another NATS client, the gateway's NATS
+  connection dropped: 503 `unhealthy` at once) ends with an `error` data
   event, then `[DONE]`; a whole answer so cut is its error status (a cancelled one: 503
   `cancelled` with `x-should-retry: false`), never a 200 with cut text.
 - Deadlines, request ids and tickets ride in the plane's headers as on `/v1/infer`

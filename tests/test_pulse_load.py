@@ -187,3 +187,22 @@ async def test_pulse_sends_a_wait_only_when_asked(nats_server: EmbeddedNats) -> 
     assert seen and set(seen) == {None}
     seen = await _header_over_nats(nats_server.url, Header.WAIT_MS, "--wait-ms", "50")
     assert seen and set(seen) == {"50"}
+
+
+async def test_mean_retries_is_over_the_refused_that_came_back() -> None:
+    """2x the capacity with retries and a deadline of a few service times: most refusals
+    are final (`deadline`, `overloaded`: go elsewhere now), a few come back with their
+    ticket. The mean retries is over those that came back, so at least 1; the final ones,
+    counted as 0 retries, had pulled it to 0.04-0.3."""
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as stack:
+        target = NatsTarget(ConnectOptions(url=stack.url), model="calibrated",
+                            deadline_ms=60, policy=RetryPolicy(max_attempts=4))
+        report = await pulse(target, default_body("calibrated", duration_us=20_000),
+                             LoadConfig(rate=200, duration_s=3), deadline_ms=60)
+    s, outcomes = report.summary, report.run.outcomes
+    final_refusals = sum(1 for o in outcomes if o.attempts.statuses == (429,))
+    came_back = [o for o in outcomes if 429 in o.attempts.statuses[:-1]]
+    assert final_refusals > len(came_back) > 0, (final_refusals, len(came_back))
+    assert s.mean_retries is not None and s.mean_retries >= 1.0, s.mean_retries
+    assert s.mean_retries == sum(len(o.attempts.statuses) - 1 for o in came_back) / len(
+        came_back)

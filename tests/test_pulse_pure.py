@@ -221,7 +221,8 @@ def test_summary_counts_and_retry_figures() -> None:
     assert s.status_counts == {"200": 102, "429": 1, "timeout": 1}
     assert s.retry_after_share == pytest.approx(3 / 4)
     assert s.first_retry_success == pytest.approx(1 / 2)  # of the two that retried
-    assert s.mean_retries == pytest.approx((0 + 1 + 2) / 3)
+    # Over the two that came back: the refusal that was final made no retry to count.
+    assert s.mean_retries == pytest.approx((1 + 2) / 2)
     assert s.refusal_rate == pytest.approx(3 / 104)
     assert s.within_deadline_share == pytest.approx(102 / 107)
     assert s.p50_ms == pytest.approx(10.2, abs=0.05)

@@ -16,7 +16,14 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
+from plane.client import (
+    Client,
+    ClientConfig,
+    ConnectFailed,
+    LocalCause,
+    SyncClient,
+    Unavailable,
+)
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConnectionClosed
 from plane.contract.messages import Reason, Status
@@ -382,3 +389,19 @@ async def test_with_end_on_disconnect_a_drop_ends_a_call_and_a_stream_in_flight_
         with contextlib.suppress(asyncio.CancelledError):
             await held
         await nats_server.start()  # both clients close as usual
+
+
+async def test_a_call_held_for_the_connection_until_its_deadline_says_so(
+        nats_server: EmbeddedNats) -> None:
+    """Without `reconnect_wait_ms` an attempt waits for a lost connection until the call's
+    deadline: then it ends 504 as before, but says it was never sent for the connection's
+    sake (`LocalCause.DISCONNECTED`), not "deadline passed before send", which a caller that
+    counts outcomes (`plane pulse`) took for the plane's timeout."""
+    async with Client.connect(nats_server.url) as plane:
+        await nats_server.stop()
+        await wait_until(lambda: plane.nc.is_reconnecting, 5, "the client to see it")
+        result = await plane.call("calibrated", {"duration_us": 1}, deadline_ms=300)
+        await nats_server.start()
+    assert result.status == 504 and result.local and result.reason == Reason.DEADLINE
+    assert result.local_cause == LocalCause.DISCONNECTED, result
+    assert "connection to NATS stayed down" in result.body.decode(), result.body

@@ -43,6 +43,9 @@ ROUTERS_BACK_POLL_MS = 20.0
 # A call's (or stream's) local 503 when the connection stayed down past
 # `ClientConfig.reconnect_wait_ms`.
 NOT_CONNECTED = "not sent: the connection to NATS is down (reconnecting); try again shortly"
+# ... and when it was waited for until the call's deadline (`reconnect_wait_ms` None).
+NOT_CONNECTED_TO_DEADLINE = ("deadline passed before send: the connection to NATS stayed down "
+                             "(reconnecting) all that time; try again shortly")
 # A call's (or stream's) local 503 `unhealthy` when the connection dropped while it waited
 # for the plane (`ClientConfig.end_on_disconnect`): sent, so it may have run.
 DROPPED = ("the connection to NATS dropped while this waited for the plane's answer, which "
@@ -73,8 +76,10 @@ class Comeback:
         self._reconnects = nc.stats["reconnects"]
         self._back_s = -math.inf
 
-    async def until_connected(self, deadline_at: float) -> None:
-        """Wait while the connection is reconnecting, at most until `deadline_at` (monotonic).
+    async def until_connected(self, deadline_at: float) -> bool:
+        """Wait while the connection is reconnecting, at most until `deadline_at` (monotonic);
+        True when it was down (the caller was held: a deadline that passed meanwhile passed
+        for the connection's sake).
 
         A request published while the connection is down waits in nats-py's buffer and goes
         out at the reconnect with the `Plane-Deadline-Ms` it was given before the wait; the
@@ -91,10 +96,12 @@ class Comeback:
         # connection the caller passed in are the caller's. Between two tries it is
         # "reconnecting", during a try's handshake "connecting" (it counts the reconnect
         # once the handshake is done): a call that went at "connecting" found no router.
+        held = self.down()
         while self.down() and time.monotonic() < deadline_at:  # noqa: ASYNC110
             await asyncio.sleep(RECONNECTED_POLL_S)
         if (n := nc.stats["reconnects"]) != self._reconnects:
             self._reconnects, self._back_s = n, time.monotonic()
+        return held
 
     def down(self) -> bool:
         """The connection is lost and nats-py is trying to get it back."""

@@ -44,8 +44,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
-from plane.client.connection import DROPPED, DROPPED_MID_STREAM, NOT_CONNECTED, closed_error
-from plane.client.result import Result, reply_status
+from plane.client.connection import (
+    DROPPED,
+    DROPPED_MID_STREAM,
+    NOT_CONNECTED,
+    NOT_CONNECTED_TO_DEADLINE,
+    closed_error,
+)
+from plane.client.result import LocalCause, Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
 from plane.contract.headers import is_no_responders
@@ -207,14 +213,21 @@ class TokenStream:
                       if client.calls is not None and self._policy.max_attempts > 1 else None)
         while not self._closed:  # closed while it waited to retry: send nothing more
             held_until = client.reconnect_until(deadline_at)
-            await client.comeback.until_connected(held_until)
-            if held_until < deadline_at and client.comeback.down():
-                self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED)
+            held = await client.comeback.until_connected(held_until)
+            # Still down, held as long as it may be, or back only once the deadline had
+            # passed: never sent, for the connection's sake.
+            if client.comeback.down() or (held and time.monotonic() >= deadline_at):
+                if held_until < deadline_at:
+                    self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED,
+                                       LocalCause.DISCONNECTED)
+                else:
+                    self._finish_local(Status.DEADLINE, Reason.DEADLINE,
+                                       NOT_CONNECTED_TO_DEADLINE, LocalCause.DISCONNECTED)
                 return
             remaining_s = deadline_at - time.monotonic()
             if remaining_s <= 0:
                 self._finish_local(Status.DEADLINE, Reason.DEADLINE,
-                                   "deadline passed before send")
+                                   "deadline passed before send", LocalCause.NOT_SENT)
                 return
             await self._send(attempt, remaining_s, send_deadline)
             wait_s = remaining_s + (self._margin_s if send_deadline else 0)
@@ -306,17 +319,18 @@ class TokenStream:
         headers = dict(msg.headers or {})
         if is_no_responders(headers):
             self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY,
-                               f"no router listens on {self.subject}")
+                               f"no router listens on {self.subject}", LocalCause.NO_RESPONDERS)
             return Kind.FINAL
         try:
             kind = self.reader.feed(headers, msg.data)
         except StreamBroken as exc:
-            self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY, f"the stream broke: {exc}")
+            self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY, f"the stream broke: {exc}",
+                               LocalCause.BROKEN)
             return None
         if kind is Kind.TOKEN:
             self.pieces.append(msg.data.decode(errors="replace"))
         elif kind in (Kind.END, Kind.FINAL):
-            self._finish(reply_status(headers), msg.data, headers, local=False)
+            self._finish(reply_status(headers), msg.data, headers, cause=None)
         return kind
 
     def __aiter__(self) -> AsyncGenerator[str, None]:
@@ -347,7 +361,8 @@ class TokenStream:
         return self._stream_at + self._margin_s - time.monotonic()
 
     # -- ending ------------------------------------------------------------------------------
-    def _finish(self, status: int, body: bytes, headers: dict[str, str], *, local: bool) -> None:
+    def _finish(self, status: int, body: bytes, headers: dict[str, str], *,
+                cause: LocalCause | None) -> None:
         self._statuses.append(status)
         if status == Status.BUSY and (Header.RETRY_AFTER_MS in headers
                                       or Header.RETRY_AFTER in headers):
@@ -355,11 +370,13 @@ class TokenStream:
         self.result = Result(
             status=status, body=body, headers=headers, request_id=self.request_id,
             statuses=tuple(self._statuses), hinted=self._hinted, waited_ms=self._waited_ms,
-            last_attempt_ms=(time.monotonic() - self._sent_at) * 1000, local=local)
+            last_attempt_ms=(time.monotonic() - self._sent_at) * 1000, local=cause is not None,
+            local_cause=cause)
 
-    def _finish_local(self, status: Status, reason: Reason, message: str) -> None:
+    def _finish_local(self, status: Status, reason: Reason, message: str,
+                      cause: LocalCause) -> None:
         body, headers = local_reply(status, reason, message, self.request_id)
-        self._finish(int(status), body, headers, local=True)
+        self._finish(int(status), body, headers, cause=cause)
 
     def _dropped_under(self, queue: asyncio.Queue[Msg | None]) -> None:
         """The connection dropped while this stream waited for its next message: what the
@@ -370,17 +387,19 @@ class TokenStream:
     async def _end_silent(self, what: str) -> None:
         if self._client.nc.is_closed:  # closed under it: say why, not "no message"
             self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY,
-                               str(closed_error(self._client.nc)))
+                               str(closed_error(self._client.nc)), LocalCause.CLOSED)
             return
         if self._dropped:  # the cancel goes out at the reconnect: a node still on stops
             self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY, DROPPED if not self.started
                                else DROPPED_MID_STREAM.format(
-                                   node=self.start_headers.get(Header.NODE)))
+                                   node=self.start_headers.get(Header.NODE)),
+                               LocalCause.DROPPED)
             await self._cancel()
             return
         where = f" (node {self.start_headers.get(Header.NODE)})" if self.started else ""
         self._finish_local(Status.DEADLINE, Reason.DEADLINE,
-                           f"{what}{where}: no message in time from the plane; cancelled")
+                           f"{what}{where}: no message in time from the plane; cancelled",
+                           LocalCause.NO_ANSWER)
         await self._cancel()
 
     async def aclose(self) -> None:
@@ -391,7 +410,8 @@ class TokenStream:
             # A 200 made up here: the caller ended it, there is no error to raise.
             self._begun = True  # never sent yet: now it never will be
             self._finish(int(Status.OK), b"", {Header.STATUS: str(int(Status.OK)),
-                                              Header.REQUEST_ID: self.request_id}, local=True)
+                                              Header.REQUEST_ID: self.request_id},
+                         cause=LocalCause.CANCELLED)
             if self._queue is not None:
                 self._queue.put_nowait(None)  # wake a task waiting for the next message
             self.cancelled = True

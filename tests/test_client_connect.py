@@ -5,6 +5,7 @@ deadline was asked for (else the plane's live deadline for the model applies).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -15,7 +16,14 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from plane.client import Client, ClientConfig, ConnectFailed, SyncClient, Unavailable
+from plane.client import (
+    Client,
+    ClientConfig,
+    ConnectFailed,
+    LocalCause,
+    SyncClient,
+    Unavailable,
+)
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.errors import ConnectionClosed
 from plane.contract.messages import Reason, Status
@@ -328,3 +336,72 @@ async def test_a_stream_refused_before_its_start_leaves_no_subscription(
             assert len(plane.nc._subs) == before
     finally:
         await nc.close()
+
+
+async def test_with_end_on_disconnect_a_drop_ends_a_call_and_a_stream_in_flight_at_once(
+        nats_server: EmbeddedNats) -> None:
+    """`ClientConfig.end_on_disconnect` (the gateway's): a call and a started stream waiting
+    when the server is killed end at once, a local 503 `unhealthy` (what the plane sent
+    meanwhile is lost), not at their minute-long deadlines; a client without it still waits
+    (in a cluster the connection may come back in time for the answer). A scripted
+    responder answers a stream's start and one token, and a call never."""
+    peer = await nats.connect(nats_server.url)
+    names = Names()
+    got: list[str] = []
+
+    async def answer(msg: Msg) -> None:
+        got.append(msg.subject)
+        rid = (msg.headers or {})[Header.REQUEST_ID]
+        if Header.STREAM in (msg.headers or {}) and msg.reply:
+            await peer.publish(msg.reply, b"", headers=start_headers(rid, "n1", 0,
+                                                                     names.cancel("n1", 0)))
+            await peer.publish(msg.reply, b"a", headers=token_headers(rid, 1))
+
+    await peer.subscribe(names.infer_all(), cb=answer)
+    await peer.flush()
+    ending = ClientConfig(end_on_disconnect=True)
+    async with Client.connect(nats_server.url, ending) as plane, \
+            Client.connect(nats_server.url) as waiting:
+        call = asyncio.create_task(plane.call("calibrated", {"duration_us": 1},
+                                              deadline_ms=60_000, request_id="drop-1"))
+        held = asyncio.create_task(waiting.call("calibrated", {"duration_us": 1},
+                                                deadline_ms=60_000))
+        stream = plane.stream("tinylm", {"prompt": "hi", "max_tokens": 4}, deadline_ms=60_000,
+                              stream_deadline_ms=60_000, raise_errors=False)
+        pieces = stream.__aiter__()
+        assert await pieces.__anext__() == "a"
+        await wait_until(lambda: len(got) == 3, 5, "the calls to reach the responder")
+        await peer.close()
+        await nats_server.stop(kill=True)
+        async with asyncio.timeout(10):  # each would wait a minute, unanswered
+            result = await call
+            with pytest.raises(StopAsyncIteration):
+                await pieces.__anext__()
+        assert result.status == 503 and result.local and result.reason == Reason.UNHEALTHY
+        assert result.headers[Header.REQUEST_ID] == "drop-1"
+        assert "connection to NATS dropped" in result.body.decode(), result.body
+        assert stream.status == 503 and stream.result is not None and stream.result.local
+        assert stream.result.reason == Reason.UNHEALTHY and stream.pieces == ["a"]
+        assert "dropped mid-stream (node n1)" in stream.result.body.decode()
+        await asyncio.sleep(0.5)
+        assert not held.done()  # the default: it waits on for its deadline
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+        await nats_server.start()  # both clients close as usual
+
+
+async def test_a_call_held_for_the_connection_until_its_deadline_says_so(
+        nats_server: EmbeddedNats) -> None:
+    """Without `reconnect_wait_ms` an attempt waits for a lost connection until the call's
+    deadline: then it ends 504 as before, but says it was never sent for the connection's
+    sake (`LocalCause.DISCONNECTED`), not "deadline passed before send", which a caller that
+    counts outcomes (`plane pulse`) took for the plane's timeout."""
+    async with Client.connect(nats_server.url) as plane:
+        await nats_server.stop()
+        await wait_until(lambda: plane.nc.is_reconnecting, 5, "the client to see it")
+        result = await plane.call("calibrated", {"duration_us": 1}, deadline_ms=300)
+        await nats_server.start()
+    assert result.status == 504 and result.local and result.reason == Reason.DEADLINE
+    assert result.local_cause == LocalCause.DISCONNECTED, result
+    assert "connection to NATS stayed down" in result.body.decode(), result.body

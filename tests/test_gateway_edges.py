@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from plane.contract.config import ConnectOptions
@@ -123,6 +124,31 @@ async def test_openai_fields_null_where_openai_allows_it_are_not_given(
                 **body, "stream": True, "stream_options": {"include_usage": None}}) as r:
             text = await r.text()
             assert r.status == 200 and text.endswith("data: [DONE]\n\n"), (path, text)
+
+
+async def test_a_completion_with_no_prompt_or_a_null_one_is_openais_default(
+        gateway: Gateway, http: aiohttp.ClientSession) -> None:
+    """OpenAI's `prompt` defaults to `<|endoftext|>` (generation as from a new document),
+    and the `openai` package sends `prompt=None` as null: both were a 400 here ("Expected
+    `str | array`, got `null`", "Object missing required field `prompt`"). Now both are
+    the empty prompt, which tinylm begins with its END token, the document boundary."""
+    url = f"{gateway.url}/v1/completions"
+    got, answer = await _post(http, url, {"model": MODEL, "prompt": "", "max_tokens": 8})
+    assert got == 200, answer
+    expected = answer["choices"][0]["text"]  # greedy: the one text from the boundary alone
+    for body in [{"model": MODEL, "prompt": None, "max_tokens": 8},
+                 {"model": MODEL, "max_tokens": 8}]:
+        got, answer = await _post(http, url, body)
+        assert got == 200, (body, answer)
+        assert answer["choices"][0]["text"] == expected, (body, answer)
+        assert answer["usage"]["prompt_tokens"] == 0, answer
+        async with http.post(url, json={**body, "stream": True}) as r:
+            text = await r.text()
+            assert r.status == 200 and text.endswith("data: [DONE]\n\n"), (body, text)
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=TOKEN,
+                                  max_retries=0, timeout=20) as oa:
+        whole = await oa.completions.create(model=MODEL, prompt=None, max_tokens=8)
+    assert whole.choices[0].text == expected
 
 
 async def test_a_stream_deadline_shorter_than_the_first_tokens_is_a_400_on_both_routes(

@@ -20,7 +20,7 @@ from plane.contract.subjects import Header
 from plane.pulse import LoadConfig, NatsTarget, default_body, pulse
 from plane.pulse.summary import ABSENT, PRESENT
 from plane.stack import PlaneStack, StackConfig
-from tests.plane_fixtures import NAMES, client
+from tests.plane_fixtures import NAMES, client, plane
 
 SERVICE_S = 0.010  # the queueing server's one worker: 100 requests/s at most
 PLANE = str(Path(sys.executable).parent / "plane")
@@ -187,3 +187,50 @@ async def test_pulse_sends_a_wait_only_when_asked(nats_server: EmbeddedNats) -> 
     assert seen and set(seen) == {None}
     seen = await _header_over_nats(nats_server.url, Header.WAIT_MS, "--wait-ms", "50")
     assert seen and set(seen) == {"50"}
+
+
+async def test_calls_the_sdk_never_sent_are_not_counted_as_timeouts(
+        nats_server: EmbeddedNats) -> None:
+    """The plane's nats-server stopped for 1.2 s mid-run, deadlines of 300 ms: the SDK holds
+    each call that comes meanwhile for the reconnect, and ends it when its deadline has
+    passed, never sent (`LocalCause.DISCONNECTED`). Those failed in transport ("error"); they
+    were counted as timeouts of the plane (~18 of 60 here), each at its whole deadline as an
+    accepted latency. Only a call the plane had and could not answer is a timeout."""
+    async with plane(nats_server.url, models=("calibrated",), slots=2):
+        target = NatsTarget(ConnectOptions(url=nats_server.url), model="calibrated",
+                            deadline_ms=300, policy=RetryPolicy(max_attempts=1))
+
+        async def outage() -> None:
+            await asyncio.sleep(1.0)
+            await nats_server.stop()
+            await asyncio.sleep(1.2)
+            await nats_server.start()
+
+        down = asyncio.create_task(outage())
+        report = await pulse(target, default_body("calibrated", duration_us=10_000),
+                             LoadConfig(rate=20, duration_s=3), deadline_ms=300)
+        await down
+    counts = report.summary.status_counts
+    assert counts.get("error", 0) >= 8, counts  # ~18: the 0.9 s of arrivals held past 300 ms
+    assert counts.get("timeout", 0) <= 3, counts  # at most those in flight at the stop
+    held = [o for o in report.run.outcomes if o.attempts.final == "error"]
+    assert all(o.attempts.statuses == (0,) for o in held), held[:3]
+
+
+async def test_mean_retries_is_over_the_refused_that_came_back() -> None:
+    """2x the capacity with retries and a deadline of a few service times: most refusals
+    are final (`deadline`, `overloaded`: go elsewhere now), a few come back with their
+    ticket. The mean retries is over those that came back, so at least 1; the final ones,
+    counted as 0 retries, had pulled it to 0.04-0.3."""
+    async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as stack:
+        target = NatsTarget(ConnectOptions(url=stack.url), model="calibrated",
+                            deadline_ms=60, policy=RetryPolicy(max_attempts=4))
+        report = await pulse(target, default_body("calibrated", duration_us=20_000),
+                             LoadConfig(rate=200, duration_s=3), deadline_ms=60)
+    s, outcomes = report.summary, report.run.outcomes
+    final_refusals = sum(1 for o in outcomes if o.attempts.statuses == (429,))
+    came_back = [o for o in outcomes if 429 in o.attempts.statuses[:-1]]
+    assert final_refusals > len(came_back) > 0, (final_refusals, len(came_back))
+    assert s.mean_retries is not None and s.mean_retries >= 1.0, s.mean_retries
+    assert s.mean_retries == sum(len(o.attempts.statuses) - 1 for o in came_back) / len(
+        came_back)

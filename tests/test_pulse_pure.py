@@ -10,6 +10,7 @@ import random
 import pytest
 from click.testing import CliRunner
 
+from plane.client.result import LocalCause, Result
 from plane.contract.errors import ConfigError
 from plane.pulse import (
     Attempts,
@@ -39,6 +40,7 @@ from plane.pulse.summary import (
     PRESENT,
     Signals,
 )
+from plane.pulse.targets import attempts_of
 
 N = 5000
 
@@ -221,7 +223,8 @@ def test_summary_counts_and_retry_figures() -> None:
     assert s.status_counts == {"200": 102, "429": 1, "timeout": 1}
     assert s.retry_after_share == pytest.approx(3 / 4)
     assert s.first_retry_success == pytest.approx(1 / 2)  # of the two that retried
-    assert s.mean_retries == pytest.approx((0 + 1 + 2) / 3)
+    # Over the two that came back: the refusal that was final made no retry to count.
+    assert s.mean_retries == pytest.approx((1 + 2) / 2)
     assert s.refusal_rate == pytest.approx(3 / 104)
     assert s.within_deadline_share == pytest.approx(102 / 107)
     assert s.p50_ms == pytest.approx(10.2, abs=0.05)
@@ -234,6 +237,32 @@ def test_summary_counts_and_retry_figures() -> None:
     from plane.pulse.report import to_json
 
     assert keys <= set(json.loads(to_json(s)))
+
+
+def _result(statuses: tuple[int, ...], cause: LocalCause | None) -> Result:
+    return Result(status=statuses[-1], body=b"", headers={}, request_id="r",
+                  statuses=statuses, local=cause is not None, local_cause=cause)
+
+
+@pytest.mark.parametrize(("statuses", "cause", "final", "counted"), [
+    ((200,), None, "200", (200,)),
+    ((429, 429), None, "429", (429, 429)),  # the plane's final refusal
+    ((504,), None, "504", (504,)),  # the plane's own 504 (the router's, at the deadline)
+    ((504,), LocalCause.NO_ANSWER, "timeout", (0,)),  # sent, nothing came back
+    ((429, 504), LocalCause.NOT_SENT, "unsent", (429,)),  # its retry never went
+    ((504,), LocalCause.NOT_SENT, "timeout", (0,)),  # its deadline gone before the first
+    ((504,), LocalCause.DISCONNECTED, "error", (0,)),  # held for the connection, never sent
+    ((503,), LocalCause.DISCONNECTED, "error", (0,)),
+    ((503,), LocalCause.NO_RESPONDERS, "error", (0,)),
+    ((429, 503), LocalCause.DROPPED, "error", (429, 0)),
+])
+def test_a_call_is_counted_under_what_ended_it(statuses: tuple[int, ...],
+                                                cause: LocalCause | None, final: str,
+                                                counted: tuple[int, ...]) -> None:
+    """The SDK's own statuses by why it made them: only an attempt sent and never answered is
+    a timeout (a call never sent, held for a lost connection, was one)."""
+    got = attempts_of(_result(statuses, cause))
+    assert (got.final, got.statuses) == (final, counted)
 
 
 def test_no_retries_means_no_retry_figures() -> None:

@@ -139,7 +139,8 @@ def test_summary_of_a_known_run() -> None:
     assert s.refused_first == 10 and s.refused_by_reason == {"busy": 9, "deadline": 1}
     assert s.refused_final_by_reason == {"deadline": 1}
     assert s.first_retry_success == pytest.approx(8 / 9)
-    assert s.mean_retries == pytest.approx((8 * 1 + 2 + 0) / 10)
+    # Over the 9 that came back: the one refused to the end made no retry to count.
+    assert s.mean_retries == pytest.approx((8 * 1 + 2) / 9)
     assert s.retry_after_share == 1.0
     assert s.within_deadline == 109 and s.within_deadline_share == 1.0
     assert s.verdict == NOT_MET  # first-retry success 88.9% < 99.5%
@@ -287,6 +288,28 @@ async def test_streams_retried_at_their_ticket(nats_server: EmbeddedNats,
         assert h[Header.STREAM] == "1"
         assert 0 < int(h[Header.DEADLINE_MS]) < 2000
         assert int(h[Header.DEADLINE_MS]) <= int(h[Header.STREAM_DEADLINE_MS]) < 3000
+
+
+async def test_mean_retries_is_over_the_streams_that_came_back(
+        nats_server: EmbeddedNats, streamer: dict[str, list[Msg]]) -> None:
+    """Every first try refused `busy` with a Retry-After of 20 ms: streams with a TTFT
+    budget that fits the wait come back with their ticket (one retry each), streams with a
+    budget of 15 ms take the refusal as their final answer. The mean retries is over those
+    that came back, 1.0; the final ones, counted as 0 retries, had pulled it to 0.5."""
+    opts = ConnectOptions(url=nats_server.url)
+    async with StreamTarget(opts, StreamSpec(deadline_ms=2000, policy=RetryPolicy()),
+                            seed=1) as back, \
+            StreamTarget(opts, StreamSpec(deadline_ms=15, policy=RetryPolicy()),
+                         seed=1) as final:
+        t0 = time.monotonic()
+        outcomes = await asyncio.gather(
+            *(back.stream(b"{}", t0=t0, scheduled_s=0.0) for _ in range(3)),
+            *(final.stream(b"{}", t0=t0, scheduled_s=0.0) for _ in range(3)))
+    assert [o.statuses for o in outcomes] == [(429, 200)] * 3 + [(429,)] * 3
+    s = summarize_streams(list(outcomes), target="t", rate=6, duration_s=1, elapsed_s=1,
+                          deadline_ms=None, stream_deadline_ms=None)
+    assert s.refused_first == 6 and s.refused_final_by_reason == {"busy": 3}
+    assert s.first_retry_success == 1.0 and s.mean_retries == 1.0
 
 
 async def test_no_retry_a_broken_stream_and_a_cancel(nats_server: EmbeddedNats,

@@ -26,7 +26,7 @@ closed, with `why`, e.g. the account's subscription limit). Each carries `attemp
 
 from plane.client.aio import Client, ClientConfig
 from plane.client.attempt import encode_payload
-from plane.client.result import Result
+from plane.client.result import LocalCause, Result
 from plane.client.stream import TokenStream
 from plane.client.sync import SyncClient
 from plane.contract.backoff import NO_RETRY, RetryPolicy, retry_delay_ms
@@ -50,6 +50,7 @@ __all__ = [
     "ConnectOptions",
     "ConnectionClosed",
     "DeadlineExceeded",
+    "LocalCause",
     "PlaneError",
     "Rejected",
     "Result",

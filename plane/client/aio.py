@@ -21,7 +21,10 @@ request and answers within its grace of it (docs/design.md): at the deadline exa
 client would answer "no answer" for an answer on its way (a 200 of work done, or the
 router's own 429 for a request it held). An attempt about to be sent while the connection
 is down (reconnecting) waits for it at most `ClientConfig.reconnect_wait_ms`, then the call
-ends 503 `no-capacity` locally (one already sent waits for its answer as above).
+ends 503 `no-capacity` locally; one already sent waits for its answer as above, or, with
+`ClientConfig.end_on_disconnect`, ends 503 `unhealthy` locally the moment the connection
+drops. A status the client made up itself is `Result.local`, and `Result.local_cause` says
+why (`LocalCause`: no answer, never sent, the connection, nobody listening, ...).
 """
 
 from __future__ import annotations
@@ -46,14 +49,18 @@ from plane.client.attempt import (
 )
 from plane.client.connection import (
     CONNECT_ATTEMPTS,
+    DROPPED,
     NOT_CONNECTED,
+    NOT_CONNECTED_TO_DEADLINE,
     ROUTERS_BACK_POLL_MS,
     Comeback,
+    ConnectionDropped,
     OnClose,
+    OnDrop,
     closed_error,
     open_connection,
 )
-from plane.client.result import Result, header_int, reply_status
+from plane.client.result import LocalCause, Result, header_int, reply_status
 from plane.client.stream import TokenStream
 from plane.client.wake import EarlyCalls
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
@@ -103,6 +110,12 @@ class ClientConfig:
     # before the call ends 503 `no-capacity` locally; None: until the call's deadline (or
     # `wait_ms`). The gateway sets it short: an HTTP caller is better told at once.
     reconnect_wait_ms: int | None = None
+    # A call or stream waiting for the plane when the connection drops ends at once, a local
+    # 503 `unhealthy` (`plane.client.connection.OnDrop`: what the plane sent meanwhile is
+    # lost). False: it waits on until its deadline (or `wait_ms`), for an answer a
+    # connection back in time (another server of a cluster) may still bring. The gateway
+    # sets it: an HTTP caller is better told at once than held.
+    end_on_disconnect: bool = False
     seed: int | None = None  # the jitter's random source; None: seeded from the OS
     # Give the router an inbox (`Plane-Wake`) where it calls a ticket's holder back: on every
     # attempt that may be followed by another (`plane.client.wake`).
@@ -149,6 +162,9 @@ class Client:
         self._stream_prefix = nc.new_inbox()
         self._streams = itertools.count(1)
         self.on_close.add(self.replies, self.replies.fail_all)
+        self.on_drop = OnDrop(nc) if self.config.end_on_disconnect else None
+        if self.on_drop is not None:
+            self.on_drop.add(self.replies, lambda: self.replies.fail_all(ConnectionDropped))
         if self.calls is not None:
             self.on_close.add(self.calls, self.calls.wake_all)
 
@@ -263,9 +279,12 @@ class Client:
                 else None)
         while True:
             held_until = self.reconnect_until(deadline_at)
-            await self.comeback.until_connected(held_until)
-            if held_until < deadline_at and self.comeback.down():
-                return self._disconnected(request_id, statuses, hinted, waited_ms)
+            held = await self.comeback.until_connected(held_until)
+            # Still down, held as long as it may be, or back only once the deadline had
+            # passed: never sent, for the connection's sake.
+            if self.comeback.down() or (held and time.monotonic() >= deadline_at):
+                return self._disconnected(request_id, statuses, hinted, waited_ms,
+                                          deadline_passed=held_until >= deadline_at)
             remaining_s = deadline_at - time.monotonic()
             attempt_headers = attempt_headers_for(
                 headers, request_id=request_id, attempt=attempt,
@@ -273,7 +292,7 @@ class Client:
                 ticket=ticket, avoid_node=avoid_node, content_type=content_type,
                 wake=wake if attempt - first_attempt + 1 < policy.max_attempts else None)
             sent = time.monotonic()
-            reply_body, reply_headers, local = await self._attempt(
+            reply_body, reply_headers, cause = await self._attempt(
                 subject, body, attempt_headers, remaining_s,
                 remaining_s + self.config.answer_margin_ms / 1000 if send_deadline else
                 remaining_s,
@@ -290,7 +309,7 @@ class Client:
             result = Result(
                 status=status, body=reply_body, headers=reply_headers, request_id=request_id,
                 statuses=tuple(statuses), hinted=hinted, waited_ms=waited_ms,
-                last_attempt_ms=last_attempt_ms, local=local,
+                last_attempt_ms=last_attempt_ms, local=cause is not None, local_cause=cause,
             )
             delay_ms = self.retry_delay_for(result, policy, attempt - first_attempt + 1,
                                             deadline_at)
@@ -315,14 +334,19 @@ class Client:
         return min(deadline_at, time.monotonic() + self.config.reconnect_wait_ms / 1000)
 
     def _disconnected(self, request_id: str, statuses: list[int], hinted: int,
-                      waited_ms: float) -> Result:
-        """The call's end when the connection stayed down past `reconnect_wait_ms`."""
-        body, headers = local_reply(Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED,
-                                    request_id)
-        statuses.append(Status.UNAVAILABLE)
-        return Result(status=Status.UNAVAILABLE, body=body, headers=headers,
+                      waited_ms: float, *, deadline_passed: bool) -> Result:
+        """The call's end when the connection stayed down past `reconnect_wait_ms` (503
+        `no-capacity`), or, waited for until the deadline, past that (504, as any call whose
+        deadline passed, saying why it was never sent)."""
+        status, reason, why = ((Status.DEADLINE, Reason.DEADLINE, NOT_CONNECTED_TO_DEADLINE)
+                               if deadline_passed else
+                               (Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED))
+        body, headers = local_reply(status, reason, why, request_id)
+        statuses.append(status)
+        return Result(status=status, body=body, headers=headers,
                       request_id=request_id, statuses=tuple(statuses), hinted=hinted,
-                      waited_ms=waited_ms, last_attempt_ms=0.0, local=True)
+                      waited_ms=waited_ms, last_attempt_ms=0.0, local=True,
+                      local_cause=LocalCause.DISCONNECTED)
 
     async def pause(self, ticket: str | None, delay_ms: float) -> float:
         """Wait `delay_ms` before the next attempt, or less when the router calls `ticket`'s
@@ -372,14 +396,14 @@ class Client:
     async def _attempt(
         self, subject: str, body: bytes, headers: dict[str, str], remaining_s: float,
         timeout_s: float, no_answer: str,
-    ) -> tuple[bytes, dict[str, str], bool]:
+    ) -> tuple[bytes, dict[str, str], LocalCause | None]:
         """One request, sent with `remaining_s` of the call left, waited for `timeout_s`;
-        (body, headers, made_up_locally)."""
+        (body, headers, why the client made it up itself: None for the plane's answer)."""
         rid = headers[Header.REQUEST_ID]
-        if remaining_s <= 0:
+        if remaining_s <= 0:  # a retry's wait (or the loop) ran past the deadline
             b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send",
                                rid)
-            return b, h, True
+            return b, h, LocalCause.NOT_SENT
         try:
             msg = await self.replies.request(subject, body, headers, timeout_s)
         except ConnectionClosedError:
@@ -388,10 +412,13 @@ class Client:
             if self.nc.is_closed:  # closed while it waited: say why, not "no answer"
                 raise closed_error(self.nc) from None
             b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer, rid)
-            return b, h, True
+            return b, h, LocalCause.NO_ANSWER
         except NoRespondersError:
             b, h = local_reply(
                 Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}", rid
             )
-            return b, h, True
-        return msg.data, msg.headers or {}, False  # nats-py makes a dict per message
+            return b, h, LocalCause.NO_RESPONDERS
+        except ConnectionDropped:  # `end_on_disconnect`: its answer, if any, is lost
+            b, h = local_reply(Status.UNAVAILABLE, Reason.UNHEALTHY, DROPPED, rid)
+            return b, h, LocalCause.DROPPED
+        return msg.data, msg.headers or {}, None  # nats-py makes a dict per message

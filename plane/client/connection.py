@@ -43,6 +43,19 @@ ROUTERS_BACK_POLL_MS = 20.0
 # A call's (or stream's) local 503 when the connection stayed down past
 # `ClientConfig.reconnect_wait_ms`.
 NOT_CONNECTED = "not sent: the connection to NATS is down (reconnecting); try again shortly"
+# ... and when it was waited for until the call's deadline (`reconnect_wait_ms` None).
+NOT_CONNECTED_TO_DEADLINE = ("deadline passed before send: the connection to NATS stayed down "
+                             "(reconnecting) all that time; try again shortly")
+# A call's (or stream's) local 503 `unhealthy` when the connection dropped while it waited
+# for the plane (`ClientConfig.end_on_disconnect`): sent, so it may have run.
+DROPPED = ("the connection to NATS dropped while this waited for the plane's answer, which "
+           "is lost with it (the request may have run); try again shortly")
+DROPPED_MID_STREAM = ("the connection to NATS dropped mid-stream (node {node}): the rest of "
+                      "the stream is lost with it; send the request again for a whole answer")
+
+
+class ConnectionDropped(Exception):
+    """A request's wait ended by its connection dropping (`OnDrop`), not by an answer."""
 
 
 class Comeback:
@@ -63,8 +76,10 @@ class Comeback:
         self._reconnects = nc.stats["reconnects"]
         self._back_s = -math.inf
 
-    async def until_connected(self, deadline_at: float) -> None:
-        """Wait while the connection is reconnecting, at most until `deadline_at` (monotonic).
+    async def until_connected(self, deadline_at: float) -> bool:
+        """Wait while the connection is reconnecting, at most until `deadline_at` (monotonic);
+        True when it was down (the caller was held: a deadline that passed meanwhile passed
+        for the connection's sake).
 
         A request published while the connection is down waits in nats-py's buffer and goes
         out at the reconnect with the `Plane-Deadline-Ms` it was given before the wait; the
@@ -81,10 +96,12 @@ class Comeback:
         # connection the caller passed in are the caller's. Between two tries it is
         # "reconnecting", during a try's handshake "connecting" (it counts the reconnect
         # once the handshake is done): a call that went at "connecting" found no router.
+        held = self.down()
         while self.down() and time.monotonic() < deadline_at:  # noqa: ASYNC110
             await asyncio.sleep(RECONNECTED_POLL_S)
         if (n := nc.stats["reconnects"]) != self._reconnects:
             self._reconnects, self._back_s = n, time.monotonic()
+        return held
 
     def down(self) -> bool:
         """The connection is lost and nats-py is trying to get it back."""
@@ -146,6 +163,53 @@ class OnClose:
                 future.set_exception(ConnectionClosedError())
         wakers, self._wakers = self._wakers, {}
         for wake in wakers.values():
+            wake()
+
+
+class OnDrop:
+    """Ends at once what of a client waits for the plane when its connection drops (nats-py
+    then reconnects), for a client that asks it (`ClientConfig.end_on_disconnect`: the
+    gateway, whose HTTP callers are better told at once).
+
+    Core NATS keeps nothing for a subscriber that is away: a reply, or a stream's message,
+    sent while the connection is down is dropped by the server, and once a lone server is
+    back it has lost the plane's JetStream state (the slot messages) with which a node would
+    have answered later. So what waited went on waiting for nothing: the gateway held an
+    HTTP call in flight when its nats-server was killed until the call's deadline and the
+    SDK's margin (18 s of a 20 s deadline), a stream until its stream deadline (59 s), or
+    `wait_ms` (30 s) without one. Here the drop fails every request the client's reply
+    inbox holds open (`ConnectionDropped`: the caller's `_attempt` makes it a local 503
+    `unhealthy`) and wakes every stream registered (it ends 503 `unhealthy` and sends its
+    cancel, which goes out at the reconnect). A close is `OnClose`'s: nats-py calls the
+    disconnect callback on a close too, and this one leaves it alone.
+
+    Not the SDK's default: in a cluster the connection may come back to another server in
+    time for an answer sent after it; a caller that would rather wait for that keeps its
+    deadline. nats-py has one disconnect callback per connection, maybe the owner's: ours
+    runs first, then theirs."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._wakers: dict[object, Callable[[], None]] = {}
+        theirs = nc._disconnected_cb
+
+        async def dropped() -> None:
+            if not nc.is_closed:
+                self.end_all()
+            if theirs is not None:
+                await theirs()
+
+        nc._disconnected_cb = dropped
+
+    def add(self, key: object, wake: Callable[[], None]) -> None:
+        """Call `wake` if the connection drops before `discard(key)`."""
+        self._wakers[key] = wake
+
+    def discard(self, key: object) -> None:
+        self._wakers.pop(key, None)
+
+    def end_all(self) -> None:
+        for wake in list(self._wakers.values()):
             wake()
 
 

@@ -8,6 +8,7 @@ only 200s and raises the matching error for the rest (`Result.raise_for_status`)
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 import msgspec
@@ -34,6 +35,24 @@ def reply_status(headers: Mapping[str, str]) -> int:
     return 200 if status is None else status
 
 
+class LocalCause(StrEnum):
+    """Why the client made a final status up itself (`Result.local`): a status alone cannot
+    tell an attempt the plane never answered from one never sent, and a caller that counts
+    outcomes (`plane pulse`) must not count the client's own decisions as the plane's
+    timeouts."""
+
+    NO_ANSWER = "no-answer"  # sent; no answer within the deadline and its margin (504)
+    NOT_SENT = "not-sent"  # the call's deadline passed before the attempt went (504)
+    DISCONNECTED = "disconnected"  # not sent: the connection stayed down (503, or 504 when
+    # it was waited for until the deadline)
+    NO_RESPONDERS = "no-responders"  # sent; nobody listens on the model's subject (503)
+    DROPPED = "dropped"  # sent; the connection dropped while it waited (503,
+    # `ClientConfig.end_on_disconnect`)
+    CLOSED = "closed"  # a stream whose connection closed under it (503)
+    BROKEN = "broken"  # a stream whose messages came out of order (503)
+    CANCELLED = "cancelled"  # a stream its caller closed before its end (200)
+
+
 class Result(msgspec.Struct, frozen=True, kw_only=True):
     """One call's answer and how it got there.
 
@@ -42,6 +61,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     waited_ms:       time spent sleeping between attempts (Retry-After or backoff)
     last_attempt_ms: latency of the final attempt alone, send to answer
     local:           True when the client made the status up itself (timeout, no responders)
+    local_cause:     why it did (None when the status is the plane's own)
     """
 
     status: int
@@ -53,6 +73,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     waited_ms: float = 0.0
     last_attempt_ms: float = 0.0
     local: bool = False
+    local_cause: LocalCause | None = None
 
     # -- what the reply headers say --------------------------------------------------------
     @property

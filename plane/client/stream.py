@@ -23,6 +23,8 @@ each token message's text.
   `Plane-Cancel-Subject`) and unsubscribes, so the slot frees within a token step. Leaving an
   `async for` by `break` without `async with` relies on the event loop closing the abandoned
   iterator (asyncio does it at once, in a task); `async with` does it before it returns.
+- With `ClientConfig.end_on_disconnect`, a connection that drops while it waits ends it at
+  once, a local 503 `unhealthy` (what the plane sends meanwhile is lost), and cancels it.
 - It never hangs: with no message for the TTFT budget (or `ClientConfig.wait_ms`) before the
   start, or past the stream deadline afterwards (with none given: `wait_ms` between two
   messages), plus `ClientConfig.stream_margin_ms` for the plane's own answer, the stream ends
@@ -42,8 +44,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from plane.client.attempt import attempt_headers_for, encode_payload, local_reply
-from plane.client.connection import NOT_CONNECTED, closed_error
-from plane.client.result import Result, reply_status
+from plane.client.connection import (
+    DROPPED,
+    DROPPED_MID_STREAM,
+    NOT_CONNECTED,
+    NOT_CONNECTED_TO_DEADLINE,
+    closed_error,
+)
+from plane.client.result import LocalCause, Result, reply_status
 from plane.contract.backoff import RetryPolicy
 from plane.contract.errors import ConfigError
 from plane.contract.headers import is_no_responders
@@ -120,6 +128,7 @@ class TokenStream:
         self._stream_at: float | None = None  # monotonic: the whole stream's deadline
         self._begun = False
         self._closed = False  # aclose ran: nothing more is sent or read
+        self._dropped = False  # the connection dropped under it (`end_on_disconnect`)
         self._wake: str | None = None  # the client's inbox for calls back (`Plane-Wake`)
         self._start_lock: asyncio.Lock | None = None
 
@@ -204,14 +213,21 @@ class TokenStream:
                       if client.calls is not None and self._policy.max_attempts > 1 else None)
         while not self._closed:  # closed while it waited to retry: send nothing more
             held_until = client.reconnect_until(deadline_at)
-            await client.comeback.until_connected(held_until)
-            if held_until < deadline_at and client.comeback.down():
-                self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED)
+            held = await client.comeback.until_connected(held_until)
+            # Still down, held as long as it may be, or back only once the deadline had
+            # passed: never sent, for the connection's sake.
+            if client.comeback.down() or (held and time.monotonic() >= deadline_at):
+                if held_until < deadline_at:
+                    self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED,
+                                       LocalCause.DISCONNECTED)
+                else:
+                    self._finish_local(Status.DEADLINE, Reason.DEADLINE,
+                                       NOT_CONNECTED_TO_DEADLINE, LocalCause.DISCONNECTED)
                 return
             remaining_s = deadline_at - time.monotonic()
             if remaining_s <= 0:
                 self._finish_local(Status.DEADLINE, Reason.DEADLINE,
-                                   "deadline passed before send")
+                                   "deadline passed before send", LocalCause.NOT_SENT)
                 return
             await self._send(attempt, remaining_s, send_deadline)
             wait_s = remaining_s + (self._margin_s if send_deadline else 0)
@@ -271,8 +287,11 @@ class TokenStream:
         inbox = self._client.stream_inbox()  # `Client.stream_inbox`: the caller's own prefix
         # Each message queued as nats-py reads it: no task wake between.
         self._sub = await subscribe_as_read(nc, inbox, queue.put_nowait)
-        # A close ends the wait for the next message at once (`_end_silent` says why).
+        # A close ends the wait for the next message at once (`_end_silent` says why), and
+        # so does a drop for a client that asks it (`ClientConfig.end_on_disconnect`).
         self._client.on_close.add(self, lambda: queue.put_nowait(None))
+        if self._client.on_drop is not None:
+            self._client.on_drop.add(self, lambda: self._dropped_under(queue))
         if self._closed:  # closed while it subscribed
             await self._unsubscribe()
             return
@@ -300,17 +319,18 @@ class TokenStream:
         headers = dict(msg.headers or {})
         if is_no_responders(headers):
             self._finish_local(Status.UNAVAILABLE, Reason.NO_CAPACITY,
-                               f"no router listens on {self.subject}")
+                               f"no router listens on {self.subject}", LocalCause.NO_RESPONDERS)
             return Kind.FINAL
         try:
             kind = self.reader.feed(headers, msg.data)
         except StreamBroken as exc:
-            self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY, f"the stream broke: {exc}")
+            self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY, f"the stream broke: {exc}",
+                               LocalCause.BROKEN)
             return None
         if kind is Kind.TOKEN:
             self.pieces.append(msg.data.decode(errors="replace"))
         elif kind in (Kind.END, Kind.FINAL):
-            self._finish(reply_status(headers), msg.data, headers, local=False)
+            self._finish(reply_status(headers), msg.data, headers, cause=None)
         return kind
 
     def __aiter__(self) -> AsyncGenerator[str, None]:
@@ -341,7 +361,8 @@ class TokenStream:
         return self._stream_at + self._margin_s - time.monotonic()
 
     # -- ending ------------------------------------------------------------------------------
-    def _finish(self, status: int, body: bytes, headers: dict[str, str], *, local: bool) -> None:
+    def _finish(self, status: int, body: bytes, headers: dict[str, str], *,
+                cause: LocalCause | None) -> None:
         self._statuses.append(status)
         if status == Status.BUSY and (Header.RETRY_AFTER_MS in headers
                                       or Header.RETRY_AFTER in headers):
@@ -349,20 +370,36 @@ class TokenStream:
         self.result = Result(
             status=status, body=body, headers=headers, request_id=self.request_id,
             statuses=tuple(self._statuses), hinted=self._hinted, waited_ms=self._waited_ms,
-            last_attempt_ms=(time.monotonic() - self._sent_at) * 1000, local=local)
+            last_attempt_ms=(time.monotonic() - self._sent_at) * 1000, local=cause is not None,
+            local_cause=cause)
 
-    def _finish_local(self, status: Status, reason: Reason, message: str) -> None:
+    def _finish_local(self, status: Status, reason: Reason, message: str,
+                      cause: LocalCause) -> None:
         body, headers = local_reply(status, reason, message, self.request_id)
-        self._finish(int(status), body, headers, local=True)
+        self._finish(int(status), body, headers, cause=cause)
+
+    def _dropped_under(self, queue: asyncio.Queue[Msg | None]) -> None:
+        """The connection dropped while this stream waited for its next message: what the
+        plane sends meanwhile is lost (`OnDrop`), so the wait ends now."""
+        self._dropped = True
+        queue.put_nowait(None)
 
     async def _end_silent(self, what: str) -> None:
         if self._client.nc.is_closed:  # closed under it: say why, not "no message"
             self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY,
-                               str(closed_error(self._client.nc)))
+                               str(closed_error(self._client.nc)), LocalCause.CLOSED)
+            return
+        if self._dropped:  # the cancel goes out at the reconnect: a node still on stops
+            self._finish_local(Status.UNAVAILABLE, Reason.UNHEALTHY, DROPPED if not self.started
+                               else DROPPED_MID_STREAM.format(
+                                   node=self.start_headers.get(Header.NODE)),
+                               LocalCause.DROPPED)
+            await self._cancel()
             return
         where = f" (node {self.start_headers.get(Header.NODE)})" if self.started else ""
         self._finish_local(Status.DEADLINE, Reason.DEADLINE,
-                           f"{what}{where}: no message in time from the plane; cancelled")
+                           f"{what}{where}: no message in time from the plane; cancelled",
+                           LocalCause.NO_ANSWER)
         await self._cancel()
 
     async def aclose(self) -> None:
@@ -373,7 +410,8 @@ class TokenStream:
             # A 200 made up here: the caller ended it, there is no error to raise.
             self._begun = True  # never sent yet: now it never will be
             self._finish(int(Status.OK), b"", {Header.STATUS: str(int(Status.OK)),
-                                              Header.REQUEST_ID: self.request_id}, local=True)
+                                              Header.REQUEST_ID: self.request_id},
+                         cause=LocalCause.CANCELLED)
             if self._queue is not None:
                 self._queue.put_nowait(None)  # wake a task waiting for the next message
             self.cancelled = True
@@ -394,6 +432,8 @@ class TokenStream:
 
     async def _unsubscribe(self) -> None:
         self._client.on_close.discard(self)
+        if self._client.on_drop is not None:
+            self._client.on_drop.discard(self)
         sub, self._sub = self._sub, None
         if sub is not None:
             try:

@@ -96,11 +96,12 @@ class ReplyInbox:
             raise NoRespondersError
         return msg
 
-    def fail_all(self) -> None:
-        """End every request waiting: the connection closed, no reply can come."""
-        for future in self._waiting.values():
+    def fail_all(self, error: type[Exception] = ConnectionClosedError) -> None:
+        """End every request waiting with `error`: the connection closed (or, for a client
+        that asks it, dropped), no reply can come."""
+        for future in list(self._waiting.values()):
             if not future.done():
-                future.set_exception(ConnectionClosedError())
+                future.set_exception(error())
 
     async def _subscribe(self) -> None:
         async with self._subscribing:  # two first requests at once subscribe once

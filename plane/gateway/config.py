@@ -34,7 +34,9 @@ class GatewayConfig:
     # While the gateway's NATS connection is down, a request that comes meanwhile waits this
     # long for it to come back (a server's restart), then is answered 503 `no-capacity` (not
     # held for the SDK's 30 s wait of a call with no deadline). One sent before the drop
-    # waits for its answer as any (its deadline and the SDK's answer margin, or 30 s).
+    # is answered at the drop, 503 `unhealthy` (a stream's Server-Sent Events end with it):
+    # its answer, if the plane sends one, is lost with the connection
+    # (`plane.client.connection.OnDrop`).
     reconnect_wait_ms: int = 1000
     # The tickets of 429s held for retries that cannot bring them back (`plane.gateway.
     # tickets`): at most this many at once (a few hundred bytes each), the oldest dropped.

@@ -12,7 +12,9 @@ already have (the `openai` package, curl -N) work unchanged:
   in OpenAI's chunk shape, `data: [DONE]` last; a usage chunk before it when
   `stream_options.include_usage`; `stream_options` without `stream: true` is a 400, as at
   OpenAI). `GET /v1/models` lists the models that stream. A field OpenAI's schema marks
-  nullable may be null: not given.
+  nullable may be null: not given. A completion's `prompt` absent or null is OpenAI's
+  default, `<|endoftext|>`: generation from the document boundary alone (tinylm's END,
+  which begins every prompt), the empty prompt.
 - `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p` and `seed` are
   the plane's own (`tinylm`: greedy, temperature 0, when none is given, where OpenAI's
   default is 1). What the plane cannot do (`n` > 1, `stop`, `logprobs`, `top_logprobs`,
@@ -27,7 +29,8 @@ already have (the `openai` package, curl -N) work unchanged:
   `overloaded` refusal says `x-should-retry: false` (no slot frees in time, or the plane is
   past what it can promise: go elsewhere). Bad input is a 400, a model
   the plane does not stream a 404 `model_not_found`. A stream that fails once started (its
-  deadline, a node lost, a cancel for it from another NATS client) ends with an `error` data
+  deadline, a node lost, a cancel for it from another NATS client, the gateway's NATS
+  connection dropped: 503 `unhealthy` at once) ends with an `error` data
   event, then `[DONE]`; a whole answer so cut is its error status (a cancelled one: 503
   `cancelled` with `x-should-retry: false`), never a 200 with cut text.
 - Deadlines, request ids and tickets ride in the plane's headers as on `/v1/infer`

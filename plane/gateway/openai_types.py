@@ -80,7 +80,11 @@ class _Asked(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_Asked, frozen=True, kw_only=True):
-    prompt: str | list[str]
+    # Absent or null: OpenAI's default, `<|endoftext|>` ("as if from the beginning of a new
+    # document"). tinylm starts every prompt with its END token, its document boundary, so
+    # that is the empty prompt here (`{"prompt": null}` from the `openai` package's
+    # `prompt=None` was a 400, and so was a body without it).
+    prompt: str | list[str] | None = None
     echo: bool | None = None  # None: False
     logprobs: int | None = None
     best_of: int | None = None
@@ -95,7 +99,10 @@ class CompletionRequest(_Asked, frozen=True, kw_only=True):
             ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))) if bad]
 
     def render(self) -> str:
-        """The prompt (after `unsupported`, which refuses a list of other than one)."""
+        """The prompt (after `unsupported`, which refuses a list of other than one); none
+        given: the empty prompt, generation from the document boundary alone."""
+        if self.prompt is None:
+            return ""
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 

@@ -45,7 +45,8 @@ _ERRORS = {
     "413": "The body is larger than the gateway's limit.",
     "429": "Every slot is busy: come back after Retry-After-Ms with Plane-Ticket "
            "(`Plane-Reason: busy`), or go elsewhere now (`Plane-Reason: deadline`).",
-    "503": "No healthy capacity for the model, or its node failed: try again or elsewhere. "
+    "503": "No healthy capacity for the model, its node failed, or the gateway's NATS "
+           "connection is down or dropped under the call: try again or elsewhere. "
            "`Plane-Reason: cancelled`: another client cancelled the generation (its text "
            "was cut); send it again if you still want it.",
     "504": "The deadline passed before an answer.",

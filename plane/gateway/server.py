@@ -55,8 +55,12 @@ class Gateway:
             return
         self._nc = await connect(self.connect_opts)
         try:
+            # A call or stream in flight when the connection drops is answered at once
+            # (503 `unhealthy`; a stream's SSE ends with it), not held to its deadline for
+            # an answer the drop lost.
             client = Client(self._nc, ClientConfig(
-                names=self.config.names, reconnect_wait_ms=self.config.reconnect_wait_ms))
+                names=self.config.names, reconnect_wait_ms=self.config.reconnect_wait_ms,
+                end_on_disconnect=True))
             app = build_app(client, self.config, self.metrics)
             # aiohttp's keep-alive timer is also its only head timeout: in 3.14 (checked in
             # `RequestHandler.connection_made`) it runs from the moment a connection opens,

@@ -17,7 +17,8 @@ The HTTP status is the first message's: the gateway waits for it before it sends
 refusal (400, 429 with Retry-After and Plane-Ticket, 503) is the stream's only message and
 goes out as the ordinary JSON answer of `POST /v1/infer/{model}`; a `start` makes it a 200
 `text/event-stream`, and whatever ends the stream after that (the node's `end`, a router's
-503/504 for a node that died) is its `end` event, with the status inside. An HTTP client that
+503/504 for a node that died, the gateway's own 503 `unhealthy` the moment its NATS
+connection drops) is its `end` event, with the status inside. An HTTP client that
 goes away mid-stream cancels it (`TokenStream.aclose`): its slot frees within a token step.
 """
 

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import msgspec
 
-TIMEOUT = "timeout"  # no answer within the client's wait (status made up by the client)
-ERROR = "error"  # the transport failed (connection refused, reset, nobody listening)
+# An attempt sent got no answer within the client's wait (a status made up by the client).
+# Not what the client decided without the plane (`targets.attempts_of`): a call never sent
+# for a lost connection is an ERROR, and one whose retry never went is UNSENT.
+TIMEOUT = "timeout"
+ERROR = "error"  # the transport failed (refused, reset, down or dropped, nobody listening)
+# The client's own end: the plane answered (a 429, ...), the client waited to try again and
+# its deadline passed before the retry could go (its loop late past the Retry-After). Not
+# the plane's timeout (no latency of the plane's to count), not a refusal it gave last.
+UNSENT = "unsent"
 
 
 # gc=False on both: they hold only numbers, strings and tuples of them (never a cycle), and a
@@ -18,7 +25,7 @@ ERROR = "error"  # the transport failed (connection refused, reset, nobody liste
 class Attempts(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A target's account of one request.
 
-    statuses:        status of each attempt, in order (HTTP codes; 0 for timeout/error)
+    statuses:        status of each attempt sent, in order (HTTP codes; 0 for timeout/error)
     final:           the final status as a label: "200", "429", ..., "timeout", "error"
     hinted:          how many of the 429s carried a Retry-After (or Retry-After-Ms)
     last_attempt_us: the final attempt alone, from its send to its answer

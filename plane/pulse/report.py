@@ -52,7 +52,7 @@ def print_table(summary: Summary, console: Console | None = None) -> None:
         ("refused (first try)", _pct(s.refusal_rate)),
         ("429s with Retry-After", _pct(s.retry_after_share)),
         ("first-retry success", _pct(s.first_retry_success)),
-        ("mean retries / refused", _ms(s.mean_retries)),
+        ("mean retries / refused & retried", _ms(s.mean_retries)),
         ("plateau", f"yes, at {_ms(s.plateau_ms)} ms" if s.plateau else "no"),
         ("accepted p50 by third ms", f"first {_ms(s.p50_first_third_ms)}  "
                                      f"last {_ms(s.p50_last_third_ms)}"),

@@ -92,7 +92,7 @@ class StreamSummary(msgspec.Struct, kw_only=True):
     refusal_rate: float | None  # refused at first try / streams
     retry_after_share: float | None  # 429s that carried Retry-After-Ms
     first_retry_success: float | None  # of streams retried, let in at the second attempt
-    mean_retries: float | None  # retries per stream refused at its first try
+    mean_retries: float | None  # retries per stream refused and retried after it
     within_deadline: int  # accepted streams that ended 200 within their stream deadline
     within_deadline_share: float | None  # ... of the accepted
     after_final: int  # messages after a final message (the contract: none)
@@ -158,6 +158,9 @@ def summarize_streams(
     gaps = percentiles_ms([g for o in accepted for g in o.gaps_s])
     refused = [o for o in outcomes if o.first_refused]
     retried = [o for o in refused if o.attempts > 1]
+    # Refused at least once and retried after it: a refusal that was the stream's final
+    # answer made no retry to count (counted as 0, it pulled the mean down).
+    came_back = [o for o in outcomes if 429 in o.statuses[:-1]]
     refusals = sum(o.statuses.count(429) for o in outcomes)
     hinted = sum(o.hinted for o in outcomes)
     within = sum(1 for o in accepted if o.within_deadline)
@@ -189,8 +192,8 @@ def summarize_streams(
         refusal_rate=_share(len(refused), len(outcomes)),
         retry_after_share=_share(hinted, refusals),
         first_retry_success=first_retry,
-        mean_retries=(sum(o.attempts - 1 for o in refused) / len(refused)
-                      if retried else None),
+        mean_retries=(sum(o.attempts - 1 for o in came_back) / len(came_back)
+                      if came_back else None),
         within_deadline=within, within_deadline_share=within_share,
         after_final=after_final,
         checks=checks, verdict=verdict, verdict_reasons=reasons,

@@ -18,13 +18,13 @@ from typing import Protocol
 import aiohttp
 
 from plane.client import Client, ClientConfig
-from plane.client.result import header_int
+from plane.client.result import LocalCause, Result, header_int
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
-from plane.contract.messages import FINAL_REFUSALS, Status
+from plane.contract.messages import FINAL_REFUSALS
 from plane.contract.replies import now_ms
 from plane.contract.subjects import Header
-from plane.pulse.outcome import ERROR, TIMEOUT, Attempts
+from plane.pulse.outcome import ERROR, TIMEOUT, UNSENT, Attempts
 
 SERVER_TIME_HTTP = "X-Server-Time"  # the gateway's name for Plane-Server-Time
 
@@ -74,13 +74,33 @@ class NatsTarget:
         assert self._client is not None
         r = await self._client.call(self._model, body, deadline_ms=self._deadline_ms,
                                     headers=self._headers)
-        if r.local:
-            final = TIMEOUT if r.status == Status.DEADLINE else ERROR
-            statuses = (*r.statuses[:-1], 0)
-        else:
-            final, statuses = str(r.status), r.statuses
-        return Attempts(statuses=statuses, final=final, hinted=r.hinted,
-                        last_attempt_us=int(r.last_attempt_ms * 1000))
+        return attempts_of(r)
+
+
+def attempts_of(r: Result) -> Attempts:
+    """A call's account, each end under its own name. The SDK's own statuses (`r.local`)
+    are told apart by why it made them (`LocalCause`), not by their number: a 504 it made is
+    a timeout only when an attempt went and nothing came back. Counted by status alone, a
+    call held for a lost connection until its deadline and never sent ("deadline passed
+    before send") was a timeout, with its whole deadline as an accepted latency and as a
+    mark of saturation, and a retry whose wait ran past the deadline was a first retry
+    sent and failed, at ~0 ms."""
+    last_us = int(r.last_attempt_ms * 1000)
+    cause = r.local_cause if r.local else None
+    if cause is None:
+        return Attempts(statuses=r.statuses, final=str(r.status), hinted=r.hinted,
+                        last_attempt_us=last_us)
+    earlier = r.statuses[:-1]
+    if cause == LocalCause.NOT_SENT and earlier:
+        # Its deadline passed in the wait for a retry: the attempt that never went is none.
+        return Attempts(statuses=earlier, final=UNSENT, hinted=r.hinted,
+                        last_attempt_us=last_us)
+    # No answer to an attempt sent, or (nothing sent at all) the deadline gone before the
+    # first could go: out of time. Anything else (nobody listening, the connection down or
+    # dropped) failed in transport.
+    final = TIMEOUT if cause in (LocalCause.NO_ANSWER, LocalCause.NOT_SENT) else ERROR
+    return Attempts(statuses=(*earlier, 0), final=final, hinted=r.hinted,
+                    last_attempt_us=last_us)
 
 
 class HttpTarget:

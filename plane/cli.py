@@ -444,6 +444,7 @@ def status(nats_url: str | None, user: str | None, password: str | None, token: 
     if nats_url is None:
         raise click.UsageError(NO_URL_HELP)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-status")
+    configure_logs("warning")  # to stderr: stdout is the command's output
     _run(run_status(conn, names_for(prefix), metrics_urls=metrics_urls, as_json=as_json,
                     timeout_s=timeout_s, router=router_id))
 
@@ -470,6 +471,7 @@ def top(nats_url: str | None, user: str | None, password: str | None, token: str
     if nats_url is None:
         raise click.UsageError(NO_URL_HELP)
     conn = make_connect(nats_url, user, password, token, creds, tls_ca, "plane-top")
+    configure_logs("warning")  # to stderr: stdout is the command's output
     _run(run_top_command(conn, names_for(prefix), metrics_urls=metrics_urls,
                          interval_s=interval_s))
 

@@ -234,3 +234,19 @@ async def test_mean_retries_is_over_the_refused_that_came_back() -> None:
     assert s.mean_retries is not None and s.mean_retries >= 1.0, s.mean_retries
     assert s.mean_retries == sum(len(o.attempts.statuses) - 1 for o in came_back) / len(
         came_back)
+
+
+async def test_json_output_stays_json_when_the_connection_drops() -> None:
+    """The SDK's warnings (a connection lost, reconnects refused) go to stderr: structlog's
+    default wrote them on stdout, in front of `--json`'s document (found in review)."""
+    async with EmbeddedNats() as srv, client(srv.url) as nc:
+        sub = await nc.subscribe(NAMES.infer("calibrated"))  # (no plane: nobody answers)
+        proc = await asyncio.create_subprocess_exec(
+            PLANE, "pulse", "--nats", srv.url, "--rate", "20", "--duration", "3",
+            "--deadline-ms", "200", "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        await sub.next_msg(timeout=60)  # it sends: now the server goes
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    s = json.loads(out)  # one document, nothing else
+    assert s["sent"] == 60 and "error" in s["status_counts"], s
+    assert b"plane connection error" in err, err.decode()[-2000:]

@@ -13,6 +13,7 @@ from plane.contract.backoff import NO_RETRY, RetryPolicy
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import run as run_on_uvloop
+from plane.contract.logs import configure as configure_logs
 from plane.pulse.api import pulse as run_pulse
 from plane.pulse.bodies import DEFAULT_DURATION_US, DEFAULT_MAX_TOKENS, body_from_option
 from plane.pulse.report import print_table, to_json, write_out
@@ -113,6 +114,9 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
       plane pulse --nats nats://127.0.0.1:4222 --model tinylm --stream --capacity-x 2 \\
           --callers 2 --duration 30 --retry --out out/
     """
+    # The SDK's warnings (a connection lost and back) to stderr: structlog's default wrote
+    # them on stdout, into `--json`'s document.
+    configure_logs("warning")
     try:
         deadline = deadline_ms  # None: send none; the plane's own applies
         wait_ms = timeout_ms or (deadline + 1000 if deadline is not None

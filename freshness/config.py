@@ -158,6 +158,10 @@ class UpdaterConfig:
     batch: int = 256
     fetch_timeout_s: float = 0.05
     ack_wait_s: float = 10.0
+    replicas: int = 1  # of the features bucket and the events stream, where it creates them
+    # At start, refuse to run beside another updater of the topic (its pulls waiting on the
+    # durable consumer): two would lose each other's updates (see `FeatureUpdater`).
+    refuse_a_second: bool = True
 
     def __post_init__(self) -> None:
         stream_token(self.topic)

@@ -297,8 +297,8 @@ class KafkaSource:
                     state = waiting[(tp.topic, tp.partition)]
                     state.asked = True
                     state.committed = tp.offset if tp.offset >= 0 else None
-            except KafkaException as exc:
-                log.info("Kafka committed offsets not known yet", error=str(exc))
+            except KafkaException as exc:  # Kafka away: asked again in LAG_EVERY_S
+                log.debug("Kafka committed offsets not known yet", error=str(exc))
         for (topic, p), state in waiting.items():
             try:
                 low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)

@@ -51,6 +51,7 @@ from freshness.kafka_client import (
     TopicPart,
     record_headers,
 )
+from freshness.kafka_watch import TopicCheck
 from freshness.metrics import BridgeMetrics
 from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.publisher import Ack, AckWindow, Batch, Outgoing
@@ -156,6 +157,9 @@ class KafkaBridge(Lifecycle):
         self._settled: dict[TopicPart, int] = {}  # next offsets, committed or to commit
         self._due: dict[TopicPart, int] = {}  # settled since the last commit
         self._lag_labels: set[TopicPart] = set()
+        # Lag series of partitions this bridge does not hold: the group's, reported while it
+        # holds none of their topic (`freshness.kafka_watch`).
+        self._group_lag_labels: set[TopicPart] = set()
         self._started_at = 0.0
         self.assigned = asyncio.Event()  # set once Kafka has assigned partitions to us
 
@@ -245,6 +249,7 @@ class KafkaBridge(Lifecycle):
                 if fetched.assigned:
                     self.assigned.set()
                 self._set_lag(fetched.lag)
+                self._set_checks(fetched.checks)
                 if not fetched.records:
                     continue
                 ingest_ms = now_ms()
@@ -350,6 +355,21 @@ class KafkaBridge(Lifecycle):
         for (topic, partition), records in lag.items():
             self.metrics.consumer_lag.labels(topic, str(partition)).set(records)
             self._lag_labels.add((topic, partition))
+
+    def _set_checks(self, checks: list[TopicCheck]) -> None:
+        for c in checks:
+            self.metrics.topic_partitions.labels(c.topic).set(c.partitions)
+            self.metrics.assigned_partitions.labels(c.topic).set(len(c.assigned))
+            for partition, records in c.group_lag.items():
+                self.metrics.consumer_lag.labels(c.topic, str(partition)).set(records)
+                self._group_lag_labels.add((c.topic, partition))
+            gone = {(t, p) for t, p in self._group_lag_labels
+                    if t == c.topic and p not in c.group_lag}
+            for key in gone:
+                self._group_lag_labels.discard(key)
+                if key not in self._lag_labels:  # not one of ours now: its lag is not ours
+                    with contextlib.suppress(KeyError):
+                        self.metrics.consumer_lag.remove(key[0], str(key[1]))
 
     def _forget_partitions(self, parts: list[TopicPart]) -> None:
         """Partitions revoked: their lag is another bridge's to report now, and their

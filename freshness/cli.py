@@ -69,6 +69,10 @@ EXIT_FAILED = 1
               help="Records per round (offsets are committed once per round).")
 @click.option("--session-timeout-ms", default=10_000, show_default=True,
               help="Kafka group session timeout (a dead bridge's partitions move after it).")
+@click.option("--metadata-refresh-ms", type=click.IntRange(100, 3_600_000), default=2_000,
+              show_default=True,
+              help="How often the topics' metadata is asked for: how soon a topic created "
+                   "again (a Kafka broker that lost its log) or given partitions is taken up.")
 @click.option("--prefix", default="plane", show_default=True, help="Subject prefix.")
 @metrics_option
 @metrics_host_option
@@ -81,7 +85,8 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
            kafka_sasl_password: str | None, kafka_tls_ca: str | None,
            kafka_tls_cert: str | None, kafka_tls_key: str | None,
            kafka_tls_no_verify_hostname: bool, max_in_flight: int,
-           max_batch: int, session_timeout_ms: int, prefix: str, metrics_port: int | None,
+           max_batch: int, session_timeout_ms: int, metadata_refresh_ms: int, prefix: str,
+           metrics_port: int | None,
            metrics_host: str, replicas: int, log_level: str,
            nats_url: str | None, user: str | None, password: str | None, token: str | None,
            creds: str | None, tls_ca: str | None) -> None:
@@ -114,7 +119,7 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
                               max_in_flight=max_in_flight,
                               max_batch=max_batch, session_timeout_ms=session_timeout_ms,
                               heartbeat_interval_ms=max(100, session_timeout_ms // 6),
-                              replicas=replicas)
+                              metadata_refresh_ms=metadata_refresh_ms, replicas=replicas)
         connect = make_connect(nats_url, user, password, token, creds, tls_ca,
                                name="plane-bridge")
     except ConfigError as exc:

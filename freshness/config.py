@@ -55,6 +55,19 @@ class BridgeConfig:
     # Settled offsets are committed at most this often (and when nothing more comes within
     # it): a crash re-fetches at most this much more, which JetStream drops as duplicates.
     commit_interval_ms: int = 200
+    # How often librdkafka asks Kafka for the subscribed topics' metadata: how soon a topic
+    # created (again, after a broker that lost its log came back) or given more partitions is
+    # noticed and the group rebalances onto it. librdkafka's default, 5 minutes, left a
+    # bridge with no partition for 12+ minutes after such a restart (found from outside).
+    metadata_refresh_ms: int = 2_000
+    # How often the bridge checks its assignment against the topics' partitions (the
+    # `plane_bridge_*_partitions` gauges; the warning and the re-subscribe below).
+    watch_interval_ms: int = 2_000
+    # Holding none of a topic's partitions while it has some, for this long, is logged as a
+    # warning (and, with a backlog nobody in the group moves, the bridge subscribes again).
+    # None: the session timeout plus two metadata refreshes (a group join takes up to about
+    # half the session timeout on tansu).
+    unassigned_grace_ms: int | None = None
     poll_timeout_ms: int = 100
     # How long a Kafka fetch waits on the broker for data (latency of a quiet topic).
     fetch_wait_max_ms: int = 10
@@ -88,8 +101,20 @@ class BridgeConfig:
             if self.dead_letter_topic in self.topics:
                 raise ConfigError("the dead-letter topic cannot be one of the bridged topics")
             stream_token(self.dead_letter_topic)
+        if not 100 <= self.metadata_refresh_ms <= 3_600_000:
+            raise ConfigError("the Kafka metadata refresh must be 100..3600000 ms")
+        if not 100 <= self.watch_interval_ms <= 3_600_000:
+            raise ConfigError("the assignment check interval must be 100..3600000 ms")
+        if self.unassigned_grace_ms is not None and self.unassigned_grace_ms < 0:
+            raise ConfigError("the unassigned grace must be >= 0 ms")
         if self.duplicate_window_s > self.max_age_s:
             raise ConfigError("the duplicate window cannot be longer than the stream's max age")
+
+    @property
+    def unassigned_grace_s(self) -> float:
+        if self.unassigned_grace_ms is not None:
+            return self.unassigned_grace_ms / 1000
+        return (self.session_timeout_ms + 2 * self.metadata_refresh_ms) / 1000
 
 
 class OnStale(enum.StrEnum):
@@ -133,6 +158,10 @@ class UpdaterConfig:
     batch: int = 256
     fetch_timeout_s: float = 0.05
     ack_wait_s: float = 10.0
+    replicas: int = 1  # of the features bucket and the events stream, where it creates them
+    # At start, refuse to run beside another updater of the topic (its pulls waiting on the
+    # durable consumer): two would lose each other's updates (see `FeatureUpdater`).
+    refuse_a_second: bool = True
 
     def __post_init__(self) -> None:
         stream_token(self.topic)

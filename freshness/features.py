@@ -9,6 +9,12 @@ updater that died between its KV write and its ack) is skipped by its stream seq
 It works in rounds: fetch up to `batch` events, apply them in memory, write each touched card
 once, then ack the round. A write that fails leaves the round unacked: JetStream delivers it
 again after `ack_wait_s`.
+
+One updater per topic (`plane features`, or the one `plane risk-demo` runs): each keeps the
+cards it wrote in memory and writes a card's whole value, and skips what its stream sequence
+says it applied, so two sharing the durable consumer would each write a card without the
+other's events. A second one refuses to start (`UpdaterRunning`); a restarted one resumes
+where the durable consumer's acks left it.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from freshness.config import UpdaterConfig
 from freshness.provision import ensure_events_stream, ensure_features_bucket, events_stream_config
 from freshness.records import CardFeatures, Stamps, Transaction, json_encoder, transaction_decoder
+from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import Lifecycle, finish_or_cancel
 from plane.contract.messages import FEATURES
 from plane.contract.provision import at_start
@@ -36,6 +43,15 @@ from plane.contract.provision import at_start
 log = structlog.get_logger("freshness.features")
 
 AMOUNT_SCALE = 1000.0
+# How many times a starting updater looks for another one's pulls waiting on the durable
+# consumer, `fetch_timeout_s` apart (a running one leaves a pull there for all but the time
+# it takes to apply a round).
+_LOOKS_FOR_A_SECOND = 6
+
+
+class UpdaterRunning(ConfigError):
+    """Another feature updater of this topic is running (its pulls wait on the durable
+    consumer): run one per topic."""
 
 
 def feature_vector(count: int, amount_sum: float, amount_max: float, last: float,
@@ -103,14 +119,20 @@ class FeatureUpdater(Lifecycle):
     async def start(self) -> None:
         if self._task is not None:
             return
+        replicas = self.cfg.replicas
         await at_start(lambda: ensure_events_stream(
-            self._js, events_stream_config(self.names), update=False), who="feature updater")
-        self._kv = await at_start(lambda: ensure_features_bucket(self._js, self.names),
-                                  who="feature updater")
+            self._js, events_stream_config(self.names, replicas=replicas), update=False),
+            who="feature updater")
+        self._kv = await at_start(
+            lambda: ensure_features_bucket(self._js, self.names, replicas=replicas),
+            who="feature updater")
         stream = self.cfg.stream
+        durable = self.names.features_consumer(stream)
+        if self.cfg.refuse_a_second:
+            await self._refuse_a_second(durable)
         self._sub = await self._js.pull_subscribe(
             self.names.events(stream),
-            durable=self.names.features_consumer(stream),
+            durable=durable,
             stream=self.names.events_stream,
             config=ConsumerConfig(
                 deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.EXPLICIT,
@@ -119,6 +141,21 @@ class FeatureUpdater(Lifecycle):
         )
         self._stopping.clear()
         self._task = asyncio.create_task(self._run(), name="feature-updater")
+
+    async def _refuse_a_second(self, durable: str) -> None:
+        for _ in range(_LOOKS_FOR_A_SECOND):
+            try:
+                info = await self._js.consumer_info(self.names.events_stream, durable)
+            except NotFoundError:
+                return  # never run before: nobody else either
+            if info.num_waiting:
+                raise UpdaterRunning(
+                    f"another feature updater is running for topic {self.cfg.topic!r} (its "
+                    f"pulls wait on the durable consumer {durable} of "
+                    f"{self.names.events_stream}): run one per topic, since two would each "
+                    "write a card's features without the other's events. If it was stopped "
+                    "just now, start this one again in a second")
+            await asyncio.sleep(self.cfg.fetch_timeout_s)
 
     async def stop(self) -> None:
         """Finish the round in flight (its writes and acks), then leave."""

@@ -50,13 +50,14 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
-from freshness.config import GuardConfig
+from freshness.config import GuardConfig, OnStale
 from freshness.decision import Action, decide, degrade_source
 from freshness.metrics import GuardMetrics
 from freshness.provision import ensure_config_bucket, ensure_features_bucket
 from freshness.records import CardFeatures, features_decoder
 from plane.contract.lifecycle import Lifecycle, cancel_and_wait
 from plane.contract.messages import FEATURES, Freshness, RiskRequest
+from plane.contract.natsconn import Throttle
 from plane.contract.provision import at_start
 from plane.contract.settings import LiveSettings
 from plane.contract.subjects import Header, Names, config_key
@@ -66,6 +67,11 @@ log = structlog.get_logger("freshness.guard")
 FRESHNESS_KEY = config_key("freshness_ms")
 _NEUTRAL = (0.0,) * FEATURES
 _MAX_LATE_MS = 50.0  # past this the host is too loaded for any deadline: degrade, not wait
+# Degraded lookups while PLANE_FEATURES has had no update for this long: the feature
+# pipeline is down or absent (no `plane features` ran: every card request of a deployment
+# held its slot until its deadline, then degraded, found from outside). Said once a minute.
+PIPELINE_QUIET_S = 10.0
+QUIET_WARN_EVERY_S = 60.0
 
 
 class GuardResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,15 +102,19 @@ class CardFeatureGuard(Lifecycle):
         config: GuardConfig | None = None,
         *,
         metrics: GuardMetrics | None = None,
+        replicas: int = 1,
     ) -> None:
         self.names = names or Names()
         self.cfg = config or GuardConfig()
         self.metrics = metrics or GuardMetrics()
+        self.replicas = replicas  # of the features bucket, where the guard creates it
         self._js = nc_or_js.jetstream() if isinstance(nc_or_js, Client) else nc_or_js
         self.threshold_ms = float(self.cfg.threshold_ms)
         self._latest: dict[str, CardFeatures] = {}
         self._last_good: dict[str, CardFeatures] = {}
         self._view_ingest_ms = 0.0
+        self._started_at = time.monotonic()
+        self._quiet = Throttle(QUIET_WARN_EVERY_S)
         # How late a timed wait woke past its mark, recently (a decaying max, ms): kept back
         # from the deadline beside `reserve_ms`. On a loaded host the loop's timers fire
         # several ms late, and a wait to the last moment then answered after the deadline.
@@ -127,8 +137,9 @@ class CardFeatureGuard(Lifecycle):
             live = self._settings.values.get(FRESHNESS_KEY)
             if live is not None:
                 self._on_setting(FRESHNESS_KEY, live)
-        features_kv = await at_start(lambda: ensure_features_bucket(self._js, self.names),
-                                     who="freshness guard")
+        features_kv = await at_start(
+            lambda: ensure_features_bucket(self._js, self.names, replicas=self.replicas),
+            who="freshness guard")
         self._task = asyncio.create_task(self._watch(features_kv), name="freshness-guard")
         async with asyncio.timeout(timeout_s):
             await self.ready.wait()
@@ -195,7 +206,25 @@ class CardFeatureGuard(Lifecycle):
                 waited_ms=waited_ms, source=source.value,
             )
         self._observe(result, waited)
+        if result.freshness is Freshness.DEGRADED:
+            self._say_if_quiet()
         return result
+
+    def _say_if_quiet(self) -> None:
+        """Quiet: the newest ingest stamp in the bucket is old (or there is none, since the
+        guard started)."""
+        ever = self._view_ingest_ms > 0
+        quiet_s = ((_now_ms() - self._view_ingest_ms) / 1000 if ever
+                   else time.monotonic() - self._started_at)
+        if quiet_s < PIPELINE_QUIET_S or self._quiet.allow("quiet") is None:
+            return
+        log.warning(
+            "card requests degrade and the features bucket has had no update for a while: "
+            "is the feature pipeline running? (`plane bridge` for Kafka, and `plane "
+            "features --topic <topic>` for the bucket). Meanwhile each such request "
+            + ("waits on its slot until its deadline: `--on-stale degrade` answers at once"
+               if self.cfg.on_stale is OnStale.WAIT else "is answered at once"),
+            bucket=self.names.features_bucket, quiet_s=round(quiet_s, 1), any_value=ever)
 
     def _observe(self, result: GuardResult, waited: bool) -> None:
         m = self.metrics
@@ -257,13 +286,15 @@ class CardFeatureGuard(Lifecycle):
 
 async def guarded_enricher(
     stack: contextlib.AsyncExitStack, nc: Client, names: Names,
-    registry: CollectorRegistry | None,
+    registry: CollectorRegistry | None, config: GuardConfig | None = None, *,
+    replicas: int = 1,
 ) -> Callable[[Any, float], Awaitable[tuple[Any, dict[str, str]]]]:
     """A risk node's freshness guard, started on `stack` (stopped with it), as the node's
     enrich hook; its metrics in `registry` (None: a registry of its own, for a second node
     in one process, whose gauges would clash)."""
     metrics = GuardMetrics(registry) if registry is not None else GuardMetrics()
-    guard = CardFeatureGuard(nc, names, GuardConfig(), metrics=metrics)
+    guard = CardFeatureGuard(nc, names, config or GuardConfig(), metrics=metrics,
+                             replicas=replicas)
     return risk_enricher(await stack.enter_async_context(guard))
 
 

@@ -36,6 +36,7 @@ from confluent_kafka import (
 
 from freshness.config import BridgeConfig
 from freshness.kafka_config import KafkaSecurity, StartFrom
+from freshness.kafka_watch import AssignmentWatch, TopicCheck, past_end
 from plane.contract.errors import ConfigError
 from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle
 
@@ -104,7 +105,13 @@ def consumer_config(cfg: BridgeConfig) -> dict[str, Any]:
             "enable.auto.commit": False,
             # Offsets are committed explicitly, per round, after JetStream acked it.
             "enable.auto.offset.store": False,
-            "auto.offset.reset": "latest" if cfg.start is StartFrom.LATEST else "earliest",
+            # Where a partition without a committed offset (or with one out of range)
+            # starts: always its beginning. `--start latest` puts its first assignment at
+            # the end explicitly (`_on_assign`); a later one, after a broker that lost its
+            # log came back with the group forgotten, must not skip what the new log got
+            # before the partition came back (JetStream drops what it already has).
+            "auto.offset.reset": "earliest",
+            "topic.metadata.refresh.interval.ms": cfg.metadata_refresh_ms,
             "session.timeout.ms": cfg.session_timeout_ms,
             "heartbeat.interval.ms": cfg.heartbeat_interval_ms,
             "fetch.wait.max.ms": cfg.fetch_wait_max_ms,
@@ -129,11 +136,21 @@ class Fetched:
     # committed offset (or, before its first commit there, its position).
     lag: dict[TopicPart, int]
     assigned: bool
+    # Every `watch_interval_ms` (empty in between): each topic's partitions, and the
+    # group's lag of those of a topic this bridge holds none of (`freshness.kafka_watch`).
+    checks: list[TopicCheck] = field(default_factory=list)
 
 
 @dataclass
 class _PartitionState:
+    # The offset the lag counts from: the group's committed offset (asked once after the
+    # assignment, where the partition resumes from it), then the first record's fetched,
+    # then each commit of ours.
     committed: int | None = None
+    fetched: bool = False  # a record of it fetched since its assignment
+    from_committed: bool = True  # resumes from the group's committed offset
+    asked: bool = False  # the group's committed offset asked for
+    high_at_assign: int = -1  # the end librdkafka had cached when it was assigned
 
 
 @dataclass
@@ -153,8 +170,10 @@ class KafkaSource:
     _parts: dict[TopicPart, _PartitionState] = field(default_factory=dict)
     _loop: asyncio.AbstractEventLoop | None = None
     _lag_at: float = 0.0
-    _uncommitted: int = 0  # assigned partitions whose committed offset we do not know yet
+    _unfetched: int = 0  # assigned partitions with no record fetched since their assignment
     _errors: Throttle = field(default_factory=lambda: Throttle(ERROR_LOG_EVERY_S))
+    _watch: AssignmentWatch | None = None
+    _watch_at: float = 0.0
 
     async def open(self) -> None:
         if self._consumer is not None:
@@ -164,9 +183,11 @@ class KafkaSource:
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
         consumer = new_client(Consumer, conf)
-        await self._call(consumer.subscribe, list(self.cfg.topics),
-                         on_assign=self._on_assign, on_revoke=self._on_revoke,
-                         on_lost=self._on_revoke)
+        self._watch = AssignmentWatch(self.cfg.topics, self.cfg.group_id,
+                                      self.cfg.unassigned_grace_s)
+        # The first check one interval after the start (the watch's grace covers the join).
+        self._watch_at = time.monotonic()
+        await self._call(self._subscribe, consumer)
         self._consumer = consumer
 
     async def fetch(self, max_records: int, timeout_s: float) -> Fetched:
@@ -209,6 +230,10 @@ class KafkaSource:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kw))
 
+    def _subscribe(self, consumer: Consumer) -> None:
+        consumer.subscribe(list(self.cfg.topics), on_assign=self._on_assign,
+                           on_revoke=self._on_revoke, on_lost=self._on_revoke)
+
     def _fetch(self, max_records: int, timeout_s: float) -> Fetched:
         consumer = self._consumer
         assert consumer is not None
@@ -221,7 +246,7 @@ class KafkaSource:
             if max_records > 1:
                 records += consumer.consume(max_records - 1, 0)
         good = [m for m in records if m.error() is None]
-        if self._uncommitted:
+        if self._unfetched:
             self._note_start_offsets(good)
         for m in records:
             if (err := m.error()) is not None:
@@ -231,20 +256,71 @@ class KafkaSource:
         now = time.monotonic()
         if now - self._lag_at >= LAG_EVERY_S:
             self._lag_at = now
+            if self._unfetched:
+                self._check_starts(consumer)
             lag = self._lag(consumer)
-        return Fetched(records=good, lag=lag, assigned=bool(self._parts))
+        checks: list[TopicCheck] = []
+        if self._watch is not None and now - self._watch_at >= self.cfg.watch_interval_ms / 1000:
+            self._watch_at = now
+            checks, resubscribe = self._watch.check(consumer, self._parts.keys(), now)
+            if resubscribe:
+                # Leaving the group and joining it again: the group rebalances, and its
+                # leader assigns from metadata as it is now.
+                consumer.unsubscribe()
+                self._subscribe(consumer)
+        return Fetched(records=good, lag=lag, assigned=bool(self._parts), checks=checks)
 
     def _note_start_offsets(self, records: list[Message]) -> None:
-        """A partition's first record fetched since its assignment is at the offset the
-        group had committed (or where `--start` put it): until we commit there, that is the
-        committed offset the lag counts from."""
+        """A partition's first record fetched since its assignment is where it really
+        starts (the group's committed offset, where `--start` put it, or where an
+        out-of-range reset did): until we commit, the committed offset the lag counts from."""
         for m in records:
             state = self._parts.get((m.topic() or "", m.partition() or 0))
-            if state is not None and state.committed is None:
+            if state is not None and not state.fetched:
+                state.fetched = True
                 state.committed = m.offset()
-                self._uncommitted -= 1
-                if not self._uncommitted:
+                self._unfetched -= 1
+                if not self._unfetched:
                     return
+
+    def _check_starts(self, consumer: Consumer) -> None:
+        """Partitions assigned and not fetched from yet, resuming from the group's committed
+        offset: ask for it (the lag counts from it at once, not only from the first record),
+        and start from the beginning one whose committed offset is past its end
+        (`kafka_watch.past_end`), saying so."""
+        waiting = {key: s for key, s in self._parts.items()
+                   if s.from_committed and not s.fetched}
+        ask = [TopicPartition(t, p) for (t, p), s in waiting.items() if not s.asked]
+        if ask:
+            try:
+                for tp in consumer.committed(ask, timeout=1.0):
+                    state = waiting[(tp.topic, tp.partition)]
+                    state.asked = True
+                    state.committed = tp.offset if tp.offset >= 0 else None
+            except KafkaException as exc:  # Kafka away: asked again in LAG_EVERY_S
+                log.debug("Kafka committed offsets not known yet", error=str(exc))
+        for (topic, p), state in waiting.items():
+            try:
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
+            except KafkaException:
+                continue
+            if not past_end(state.committed, high, state.high_at_assign):
+                continue
+            log.warning(
+                "the group's committed offset is past the partition's end: the broker lost "
+                "the log it was committed against (a restart with memory storage, the topic "
+                "created again). Bridging the partition from its beginning: what JetStream "
+                "has already (within its duplicate window) is dropped as duplicates",
+                topic=topic, partition=p, committed=state.committed, end=high,
+                group=self.cfg.group_id)
+            try:
+                consumer.seek(TopicPartition(topic, p, OFFSET_BEGINNING))
+            except KafkaException as exc:
+                log.warning("Kafka seek to the partition's beginning failed: will try again",
+                            topic=topic, partition=p, error=str(exc))
+                continue
+            state.committed = max(low, 0)
+            state.from_committed = False
 
     def _lag(self, consumer: Consumer) -> dict[TopicPart, int]:
         lag: dict[TopicPart, int] = {}
@@ -273,21 +349,23 @@ class KafkaSource:
         else:
             consumer.commit(offsets=tps, asynchronous=True)
         for tp in tps:
-            state = self._parts[(tp.topic, tp.partition)]
-            if state.committed is None:
-                self._uncommitted -= 1
-            state.committed = tp.offset
+            self._parts[(tp.topic, tp.partition)].committed = tp.offset
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         start = self.cfg.start
         for tp in partitions:
             key = (tp.topic, tp.partition)
             old = self._parts.get(key)
-            if old is None or old.committed is not None:
-                self._uncommitted += 1
-            self._parts[key] = _PartitionState()
+            if old is None or old.fetched:
+                self._unfetched += 1
+            try:
+                _low, high = consumer.get_watermark_offsets(tp, cached=True)
+            except KafkaException:  # nothing cached: any end fetched later is new
+                high = -1
+            state = self._parts[key] = _PartitionState(high_at_assign=high)
             if start is not StartFrom.COMMITTED and key not in self._seen:
                 tp.offset = OFFSET_BEGINNING if start is StartFrom.EARLIEST else OFFSET_END
+                state.from_committed = False
             self._seen.add(key)
         consumer.assign(partitions)
         log.info("Kafka partitions assigned", start=start.value,
@@ -297,8 +375,8 @@ class KafkaSource:
         gone = [(tp.topic, tp.partition) for tp in partitions]
         for key in gone:
             state = self._parts.pop(key, None)
-            if state is not None and state.committed is None:
-                self._uncommitted -= 1
+            if state is not None and not state.fetched:
+                self._unfetched -= 1
         if self.on_revoked is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_revoked, gone)
         log.info("Kafka partitions revoked", partitions=[f"{t}[{p}]" for t, p in gone])

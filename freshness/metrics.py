@@ -38,7 +38,17 @@ class BridgeMetrics:
         self.consumer_lag = Gauge(
             "plane_bridge_consumer_lag_records", "Records in a Kafka partition the bridge has "
             "not committed yet: the partition's end (as of the last fetch) minus the bridge's "
-            "committed offset", ["topic", "partition"], registry=r)
+            "committed offset; for a topic this bridge holds no partition of, the group's "
+            "lag", ["topic", "partition"], registry=r)
+        # Per topic: the partitions it has, and those of them this bridge holds. Summed over
+        # the bridges of a group, the held must equal the topic's: less is a partition no
+        # bridge bridges (the alert PlaneBridgePartitionsUnheld).
+        self.topic_partitions = Gauge(
+            "plane_bridge_topic_partitions", "Partitions of a bridged Kafka topic, as the "
+            "broker's metadata says (0: the topic does not exist)", ["topic"], registry=r)
+        self.assigned_partitions = Gauge(
+            "plane_bridge_assigned_partitions", "Partitions of a bridged Kafka topic that "
+            "the group assigned to this bridge", ["topic"], registry=r)
         self.first_record_seconds = Gauge(
             "plane_bridge_first_record_seconds", "Time from the bridge's start to its first "
             "record acknowledged by JetStream (0 until then)", registry=r)

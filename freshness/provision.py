@@ -51,7 +51,11 @@ async def ensure_events_stream(
         await js.update_stream(cfg)
 
 
-async def ensure_features_bucket(js: JetStreamContext, names: Names) -> KeyValue:
+async def ensure_features_bucket(js: JetStreamContext, names: Names, *,
+                                 replicas: int = 1) -> KeyValue:
+    """Per-card features: written by the feature updater, watched by risk nodes' guards;
+    whichever starts first creates it (with `replicas`: 3 in a cluster, as the rest)."""
     return await ensure_kv(
-        js, KeyValueConfig(bucket=names.features_bucket, history=1, storage=StorageType.FILE)
+        js, KeyValueConfig(bucket=names.features_bucket, history=1, storage=StorageType.FILE,
+                           replicas=replicas)
     )

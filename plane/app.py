@@ -1,6 +1,6 @@
 """The `plane` console command: the core commands of `plane.cli` plus those each package owns
-(gateway, pulse, bridge, risk-demo). Kept apart from `plane.cli` so that those packages can
-import the shared options from it without an import cycle.
+(gateway, pulse, bridge, features, risk-demo). Kept apart from `plane.cli` so that those
+packages can import the shared options from it without an import cycle.
 
 The Kafka commands are listed here but imported only when one runs: their module imports a
 Kafka client, which the base install leaves out (`pip install 'the-plane[bridge]'`), and
@@ -46,6 +46,8 @@ for command in (
     pulse,
     LazyCommand("bridge", "freshness.cli:bridge",
                 "Bridge Kafka topics into JetStream (needs the [bridge] extra)."),
+    LazyCommand("features", "freshness.features_cli:features",
+                "Keep per-card features in PLANE_FEATURES from bridged transactions."),
     LazyCommand("risk-demo", "freshness.cli:risk_demo",
                 "A runnable risk pipeline: Kafka -> bridge -> features -> plane."),
 ):

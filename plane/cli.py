@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
+from freshness.config import GuardConfig, OnStale
 from plane.auth.cli import auth
 from plane.contract.config import (
     BACKENDS,
@@ -196,6 +197,14 @@ device_waits_option = click.option(
          "slot's own thread.")
 
 
+on_stale_option = click.option(
+    "--on-stale", type=click.Choice([m.value for m in OnStale]), default=OnStale.WAIT.value,
+    show_default=True,
+    help="risk, a request with a card whose features are stale or missing: wait on its slot "
+         "(bounded by its deadline) for fresher ones, or degrade at once to the last good "
+         "value (for tight deadlines). Either way the answer says so (Plane-Freshness).")
+
+
 def parse_models(ctx: click.Context, param: click.Parameter,
                  value: str | None) -> tuple[str, ...] | None:
     """`--models M1,M2` (a click callback): the names in the order given, checked before
@@ -243,6 +252,7 @@ def serving_options(nats_help: str = NATS_REQUIRED_HELP) -> Callable[[F], F]:
               help="Run the embedded server with DIR/nats.conf (`plane auth init DIR`); each "
                    "part connects with its role, and the tenants' settings go to PLANE_CONFIG.")
 @device_waits_option
+@on_stale_option
 @click.option("--one-process", is_flag=True,
               help="Run the router in this process, on the nodes' event loop (less memory; "
                    "under load each delays the other). Default: a process of its own.")
@@ -256,7 +266,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
        metrics_host: str, replicas: int, log_level: str, models: tuple[str, ...],
        slots: int | None,
        backend: str, demo: bool, port: int | None, auth_dir: str | None,
-       device_waits: str, one_process: bool, router_per_model: bool) -> None:
+       device_waits: str, on_stale: str, one_process: bool, router_per_model: bool) -> None:
     """Run a whole plane: embedded nats-server (unless --nats), router (in a process of its
     own; with --router-per-model one per model), nodes; with --metrics-port, one /metrics
     for all (none without it). Prints the NATS URL (and the metrics URL) after the start-up
@@ -294,7 +304,8 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         connect=make_connect(nats_url, user, password, token, creds, tls_ca, "plane-up"),
         names=names_for(prefix), models=models, slots=slots, backend=backend,
         metrics_port=metrics_port, metrics_host=metrics_host, replicas=replicas,
-        freshness=True, node_overrides={"device_waits": device_waits},
+        freshness=True, on_stale=OnStale(on_stale),
+        node_overrides={"device_waits": device_waits},
         routers=len(models) if router_per_model else 1,
         router_models=tuple(frozenset({m}) for m in models) if router_per_model else (),
         router_processes=not one_process, log_level=log_level,
@@ -313,6 +324,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
 @click.option("--allow-faults", is_flag=True, help="Accept fault injection (tests, drills).")
 @click.option("--freshness/--no-freshness", default=True, show_default=True,
               help="risk: guard streamed per-card features by their freshness.")
+@on_stale_option
 @click.option("--gpu-sample-ms", type=click.IntRange(50, 3_600_000), default=1000,
               show_default=True,
               help="CUDA: read NVML (utilisation, clocks, power ...) this often into /metrics "
@@ -334,8 +346,8 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
          creds: str | None, tls_ca: str | None, prefix: str, metrics_port: int | None,
          metrics_host: str, replicas: int, log_level: str, model: str, slots: int | None,
          backend: str, sms_per_slot: int | None, node_id: str | None, allow_faults: bool,
-         freshness: bool, gpu_sample_ms: int, processes: int, inline_work_us: int | None,
-         gil_switch_us: int | None, device_waits: str) -> None:
+         freshness: bool, on_stale: str, gpu_sample_ms: int, processes: int,
+         inline_work_us: int | None, gil_switch_us: int | None, device_waits: str) -> None:
     """Serve one model on this machine's device, one depth-one subject per slot.
 
     \b
@@ -354,17 +366,18 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
     conn = make_connect(nats_url, user, password, token, creds, tls_ca,
                         f"plane-node-{cfg.node_id}")
     spec = ServeSpec(conn, metrics_port, metrics_host, replicas)
+    guard = GuardConfig(on_stale=OnStale(on_stale)) if freshness else None
     if processes > 1:
         from plane.node_group import run_group  # members import the node, not this process
 
         try:
-            code = run_group(spec, cfg, processes, freshness=freshness, log_level=log_level)
+            code = run_group(spec, cfg, processes, guard=guard, log_level=log_level)
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None
         sys.exit(code)
     from plane.up import run_node  # the node: torch and triton
 
-    _run(run_node(spec, cfg, freshness=freshness))
+    _run(run_node(spec, cfg, guard=guard))
 
 
 @main.command()

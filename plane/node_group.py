@@ -37,6 +37,7 @@ from types import FrameType
 
 import structlog
 
+from freshness.config import GuardConfig
 from plane.contract.config import NodeConfig
 from plane.contract.errors import ConfigError
 from plane.contract.processes import stop_with_parent
@@ -89,8 +90,8 @@ def member_configs(cfg: NodeConfig, spec: ServeSpec, processes: int
     return out
 
 
-def run_group(spec: ServeSpec, cfg: NodeConfig, processes: int, *, freshness: bool,
-              log_level: str) -> int:
+def run_group(spec: ServeSpec, cfg: NodeConfig, processes: int, *,
+              guard: GuardConfig | None, log_level: str) -> int:
     """Serve `cfg` over `processes` member processes until SIGTERM/SIGINT; the exit code:
     0 when all drained on a signal, 1 when a member died on its own."""
     members = member_configs(cfg, spec, processes)
@@ -109,7 +110,7 @@ def run_group(spec: ServeSpec, cfg: NodeConfig, processes: int, *, freshness: bo
     try:
         for member_cfg, member_spec in members:
             member = spawn.Process(target=_member, name=member_cfg.node_id,
-                                   args=(member_spec, member_cfg, freshness, log_level,
+                                   args=(member_spec, member_cfg, guard, log_level,
                                          os.getpid()))
             member.start()
             procs.append(member)
@@ -139,7 +140,7 @@ def run_group(spec: ServeSpec, cfg: NodeConfig, processes: int, *, freshness: bo
             signal.signal(s, handler)
 
 
-def _member(spec: ServeSpec, cfg: NodeConfig, freshness: bool, log_level: str,
+def _member(spec: ServeSpec, cfg: NodeConfig, guard: GuardConfig | None, log_level: str,
             parent_pid: int) -> None:
     """One member: a lone node, in its own spawned process (its own loop, its own imports)."""
     stop_with_parent(parent_pid)
@@ -149,7 +150,7 @@ def _member(spec: ServeSpec, cfg: NodeConfig, freshness: bool, log_level: str,
 
     configure_logs(log_level)
     _warn_without_mps(cfg)
-    raise SystemExit(run(run_node(spec, cfg, freshness=freshness)))
+    raise SystemExit(run(run_node(spec, cfg, guard=guard)))
 
 
 def mps_running(env: Mapping[str, str] = os.environ) -> bool:

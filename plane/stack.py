@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client
 
+from freshness.config import GuardConfig, OnStale
 from freshness.guard import guarded_enricher
 from plane.contract.config import ConnectOptions, NodeConfig, RouterConfig
 from plane.contract.embedded import EmbeddedNats
@@ -46,8 +47,10 @@ class StackConfig:
     metrics_host: str = "127.0.0.1"
     allow_faults: bool = False
     replicas: int = 1  # JetStream replicas of the slot stream and KV buckets (3 in a cluster)
-    # The freshness guard on `risk` nodes (requests with a `card` use streamed features).
+    # The freshness guard on `risk` nodes (requests with a `card` use streamed features),
+    # and what it does with stale ones (`plane up --on-stale`).
     freshness: bool = False
+    on_stale: OnStale = OnStale.WAIT
     # Any other NodeConfig / RouterConfig field by name (tests: `max_pending`, ...); the
     # config's own checks run on them as on any value.
     node_overrides: dict[str, Any] = field(default_factory=dict)
@@ -118,7 +121,8 @@ class PlaneStack(Lifecycle):
                     enrich = self.enrich if model == "risk" else None
                     if enrich is None and model == "risk" and cfg.freshness:
                         enrich = await guarded_enricher(
-                            st, nc, cfg.names, self.metrics.registry if i == 0 else None)
+                            st, nc, cfg.names, self.metrics.registry if i == 0 else None,
+                            GuardConfig(on_stale=cfg.on_stale), replicas=cfg.replicas)
                     node = Node(nc, node_cfg, self.metrics, enrich=enrich, tracing=self.tracing,
                                 replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))

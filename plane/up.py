@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
+from freshness.config import GuardConfig
 from freshness.guard import guarded_enricher
 from plane.auth.store import STATE_FILE, AuthDir
 from plane.client import Client as PlaneClient
@@ -171,7 +172,13 @@ async def demo_calls(nc: Client, names: Names, models: tuple[str, ...]) -> int:
     return 0
 
 
-async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) -> int:
+DEFAULT_GUARD = GuardConfig()
+
+
+async def run_node(spec: ServeSpec, cfg: NodeConfig, *,
+                   guard: GuardConfig | None = DEFAULT_GUARD) -> int:
+    """Serve one node until a stop signal; `guard`: the freshness guard's settings on a
+    `risk` node (None: no guard, `--no-freshness`)."""
     from gpu_node.node import Node  # torch and triton (see the module's docstring)
 
     freeze_startup_heap()  # what that import brought, before any request can arrive
@@ -183,8 +190,9 @@ async def run_node(spec: ServeSpec, cfg: NodeConfig, *, freshness: bool = True) 
         with serve_metrics(metrics, spec.metrics_port, spec.metrics_host):
             async with contextlib.AsyncExitStack() as stack:
                 enrich = None
-                if freshness and cfg.model == "risk":
-                    enrich = await guarded_enricher(stack, nc, cfg.names, metrics.registry)
+                if guard is not None and cfg.model == "risk":
+                    enrich = await guarded_enricher(stack, nc, cfg.names, metrics.registry,
+                                                    guard, replicas=spec.replicas)
                 await stack.enter_async_context(
                     Node(nc, cfg, metrics, replicas=spec.replicas, enrich=enrich,
                          tracing=Tracing.from_env("plane-node")))

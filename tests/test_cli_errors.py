@@ -109,7 +109,8 @@ def nats_help(name: str) -> str:
     return option.help
 
 
-@pytest.mark.parametrize("name", ["node", "router", "status", "top", "gateway", "bridge"])
+@pytest.mark.parametrize("name", ["node", "router", "status", "top", "gateway", "bridge",
+                                  "features"])
 def test_the_nats_help_of_a_command_without_a_server_says_it_is_required(name: str) -> None:
     """Every command's help said `(default: embedded server)`; only `plane up` (and
     `plane risk-demo`) start one: the others stop with exit 2."""

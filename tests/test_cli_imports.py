@@ -44,7 +44,7 @@ print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 BASE_PROBE = """
 import json, sys
 import plane, plane.client, plane.app, plane.serve, plane.gateway.server, plane.pulse.api
-import plane.pulse.cli
+import plane.pulse.cli, freshness.features_cli
 print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 """
 

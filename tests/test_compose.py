@@ -28,7 +28,7 @@ PROMETHEUS_FILE = COMPOSE / "prometheus.yml"
 NATS_CONF = COMPOSE / "nats.conf"
 DOCKERFILE = COMPOSE / "Dockerfile"
 # Commands that create streams and buckets: they must ask for one replica per server.
-PROVISIONING = ("router", "node", "bridge")
+PROVISIONING = ("router", "node", "bridge", "features")
 OFFLINE = ("auth",)  # commands that write files and connect to nothing
 
 
@@ -135,7 +135,8 @@ def test_the_compose_file_has_every_part_of_the_deployment(
     services: dict[str, dict[str, Any]], plane_lines: list[CommandLine]
 ) -> None:
     runs = {c.sub for c in plane_lines if c.where == "command"}
-    assert {"router", "node", "gateway", "bridge"} <= runs
+    # `features`: without it no risk node finds a card's features (found from outside).
+    assert {"router", "node", "gateway", "bridge", "features"} <= runs
     assert len(_nats_services(services)) == 3
     assert len(_services_running(plane_lines, "router")) >= 2
     assert "prometheus" in services

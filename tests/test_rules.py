@@ -91,7 +91,8 @@ def test_promtool_unit_tests_of_the_rules() -> None:
 def test_every_alert_the_issue_asks_for_is_tested() -> None:
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
     assert alerts == {"PlaneFirstRetrySuccessLow", "PlaneAcceptedTailWide", "PlaneSlotWithdrawn",
-                      "PlaneSlotStreamSilent", "PlaneFreshnessDegraded", "PlaneBridgeLagHigh"}
+                      "PlaneSlotStreamSilent", "PlaneFreshnessDegraded", "PlaneBridgeLagHigh",
+                      "PlaneBridgePartitionsUnheld"}
     tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
     tested = {a["alertname"] for t in tests for a in t.get("alert_rule_test", [])
               if a["exp_alerts"]}

@@ -1,0 +1,66 @@
+"""How `plane up` stops, as a user stops it: a Ctrl-C at its terminal, and its own death.
+Whatever runs at the stop is answered exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+
+import nats
+from nats.aio.msg import Msg
+
+from plane.contract.subjects import Header, Names
+from tests.up_process import children, left_none, plane_up, until_up, url_of
+
+NAMES = Names()
+
+
+async def _answers(nc: nats.NATS, proc: subprocess.Popen[str], work_ms: int,
+                   sent: asyncio.Event) -> list[Msg]:
+    """Every answer to one `calibrated` request of `work_ms` sent now (`sent` set once it
+    is out), gathered until `plane up` has exited and a second more (a second answer would
+    come by then)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    body = json.dumps({"duration_us": work_ms * 1000}).encode()
+    await nc.publish(NAMES.infer("calibrated"), body, reply=inbox,
+                     headers={Header.DEADLINE_MS: str(work_ms + 10_000)})
+    await nc.flush()
+    sent.set()
+    await asyncio.to_thread(proc.wait, 60)
+    answers = []
+    try:
+        while True:
+            answers.append(await sub.next_msg(timeout=1.0))
+    except nats.errors.TimeoutError:
+        return answers
+
+
+async def test_a_ctrl_c_at_the_terminal_drains_what_runs_before_the_server_stops() -> None:
+    # A terminal's Ctrl-C is SIGINT to its whole foreground process group. It reached the
+    # embedded nats-server too, which exited at once: the drain had no server, and the
+    # request running then was never answered (found from outside). The server is in a
+    # group of its own now, and `plane up` stops it last.
+    with plane_up("--models", "calibrated", "--log-level", "warning",
+                  start_new_session=True) as proc:  # its own group, as at a terminal
+        lines = until_up(proc)
+        kids = children(proc.pid)
+        nc = await nats.connect(url_of(lines))
+        try:
+            sent = asyncio.Event()
+            answers = asyncio.create_task(_answers(nc, proc, 1500, sent))
+            await sent.wait()
+            await asyncio.sleep(0.5)  # placed and running (or in the router's inbox: drained)
+            os.killpg(proc.pid, signal.SIGINT)
+            got = await answers
+        finally:
+            await nc.close()
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert proc.returncode == 0, "".join(lines) + rest
+        assert [(m.headers or {}).get(Header.STATUS) for m in got] == ["200"], rest
+        assert "Traceback" not in rest, rest
+        left_none(kids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -23,6 +23,9 @@ from plane.contract.natsconn import close, connect
 from plane.contract.subjects import Names
 from plane.contract.tracing import Tracing
 from plane.router import Router, router_connection
+
+# Nodes known dead, and why (`run_router`'s `gone_at_stop`).
+GoneNodes = tuple[Sequence[str], str]
 
 # A serving command whose NATS connection was closed for good exits with this, so that its
 # supervisor (systemd, Kubernetes, compose) restarts it.
@@ -37,7 +40,10 @@ class ServeSpec:
     replicas: int = 1
 
 
-async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
+async def run_router(spec: ServeSpec, cfg: RouterConfig,
+                     gone_at_stop: Callable[[], GoneNodes | None] = lambda: None) -> int:
+    """`gone_at_stop`: asked when the stop comes, the nodes known dead then, and why (None:
+    none; `plane up`'s router process, whose `plane up` died with its nodes)."""
     metrics = PlaneMetrics()
     nc = await connect(router_connection(spec.connect))
     try:
@@ -48,6 +54,8 @@ async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
                 await until_any(stop, router.lost)
                 if router.lost.is_set():
                     return EXIT_LOST
+                if (gone := gone_at_stop()) is not None:
+                    router.nodes_gone(*gone)
     finally:
         await close(nc)  # drains; closes when the server is gone
     return 0

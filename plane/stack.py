@@ -62,6 +62,14 @@ class StackConfig:
     router_processes: bool = False
     log_level: str = "info"
 
+    def node_id(self, i: int, model: str) -> str:
+        """The id of the stack's i-th node of `model`."""
+        return f"node{i}-{model}"
+
+    def node_ids(self) -> tuple[str, ...]:
+        """Every node the stack runs (in its own process: its router processes' `plane up`)."""
+        return tuple(self.node_id(i, m) for i in range(self.nodes_per_model) for m in self.models)
+
 
 class PlaneStack(Lifecycle):
     """`async with PlaneStack(StackConfig(models=("calibrated",), slots=2)) as s: s.url`"""
@@ -103,7 +111,7 @@ class PlaneStack(Lifecycle):
             for i in range(cfg.nodes_per_model):
                 for model in cfg.models:
                     node_cfg = NodeConfig(
-                        names=cfg.names, node_id=f"node{i}-{model}", model=model,
+                        names=cfg.names, node_id=cfg.node_id(i, model), model=model,
                         slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
                         first_partition=first_partition,
                         **{"device_share": len(cfg.models) * cfg.nodes_per_model,
@@ -154,7 +162,8 @@ class PlaneStack(Lifecycle):
                            name=f"plane-router-{i}")
             child = RouterChild(ServeSpec(opts, None, replicas=cfg.replicas),
                                 self._router_config(i), cfg.log_level,
-                                metrics=cfg.metrics_port is not None)
+                                metrics=cfg.metrics_port is not None,
+                                parent_nodes=cfg.node_ids())
             self._stack.push_async_callback(child.stop)  # on a failed start (idempotent)
             await child.start()
             self.router_children.append(child)

@@ -8,14 +8,27 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import nats
 from nats.aio.msg import Msg
 
+from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header, Names
-from tests.up_process import children, left_none, plane_up, until_up, url_of
+from tests.up_process import (
+    alive,
+    children,
+    left_none,
+    plane_up,
+    router_processes,
+    until_up,
+    url_of,
+)
 
 NAMES = Names()
+# A router process whose `plane up` died is gone within this (its drain took 5 to 10 s
+# when the server went too; a generous bound on a loaded host).
+STOPS_WITHIN_S = 4.0
 
 
 async def _answers(nc: nats.NATS, proc: subprocess.Popen[str], work_ms: int,
@@ -64,3 +77,35 @@ async def test_a_ctrl_c_at_the_terminal_drains_what_runs_before_the_server_stops
         assert [(m.headers or {}).get(Header.STATUS) for m in got] == ["200"], rest
         assert "Traceback" not in rest, rest
         left_none(kids)
+
+
+async def test_a_killed_plane_ups_router_answers_what_its_nodes_ran_and_stops() -> None:
+    # `plane up` SIGKILLed, on a server of the user's (`--nats`): its nodes die with it, and
+    # its router's process gets SIGTERM from the kernel. It stopped as on any SIGTERM,
+    # leaving what it had placed to nodes that were dead: the request running then was never
+    # answered (found from outside). It answers it now, once, and stops promptly, quietly.
+    async with EmbeddedNats() as server:
+        with plane_up("--nats", server.url, "--models", "calibrated",
+                      "--log-level", "warning") as proc:
+            lines = until_up(proc)
+            [router] = router_processes(proc.pid)
+            nc = await nats.connect(server.url)
+            try:
+                sent = asyncio.Event()
+                answers = asyncio.create_task(_answers(nc, proc, 3000, sent))
+                await sent.wait()
+                await asyncio.sleep(0.5)  # placed and running (or unread: then refused)
+                proc.kill()
+                t0 = time.monotonic()
+                got = await answers
+                while alive(router) and time.monotonic() - t0 < 30:
+                    await asyncio.sleep(0.02)
+                router_s = time.monotonic() - t0
+            finally:
+                await nc.close()
+            assert proc.stdout is not None
+            rest = proc.stdout.read()  # the router's log too: it wrote on our pipe
+    assert [((m.headers or {}).get(Header.STATUS), (m.headers or {}).get(Header.REASON))
+            for m in got] in ([("503", "unhealthy")], [("503", "no-capacity")]), rest
+    assert router_s < STOPS_WITHIN_S, f"the router's process took {router_s:.1f} s\n{rest}"
+    assert "Traceback" not in rest and "plane up's process is gone" in rest, rest

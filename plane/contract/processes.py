@@ -47,18 +47,19 @@ def own_group_dying_with_parent() -> None:
     die_with_parent()
 
 
-def stop_with_parent(parent_pid: int) -> None:
+def stop_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> None:
     """In a process we spawned (a node group's member, `plane up`'s router): a parent
     killed outright (SIGKILL, OOM) must not leave it serving with nobody to stop it. On Linux
-    the kernel then sends it SIGTERM (prctl PR_SET_PDEATHSIG), and it drains as on any
-    SIGTERM; a parent gone before we asked is answered the same way at once."""
+    the kernel then sends it `signum` (prctl PR_SET_PDEATHSIG), SIGTERM by default: it
+    drains as on any SIGTERM; a parent gone before we asked is answered the same way at
+    once."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+    if libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         log.warning("cannot ask to stop with the parent process", errno=ctypes.get_errno())
     if os.getppid() != parent_pid:  # it died before we asked
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
 
 def free_port() -> int:

@@ -170,7 +170,7 @@ def main() -> None:
 
     signal.signal(PARENT_DIED, parent_died)
     stop_with_parent(parent_pid, PARENT_DIED)
-    from plane.contract.lifecycle import run
+    from plane.contract.lifecycle import exit_now, run
     from plane.contract.logs import configure as configure_logs
     from plane.serve import GoneNodes, run_router
 
@@ -189,7 +189,7 @@ def main() -> None:
         # server), `plane up` meets it too and says it once, as `error: ...`.
         log.error("the router's process cannot start", router=cfg.router_id, error=str(exc))
         code = 2
-    raise SystemExit(code)
+    exit_now(code)  # `plane up` waits for us: not for the interpreter's teardown too
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ NAMES = Names()
 # A router process whose `plane up` died is gone within this (its drain took 5 to 10 s
 # when the server went too; a generous bound on a loaded host).
 STOPS_WITHIN_S = 4.0
+# An idle `plane up` exits within this of a Ctrl-C (0.2 s here; it was 1.4-2.5 s).
+IDLE_EXIT_S = 1.2
 
 
 async def _answers(nc: nats.NATS, proc: subprocess.Popen[str], work_ms: int,
@@ -87,7 +89,7 @@ async def test_a_killed_plane_ups_router_answers_what_its_nodes_ran_and_stops() 
     async with EmbeddedNats() as server:
         with plane_up("--nats", server.url, "--models", "calibrated",
                       "--log-level", "warning") as proc:
-            lines = until_up(proc)
+            until_up(proc)
             [router] = router_processes(proc.pid)
             nc = await nats.connect(server.url)
             try:
@@ -109,3 +111,22 @@ async def test_a_killed_plane_ups_router_answers_what_its_nodes_ran_and_stops() 
             for m in got] in ([("503", "unhealthy")], [("503", "no-capacity")]), rest
     assert router_s < STOPS_WITHIN_S, f"the router's process took {router_s:.1f} s\n{rest}"
     assert "Traceback" not in rest and "plane up's process is gone" in rest, rest
+
+
+def test_an_idle_plane_up_exits_promptly_on_ctrl_c() -> None:
+    # An idle plane took 1.4-2.5 s to exit here (4-6 s on a GPU host), most of it the
+    # interpreter's teardown of torch and triton after everything had stopped, in `plane up`
+    # and again in its router's process (found from outside).
+    with plane_up("--models", "calibrated", "--log-level", "warning",
+                  start_new_session=True) as proc:
+        lines = until_up(proc)
+        kids = children(proc.pid)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        took_s = time.monotonic() - t0
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+    assert rc == 0, "".join(lines) + rest
+    assert took_s < IDLE_EXIT_S, f"plane up took {took_s:.2f} s to exit\n{rest}"
+    left_none(kids)

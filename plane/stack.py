@@ -86,6 +86,7 @@ class PlaneStack(Lifecycle):
         self.nodes: list[Node] = []
         self.clients: list[Client] = []
         self.metrics_port: int | None = None
+        self.metrics_url: str | None = None  # where /metrics is, as bound
         self.url: str = ""
         self._stack = contextlib.AsyncExitStack()
 
@@ -100,9 +101,11 @@ class PlaneStack(Lifecycle):
                 self.url = cfg.connect.url
             if cfg.router_processes:  # started first: their start-up runs beside the nodes'
                 await self._start_router_children()
-            self.metrics_port = st.enter_context(serve_metrics(
+            bound = st.enter_context(serve_metrics(
                 self.metrics, cfg.metrics_port, cfg.metrics_host,
                 children=self._router_metrics()))
+            self.metrics_port = bound.port if bound is not None else None
+            self.metrics_url = bound.url if bound is not None else None
             # The node's modules (torch and triton: seconds) are imported here, once the router
             # processes are started: their own start-up runs meanwhile, on another core.
             from gpu_node.node import Node

@@ -91,8 +91,8 @@ async def _serve(stack: PlaneStack, cfg: StackConfig, *, demo: bool,
         lines.append(f"credentials: required; every role's and tenant's user and password are "
                      f"in {credentials}: add --user and --password to the calls below (a "
                      f"tenant's to call as that tenant)")
-    if stack.metrics_port:
-        lines.append(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
+    if stack.metrics_url:
+        lines.append(f"metrics:     {stack.metrics_url}")
     lines += [
         "call it from any NATS client, for example:",
         f"  nats --server {stack.url} req {names.infer(cfg.models[0])} '{body}' "

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import click
@@ -70,6 +71,21 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     left_none(kids)
+
+
+def test_plane_up_says_where_its_metrics_are_as_bound() -> None:
+    # The banner said http://127.0.0.1:PORT/metrics whatever --metrics-host bound (found
+    # from outside): here a loopback address other than 127.0.0.1.
+    with plane_up("--models", "calibrated", "--log-level", "warning", "--metrics-port", "0",
+                  "--metrics-host", "127.0.0.2") as proc:
+        lines = until_up(proc)
+        [url] = [m.group(1) for line in lines
+                 if (m := re.fullmatch(r"metrics: +(\S+)\n", line))]
+        assert re.fullmatch(r"http://127\.0\.0\.2:\d+/metrics", url), "".join(lines)
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert b"plane_" in r.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
 
 
 def test_plane_up_stops_whole_when_its_router_process_dies() -> None:

@@ -18,7 +18,8 @@ The child:
 - gets PARENT_DIED (SIGHUP) from the kernel if `plane up` is killed outright (no router
   left serving): it stops as on SIGTERM, and knows that the nodes `plane up` ran
   (`parent_nodes`) died with it, so what it placed on them is taken and answered 503 at
-  once (`Router.nodes_gone`); it used to stop as on any SIGTERM, and nobody answered those;
+  once (`Router.nodes_gone`); it used to stop as on any SIGTERM, and nobody answered those.
+  With `plane up`'s own server gone too (`parent_server`), it waits for nothing;
 - serves its metrics on a loopback port of its own, which `plane up`'s /metrics merges into
   one exposition (`plane.contract.metrics.MergedMetrics`), so a scrape sees one plane.
 
@@ -69,12 +70,14 @@ class RouterChild(Lifecycle):
     own (None without metrics)."""
 
     def __init__(self, spec: ServeSpec, cfg: RouterConfig, log_level: str,
-                 metrics: bool, parent_nodes: tuple[str, ...] = ()) -> None:
+                 metrics: bool, parent_nodes: tuple[str, ...] = (),
+                 parent_server: bool = False) -> None:
         port = free_port() if metrics else None
         self.spec = ServeSpec(spec.connect, port, "127.0.0.1", spec.replicas)
         self.cfg = cfg
         self.log_level = log_level
         self.parent_nodes = parent_nodes  # the nodes in our process: they die with it
+        self.parent_server = parent_server  # our embedded nats-server: it dies with us too
         self.metrics_url = f"http://127.0.0.1:{port}/metrics" if port is not None else None
         self.lost = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
@@ -93,7 +96,7 @@ class RouterChild(Lifecycle):
         self._proc = proc
         assert proc.stdin is not None
         proc.stdin.write(pickle.dumps((self.spec, self.cfg, self.log_level, os.getpid(),
-                                       self.parent_nodes)))
+                                       self.parent_nodes, self.parent_server)))
         await proc.stdin.drain()
         proc.stdin.close()
         self._watch = asyncio.create_task(self._watch_exit(proc))
@@ -157,7 +160,8 @@ def child_env() -> dict[str, str]:
 
 def main() -> None:
     """The child: a lone router (`plane router`'s work), given its settings on stdin."""
-    spec, cfg, log_level, parent_pid, parent_nodes = pickle.load(sys.stdin.buffer)
+    spec, cfg, log_level, parent_pid, parent_nodes, parent_server = pickle.load(
+        sys.stdin.buffer)
     orphaned = threading.Event()
 
     def parent_died(signum: int, frame: FrameType | None) -> None:
@@ -172,14 +176,14 @@ def main() -> None:
     stop_with_parent(parent_pid, PARENT_DIED)
     from plane.contract.lifecycle import exit_now, run
     from plane.contract.logs import configure as configure_logs
-    from plane.serve import GoneNodes, run_router
+    from plane.serve import Gone, run_router
 
-    def gone_at_stop() -> GoneNodes | None:
+    def gone_at_stop() -> Gone | None:
         if not orphaned.is_set():
             return None
         log.warning("plane up's process is gone, and its nodes with it: stopping",
                     router=cfg.router_id, parent_pid=parent_pid, nodes=parent_nodes)
-        return parent_nodes, f"plane up's process {parent_pid} died"
+        return Gone(parent_nodes, f"plane up's process {parent_pid} died", parent_server)
 
     configure_logs(log_level)
     try:

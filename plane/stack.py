@@ -61,6 +61,9 @@ class StackConfig:
     # `--one-process`), logging at `log_level`; `PlaneStack.routers` is then empty.
     router_processes: bool = False
     log_level: str = "info"
+    # The server at `connect.url` is this process's own (`plane up` runs it): it dies with
+    # us, which the router processes need to know when we do (`plane.router_child`).
+    own_server: bool = False
 
     def node_id(self, i: int, model: str) -> str:
         """The id of the stack's i-th node of `model`."""
@@ -166,7 +169,8 @@ class PlaneStack(Lifecycle):
             child = RouterChild(ServeSpec(opts, None, replicas=cfg.replicas),
                                 self._router_config(i), cfg.log_level,
                                 metrics=cfg.metrics_port is not None,
-                                parent_nodes=cfg.node_ids())
+                                parent_nodes=cfg.node_ids(),
+                                parent_server=self.server is not None or cfg.own_server)
             self._stack.push_async_callback(child.stop)  # on a failed start (idempotent)
             await child.start()
             self.router_children.append(child)

@@ -68,7 +68,7 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
             server = await started.enter_async_context(
                 EmbeddedNats(NatsServerSpec(port=port if port is not None else -1,
                                             extra_args=auth.server_args() if auth else [])))
-            cfg = replace(cfg, connect=replace(cfg.connect, url=server.url))
+            cfg = replace(cfg, connect=replace(cfg.connect, url=server.url), own_server=True)
         if auth is not None:
             cfg = replace(cfg, connect=auth.options("admin", cfg.connect.url, name="plane-up"),
                           roles=auth.roles(), settings=auth.tenant_settings())

@@ -80,3 +80,10 @@ def url_of(lines: list[str]) -> str:
     """The NATS URL in `plane up`'s banner."""
     return next(m.group(1) for line in lines
                 if (m := re.match(r"plane is up: NATS (\S+)", line)))
+
+
+def nats_server_process(pid: int) -> int:
+    """The one child of `pid` that runs its embedded nats-server."""
+    [server] = [c for c in children(pid)
+                if b"nats-server" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return server

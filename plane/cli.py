@@ -29,7 +29,7 @@ from plane.contract.config import (
 )
 from plane.contract.errors import ConfigError, PlaneError
 from plane.contract.extras import DISTRIBUTION, missing_extra
-from plane.contract.lifecycle import run
+from plane.contract.lifecycle import exit_now, run
 from plane.contract.logs import configure as configure_logs
 from plane.contract.models import MODELS
 from plane.contract.subjects import InvalidToken, Names
@@ -146,13 +146,17 @@ def main() -> None:
     """
 
 
-def _run(coro: Any) -> None:
-    """Run a command's coroutine; turn our errors into a clear message and a named exit."""
+def _run(coro: Any, *, teardown: bool = True) -> None:
+    """Run a command's coroutine; turn our errors into a clear message and a named exit.
+    `teardown=False`: once it returned, exit without the interpreter's teardown
+    (`exit_now`: the commands that import torch, whose teardown took a second)."""
     try:
         code = run(coro)
     except PlaneError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    if not teardown:
+        exit_now(code)
     sys.exit(code)
 
 
@@ -310,7 +314,7 @@ def up(nats_url: str | None, user: str | None, password: str | None, token: str 
         router_models=tuple(frozenset({m}) for m in models) if router_per_model else (),
         router_processes=not one_process, log_level=log_level,
     )
-    _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir))
+    _run(run_up(cfg, demo=demo, port=port, auth_dir=auth_dir), teardown=False)
 
 
 @main.command()
@@ -377,7 +381,7 @@ def node(nats_url: str | None, user: str | None, password: str | None, token: st
         sys.exit(code)
     from plane.up import run_node  # the node: torch and triton
 
-    _run(run_node(spec, cfg, guard=guard))
+    _run(run_node(spec, cfg, guard=guard), teardown=False)
 
 
 @main.command()

@@ -144,13 +144,14 @@ def _member(spec: ServeSpec, cfg: NodeConfig, guard: GuardConfig | None, log_lev
             parent_pid: int) -> None:
     """One member: a lone node, in its own spawned process (its own loop, its own imports)."""
     stop_with_parent(parent_pid)
-    from plane.contract.lifecycle import run
+    from plane.contract.lifecycle import exit_now, run
     from plane.contract.logs import configure as configure_logs
     from plane.up import run_node  # the node: torch and triton
 
     configure_logs(log_level)
     _warn_without_mps(cfg)
-    raise SystemExit(run(run_node(spec, cfg, guard=guard)))
+    # Its group waits for it: not for the teardown of its torch (`exit_now`).
+    exit_now(run(run_node(spec, cfg, guard=guard)))
 
 
 def mps_running(env: Mapping[str, str] = os.environ) -> bool:

@@ -15,7 +15,11 @@ and router settings given to it whole on its stdin (credentials never on a comma
 The child:
 - is in its own process group, so a Ctrl-C at a terminal reaches only `plane up`, which
   stops the router first and the nodes after it, as in one process;
-- gets SIGTERM from the kernel if `plane up` is killed outright (no router left serving);
+- gets PARENT_DIED (SIGHUP) from the kernel if `plane up` is killed outright (no router
+  left serving): it stops as on SIGTERM, and knows that the nodes `plane up` ran
+  (`parent_nodes`) died with it, so what it placed on them is taken and answered 503 at
+  once (`Router.nodes_gone`); it used to stop as on any SIGTERM, and nobody answered those.
+  With `plane up`'s own server gone too (`parent_server`), it waits for nothing;
 - serves its metrics on a loopback port of its own, which `plane up`'s /metrics merges into
   one exposition (`plane.contract.metrics.MergedMetrics`), so a scrape sees one plane.
 
@@ -31,8 +35,11 @@ import asyncio
 import json
 import os
 import pickle
+import signal
 import sys
+import threading
 from functools import partial
+from types import FrameType
 
 import structlog
 from nats.aio.client import Client
@@ -50,6 +57,9 @@ from plane.serve import ServeSpec
 
 log = structlog.get_logger("plane.router_child")
 
+# The signal the kernel sends us when `plane up` dies (PR_SET_PDEATHSIG): not SIGTERM, which
+# a live `plane up` sends for its orderly stop.
+PARENT_DIED = signal.SIGHUP
 STOP_GRACE_S = 15.0  # past the router's own drain (5 s) before it is killed
 READY_POLL_S = 0.05
 
@@ -60,11 +70,14 @@ class RouterChild(Lifecycle):
     own (None without metrics)."""
 
     def __init__(self, spec: ServeSpec, cfg: RouterConfig, log_level: str,
-                 metrics: bool) -> None:
+                 metrics: bool, parent_nodes: tuple[str, ...] = (),
+                 parent_server: bool = False) -> None:
         port = free_port() if metrics else None
         self.spec = ServeSpec(spec.connect, port, "127.0.0.1", spec.replicas)
         self.cfg = cfg
         self.log_level = log_level
+        self.parent_nodes = parent_nodes  # the nodes in our process: they die with it
+        self.parent_server = parent_server  # our embedded nats-server: it dies with us too
         self.metrics_url = f"http://127.0.0.1:{port}/metrics" if port is not None else None
         self.lost = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
@@ -77,12 +90,13 @@ class RouterChild(Lifecycle):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-P", "-m", "plane.router_child", stdin=asyncio.subprocess.PIPE,
             env=child_env(),
-            # Its own process group (uvloop takes no `process_group`); it asks for SIGTERM at
-            # our death itself (`main`), checking that we are still there.
+            # Its own process group (uvloop takes no `process_group`); it asks for PARENT_DIED
+            # at our death itself (`main`), checking that we are still there.
             preexec_fn=partial(os.setpgid, 0, 0))
         self._proc = proc
         assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps((self.spec, self.cfg, self.log_level, os.getpid())))
+        proc.stdin.write(pickle.dumps((self.spec, self.cfg, self.log_level, os.getpid(),
+                                       self.parent_nodes, self.parent_server)))
         await proc.stdin.drain()
         proc.stdin.close()
         self._watch = asyncio.create_task(self._watch_exit(proc))
@@ -146,21 +160,40 @@ def child_env() -> dict[str, str]:
 
 def main() -> None:
     """The child: a lone router (`plane router`'s work), given its settings on stdin."""
-    spec, cfg, log_level, parent_pid = pickle.load(sys.stdin.buffer)
-    stop_with_parent(parent_pid)
-    from plane.contract.lifecycle import run
+    spec, cfg, log_level, parent_pid, parent_nodes, parent_server = pickle.load(
+        sys.stdin.buffer)
+    orphaned = threading.Event()
+
+    def parent_died(signum: int, frame: FrameType | None) -> None:
+        # The kernel's word (PARENT_DIED), apart from a live `plane up`'s SIGTERM (its
+        # orderly stop, whose nodes drain themselves): then a stop as on SIGTERM, which also
+        # answers what ran on the parent's nodes. The parent's thread that started us is
+        # gone by then; `getppid()` may still name the parent, whose other threads end.
+        orphaned.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(PARENT_DIED, parent_died)
+    stop_with_parent(parent_pid, PARENT_DIED)
+    from plane.contract.lifecycle import exit_now, run
     from plane.contract.logs import configure as configure_logs
-    from plane.serve import run_router
+    from plane.serve import Gone, run_router
+
+    def gone_at_stop() -> Gone | None:
+        if not orphaned.is_set():
+            return None
+        log.warning("plane up's process is gone, and its nodes with it: stopping",
+                    router=cfg.router_id, parent_pid=parent_pid, nodes=parent_nodes)
+        return Gone(parent_nodes, f"plane up's process {parent_pid} died", parent_server)
 
     configure_logs(log_level)
     try:
-        code = run(run_router(spec, cfg))
+        code = run(run_router(spec, cfg, gone_at_stop))
     except PlaneError as exc:
         # A log line, not a traceback: the error is a setting's (`--replicas 3` against a lone
         # server), `plane up` meets it too and says it once, as `error: ...`.
         log.error("the router's process cannot start", router=cfg.router_id, error=str(exc))
         code = 2
-    raise SystemExit(code)
+    exit_now(code)  # `plane up` waits for us: not for the interpreter's teardown too
 
 
 if __name__ == "__main__":

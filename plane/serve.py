@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -23,6 +23,21 @@ from plane.contract.natsconn import close, connect
 from plane.contract.subjects import Names
 from plane.contract.tracing import Tracing
 from plane.router import Router, router_connection
+
+
+@dataclass(frozen=True)
+class Gone:
+    """What died with the process that started a router (`run_router`'s `gone_at_stop`)."""
+
+    nodes: Sequence[str]  # dead: what was placed on them is answered at once
+    why: str
+    # The server too (`plane up`'s own): nothing sent now reaches anyone, and a request
+    # to it is never answered: the stop waits for nothing.
+    server: bool = False
+
+
+# How long a router whose server is gone waits, at its stop, for what it has in hand.
+SERVER_GONE_STOP_S = 0.2
 
 # A serving command whose NATS connection was closed for good exits with this, so that its
 # supervisor (systemd, Kubernetes, compose) restarts it.
@@ -37,7 +52,10 @@ class ServeSpec:
     replicas: int = 1
 
 
-async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
+async def run_router(spec: ServeSpec, cfg: RouterConfig,
+                     gone_at_stop: Callable[[], Gone | None] = lambda: None) -> int:
+    """`gone_at_stop`: asked when the stop comes, what is known dead then (None: nothing;
+    `plane up`'s router process, whose `plane up` died with its nodes)."""
     metrics = PlaneMetrics()
     nc = await connect(router_connection(spec.connect))
     try:
@@ -48,6 +66,10 @@ async def run_router(spec: ServeSpec, cfg: RouterConfig) -> int:
                 await until_any(stop, router.lost)
                 if router.lost.is_set():
                     return EXIT_LOST
+                if (gone := gone_at_stop()) is not None:
+                    router.nodes_gone(gone.nodes, gone.why)
+                    if gone.server:  # its takes waited out their 5 s timeout, in vain
+                        await router.stop(timeout_s=SERVER_GONE_STOP_S)
     finally:
         await close(nc)  # drains; closes when the server is gone
     return 0

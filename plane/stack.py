@@ -65,6 +65,17 @@ class StackConfig:
     # `--one-process`), logging at `log_level`; `PlaneStack.routers` is then empty.
     router_processes: bool = False
     log_level: str = "info"
+    # The server at `connect.url` is this process's own (`plane up` runs it): it dies with
+    # us, which the router processes need to know when we do (`plane.router_child`).
+    own_server: bool = False
+
+    def node_id(self, i: int, model: str) -> str:
+        """The id of the stack's i-th node of `model`."""
+        return f"node{i}-{model}"
+
+    def node_ids(self) -> tuple[str, ...]:
+        """Every node the stack runs (in its own process: its router processes' `plane up`)."""
+        return tuple(self.node_id(i, m) for i in range(self.nodes_per_model) for m in self.models)
 
 
 class PlaneStack(Lifecycle):
@@ -82,6 +93,7 @@ class PlaneStack(Lifecycle):
         self.nodes: list[Node] = []
         self.clients: list[Client] = []
         self.metrics_port: int | None = None
+        self.metrics_url: str | None = None  # where /metrics is, as bound
         self.url: str = ""
         self._stack = contextlib.AsyncExitStack()
 
@@ -96,9 +108,11 @@ class PlaneStack(Lifecycle):
                 self.url = cfg.connect.url
             if cfg.router_processes:  # started first: their start-up runs beside the nodes'
                 await self._start_router_children()
-            self.metrics_port = st.enter_context(serve_metrics(
+            bound = st.enter_context(serve_metrics(
                 self.metrics, cfg.metrics_port, cfg.metrics_host,
                 children=self._router_metrics()))
+            self.metrics_port = bound.port if bound is not None else None
+            self.metrics_url = bound.url if bound is not None else None
             # The node's modules (torch and triton: seconds) are imported here, once the router
             # processes are started: their own start-up runs meanwhile, on another core.
             first_import = "gpu_node.node" not in sys.modules
@@ -111,7 +125,7 @@ class PlaneStack(Lifecycle):
             for i in range(cfg.nodes_per_model):
                 for model in cfg.models:
                     node_cfg = NodeConfig(
-                        names=cfg.names, node_id=f"node{i}-{model}", model=model,
+                        names=cfg.names, node_id=cfg.node_id(i, model), model=model,
                         slots=cfg.slots, backend=cfg.backend, allow_faults=cfg.allow_faults,
                         first_partition=first_partition,
                         **{"device_share": len(cfg.models) * cfg.nodes_per_model,
@@ -163,7 +177,9 @@ class PlaneStack(Lifecycle):
                            name=f"plane-router-{i}")
             child = RouterChild(ServeSpec(opts, None, replicas=cfg.replicas),
                                 self._router_config(i), cfg.log_level,
-                                metrics=cfg.metrics_port is not None)
+                                metrics=cfg.metrics_port is not None,
+                                parent_nodes=cfg.node_ids(),
+                                parent_server=self.server is not None or cfg.own_server)
             self._stack.push_async_callback(child.stop)  # on a failed start (idempotent)
             await child.start()
             self.router_children.append(child)

@@ -72,7 +72,7 @@ async def run_up(cfg: StackConfig, *, demo: bool, port: int | None = None,
             server = await started.enter_async_context(
                 EmbeddedNats(NatsServerSpec(port=port if port is not None else -1,
                                             extra_args=auth.server_args() if auth else [])))
-            cfg = replace(cfg, connect=replace(cfg.connect, url=server.url))
+            cfg = replace(cfg, connect=replace(cfg.connect, url=server.url), own_server=True)
         if auth is not None:
             cfg = replace(cfg, connect=auth.options("admin", cfg.connect.url, name="plane-up"),
                           roles=auth.roles(), settings=auth.tenant_settings())
@@ -95,8 +95,8 @@ async def _serve(stack: PlaneStack, cfg: StackConfig, stop: asyncio.Event, *, de
         lines.append(f"credentials: required; every role's and tenant's user and password are "
                      f"in {credentials}: add --user and --password to the calls below (a "
                      f"tenant's to call as that tenant)")
-    if stack.metrics_port:
-        lines.append(f"metrics:     http://127.0.0.1:{stack.metrics_port}/metrics")
+    if stack.metrics_url:
+        lines.append(f"metrics:     {stack.metrics_url}")
     lines += [
         "call it from any NATS client, for example:",
         f"  nats --server {stack.url} req {names.infer(cfg.models[0])} '{body}' "

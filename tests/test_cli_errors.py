@@ -124,9 +124,10 @@ def test_the_nats_help_says_what_up_pulse_and_risk_demo_do_without_it() -> None:
     assert "Default: a nats-server of the demo's own" in nats_help("risk-demo")
 
 
-@pytest.mark.parametrize("name", ["router", "node"])
-def test_a_router_or_node_without_nats_says_give_nats_in_one_line(name: str) -> None:
-    """Was `cannot connect to NATS at None`, after the start-up log."""
+@pytest.mark.parametrize("name", ["router", "node", "gateway"])
+def test_a_router_node_or_gateway_without_nats_says_give_nats_in_one_line(name: str) -> None:
+    """Was `cannot connect to NATS at None`, after the start-up log; the gateway's said
+    neither PLANE_NATS nor that only `plane up` starts a server."""
     result = CliRunner().invoke(main, [name], env={"PLANE_NATS": None, "PLANE_AUTH": None})
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]

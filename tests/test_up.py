@@ -10,11 +10,9 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
+import urllib.request
 from pathlib import Path
-from typing import Any
 
 import click
 import nats
@@ -23,49 +21,23 @@ from click.testing import CliRunner
 from plane.app import main
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.subjects import Header, Names
-
-PLANE = str(Path(sys.executable).parent / "plane")
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
-
-
-@contextlib.contextmanager
-def _plane_up(*args: str, **popen: Any) -> Iterator[subprocess.Popen[str]]:
-    """`plane up ARGS`, its output and errors on one pipe; killed at the end if it still
-    runs (`with`: the pipes are closed, whatever happened)."""
-    with subprocess.Popen([PLANE, "up", *args], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, **popen) as proc:
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def _left_none(children: list[int]) -> None:
-    for child in children:
-        assert not _alive(child), f"orphan process {child} left running"
+from tests.up_process import (
+    PLANE,
+    children,
+    left_none,
+    plane_up,
+    router_process,
+    router_processes,
+    until_up,
+    url_of,
+)
 
 
 async def test_plane_up_serves_and_stops_cleanly_on_sigterm() -> None:
     # Its logs and its banner on one pipe, unbuffered (as a container image often runs it):
     # the banner comes after the start-up's logs, each of its lines whole.
-    with _plane_up("--log-level", "info", "--metrics-port", "0",
-                   env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+    with plane_up("--log-level", "info", "--metrics-port", "0",
+                  env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
         await _serves_and_stops(proc)
 
 
@@ -88,9 +60,9 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
         "Ctrl-C stops everything."], "".join(lines)
     assert any("req plane.infer.risk" in line for line in banner)
     assert any('"router started"' in line for line in lines[:-len(banner)]), "".join(lines)
-    children = _children(proc.pid)
-    assert children, "plane up should run nats-server as its child"
-    assert _router_process(proc.pid) in children, "plane up's router runs in its own process"
+    kids = children(proc.pid)
+    assert kids, "plane up should run nats-server as its child"
+    assert router_process(proc.pid) in kids, "plane up's router runs in its own process"
     nc = await nats.connect(url)
     msg = await nc.request(Names().infer("risk"), json.dumps(
         {"features": [0.5] * 32}).encode(), timeout=5)
@@ -98,50 +70,38 @@ async def _serves_and_stops(proc: subprocess.Popen[str]) -> None:
     await nc.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    _left_none(children)
+    left_none(kids)
 
 
-def _router_processes(pid: int) -> list[int]:
-    """The children of `pid` that run `plane up`'s routers (`python -m plane.router_child`)."""
-    routers = []
-    for child in _children(pid):
-        with contextlib.suppress(OSError):
-            if b"plane.router_child" in Path(f"/proc/{child}/cmdline").read_bytes():
-                routers.append(child)
-    return routers
-
-
-def _router_process(pid: int) -> int | None:
-    """The one child of `pid` that runs `plane up`'s router."""
-    routers = _router_processes(pid)
-    assert len(routers) <= 1, routers
-    return routers[0] if routers else None
-
-
-def _until_up(proc: subprocess.Popen[str]) -> list[str]:
-    """What `plane up` printed up to its "Ctrl-C" line (it must get there)."""
-    assert proc.stdout is not None
-    lines: list[str] = []
-    while "Ctrl-C" not in (line := proc.stdout.readline()):
-        assert line, "".join(lines)
-        lines.append(line)
-    return lines
+def test_plane_up_says_where_its_metrics_are_as_bound() -> None:
+    # The banner said http://127.0.0.1:PORT/metrics whatever --metrics-host bound (found
+    # from outside): here a loopback address other than 127.0.0.1.
+    with plane_up("--models", "calibrated", "--log-level", "warning", "--metrics-port", "0",
+                  "--metrics-host", "127.0.0.2") as proc:
+        lines = until_up(proc)
+        [url] = [m.group(1) for line in lines
+                 if (m := re.fullmatch(r"metrics: +(\S+)\n", line))]
+        assert re.fullmatch(r"http://127\.0\.0\.2:\d+/metrics", url), "".join(lines)
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert b"plane_" in r.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
 
 
 def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
     # A plane with no router answers nothing: `plane up` stops everything it started and
     # exits 1, so that whatever runs it (systemd, a container) starts it again whole.
-    with _plane_up("--models", "calibrated", "--log-level", "warning") as proc:
-        lines = _until_up(proc)
-        router = _router_process(proc.pid)
+    with plane_up("--models", "calibrated", "--log-level", "warning") as proc:
+        lines = until_up(proc)
+        router = router_process(proc.pid)
         assert router is not None, "".join(lines)
-        children = _children(proc.pid)
+        kids = children(proc.pid)
         os.kill(router, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         assert proc.stdout is not None
         rest = proc.stdout.read()
         assert "the router's process exited" in rest, rest
-        _left_none(children)
+        left_none(kids)
 
 
 def test_plane_up_stops_whole_when_its_nats_server_dies() -> None:
@@ -149,10 +109,10 @@ def test_plane_up_stops_whole_when_its_nats_server_dies() -> None:
     # settings) dies with it: `plane up` neither restarts it in place nor serves on without
     # it (it went on serving /metrics with stale values, its slots "healthy"), but stops
     # everything and exits 1 saying so, for a supervisor to start it again whole.
-    with _plane_up("--models", "calibrated", "--log-level", "warning") as proc:
-        lines = _until_up(proc)
-        children = _children(proc.pid)
-        [server] = [c for c in children
+    with plane_up("--models", "calibrated", "--log-level", "warning") as proc:
+        lines = until_up(proc)
+        kids = children(proc.pid)
+        [server] = [c for c in kids
                     if b"nats-server" in Path(f"/proc/{c}/cmdline").read_bytes()]
         os.kill(server, signal.SIGKILL)
         assert proc.wait(timeout=30) == 1, "".join(lines)
@@ -161,7 +121,7 @@ def test_plane_up_stops_whole_when_its_nats_server_dies() -> None:
         assert ("stopping: the embedded nats-server exited on its own (killed by SIGKILL)"
                 in rest), rest
         assert "Traceback" not in rest, rest
-        _left_none(children)
+        left_none(kids)
 
 
 async def test_plane_up_stops_cleanly_on_sigint_with_its_nats_server_gone() -> None:
@@ -169,9 +129,9 @@ async def test_plane_up_stops_cleanly_on_sigint_with_its_nats_server_gone() -> N
     # reconnects), and a Ctrl-C meanwhile stops `plane up` as cleanly as any other: exit 0,
     # no traceback (nats-py's close raised into the stop: exit 1).
     async with EmbeddedNats() as server:
-        with _plane_up("--nats", server.url, "--models", "calibrated",
+        with plane_up("--nats", server.url, "--models", "calibrated",
                        "--log-level", "warning") as proc:
-            lines = _until_up(proc)
+            lines = until_up(proc)
             await server.stop(kill=True)
             await asyncio.sleep(3.0)  # the node's slots out of reach, its pulls waiting
             proc.send_signal(signal.SIGINT)
@@ -185,14 +145,13 @@ async def test_plane_up_stops_cleanly_on_sigint_with_its_nats_server_gone() -> N
 async def test_plane_up_runs_a_router_process_per_model_when_asked() -> None:
     # `--router-per-model`: a router process for each model, each serving that model only
     # (its micro endpoint's subject and count say which requests it took).
-    with _plane_up("--models", "calibrated,risk", "--router-per-model",
+    with plane_up("--models", "calibrated,risk", "--router-per-model",
                    "--log-level", "warning") as proc:
-        lines = _until_up(proc)
-        url = next(m.group(1) for line in lines
-                   if (m := re.match(r"plane is up: NATS (\S+)", line)))
-        routers = _router_processes(proc.pid)
+        lines = until_up(proc)
+        url = url_of(lines)
+        routers = router_processes(proc.pid)
         assert len(routers) == 2, "".join(lines)
-        children = _children(proc.pid)
+        kids = children(proc.pid)
         nc = await nats.connect(url)
         try:
             for model, body, n in (("calibrated", {"duration_us": 0}, 5),
@@ -208,7 +167,7 @@ async def test_plane_up_runs_a_router_process_per_model_when_asked() -> None:
             (Names().infer("calibrated"), 5), (Names().infer("risk"), 3)], served
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        _left_none(children)
+        left_none(kids)
 
 
 async def _infer_requests_by_router(nc: nats.NATS) -> dict[str, tuple[str, int]]:
@@ -274,9 +233,9 @@ def test_plane_up_router_process_runs_the_plane_it_was_started_with(tmp_path: Pa
     decoy = tmp_path / "plane"
     decoy.mkdir()
     (decoy / "__init__.py").write_text('raise ImportError("the decoy plane was imported")\n')
-    with _plane_up("--models", "calibrated", "--log-level", "warning", cwd=tmp_path) as proc:
-        lines = _until_up(proc)
-        assert _router_process(proc.pid) is not None, "".join(lines)
+    with plane_up("--models", "calibrated", "--log-level", "warning", cwd=tmp_path) as proc:
+        lines = until_up(proc)
+        assert router_process(proc.pid) is not None, "".join(lines)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert proc.stdout is not None and "decoy" not in proc.stdout.read()

@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from plane.contract.errors import cannot_listen
+from plane.contract.metrics_http import Bound
+from plane.contract.metrics_http import stop as stop_http
 
 log = structlog.get_logger("plane.metrics")
 
@@ -322,10 +324,10 @@ def _merge(families: dict[str, Metric], family: Metric) -> None:
 def serve_metrics(
     metrics: PlaneMetrics, port: int | None, host: str = "127.0.0.1",
     children: Sequence[ChildMetrics] = (),
-) -> Iterator[int | None]:
+) -> Iterator[Bound | None]:
     """Serve /metrics on `host`:`port` (0 = any free port; loopback unless a deployment asks
     for more, e.g. `--metrics-host 0.0.0.0` in a container) in prometheus_client's own thread
-    for the duration of the block; yields the bound port (None when disabled). With
+    for the duration of the block; yields where it listens (None when disabled). With
     `children`, the /metrics of those child processes are served merged with ours
     (`MergedMetrics`)."""
     if port is None:
@@ -342,9 +344,8 @@ def serve_metrics(
     except OSError as exc:
         raise cannot_listen("metrics", host, port, exc, option="--metrics-port",
                             host_option="--metrics-host") from None
+    bound = Bound.of(server)
     try:
-        yield server.server_port
+        yield bound
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+        stop_http(server, thread, bound)

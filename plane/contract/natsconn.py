@@ -20,6 +20,7 @@ from nats.errors import SlowConsumerError
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConfigError, Unavailable
 from plane.contract.header_lines import use_fast_header_lines
+from plane.contract.lost_pings import fail_lost_pings
 from plane.contract.soon_flush import use_soon_flush
 
 
@@ -55,6 +56,9 @@ INITIAL_ATTEMPTS = 40  # x reconnect_time_wait 0.25 s
 # for the first, then at most one per ERROR_LOG_EVERY_S saying how many it stands for.
 ERROR_LOG_EVERY_S = 30.0
 DRAIN_TIMEOUT_S = 5.0
+DRAIN_FLUSH_S = 2.0  # past a drain's timeout, for the flush that ends it
+RECONNECT_END_S = 2.0  # a reconnect cancelled at close ends within this (`_end_reconnecting`)
+RECONNECT_END_POLL_S = 0.05
 
 
 class Throttle:
@@ -116,9 +120,16 @@ async def connect(opts: ConnectOptions) -> Client:
         throttle.reset()  # so the first error of the next outage is logged at once
         log.info("nats reconnected", name=opts.name)
 
+    made: list[Client] = []  # the connection, once made (its callbacks come from inside it)
+
+    async def disconnected() -> None:
+        for conn in made:
+            fail_lost_pings(conn)  # its flushes and drains wait for nothing: they fail now
+
     try:
         nc = await nats.connect(**connect_kwargs(opts), error_cb=remember,
-                                reconnected_cb=reconnected)
+                                reconnected_cb=reconnected, disconnected_cb=disconnected)
+        made.append(nc)
     except Exception as exc:
         why = last[-1] if last else exc
         raise Unavailable(
@@ -147,9 +158,14 @@ async def close(nc: Client, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     if nc.is_closed:
         return
     if nc.is_connected:
+        # nats-py's own drain timeout, not a cancellation from here: `drain()` swallows a
+        # cancellation and leaves its gather's CancelledError unretrieved, which asyncio
+        # logs as a traceback. The outer bound is for the flush it makes after.
+        nc.options["drain_timeout"] = timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s + DRAIN_FLUSH_S):
                 await nc.drain()
+            await _end_reconnecting(nc)  # a server lost on the way: see there
             return
         except (TimeoutError, nats.errors.Error, OSError, RuntimeError) as exc:
             # Its server gone during the drain: nats-py writes into the dead transport
@@ -171,3 +187,21 @@ async def close_now(nc: Client) -> None:
         # nowhere to go.
         log.info("nats closed without its server", error=repr(exc),
                  unsent_bytes=nc.pending_data_size)
+    await _end_reconnecting(nc)
+
+
+async def _end_reconnecting(nc: Client, within_s: float = RECONNECT_END_S) -> None:
+    """Until the reconnect that nats-py's close cancelled has really ended. It cancels it
+    once, and Python 3.11's `wait_for` loses a cancellation that lands as the connect
+    attempt inside it ends, which with the server gone (refused at once) is as soon as the
+    reconnect starts: the task went on trying every 0.25 s on a closed connection, and the
+    event loop's own end waited for it forever (a stop right after a lost server; a flush
+    fails at once then, `plane.contract.lost_pings`). Uses nats-py's `_reconnection_task`."""
+    task: asyncio.Task[None] | None = nc._reconnection_task
+    t_end = time.monotonic() + within_s
+    while task is not None and not task.done():
+        if time.monotonic() > t_end:
+            log.warning("nats reconnect did not end at close", name=nc.options.get("name"))
+            return
+        task.cancel()  # again: each lands at a random point of its 0.25 s cycle
+        await asyncio.wait({task}, timeout=RECONNECT_END_POLL_S)

@@ -1,6 +1,7 @@
 """Child processes the project starts itself (nats-server, tansu, redis-server and Celery in
-benchmarks): started so that they die with us, their log's tail kept for errors, stopped by
-PID, politely first, and their log readers cancelled."""
+benchmarks): started so that they die with us (the servers in a process group of their own,
+out of a terminal's Ctrl-C), their log's tail kept for errors, stopped by PID, politely
+first, and their log readers cancelled."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from plane.contract.lifecycle import cancel_and_wait
 log = structlog.get_logger("plane.processes")
 
 __all__ = ["ChildProcess", "cancel_and_wait", "die_with_parent", "free_port", "how_it_ended",
-           "stop_by_pid", "stop_with_parent"]
+           "own_group_dying_with_parent", "stop_by_pid", "stop_with_parent"]
 
 LOG_TAIL_LINES = 200
 PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
@@ -35,18 +36,30 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def stop_with_parent(parent_pid: int) -> None:
+def own_group_dying_with_parent() -> None:
+    """A `preexec_fn` for a server we stop ourselves once what uses it has drained
+    (nats-server, tansu): a process group of its own, so that a Ctrl-C at a terminal (SIGINT
+    to the whole foreground group) reaches only us. In our group, `plane up`'s nats-server
+    got it too and exited at once: the plane's drain had no server left, and a request
+    running at the Ctrl-C was never answered (found from outside). And SIGTERM if we die
+    (`die_with_parent`)."""
+    os.setpgid(0, 0)
+    die_with_parent()
+
+
+def stop_with_parent(parent_pid: int, signum: int = signal.SIGTERM) -> None:
     """In a process we spawned (a node group's member, `plane up`'s router): a parent
     killed outright (SIGKILL, OOM) must not leave it serving with nobody to stop it. On Linux
-    the kernel then sends it SIGTERM (prctl PR_SET_PDEATHSIG), and it drains as on any
-    SIGTERM; a parent gone before we asked is answered the same way at once."""
+    the kernel then sends it `signum` (prctl PR_SET_PDEATHSIG), SIGTERM by default: it
+    drains as on any SIGTERM; a parent gone before we asked is answered the same way at
+    once."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+    if libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         log.warning("cannot ask to stop with the parent process", errno=ctypes.get_errno())
     if os.getppid() != parent_pid:  # it died before we asked
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
 
 def free_port() -> int:
@@ -120,7 +133,7 @@ class ChildProcess(ABC):
             stdout=asyncio.subprocess.PIPE if log_on_stdout else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.STDOUT if log_on_stdout else asyncio.subprocess.PIPE,
             env=env,
-            preexec_fn=die_with_parent,
+            preexec_fn=own_group_dying_with_parent,
         )
         stream = self._proc.stdout if log_on_stdout else self._proc.stderr
         assert stream is not None

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from plane.cli import connect_options, log_option, make_connect, names_for, prefix_option
+from plane.cli import (
+    connect_options,
+    log_option,
+    make_connect,
+    names_for,
+    prefix_option,
+    require_nats,
+)
 from plane.contract.config import MAX_BODY_BYTES, ConnectOptions
 from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import run as run_on_uvloop
@@ -59,9 +66,8 @@ def gateway(nats_url: str | None, user: str | None, password: str | None, token:
                                bearer_token=bearer_token, tenant_tokens=tokens,
                                names=names_for(prefix))
         opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="plane-gateway")
-        if opts.url is None:
-            raise ConfigError("give --nats URL of the plane's NATS server")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    require_nats(opts.url)  # said as the router's and the node's say it
     configure(log_level)
     run_on_uvloop(serve(config, opts))

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -162,6 +163,7 @@ class Router(Lifecycle, TaskOwner):
             spawn=self._spawn, reprovision=self._reprovision,
             tracing=tracing or Tracing.off(), look_ahead=self.calls.ahead))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
+        self._gone: dict[str, str] = {}  # nodes known dead (`nodes_gone`), and why
         self._started = False
         self._stopping = False
         # Set when the connection is closed for good (nats-py does not reconnect after some
@@ -279,6 +281,8 @@ class Router(Lifecycle, TaskOwner):
             endpoint.detach()
         # Placements whose PubAck is on its way: the broker answers within its timeout.
         await self.publisher.drained(timeout_s)
+        for node, why in self._gone.items():  # what was on its way to them is theirs no more
+            self.inflight.node_dead(node, why)
         pending = [t for t in self._tasks if not t.done()]
         if pending:
             _, still = await asyncio.wait(pending, timeout=timeout_s)
@@ -460,6 +464,15 @@ class Router(Lifecycle, TaskOwner):
         if ms is None:
             ms = self.models[model] = ModelSlots(model=model)
         return ms
+
+    def nodes_gone(self, nodes: Iterable[str], why: str) -> None:
+        """`nodes` are dead, known now rather than from their silence a second later (`plane
+        up`'s router process whose `plane up` died: its nodes lived there). Their requests
+        in flight are taken and answered here at once, and at the stop again those whose
+        placement was on its way; the stop waits for those answers."""
+        for node in nodes:
+            self._gone[node] = why
+            self._forget_node(node, why)
 
     def _forget_node(self, node: str, why: str, *, draining: bool = False) -> None:
         """Place nothing more on `node`. A draining node answers what it runs (the deadline

@@ -188,18 +188,7 @@ async def test_a_connection_closed_under_a_call_and_a_stream_ends_them_at_once(
     `ConnectionClosed` then, not after their minute-long deadlines. A scripted responder
     answers a stream's start and one token, and a call never."""
     peer = await nats.connect(nats_server.url)
-    names = Names()
-    got: list[str] = []
-
-    async def answer(msg: Msg) -> None:
-        got.append(msg.subject)
-        rid = (msg.headers or {})[Header.REQUEST_ID]
-        if Header.STREAM in (msg.headers or {}) and msg.reply:
-            await peer.publish(msg.reply, b"", headers=start_headers(rid, "n1", 0,
-                                                                     names.cancel("n1", 0)))
-            await peer.publish(msg.reply, b"a", headers=token_headers(rid, 1))
-
-    await peer.subscribe(names.infer_all(), cb=answer)
+    got = await _start_and_one_token(peer)
     try:
         async with Client.connect(nats_server.url) as plane:
             call = asyncio.create_task(
@@ -346,18 +335,7 @@ async def test_with_end_on_disconnect_a_drop_ends_a_call_and_a_stream_in_flight_
     (in a cluster the connection may come back in time for the answer). A scripted
     responder answers a stream's start and one token, and a call never."""
     peer = await nats.connect(nats_server.url)
-    names = Names()
-    got: list[str] = []
-
-    async def answer(msg: Msg) -> None:
-        got.append(msg.subject)
-        rid = (msg.headers or {})[Header.REQUEST_ID]
-        if Header.STREAM in (msg.headers or {}) and msg.reply:
-            await peer.publish(msg.reply, b"", headers=start_headers(rid, "n1", 0,
-                                                                     names.cancel("n1", 0)))
-            await peer.publish(msg.reply, b"a", headers=token_headers(rid, 1))
-
-    await peer.subscribe(names.infer_all(), cb=answer)
+    got = await _start_and_one_token(peer)
     await peer.flush()
     ending = ClientConfig(end_on_disconnect=True)
     async with Client.connect(nats_server.url, ending) as plane, \
@@ -405,3 +383,21 @@ async def test_a_call_held_for_the_connection_until_its_deadline_says_so(
     assert result.status == 504 and result.local and result.reason == Reason.DEADLINE
     assert result.local_cause == LocalCause.DISCONNECTED, result
     assert "connection to NATS stayed down" in result.body.decode(), result.body
+
+
+async def _start_and_one_token(peer: nats.NATS) -> list[str]:
+    """A scripted responder on `peer`: a stream's start and one token, a call never. The
+    subjects it was asked on."""
+    names = Names()
+    got: list[str] = []
+
+    async def answer(msg: Msg) -> None:
+        got.append(msg.subject)
+        rid = (msg.headers or {})[Header.REQUEST_ID]
+        if Header.STREAM in (msg.headers or {}) and msg.reply:
+            await peer.publish(msg.reply, b"", headers=start_headers(rid, "n1", 0,
+                                                                     names.cancel("n1", 0)))
+            await peer.publish(msg.reply, b"a", headers=token_headers(rid, 1))
+
+    await peer.subscribe(names.infer_all(), cb=answer)
+    return got

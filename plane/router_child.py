@@ -105,10 +105,12 @@ class RouterChild(Lifecycle):
         code = await proc.wait()
         if not self._stopping:
             # Exit 0 is a drain on a signal sent to it, not by us (a supervisor that signals
-            # every process of the service at once, as systemd does): `plane up` stops too.
-            (log.info if code == 0 else log.error)(
-                "the router's process exited on its own", router=self.cfg.router_id,
-                exit_code=code)
+            # every process of the service at once, as systemd does): `plane up` stops too,
+            # every model's plane with it, which is worth a warning (at info, one model's
+            # router signalled alone took the whole plane down without one).
+            (log.warning if code == 0 else log.error)(
+                "the router's process exited on its own: the plane stops",
+                router=self.cfg.router_id, exit_code=code)
             self.lost.set()
 
     async def wait_ready(self, nc: Client, want: dict[str, int], timeout_s: float) -> None:

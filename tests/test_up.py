@@ -104,6 +104,20 @@ def test_plane_up_stops_whole_when_its_router_process_dies() -> None:
         left_none(kids)
 
 
+def test_a_router_process_signalled_alone_says_so_at_warning() -> None:
+    # It drains and exits 0 (a supervisor's SIGTERM), and the whole plane stops with it: at
+    # info, a `--log-level warning` plane stopped without a word why (found from outside).
+    with plane_up("--models", "calibrated", "--log-level", "warning") as proc:
+        lines = until_up(proc)
+        router = router_process(proc.pid)
+        assert router is not None, "".join(lines)
+        os.kill(router, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert "the router's process exited on its own: the plane stops" in rest, rest
+
+
 def test_plane_up_stops_whole_when_its_nats_server_dies() -> None:
     # Its embedded server's JetStream state (the slot stream, placements in flight, live
     # settings) dies with it: `plane up` neither restarts it in place nor serves on without

@@ -293,6 +293,7 @@ class Node(Lifecycle, TaskOwner):
                 device_waits=self.cfg.device_waits == "loop",
                 enrich=self.enrich,
                 answered=self.answered, must_take=self.must_take,
+                presumed_gone=self.presumed_gone,
                 sms=partition_sms(self.backend), tracing=self.tracing,
                 generator=generator, stream_reply=self.streams.reply_subject(k),
                 changed=self.changed, dones=self.dones,
@@ -387,7 +388,12 @@ class Node(Lifecycle, TaskOwner):
         """Whether a router may already have acted on a request this node fetched at
         `fetched_s` (monotonic), so that its answer must take the message through the broker
         rather than ack it: while draining, or as `Standing.must_take` says."""
-        return self._stopping or self.standing.must_take(fetched_s, time.monotonic())
+        return self._stopping or self.presumed_gone(fetched_s)
+
+    def presumed_gone(self, fetched_s: float) -> bool:
+        """Whether a router may have taken this node for gone (and acted on a request it
+        fetched at `fetched_s` before its deadline), as `Standing.must_take` says."""
+        return self.standing.must_take(fetched_s, time.monotonic())
 
     async def _on_own_heartbeat(self, msg: Msg) -> None:
         """A heartbeat on our own subject from another process with our id. The one started

@@ -119,7 +119,8 @@ class Slot(Generating):
         node: str, spec: ModelSpec, metrics: PlaneMetrics, pull_expiry_s: float,
         inline_work_us: int = 0, device_waits: bool = True, enrich: Enrich | None = None,
         answered: RecentIds | None = None,
-        must_take: MustTake | None = None, sms: int = 0, tracing: Tracing | None = None,
+        must_take: MustTake | None = None, presumed_gone: MustTake | None = None,
+        sms: int = 0, tracing: Tracing | None = None,
         generator: SlotGenerator | None = None, stream_reply: str = "",
         changed: Callable[[], None] | None = None, dones: DoneBatch,
     ) -> None:
@@ -141,6 +142,9 @@ class Slot(Generating):
         self.enrich = enrich
         self.answered = answered if answered is not None else RecentIds()
         self.must_take = must_take or (lambda fetched_s: False)
+        # Whether a router may have taken us for gone (acting before the deadline): not
+        # merely because we drain (`must_take` is true then too).
+        self.presumed_gone = presumed_gone or self.must_take
         self.tracing = tracing or Tracing.off()
         self.generator = generator  # tinylm: this slot's generation state
         self.stream_reply = stream_reply  # stream messages' reply subject (see streaming.py)
@@ -572,7 +576,12 @@ class Slot(Generating):
         if outcome is Take.GONE:  # the router took it (or the broker lost it: it asks us)
             self._done(cur, NOT_ANSWERED, 0)
             return False
-        if await self._router_answered(h, cur.request_id):
+        # Its router can have answered it without the broker's word only past the deadline,
+        # or before it if it took us for gone (plane.contract.ownership); otherwise it is
+        # ours. A draining node asked on every take, and each of its answers waited out the
+        # silence of a router stopped first (`plane up`'s drain): ~1 s late.
+        if ((replies.now_ms() > cur.answer_by_ms or self.presumed_gone(cur.fetched_s))
+                and await self._router_answered(h, cur.request_id)):
             self._done(cur, NOT_ANSWERED, 0)
             return False
         return True

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import nats
 from nats.aio.msg import Msg
 
+from gpu_node.standing import SETTLE_S
 from plane.contract.embedded import EmbeddedNats
 from plane.contract.natsconn import close_now
 from plane.contract.subjects import Header, Names
@@ -78,6 +79,16 @@ async def test_a_ctrl_c_at_the_terminal_drains_what_runs_before_the_server_stops
         kids = children(proc.pid)
         nc = await _caller(url_of(lines))
         try:
+            # The draining node asked its router, stopped first, whether it had answered
+            # the request (it cannot have, before the deadline), and waited out its
+            # silence: the answer came ~1 s late (found from outside).
+            asked: list[Msg] = []
+
+            async def question(msg: Msg) -> None:
+                asked.append(msg)
+
+            await nc.subscribe(NAMES.router_answered("*"), cb=question)
+            await asyncio.sleep(SETTLE_S + 0.5)  # a node just up answers through the broker
             sent = asyncio.Event()
             answers = asyncio.create_task(_answers(nc, proc, 1500, sent))
             await sent.wait()
@@ -90,6 +101,7 @@ async def test_a_ctrl_c_at_the_terminal_drains_what_runs_before_the_server_stops
         rest = proc.stdout.read()
         assert proc.returncode == 0, "".join(lines) + rest
         assert [(m.headers or {}).get(Header.STATUS) for m in got] == ["200"], rest
+        assert [m.data for m in asked] == [], rest
         assert "Traceback" not in rest, rest
         left_none(kids)
 

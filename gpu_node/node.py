@@ -328,7 +328,7 @@ class Node(Lifecycle, TaskOwner):
             await self.nc.publish(msg.reply, answer)
 
     async def _on_answered_query(self, msg: Msg) -> None:
-        await reply_answered(self.nc, msg, self.answered.seen)
+        await reply_answered(self.nc, msg, self.answered.seen, self.standing.instance)
 
     async def _on_status(self, req: Any) -> None:
         """The advert, plus what `plane status` and `plane top` show: which slots run a

@@ -317,6 +317,51 @@ async def test_a_message_found_gone_that_its_node_did_not_answer_is_answered_onc
         assert len(got) == 1, [m.headers for m in got]
 
 
+async def test_a_node_restarted_with_its_id_cannot_say_its_predecessor_did_not_answer() -> None:
+    """The router finds a placement's message gone and asks its node whether it answered;
+    the process that answers now started after the placement (a node restarted with the
+    same id, its heartbeat not yet heard: a reply can overtake it). It remembers nothing of
+    its predecessor's answers and said "no", and the router answered a second time. Its
+    reply names its process now, and the router takes a "no" only from the process it
+    placed the request with: from another, the message is its predecessor's, answered."""
+    async with plane(models=("calibrated",), slots=1, backend="torch") as stack, \
+            client(stack.url) as nc:
+        router = stack.routers[0]
+        view = next(iter(router.models["calibrated"].slots.values()))
+        got: list[Msg] = []
+        inbox = nc.new_inbox()
+
+        async def keep(msg: Msg) -> None:
+            got.append(msg)
+
+        await nc.subscribe(inbox, cb=keep)
+
+        def placed(rid: str) -> InFlight:
+            now = time.monotonic()
+            fl = router.inflight.track(InFlight(
+                request_id=rid, model="calibrated", reply=inbox, node=view.node,
+                key=view.key, placed_s=now, tenant="default", subject=view.subject,
+                stream=view.stream, deadline_s=now + 0.05, answer_by_s=now + 0.1,
+                attempt="1"))
+            return fl
+
+        # The control: placed with the process that runs now, which did not answer it.
+        fl = placed("mine")
+        assert fl.instance == stack.nodes[0].standing.instance
+        router.inflight.placed(fl, 999_999)  # a sequence not there: gone
+        await wait_until(lambda: got, 5, "the router's 504 on its node's no")
+        assert [m.headers[Header.STATUS] for m in got] == ["504"]  # type: ignore[index]
+        await wait_until(lambda: not router.inflight.entries, 5, "the entry resolved")
+        got.clear()
+        # Placed with an earlier process of that id: the one now cannot say.
+        fl = placed("predecessors")
+        fl.instance = "an-earlier-process"
+        router.inflight.placed(fl, 999_999)
+        await wait_until(lambda: not router.inflight.entries, 5, "the entry resolved")
+        await asyncio.sleep(0.5)
+        assert got == [], [m.headers for m in got]
+
+
 async def test_two_requests_a_caller_gave_one_id_stay_apart_in_the_ownership_protocol() -> None:
     """Router and node name a placement by `<request id>#<attempt>` where the broker cannot
     say who answers, and the router finds such a placement's message by it: a caller that

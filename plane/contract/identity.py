@@ -85,6 +85,11 @@ class Instances:
     def forget(self, node: str) -> None:
         self._by_node.pop(node, None)
 
+    def token(self, node: str) -> str:
+        """The instance token of the process that speaks for `node` ("": none heard)."""
+        known = self._by_node.get(node)
+        return known.token if known is not None else ""
+
 
 async def answers(nc: Client, subject: str, timeout_s: float, data: bytes = b"") -> bool:
     """Whether anyone answers a request on `subject` within `timeout_s` (no responders: at

@@ -59,30 +59,40 @@ def attempt_id(request_id: str, attempt: str) -> str:
 
 
 async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float,
-                       within_s: float, gone: Callable[[], bool] | None = None) -> bool | None:
+                       within_s: float, gone: Callable[[], bool] | None = None,
+                       instance: str = "") -> bool | None:
     """Ask the other side (a node's or a router's `answered` subject) whether it answered
     `asked` (a placement or an attempt id). Asked again while the question cannot get
     through (a server failing over). True: it says it did; False: it says it did not; None:
     it stayed silent, or unreachable, for `within_s`, or `gone()` says it is gone (its
-    heartbeats lapsed). Where the message is still ours to answer, silence means nobody
-    else will (test it for truth: None is falsy); where it is gone, only a "no" does."""
+    heartbeats lapsed), or the process that replied is not `instance` (the one it was
+    placed with: a node restarted with the same id remembers nothing of its predecessor's
+    answers, and its "no" would make a second answer). Where the message is still ours to
+    answer, silence means nobody else will (test it for truth: None is falsy); where it is
+    gone, only a "no" does."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + within_s
     while True:
         try:
             reply = await nc.request(subject, asked.encode(), timeout=timeout_s)
-            return reply.data == b"1"
+            said, _, theirs = reply.data.partition(b" ")
+            if instance and theirs and theirs.decode(errors="replace") != instance:
+                return None
+            return said == b"1"
         except Exception:
             if loop.time() >= give_up or (gone is not None and gone()):
                 return None
             await asyncio.sleep(0.05)
 
 
-async def reply_answered(nc: Client, msg: Msg, seen: Callable[[str], bool]) -> None:
-    """The other side of `ask_answered`: "1" when `seen(asked)`, else "0"."""
+async def reply_answered(nc: Client, msg: Msg, seen: Callable[[str], bool],
+                         instance: str = "") -> None:
+    """The other side of `ask_answered`: "1" when `seen(asked)`, else "0"; then, from a
+    node, a space and its process's instance token (who says so)."""
     if msg.reply:
         asked = msg.data.decode(errors="replace")
-        await nc.publish(msg.reply, b"1" if seen(asked) else b"0")
+        said = b"1" if seen(asked) else b"0"
+        await nc.publish(msg.reply, f"{said.decode()} {instance}".encode() if instance else said)
 
 
 # JetStream's "sequence N not found": the message is gone (acked, or deleted by the other side).

@@ -44,6 +44,7 @@ class InFlight(msgspec.Struct):
     received_s: float = 0.0  # monotonic, when the router received it (0: not known)
     streams: bool = False  # a stream: its done-event comes at its end, not its answer
     attempt: str = "1"  # `Plane-Attempt` as on the slot message: the caller's, made unique
+    instance: str = ""  # the node's process when placed (`track`): only it can say it answered
 
 
 Answer = Callable[[InFlight, Status, Reason, str], Awaitable[None]]
@@ -54,8 +55,10 @@ class InFlightBook:
         self, js: JetStreamContext, *, answer: Answer, freed: Callable[[InFlight], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
         asked: Callable[[InFlight, str, bool], Awaitable[bool | None]],
+        instance_of: Callable[[str], str] = lambda node: "",
     ) -> None:
         self._js = js
+        self._instance_of = instance_of  # a node id's process now (`Instances.token`)
         self._asked = asked
         self._answer = answer
         self._freed = freed
@@ -69,6 +72,7 @@ class InFlightBook:
         return len(self.entries)
 
     def track(self, fl: InFlight) -> InFlight:
+        fl.instance = self._instance_of(fl.node)
         self.entries[fl.key] = fl
         return fl
 

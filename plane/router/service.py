@@ -130,11 +130,12 @@ class Router(Lifecycle, TaskOwner):
             ticket_prefix=cfg.router_id,
             on_lateness=lambda model, s: self.metrics.ticket_lateness.labels(model).observe(s))
         self.models: dict[str, ModelSlots] = {}
+        self.instances = Instances()  # which process speaks for each node id
         self.inflight = InFlightBook(self.js, answer=self._answer_for_node,
                                      freed=self._freed, spawn=self._spawn,
-                                     asked=self._node_answered)
+                                     asked=self._node_answered,
+                                     instance_of=self.instances.token)
         self.node_seen_s: dict[str, float] = {}
-        self.instances = Instances()  # which process speaks for each node id
         self.parking = ParkingLot()  # holders waiting for a slot to free
         self.peers = Peers(nc, cfg.names, cfg.router_id, self.admission, self._model,
                            models=cfg.models)
@@ -586,7 +587,8 @@ class Router(Lifecycle, TaskOwner):
         return await ask_answered(self.nc, self.names.node_answered(fl.node), asked,
                                   timeout_s=ASK_NODE_TIMEOUT_S,
                                   within_s=ASK_NODE_WITHIN_S if patient else 0.0,
-                                  gone=lambda: fl.node not in self.node_seen_s)
+                                  gone=lambda: fl.node not in self.node_seen_s,
+                                  instance=fl.instance)
 
     async def _answer_for_node(self, fl: InFlight, status: Status, reason: Reason,
                                text: str) -> None:

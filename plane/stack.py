@@ -6,6 +6,7 @@ routers before the nodes), whatever fails."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 from dataclasses import dataclass, field, replace
@@ -141,6 +142,9 @@ class PlaneStack(Lifecycle):
                                 replicas=cfg.replicas)
                     self.nodes.append(await st.enter_async_context(node))
                     first_partition += len(node.slots)
+            # The nodes drain side by side: one after another, each waited for its own
+            # running requests (a stream: up to its drain timeout) before the next began.
+            st.push_async_callback(self._stop_nodes)
             for child in self.router_children:  # stopped before the nodes, as below
                 st.push_async_callback(child.stop)
             for i in range(0 if cfg.router_processes else cfg.routers):
@@ -155,6 +159,15 @@ class PlaneStack(Lifecycle):
         except BaseException:
             await st.aclose()
             raise
+
+    async def _stop_nodes(self) -> None:
+        """Stop every node at once (each `Node.stop` drains what it runs); their own exits,
+        later on the stack, then find them stopped."""
+        failed = [r for r in await asyncio.gather(*(node.stop() for node in self.nodes),
+                                                    return_exceptions=True)
+                  if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]  # as one node's exit raised before (the stack unwinds on)
 
     def _router_config(self, i: int) -> RouterConfig:
         cfg = self.cfg

@@ -2,7 +2,9 @@
 retry policy) and any HTTP endpoint (with the same policy function when `--retry`).
 
 A target is an async context manager with `send(body) -> Attempts`. It never raises for a
-status, a timeout or a broken connection: each of those is an answer to count.
+status, a timeout or a broken connection: each of those is an answer to count. An answer the
+client made up itself (the SDK's, or, through the gateway, its SDK's: `Plane-Local`) is
+counted as that, by why (`Attempts.local`), never as a status of the plane's.
 """
 
 from __future__ import annotations
@@ -109,17 +111,23 @@ def attempts_of(r: Result) -> Attempts:
     if cause is None:
         return Attempts(statuses=r.statuses, final=str(r.status), hinted=r.hinted,
                         last_attempt_us=last_us)
-    earlier = r.statuses[:-1]
+    return client_made(cause, r.statuses[:-1], hinted=r.hinted, last_attempt_us=last_us)
+
+
+def client_made(cause: str, earlier: tuple[int, ...], *, hinted: int,
+                last_attempt_us: int) -> Attempts:
+    """A final the client made up itself for `cause` (`LocalCause`'s value: the SDK's own,
+    or the gateway's SDK's, `Plane-Local`), after the attempts `earlier`."""
     if cause == LocalCause.NOT_SENT and earlier:
         # Its deadline passed in the wait for a retry: the attempt that never went is none.
-        return Attempts(statuses=earlier, final=UNSENT, hinted=r.hinted,
-                        last_attempt_us=last_us, local=cause)
+        return Attempts(statuses=earlier, final=UNSENT, hinted=hinted,
+                        last_attempt_us=last_attempt_us, local=cause)
     # No answer to an attempt sent, or (nothing sent at all) the deadline gone before the
-    # first could go: out of time. Anything else (nobody listening, the connection down or
-    # dropped) failed in transport.
+    # first could go: out of time. Anything else (nobody listening, the connection down,
+    # dropped or closed, a cause newer than this pulse) failed in transport.
     final = TIMEOUT if cause in (LocalCause.NO_ANSWER, LocalCause.NOT_SENT) else ERROR
-    return Attempts(statuses=(*earlier, 0), final=final, hinted=r.hinted,
-                    last_attempt_us=last_us, local=cause)
+    return Attempts(statuses=(*earlier, 0), final=final, hinted=hinted,
+                    last_attempt_us=last_attempt_us, local=cause)
 
 
 class HttpTarget:
@@ -175,6 +183,9 @@ class HttpTarget:
                 return Attempts(statuses=(*statuses, 0), final=ERROR, hinted=hinted,
                                 last_attempt_us=int((time.monotonic() - sent) * 1e6))
             last_us = int((time.monotonic() - sent) * 1e6)
+            if cause := rh.get(Header.LOCAL):  # the gateway's SDK's answer, not the plane's
+                return client_made(cause, tuple(statuses), hinted=hinted,
+                                   last_attempt_us=last_us)
             statuses.append(status)
             after_ms = _retry_after_ms(rh)
             if status == 429 and after_ms is not None:

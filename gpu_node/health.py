@@ -118,7 +118,8 @@ class Supervisor:
             st.failures_seen = slot.failures
             st.passes = 0
         if st.misses > before:
-            self._metrics.probe_misses.labels(slot.model, str(slot.k)).inc(st.misses - before)
+            misses = self._metrics.probe_misses.labels(slot.model, slot.node, str(slot.k))
+            misses.inc(st.misses - before)
         if st.probe is None and slot.idle and now - st.last_probe_s >= period:
             st.last_probe_s = now
             st.probe = asyncio.create_task(slot.probe())

@@ -164,10 +164,10 @@ class Slot(Generating):
         self._pull: StandingPull | None = None  # while claimed
         self._unreached: asyncio.Task[None] | None = None  # `_reclaim_if_lost`, while running
         self._claimed = False
-        self._label = (self.model, str(k))
+        self._label = (self.model, node, str(k))
         # Metric children resolved once: the per-request path does no label lookups.
         self._busy = metrics.slot_busy.labels(*self._label)
-        self._service = metrics.service_seconds.labels(self.model)
+        self._service = metrics.service_seconds.labels(self.model, node)
         self._answered = Children(metrics.node_requests)  # by status
         # Busy time, and busy time x the partition's SMs (`sms`: 0 on a CPU, no SM-seconds).
         self._busy_s = metrics.slot_busy_seconds.labels(*self._label)
@@ -273,7 +273,7 @@ class Slot(Generating):
         self._claimed = False
         self.withdrawn_for = cause
         self.metrics.slot_healthy.labels(*self._label).set(0)
-        self.metrics.withdrawals.labels(self.model, cause).inc()
+        self.metrics.withdrawals.labels(self.model, self.node, cause).inc()
         task, self._task = self._task, None
         if task is not None:
             if self.current is not None and wait_s > 0:

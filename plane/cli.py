@@ -66,13 +66,20 @@ def connect_options(f: F) -> F:
     return _connect_options(f, NATS_REQUIRED_HELP)
 
 
-def require_nats(nats_url: str | None) -> str:
+def require_nats(nats_url: str | None, *, or_instead: str = "") -> str:
     """The --nats URL of a command that connects to a running plane, or one usage line
-    saying to give it (was `cannot connect to NATS at None` from the router and the node)."""
+    saying to give it (was `cannot connect to NATS at None` from the router and the node);
+    `or_instead`: what the command takes in its place (pulse: `--url URL ...`)."""
     if nats_url is None:
-        raise click.UsageError("give --nats URL (or PLANE_NATS) of the plane's NATS server: "
-                               "only `plane up` starts one of its own")
+        raise click.UsageError(nats_missing(or_instead))
     return nats_url
+
+
+def nats_missing(or_instead: str = "") -> str:
+    """What a command says when it has no --nats (nor PLANE_NATS): every command the same."""
+    instead = f", or {or_instead}" if or_instead else ""
+    return (f"give --nats URL (or PLANE_NATS) of the plane's NATS server{instead}: only "
+            "`plane up` starts one of its own")
 
 
 def _connect_options(f: F, nats_help: str) -> F:

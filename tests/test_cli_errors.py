@@ -135,6 +135,27 @@ def test_a_router_node_or_gateway_without_nats_says_give_nats_in_one_line(name: 
                       "only `plane up` starts one of its own"], result.output
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    ([], "Error: give --nats URL (or PLANE_NATS) of the plane's NATS server, or --url URL of "
+         "an HTTP endpoint to load: only `plane up` starts one of its own"),
+    (["--stream", "--model", "tinylm"],
+     "Error: give --nats URL (or PLANE_NATS) of the plane's NATS server: only `plane up` "
+     "starts one of its own"),
+    (["--stream", "--model", "tinylm", "--url", "http://127.0.0.1:9/x"],
+     "Error: --stream reads streams over NATS: give --nats URL (or PLANE_NATS) in place of "
+     "--url (for HTTP streams, load the gateway's SSE with another tool)"),
+], ids=["plain", "stream", "stream-url"])
+def test_pulse_without_nats_says_give_nats_or_plane_nats_as_the_others_do(
+        args: list[str], said: str) -> None:
+    """`plane pulse` said `give --nats URL (the plane) or --url URL`, naming no PLANE_NATS;
+    --stream said neither. Now the words of the router's, node's and gateway's."""
+    result = CliRunner().invoke(main, ["pulse", *args],
+                                env={"PLANE_NATS": None, "PLANE_AUTH": None})
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert errors == [said], result.output
+
+
 # -- --models --------------------------------------------------------------------------------
 @pytest.mark.parametrize(("command", "models", "said"), [
     (["up"], "", "plane up serves at least one model"),

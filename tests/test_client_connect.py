@@ -401,3 +401,30 @@ async def _start_and_one_token(peer: nats.NATS) -> list[str]:
 
     await peer.subscribe(names.infer_all(), cb=answer)
     return got
+
+
+async def test_a_drop_wakes_its_wakers_each_time_and_a_close_wakes_its_own_once(
+        nats_server: EmbeddedNats) -> None:
+    """`OnDrop` keeps its wakers (the client's reply inbox waits on every drop) and leaves a
+    close to `OnClose`, which wakes its own once and forgets them (a closed connection never
+    opens again). Each waker is discarded as its waiter goes."""
+    async with Client.connect(nats_server.url, ClientConfig(
+            end_on_disconnect=True)) as plane:
+        assert plane.on_drop is not None
+        drops: list[str] = []
+        closes: list[str] = []
+        plane.on_drop.add("kept", lambda: drops.append("kept"))
+        plane.on_drop.add("gone", lambda: drops.append("gone"))
+        plane.on_drop.discard("gone")
+        plane.on_close.add("waiter", lambda: closes.append("waiter"))
+        for n in (1, 2):  # two outages: woken on each
+            await nats_server.stop()
+            await wait_until(lambda n=n: len(drops) == n, 10, f"drop {n} to wake its waker")
+            await nats_server.start()
+            await wait_until(lambda: plane.nc.is_connected, 10, "the reconnect")
+        assert drops == ["kept", "kept"] and closes == []
+        await plane.nc.close()
+        await wait_until(lambda: closes == ["waiter"], 5, "the close to wake its waker")
+        assert drops == ["kept", "kept"]  # a close is not a drop
+        plane.on_close.end_all()  # again: forgotten, not woken twice
+        assert closes == ["waiter"]

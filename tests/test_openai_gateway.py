@@ -364,6 +364,13 @@ async def test_errors_come_in_openais_shape(gateway: Gateway, oa: openai.AsyncOp
     assert too_long.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="n \\(only 1\\)"):
         await oa.completions.create(model=MODEL, prompt="x", n=2)
+    # Token ids, as OpenAI takes them: said what to send instead, not msgspec's raw text.
+    for ids in ([15496, 11, 995], [[15496, 11], [995]]):
+        with pytest.raises(openai.BadRequestError) as token_ids:
+            await oa.completions.create(model=MODEL, prompt=ids, max_tokens=4)
+        assert token_ids.value.code == "unsupported_parameter", token_ids.value.message
+        assert ("not supported by the plane: prompt as token ids (tinylm reads text: give "
+                "the prompt as a string, or a list of one string)") in token_ids.value.message
     with pytest.raises(openai.BadRequestError, match="temperature"):
         await oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                          temperature=3.0)

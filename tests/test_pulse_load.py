@@ -12,13 +12,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from nats.aio.msg import Msg
+from structlog.testing import capture_logs
 
+from plane.auth.store import AuthDir
 from plane.contract.backoff import RetryPolicy
 from plane.contract.config import ConnectOptions
-from plane.contract.embedded import EmbeddedNats
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
 from plane.contract.subjects import Header
-from plane.pulse import LoadConfig, NatsTarget, default_body, pulse
-from plane.pulse.summary import ABSENT, PRESENT
+from plane.gateway import Gateway, GatewayConfig
+from plane.pulse import HttpTarget, LoadConfig, NatsTarget, default_body, pulse
+from plane.pulse.report import to_json
+from plane.pulse.summary import ABSENT, INCONCLUSIVE, PRESENT
 from plane.stack import PlaneStack, StackConfig
 from tests.plane_fixtures import NAMES, client, plane
 
@@ -215,6 +219,47 @@ async def test_calls_the_sdk_never_sent_are_not_counted_as_timeouts(
     assert counts.get("timeout", 0) <= 3, counts  # at most those in flight at the stop
     held = [o for o in report.run.outcomes if o.attempts.final == "error"]
     assert all(o.attempts.statuses == (0,) for o in held), held[:3]
+
+
+async def test_a_connection_the_server_closes_ends_the_run_with_a_report(
+        tmp_path: Path) -> None:
+    """nats-py closes a connection on most of the server's errors and never opens it again
+    (here: a tenant whose account allows one subscription; a caller that may retry takes two,
+    its reply inbox and its wake inbox). Each request then ended in `ConnectionClosed`, which
+    escaped the run: a traceback, no report. Now each is an error the client made up itself,
+    `closed`, and the run is reported."""
+    auth = AuthDir(tmp_path / "auth", rounds=4)  # the cheapest bcrypt cost
+    auth.init()
+    auth.add_tenant("gamma", max_subscriptions=1)
+    async with EmbeddedNats(NatsServerSpec(extra_args=auth.server_args())) as server:
+        target = NatsTarget(auth.options("gamma", server.url), model="calibrated",
+                            deadline_ms=500, policy=RetryPolicy(max_attempts=2))
+        with capture_logs() as logs:
+            report = await pulse(target, default_body("calibrated"),
+                                 LoadConfig(rate=20, duration_s=1), deadline_ms=500)
+    s = report.summary
+    assert s.sent == 20 and s.status_counts == {"error": 20}, s.status_counts
+    assert s.local_causes == {"closed": 20}, s.local_causes
+    assert s.verdict == INCONCLUSIVE
+    said = [e for e in logs if e["event"].startswith("the connection to the plane closed")]
+    assert len(said) == 1 and "maximum subscriptions exceeded" in said[0]["why"], logs
+
+
+async def test_the_gateways_own_503s_are_counted_as_its_clients_not_the_planes(
+        nats_server: EmbeddedNats) -> None:
+    """A gateway whose SDK finds nobody listening (no plane on its server: as "routers not
+    back yet" after a reconnect, or its `end_on_disconnect` drop) answers 503s it made up
+    itself. pulse over HTTP counted them as the plane's 503s; `Plane-Local` says whose they
+    are, and pulse counts them as failed in transport, by why."""
+    async with Gateway(GatewayConfig(port=0), ConnectOptions(url=nats_server.url)) as gw:
+        target = HttpTarget(f"{gw.url}/v1/infer/calibrated", deadline_ms=500, timeout_ms=1500,
+                            policy=RetryPolicy(max_attempts=1), concurrency=16)
+        report = await pulse(target, default_body("calibrated"),
+                             LoadConfig(rate=20, duration_s=0.5), deadline_ms=500)
+    s = report.summary
+    assert s.status_counts == {"error": 10}, s.status_counts
+    assert s.local_causes == {"no-responders": 10}, s.local_causes
+    assert json.loads(to_json(s))["local_causes"] == {"no-responders": 10}
 
 
 async def test_mean_retries_is_over_the_refused_that_came_back() -> None:

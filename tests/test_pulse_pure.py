@@ -262,7 +262,7 @@ def test_a_call_is_counted_under_what_ended_it(statuses: tuple[int, ...],
     """The SDK's own statuses by why it made them: only an attempt sent and never answered is
     a timeout (a call never sent, held for a lost connection, was one)."""
     got = attempts_of(_result(statuses, cause))
-    assert (got.final, got.statuses) == (final, counted)
+    assert (got.final, got.statuses, got.local) == (final, counted, cause or "")
 
 
 def test_no_retries_means_no_retry_figures() -> None:

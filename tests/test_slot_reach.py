@@ -74,7 +74,8 @@ async def test_a_slots_health_gauge_is_0_while_the_connection_is_down(
     async with plane(nats_server.url, models=(MODEL,), slots=2) as stack:
         def gauges() -> list[float | None]:
             return [stack.metrics.registry.get_sample_value(
-                "plane_slot_healthy", {"model": MODEL, "slot": str(k)}) for k in (0, 1)]
+                "plane_slot_healthy", {"model": MODEL, "node": NODE, "slot": str(k)})
+                for k in (0, 1)]
 
         assert gauges() == [1.0, 1.0]
         await nats_server.stop(kill=True)

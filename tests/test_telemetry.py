@@ -24,6 +24,7 @@ from gpu_node.telemetry import (
     partition_sms,
 )
 from plane.contract.metrics import PlaneMetrics
+from plane.contract.subjects import Header
 from tests.plane_fixtures import calibrated, client, plane, status
 
 NODE = "gpu-1"
@@ -183,9 +184,35 @@ async def test_slot_busy_time_and_sm_seconds(four_sm_partitions: None) -> None:
             m = await nc.request("plane.infer.calibrated", calibrated(20_000), timeout=5)
             assert status(m) == 200
         reg = stack.metrics.registry
-        busy = reg.get_sample_value("plane_slot_busy_seconds_total",
-                                    {"model": "calibrated", "slot": "0"})
-        sm = reg.get_sample_value("plane_slot_sm_seconds_total",
-                                  {"model": "calibrated", "slot": "0"})
+        labels = {"model": "calibrated", "node": "node0-calibrated", "slot": "0"}
+        busy = reg.get_sample_value("plane_slot_busy_seconds_total", labels)
+        sm = reg.get_sample_value("plane_slot_sm_seconds_total", labels)
     assert busy is not None and 0.1 <= busy < 1.0  # 5 x 20 ms, plus the slot's overhead
     assert sm == pytest.approx(4 * busy)
+
+
+async def test_two_nodes_of_one_model_export_their_slot_0_apart() -> None:
+    """Two nodes of one model (a `--processes` group's members, here in one process and one
+    registry) both have a slot 0: each one's series carry its node id, so neither hides the
+    other's (nor does a scrape that holds both, `plane up`'s, add them up)."""
+    async with plane(models=("calibrated",), slots=1, nodes_per_model=2) as stack, \
+            client(stack.url) as nc:
+        served: set[str] = set()
+        for _ in range(10):  # two at once on two slots: each node runs one
+            replies = await asyncio.gather(*(
+                nc.request("plane.infer.calibrated", calibrated(20_000), timeout=5)
+                for _ in range(2)))
+            served |= {(m.headers or {})[Header.NODE] for m in replies if status(m) == 200}
+            if len(served) == 2:
+                break
+        reg = stack.metrics.registry
+        nodes = [node.cfg.node_id for node in stack.nodes]
+        for node in nodes:
+            labels = {"model": "calibrated", "node": node, "slot": "0"}
+            assert reg.get_sample_value("plane_slot_healthy", labels) == 1.0, node
+            busy = reg.get_sample_value("plane_slot_busy_seconds_total", labels)
+            assert busy is not None and busy > 0, node
+            count = reg.get_sample_value("plane_slot_service_seconds_count",
+                                         {"model": "calibrated", "node": node})
+            assert count is not None and count >= 1, node
+    assert served == set(nodes)

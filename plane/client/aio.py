@@ -341,7 +341,7 @@ class Client:
         status, reason, why = ((Status.DEADLINE, Reason.DEADLINE, NOT_CONNECTED_TO_DEADLINE)
                                if deadline_passed else
                                (Status.UNAVAILABLE, Reason.NO_CAPACITY, NOT_CONNECTED))
-        body, headers = local_reply(status, reason, why, request_id)
+        body, headers = local_reply(status, reason, why, request_id, LocalCause.DISCONNECTED)
         statuses.append(status)
         return Result(status=status, body=body, headers=headers,
                       request_id=request_id, statuses=tuple(statuses), hinted=hinted,
@@ -402,7 +402,7 @@ class Client:
         rid = headers[Header.REQUEST_ID]
         if remaining_s <= 0:  # a retry's wait (or the loop) ran past the deadline
             b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, "deadline passed before send",
-                               rid)
+                               rid, LocalCause.NOT_SENT)
             return b, h, LocalCause.NOT_SENT
         try:
             msg = await self.replies.request(subject, body, headers, timeout_s)
@@ -411,14 +411,15 @@ class Client:
         except NatsTimeout:
             if self.nc.is_closed:  # closed while it waited: say why, not "no answer"
                 raise closed_error(self.nc) from None
-            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer, rid)
+            b, h = local_reply(Status.DEADLINE, Reason.DEADLINE, no_answer, rid,
+                               LocalCause.NO_ANSWER)
             return b, h, LocalCause.NO_ANSWER
         except NoRespondersError:
-            b, h = local_reply(
-                Status.UNAVAILABLE, Reason.NO_CAPACITY, f"no router listens on {subject}", rid
-            )
+            b, h = local_reply(Status.UNAVAILABLE, Reason.NO_CAPACITY,
+                               f"no router listens on {subject}", rid, LocalCause.NO_RESPONDERS)
             return b, h, LocalCause.NO_RESPONDERS
         except ConnectionDropped:  # `end_on_disconnect`: its answer, if any, is lost
-            b, h = local_reply(Status.UNAVAILABLE, Reason.UNHEALTHY, DROPPED, rid)
+            b, h = local_reply(Status.UNAVAILABLE, Reason.UNHEALTHY, DROPPED, rid,
+                               LocalCause.DROPPED)
             return b, h, LocalCause.DROPPED
         return msg.data, msg.headers or {}, None  # nats-py makes a dict per message

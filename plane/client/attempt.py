@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from plane.client.result import LocalCause
 from plane.contract.config import MAX_DEADLINE_MS
 from plane.contract.errors import ConfigError
 from plane.contract.messages import Reason, Status, error_body
@@ -57,9 +58,10 @@ def attempt_headers_for(
     return out
 
 
-def local_reply(status: Status, reason: Reason, message: str, request_id: str
-                ) -> tuple[bytes, dict[str, str]]:
+def local_reply(status: Status, reason: Reason, message: str, request_id: str,
+                cause: LocalCause) -> tuple[bytes, dict[str, str]]:
     """A status the client makes up itself (no answer in time, nobody listening), with the
-    call's request id as the plane's replies carry it."""
+    call's request id as the plane's replies carry it, and why it did (`Plane-Local`: an
+    answer passed on, by the gateway, is told from the plane's own)."""
     return error_body(message, reason), {Header.STATUS: str(int(status)), Header.REASON: reason,
-                                         Header.REQUEST_ID: request_id}
+                                         Header.REQUEST_ID: request_id, Header.LOCAL: cause}

@@ -112,7 +112,32 @@ class Comeback:
         return time.monotonic() - self._back_s < ROUTERS_BACK_S
 
 
-class OnClose:
+class Wakers:
+    """What of a client is to be woken when something happens to its connection (`OnClose`:
+    it closes; `OnDrop`: it drops): a waker per key, added and discarded as its waiter comes
+    and goes, and all of them called when it happens."""
+
+    def __init__(self) -> None:
+        self._wakers: dict[object, Callable[[], None]] = {}
+
+    def add(self, key: object, wake: Callable[[], None]) -> None:
+        """Call `wake` if it happens before `discard(key)` (a second `add` of `key` replaces
+        its waker)."""
+        self._wakers[key] = wake
+
+    def discard(self, key: object) -> None:
+        self._wakers.pop(key, None)
+
+    def _wake_all(self, *, forget: bool) -> None:
+        """Call every waker; `forget`: and hold none after (it cannot happen again)."""
+        wakers = self._wakers
+        if forget:
+            self._wakers = {}
+        for wake in list(wakers.values()):  # a waker may add or discard
+            wake()
+
+
+class OnClose(Wakers):
     """Ends at once whatever of a client waits on a connection that closes.
 
     nats-py closes a connection on its own on most of the server's errors (an account's
@@ -125,8 +150,8 @@ class OnClose:
     callback per connection, maybe the owner's: ours runs first, then theirs."""
 
     def __init__(self, nc: NATS) -> None:
+        super().__init__()
         self._nc = nc
-        self._wakers: dict[object, Callable[[], None]] = {}
         self._closed = asyncio.Event()  # binds to the loop at its first wait
         theirs = nc._closed_cb
 
@@ -136,13 +161,6 @@ class OnClose:
                 await theirs()
 
         nc._closed_cb = closed
-
-    def add(self, key: object, wake: Callable[[], None]) -> None:
-        """Call `wake` if the connection closes before `discard(key)`."""
-        self._wakers[key] = wake
-
-    def discard(self, key: object) -> None:
-        self._wakers.pop(key, None)
 
     async def sleep(self, delay_s: float) -> bool:
         """Wait `delay_s`, or less if the connection closes first (True then): a pause
@@ -161,12 +179,10 @@ class OnClose:
         for future in list(self._nc._resp_map.values()):
             if not future.done():
                 future.set_exception(ConnectionClosedError())
-        wakers, self._wakers = self._wakers, {}
-        for wake in wakers.values():
-            wake()
+        self._wake_all(forget=True)  # a closed connection never opens again
 
 
-class OnDrop:
+class OnDrop(Wakers):
     """Ends at once what of a client waits for the plane when its connection drops (nats-py
     then reconnects), for a client that asks it (`ClientConfig.end_on_disconnect`: the
     gateway, whose HTTP callers are better told at once).
@@ -189,8 +205,8 @@ class OnDrop:
     runs first, then theirs."""
 
     def __init__(self, nc: NATS) -> None:
+        super().__init__()
         self._nc = nc
-        self._wakers: dict[object, Callable[[], None]] = {}
         theirs = nc._disconnected_cb
 
         async def dropped() -> None:
@@ -201,16 +217,8 @@ class OnDrop:
 
         nc._disconnected_cb = dropped
 
-    def add(self, key: object, wake: Callable[[], None]) -> None:
-        """Call `wake` if the connection drops before `discard(key)`."""
-        self._wakers[key] = wake
-
-    def discard(self, key: object) -> None:
-        self._wakers.pop(key, None)
-
     def end_all(self) -> None:
-        for wake in list(self._wakers.values()):
-            wake()
+        self._wake_all(forget=False)  # kept: the client's reply inbox waits on every drop
 
 
 def closed_error(nc: NATS) -> ConnectionClosed:

@@ -375,7 +375,7 @@ class TokenStream:
 
     def _finish_local(self, status: Status, reason: Reason, message: str,
                       cause: LocalCause) -> None:
-        body, headers = local_reply(status, reason, message, self.request_id)
+        body, headers = local_reply(status, reason, message, self.request_id, cause)
         self._finish(int(status), body, headers, cause=cause)
 
     def _dropped_under(self, queue: asyncio.Queue[Msg | None]) -> None:

@@ -201,27 +201,30 @@ class PlaneMetrics:
         self.watchdog_answers = Counter(
             "plane_router_watchdog_answers", "Answers the router gave for silent nodes",
             ["model", "status"], registry=r)
+        # A node's, by its id (`node`): the members of a node group (`--processes`) and the
+        # nodes of one model in one process (tests, `PlaneStack(nodes_per_model=2)`) number
+        # their slots from 0 alike, and one scrape may hold several (`plane up`).
+        slot = ["model", "node", "slot"]
         self.node_requests = Counter(
             "plane_node_requests", "Requests finished by nodes", ["model", "status"], registry=r)
         self.service_seconds = Histogram(
             "plane_slot_service_seconds", "Time a request spent on its slot",
-            ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+            ["model", "node"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.slot_busy = Gauge(
-            "plane_slot_busy", "1 while a slot runs a request", ["model", "slot"], registry=r)
+            "plane_slot_busy", "1 while a slot runs a request", slot, registry=r)
         self.slot_healthy = Gauge(
-            "plane_slot_healthy", "1 while a slot is claimed and healthy",
-            ["model", "slot"], registry=r)
+            "plane_slot_healthy", "1 while a slot is claimed and healthy", slot, registry=r)
         self.probe_misses = Counter(
-            "plane_probe_misses", "Health probes missed", ["model", "slot"], registry=r)
+            "plane_probe_misses", "Health probes missed", slot, registry=r)
         self.withdrawals = Counter(
-            "plane_slot_withdrawals", "Slots withdrawn", ["model", "cause"], registry=r)
+            "plane_slot_withdrawals", "Slots withdrawn", ["model", "node", "cause"],
+            registry=r)
         self.pull_silences = Counter(
             "plane_slot_pull_silences", "Slot pulls asked again because the consumer fell "
             "silent (no delivery, no heartbeat: its leader died with its server)",
-            ["model", "slot"], registry=r)
+            slot, registry=r)
         self.slot_busy_seconds = Counter(
-            "plane_slot_busy_seconds", "Time slots spent running requests", ["model", "slot"],
-            registry=r)
+            "plane_slot_busy_seconds", "Time slots spent running requests", slot, registry=r)
         # Streams (docs/design.md "Streams"), as the node sees them: from fetching the slot
         # message to its first token's message; the time per token after it, per stream.
         self.stream_first_token_seconds = Histogram(
@@ -238,7 +241,7 @@ class PlaneMetrics:
         self.slot_sm_seconds = Counter(
             "plane_slot_sm_seconds",
             "Busy time x SMs of the slot's partition (SM-seconds; x1000 for SM-ms); only "
-            "slots with SMs (CUDA) export it", ["model", "slot"], registry=r)
+            "slots with SMs (CUDA) export it", slot, registry=r)
         # GPU telemetry (gpu_node/telemetry.py): samples only while NVML answers; without
         # NVML the names are declared and carry no sample, never a made-up zero.
         gpu = ["node", "device"]

@@ -51,6 +51,10 @@ class Header:
     SLOT = "Plane-Slot"
     SERVICE_US = "Plane-Service-Us"
     FRESHNESS = "Plane-Freshness"
+    # Reply: made up by the caller's SDK itself, not the plane (no answer in time, nobody
+    # listening, the connection down, dropped or closed): why (`plane.client.result.
+    # LocalCause`). The gateway passes it on, so that its HTTP callers (pulse) tell them apart.
+    LOCAL = "Plane-Local"
     AVOID_NODE = "Plane-Avoid-Node"  # request: a node that just refused (503); go elsewhere
     # Request: an inbox of the caller's (`_INBOX.` and tokens) where the router says, with a
     # message carrying the ticket, that a promised slot freed before the ticket's Retry-After.

@@ -32,7 +32,7 @@ REQUEST_TIMEOUT = 408  # HTTP only: the gateway's own answer to a body sent too 
 # Reply headers passed through to the HTTP caller, as they came.
 PASSED = (Header.REQUEST_ID, Header.STATUS, Header.REASON, Header.NODE, Header.SLOT,
           Header.SERVICE_US, Header.TICKET, Header.RETRY_AFTER_MS, Header.SERVER_TIME,
-          Header.FRESHNESS, Header.TRACEPARENT, Header.TRACESTATE)
+          Header.FRESHNESS, Header.TRACEPARENT, Header.TRACESTATE, Header.LOCAL)
 
 NOT_FOUND = 404
 # The gateway's own reasons, HTTP only (the plane's are `plane.contract.messages.Reason`).

@@ -83,8 +83,11 @@ class CompletionRequest(_Asked, frozen=True, kw_only=True):
     # Absent or null: OpenAI's default, `<|endoftext|>` ("as if from the beginning of a new
     # document"). tinylm starts every prompt with its END token, its document boundary, so
     # that is the empty prompt here (`{"prompt": null}` from the `openai` package's
-    # `prompt=None` was a 400, and so was a body without it).
-    prompt: str | list[str] | None = None
+    # `prompt=None` was a 400, and so was a body without it). OpenAI also takes token ids (a
+    # list of ints, or of lists of them): read here so that the answer says what to send
+    # instead (`unsupported`) rather than msgspec's "Expected `str`, got `int`" (tinylm's
+    # tokens are the prompt's UTF-8 bytes, not the ids of OpenAI's tokenizers).
+    prompt: str | list[str | int | list[int]] | None = None
     echo: bool | None = None  # None: False
     logprobs: int | None = None
     best_of: int | None = None
@@ -92,8 +95,12 @@ class CompletionRequest(_Asked, frozen=True, kw_only=True):
 
     def unsupported(self) -> list[str]:
         out = super().unsupported()
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            out.append("prompt as a list of other than one string")
+        if isinstance(self.prompt, list):
+            if not all(isinstance(p, str) for p in self.prompt):
+                out.append("prompt as token ids (tinylm reads text: give the prompt as a "
+                           "string, or a list of one string)")
+            elif len(self.prompt) != 1:
+                out.append("prompt as a list of other than one string")
         return out + [name for name, bad in (
             ("echo", bool(self.echo)), ("logprobs", self.logprobs is not None),
             ("best_of", self.best_of not in (None, 1)), ("suffix", bool(self.suffix))) if bad]
@@ -103,7 +110,11 @@ class CompletionRequest(_Asked, frozen=True, kw_only=True):
         given: the empty prompt, generation from the document boundary alone."""
         if self.prompt is None:
             return ""
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        if isinstance(self.prompt, str):
+            return self.prompt
+        first = self.prompt[0]
+        assert isinstance(first, str), "refused by `unsupported`"
+        return first
 
 
 class ContentPart(msgspec.Struct, frozen=True, kw_only=True):

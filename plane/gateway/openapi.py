@@ -48,8 +48,11 @@ _ERRORS = {
     "503": "No healthy capacity for the model, its node failed, or the gateway's NATS "
            "connection is down or dropped under the call: try again or elsewhere. "
            "`Plane-Reason: cancelled`: another client cancelled the generation (its text "
-           "was cut); send it again if you still want it.",
-    "504": "The deadline passed before an answer.",
+           "was cut); send it again if you still want it. With `Plane-Local`, the "
+           "gateway's client made it up itself (why: `no-responders`, `disconnected`, "
+           "`dropped`, ...), not the plane.",
+    "504": "The deadline passed before an answer (with `Plane-Local`: no answer came in "
+           "time to the gateway's client, `no-answer`, or it was never sent, `not-sent`).",
 }
 
 
@@ -120,7 +123,8 @@ def _responses(ok_schema: dict[str, Any], *, streams: bool = False,
     }}
     for status, description in _ERRORS.items():
         extra = ((Header.REASON, Header.RETRY_AFTER, Header.RETRY_AFTER_MS, Header.TICKET)
-                 if status == "429" else (Header.REASON,))
+                 if status == "429" else (Header.REASON, Header.LOCAL)
+                 if status in ("503", "504") else (Header.REASON,))
         out[status] = {"description": description,
                        "headers": _reply_headers((*common, *extra)), "content": error}
     return out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from plane.cli import EXIT_UNHEALTHY, connect_options_with, make_connect
+from plane.cli import EXIT_UNHEALTHY, connect_options_with, make_connect, require_nats
 from plane.client.attempt import with_start_wait
 from plane.contract.backoff import NO_RETRY, RetryPolicy
 from plane.contract.config import MAX_DEADLINE_MS
@@ -129,9 +129,13 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
                           progress=sys.stderr.isatty() if progress is None else progress,
                           arrivals="poisson" if stream or arrivals == "poisson" else "even",
                           seed=seed)
-        if stream and (url is not None or nats_url is None):
-            raise ConfigError("--stream reads streams over NATS: give --nats URL (for HTTP "
-                              "streams, load the gateway's SSE with another tool)")
+        if stream and url is not None:
+            raise ConfigError("--stream reads streams over NATS: give --nats URL (or "
+                              "PLANE_NATS) in place of --url (for HTTP streams, load the "
+                              "gateway's SSE with another tool)")
+        if url is None:  # said as every command says it
+            require_nats(nats_url, or_instead="" if stream else "--url URL of an HTTP "
+                         "endpoint to load")
         opts = (make_connect(nats_url, user, password, token, creds, tls_ca, name="pulse")
                 if nats_url is not None else None)
     except ConfigError as exc:
@@ -152,11 +156,10 @@ def pulse(nats_url: str | None, user: str | None, password: str | None, token: s
             target = HttpTarget(url, deadline_ms=deadline, timeout_ms=wait_ms, policy=policy,
                                 concurrency=concurrency, headers={
                                     **_headers(headers), **wait})
-        elif opts is not None:
+        else:
+            assert opts is not None  # require_nats above
             target = NatsTarget(opts, model=model, deadline_ms=deadline, policy=policy,
                                 wait_ms=wait_ms, headers=wait)
-        else:
-            raise ConfigError("give --nats URL (the plane) or --url URL (an HTTP endpoint)")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     report = run_on_uvloop(run_pulse(target, payload, load, deadline_ms=deadline))

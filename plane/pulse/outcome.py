@@ -29,12 +29,16 @@ class Attempts(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     final:           the final status as a label: "200", "429", ..., "timeout", "error"
     hinted:          how many of the 429s carried a Retry-After (or Retry-After-Ms)
     last_attempt_us: the final attempt alone, from its send to its answer
+    local:           why the client made the final up itself, not the target
+                     (`plane.client.result.LocalCause`'s value: "no-answer", "closed", ...);
+                     "" when the final is the target's own answer
     """
 
     statuses: tuple[int, ...]
     final: str
     hinted: int = 0
     last_attempt_us: int = 0
+    local: str = ""
 
     @property
     def refusals(self) -> int:

@@ -47,6 +47,8 @@ def print_table(summary: Summary, console: Console | None = None) -> None:
         ("sent / answered / dropped", f"{s.sent} / {s.answered} / {s.dropped}"),
         ("ok per second", f"{s.ok_per_s:.1f}"),
         ("by status", "  ".join(f"{k}: {v}" for k, v in sorted(s.status_counts.items()))),
+        ("made up by the client", "  ".join(f"{k}: {v}" for k, v in
+                                            sorted(s.local_causes.items())) or "none"),
         ("within deadline", _pct(s.within_deadline_share) if s.deadline_ms is not None
                             else "- (the server's deadline; --deadline-ms to measure it)"),
         ("refused (first try)", _pct(s.refusal_rate)),

@@ -107,6 +107,9 @@ class Summary(msgspec.Struct, kw_only=True):
     p50_first_third_ms: float | None = None  # accepted p50, first and last third of the run
     p50_last_third_ms: float | None = None
     arrivals: str = "even"  # how the sends were scheduled (LoadConfig.arrivals)
+    # Final answers the client made up itself, not the target (`Attempts.local`), by why:
+    # in `status_counts` under "error", "timeout" or "unsent", never as the target's status.
+    local_causes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def _hist(values_us: Sequence[int]) -> HdrHistogram:
@@ -208,6 +211,7 @@ def summarize(
         i = min(windows - 1, max(0, int(o.scheduled_s / duration_s * windows)))
         by_window[i].append(o.accepted_us)
     status_counts = dict(Counter(o.attempts.final for o in outcomes))
+    local_causes = dict(Counter(o.attempts.local for o in outcomes if o.attempts.local))
     refused = [o for o in outcomes if o.attempts.statuses and o.attempts.statuses[0] == 429]
     retried = [o for o in refused if len(o.attempts.statuses) > 1]
     # Refused at least once and retried after it (a first try answered 503, then refused,
@@ -242,6 +246,7 @@ def summarize(
         dropped=dropped,
         ok_per_s=ok / duration_s if duration_s > 0 else 0.0,
         status_counts=status_counts,
+        local_causes=local_causes,
         within_deadline_share=None if within is None else _share(within, sent),
         refusal_rate=_share(sum(1 for o in refused), len(outcomes)),
         retry_after_share=retry_after_share,

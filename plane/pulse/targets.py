@@ -2,7 +2,9 @@
 retry policy) and any HTTP endpoint (with the same policy function when `--retry`).
 
 A target is an async context manager with `send(body) -> Attempts`. It never raises for a
-status, a timeout or a broken connection: each of those is an answer to count.
+status, a timeout or a broken connection: each of those is an answer to count. An answer the
+client made up itself (the SDK's, or, through the gateway, its SDK's: `Plane-Local`) is
+counted as that, by why (`Attempts.local`), never as a status of the plane's.
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ from types import TracebackType
 from typing import Protocol
 
 import aiohttp
+import structlog
+from nats.errors import ConnectionClosedError
 
 from plane.client import Client, ClientConfig
 from plane.client.result import LocalCause, Result, header_int
 from plane.contract.backoff import RetryPolicy, retry_delay_ms
 from plane.contract.config import ConnectOptions
+from plane.contract.errors import ConnectionClosed
 from plane.contract.messages import FINAL_REFUSALS
 from plane.contract.replies import now_ms
 from plane.contract.subjects import Header
 from plane.pulse.outcome import ERROR, TIMEOUT, UNSENT, Attempts
+
+log = structlog.get_logger("plane.pulse")
 
 SERVER_TIME_HTTP = "X-Server-Time"  # the gateway's name for Plane-Server-Time
 
@@ -56,9 +63,11 @@ class NatsTarget:
             policy=policy, wait_ms=wait_ms)
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Client | None = None
+        self._closed_said = False  # its connection's close is logged once
 
     async def __aenter__(self) -> NatsTarget:
         """Connect (again, after an exit: a target can be used for several runs)."""
+        self._closed_said = False
         self._stack = contextlib.AsyncExitStack()
         self._client = await self._stack.enter_async_context(
             Client.connect(self._opts, self._config))
@@ -71,9 +80,21 @@ class NatsTarget:
             await stack.aclose()
 
     async def send(self, body: bytes) -> Attempts:
+        """A closed connection (nats-py closes it on most of the server's errors, and never
+        opens it again) ends this request, and each one after it at once, as failed in
+        transport (`LocalCause.CLOSED`); it raised out of the run, a traceback and no
+        report. Said once, with why it closed."""
         assert self._client is not None
-        r = await self._client.call(self._model, body, deadline_ms=self._deadline_ms,
-                                    headers=self._headers)
+        try:
+            r = await self._client.call(self._model, body, deadline_ms=self._deadline_ms,
+                                        headers=self._headers)
+        except (ConnectionClosed, ConnectionClosedError) as exc:
+            if not self._closed_said:
+                self._closed_said = True
+                log.warning("the connection to the plane closed: every request from now on "
+                            "ends in error (closed); run pulse again once the plane's server "
+                            "takes this connection", target=self.name, why=str(exc))
+            return Attempts(statuses=(0,), final=ERROR, local=LocalCause.CLOSED)
         return attempts_of(r)
 
 
@@ -90,17 +111,23 @@ def attempts_of(r: Result) -> Attempts:
     if cause is None:
         return Attempts(statuses=r.statuses, final=str(r.status), hinted=r.hinted,
                         last_attempt_us=last_us)
-    earlier = r.statuses[:-1]
+    return client_made(cause, r.statuses[:-1], hinted=r.hinted, last_attempt_us=last_us)
+
+
+def client_made(cause: str, earlier: tuple[int, ...], *, hinted: int,
+                last_attempt_us: int) -> Attempts:
+    """A final the client made up itself for `cause` (`LocalCause`'s value: the SDK's own,
+    or the gateway's SDK's, `Plane-Local`), after the attempts `earlier`."""
     if cause == LocalCause.NOT_SENT and earlier:
         # Its deadline passed in the wait for a retry: the attempt that never went is none.
-        return Attempts(statuses=earlier, final=UNSENT, hinted=r.hinted,
-                        last_attempt_us=last_us)
+        return Attempts(statuses=earlier, final=UNSENT, hinted=hinted,
+                        last_attempt_us=last_attempt_us, local=cause)
     # No answer to an attempt sent, or (nothing sent at all) the deadline gone before the
-    # first could go: out of time. Anything else (nobody listening, the connection down or
-    # dropped) failed in transport.
+    # first could go: out of time. Anything else (nobody listening, the connection down,
+    # dropped or closed, a cause newer than this pulse) failed in transport.
     final = TIMEOUT if cause in (LocalCause.NO_ANSWER, LocalCause.NOT_SENT) else ERROR
-    return Attempts(statuses=(*earlier, 0), final=final, hinted=r.hinted,
-                    last_attempt_us=last_us)
+    return Attempts(statuses=(*earlier, 0), final=final, hinted=hinted,
+                    last_attempt_us=last_attempt_us, local=cause)
 
 
 class HttpTarget:
@@ -156,6 +183,9 @@ class HttpTarget:
                 return Attempts(statuses=(*statuses, 0), final=ERROR, hinted=hinted,
                                 last_attempt_us=int((time.monotonic() - sent) * 1e6))
             last_us = int((time.monotonic() - sent) * 1e6)
+            if cause := rh.get(Header.LOCAL):  # the gateway's SDK's answer, not the plane's
+                return client_made(cause, tuple(statuses), hinted=hinted,
+                                   last_attempt_us=last_us)
             statuses.append(status)
             after_ms = _retry_after_ms(rh)
             if status == 429 and after_ms is not None:

@@ -92,7 +92,7 @@ def test_every_alert_the_issue_asks_for_is_tested() -> None:
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
     assert alerts == {"PlaneFirstRetrySuccessLow", "PlaneAcceptedTailWide", "PlaneSlotWithdrawn",
                       "PlaneSlotStreamSilent", "PlaneFreshnessDegraded", "PlaneBridgeLagHigh",
-                      "PlaneBridgePartitionsUnheld"}
+                      "PlaneBridgePartitionsUnheld", "PlaneRouterNotScraped"}
     tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
     tested = {a["alertname"] for t in tests for a in t.get("alert_rule_test", [])
               if a["exp_alerts"]}
@@ -196,8 +196,11 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
 async def test_every_metric_the_board_and_rules_name_is_in_a_live_scrape() -> None:
     used = {n for n in set().union(*(names_in(e) for e in board_exprs() + rule_exprs()))
             if ":" not in n}
+    # Its router in a process of its own, as `plane up` runs it: one /metrics merges both
+    # (and says whether the router's answered: plane_child_scrape_up).
     async with PlaneStack(StackConfig(models=("risk", "calibrated"), slots=1, metrics_port=0,
-                                      freshness=True)) as stack, client(stack.url) as nc:
+                                      freshness=True, router_processes=True)) as stack, \
+            client(stack.url) as nc:
         # Some traffic, refusals and tickets included: one slot, three at once.
         await nc.request("plane.infer.risk", RISK_BODY, timeout=5)
         await asyncio.gather(*(nc.request("plane.infer.calibrated", calibrated(50_000),

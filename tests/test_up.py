@@ -138,6 +138,33 @@ def test_plane_up_stops_whole_when_its_nats_server_dies() -> None:
         left_none(kids)
 
 
+def test_plane_ups_metrics_say_when_its_router_did_not_answer_the_scrape() -> None:
+    # A stalled router process (SIGSTOP here) left `plane up`'s /metrics without its series
+    # (refusals, promises, decisions), HELP and TYPE lines kept: to Prometheus a quiet
+    # plane, its refusal alerts blank exactly then (found from outside).
+    with plane_up("--models", "calibrated", "--log-level", "error", "--metrics-port",
+                  "0") as proc:
+        lines = until_up(proc)
+        [url] = [m.group(1) for line in lines
+                 if (m := re.fullmatch(r"metrics: +(\S+)\n", line))]
+        [router] = router_processes(proc.pid)
+
+        def up_sample() -> list[str]:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                return [line for line in r.read().decode().splitlines()
+                        if line.startswith("plane_child_scrape_up")]
+
+        assert up_sample() == ['plane_child_scrape_up{child="router"} 1.0']
+        os.kill(router, signal.SIGSTOP)
+        try:
+            assert up_sample() == ['plane_child_scrape_up{child="router"} 0.0']
+        finally:
+            os.kill(router, signal.SIGCONT)
+        assert up_sample() == ['plane_child_scrape_up{child="router"} 1.0']
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
 async def test_plane_up_stops_cleanly_on_sigint_with_its_nats_server_gone() -> None:
     # A server of its own (`--nats`) that died: the nodes wait for it to come back (nats-py
     # reconnects), and a Ctrl-C meanwhile stops `plane up` as cleanly as any other: exit 0,

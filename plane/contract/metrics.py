@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -278,6 +278,7 @@ class ChildMetrics:
 
     url: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    role: str = "router"  # what the process is (`plane_child_scrape_up`'s `child` label)
 
 
 class MergedMetrics(Collector):
@@ -288,7 +289,9 @@ class MergedMetrics(Collector):
     the samples of all. Their samples never collide: a family's children are labelled by the
     process that makes them (a router's by model and reason, a node's by node and slot), and
     processes of one role by `ChildMetrics.labels`. A child that does not answer is left out
-    of that scrape and said in the log."""
+    of that scrape and said in the log, and `plane_child_scrape_up` says which (0): without
+    it a stalled router's series only vanished, and a scrape read as a quiet plane (its
+    refusal alerts went blank when the router was in trouble; found from outside)."""
 
     def __init__(self, own: CollectorRegistry, children: Sequence[ChildMetrics]) -> None:
         self._own = own
@@ -300,6 +303,10 @@ class MergedMetrics(Collector):
         families: dict[str, Metric] = {}
         for family in text_string_to_metric_families(generate_latest(self._own).decode()):
             _merge(families, family)
+        up = GaugeMetricFamily(
+            "plane_child_scrape_up",
+            "1 when this scrape read the child process's /metrics (plane up's routers), 0 "
+            "when it did not answer in time (stalled or gone): its series are missing")
         for child in self._children:
             try:
                 with urllib.request.urlopen(child.url, timeout=CHILD_SCRAPE_TIMEOUT_S) as r:
@@ -307,12 +314,16 @@ class MergedMetrics(Collector):
             except OSError as exc:
                 log.warning("a child process's metrics left out of this scrape", url=child.url,
                             error=str(exc))
+                up.add_sample(up.name, {"child": child.role, **child.labels}, 0)
                 continue
+            up.add_sample(up.name, {"child": child.role, **child.labels}, 1)
             for family in text_string_to_metric_families(text):
                 if child.labels:
                     family.samples = [s._replace(labels={**s.labels, **child.labels})
                                       for s in family.samples]
                 _merge(families, family)
+        if self._children:
+            families[up.name] = up
         return iter(families.values())
 
 

@@ -126,7 +126,8 @@ async def test_cli_against_the_plane_without_retries() -> None:
     s = json.loads(out)
     assert s["verdict"] == ABSENT, s
     assert s["first_retry_success"] is None and s["retry_after_share"] == 1.0
-    assert s["status_counts"]["429"] > 0 and 100 <= s["p50_ms"] < 130, s
+    # A queue in front of the slots would put the median at 1.5-2x the job (150-200 ms).
+    assert s["status_counts"]["429"] > 0 and 100 <= s["p50_ms"] < 145, s
 
 
 async def _pulse_cli(*args: str) -> dict[str, object]:

@@ -36,8 +36,8 @@ from confluent_kafka import (
 
 from freshness.config import BridgeConfig
 from freshness.kafka_config import KafkaSecurity, StartFrom
-from freshness.kafka_watch import AssignmentWatch, TopicCheck, partition_count, past_end
-from freshness.watermark import FROM_START, Probe, probe
+from freshness.kafka_watch import AssignmentWatch, TopicCheck, past_end
+from freshness.watermark import FROM_START, PROBE_BACKOFF_S, Probe, probe
 from plane.contract.errors import ConfigError
 from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle
 from plane.contract.replies import now_ms
@@ -285,13 +285,10 @@ class KafkaSource:
                        caught_up=caught_up)
 
     def _probe(self, consumer: Consumer) -> Probe | None:
-        """Caught up on every partition held? (`freshness.watermark`)."""
-        for topic in {t for t, _p in self._parts}:
-            if topic not in self._counts:
-                count = partition_count(consumer, topic)
-                if count is None:
-                    return None
-                self._counts[topic] = count
+        """Caught up on every partition held? (`freshness.watermark`). The topics'
+        partition counts are the watch's (none before its first check): a metadata
+        request of a topic of its own here would have librdkafka take up a topic created
+        again before the watch sees it held by nobody."""
         resume: dict[TopicPart, int | None] = {}
         for key, s in self._parts.items():
             if not s.from_committed or s.fetched:
@@ -300,7 +297,12 @@ class KafkaSource:
                 resume[key] = s.committed
             else:
                 resume[key] = FROM_START if s.asked else None
-        return probe(consumer, resume, self._counts, now_ms())
+        try:
+            return probe(consumer, resume, self._counts, now_ms())
+        except KafkaException as exc:  # not known to be caught up: ask again later
+            self._probe_at = time.monotonic() + PROBE_BACKOFF_S
+            log.debug("Kafka did not answer the caught-up probe", error=str(exc))
+            return None
 
     def _note_start_offsets(self, records: list[Message]) -> None:
         """A partition's first record fetched since its assignment is where it really

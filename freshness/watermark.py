@@ -46,13 +46,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 TopicPart = tuple[str, int]
 
 # Each ListOffsets of the probe waits at most this (the consumer's thread waits with it;
 # there is nothing to fetch meanwhile, or the probe would not run).
 PROBE_TIMEOUT_S = 0.5
+# After a probe Kafka did not answer (a broker down, a topic gone), the next waits this long:
+# a dead broker would otherwise hold the consumer's thread in probes, and asking for the
+# ends of a topic gone again and again had librdkafka take it up again before the
+# assignment watch saw it held by nobody.
+PROBE_BACKOFF_S = 5.0
 # Where a partition resumes when nothing of it was consumed since its assignment: its
 # beginning (no committed offset: `auto.offset.reset=earliest`).
 FROM_START = OFFSET_BEGINNING
@@ -95,23 +100,16 @@ def probe(consumer: Consumer, resume: Mapping[TopicPart, int | None],
     when nothing of it was consumed yet (a committed offset, `FROM_START`, or None: not
     known yet). `counts`: each topic's partitions. `now_ms`: the wall clock, read by the
     caller before this call. A Probe when the position of each has reached its end as Kafka
-    says it now, else None (also when Kafka does not answer)."""
+    says it now, else None. Raises `KafkaException` when Kafka does not answer in time."""
     if not resume or any(counts.get(t, 0) <= 0 for t, _p in resume):
         return None
     tps = [TopicPartition(t, p) for t, p in resume]
-    try:
-        positions = {(tp.topic, tp.partition): tp.offset for tp in consumer.position(tps)}
-    except KafkaException:
-        return None
+    positions = {(tp.topic, tp.partition): tp.offset for tp in consumer.position(tps)}
     held: dict[str, list[int]] = {}
     for tp in tps:
         key = (tp.topic, tp.partition)
-        try:
-            low, high = consumer.get_watermark_offsets(tp, timeout=PROBE_TIMEOUT_S,
-                                                       cached=False)
-            _low, cached_high = consumer.get_watermark_offsets(tp, cached=True)
-        except KafkaException:
-            return None  # no answer in time: not known to be caught up
+        low, high = consumer.get_watermark_offsets(tp, timeout=PROBE_TIMEOUT_S, cached=False)
+        _low, cached_high = consumer.get_watermark_offsets(tp, cached=True)
         at = positions.get(key, -1)
         if at < 0:  # nothing consumed since the assignment: where it resumes
             fallback = resume[key]

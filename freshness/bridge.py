@@ -21,6 +21,11 @@ and JetStream drops those it already has. Records of one partition are
 published in Kafka order on one connection, so a stream keeps Kafka's per-partition order
 (except that a record retried after an outage may land after its successors).
 
+While nothing comes and every partition it holds is at its end in Kafka (and every record
+fetched is acknowledged by JetStream), the bridge says so every `caught_up_interval_ms` on
+`<prefix>.caughtup.<stream>`: the caught-up watermark that lets the freshness guard read a
+quiet topic as fresh (`freshness.watermark`).
+
 Either broker may restart: librdkafka reconnects to Kafka by itself (a failed commit is only
 logged: its records come again and are dropped as duplicates); a NATS outage holds the
 settling of rounds, with backoff, until the broker acknowledges, and the window of
@@ -56,6 +61,7 @@ from freshness.metrics import BridgeMetrics
 from freshness.provision import ensure_events_stream, events_stream_config
 from freshness.publisher import Ack, AckWindow, Batch, Outgoing
 from freshness.records import Stamps, carry_kafka_headers, msg_id, transaction_decoder
+from freshness.watermark import CaughtUp, Probe
 from plane.contract.errors import ConnectionClosed
 from plane.contract.lifecycle import Lifecycle, finish_or_cancel
 from plane.contract.provision import at_start
@@ -125,6 +131,7 @@ class BridgeStats:
     retries: int = 0
     commits: int = 0  # acknowledged by Kafka
     commit_failures: int = 0
+    caught_up: int = 0  # caught-up watermarks published
     # Seconds from `start()` to the first record acknowledged by JetStream (None: none yet).
     first_record_s: float | None = None
 
@@ -161,6 +168,10 @@ class KafkaBridge(Lifecycle):
         # holds none of their topic (`freshness.kafka_watch`).
         self._group_lag_labels: set[TopicPart] = set()
         self._started_at = 0.0
+        self._unsettled = 0  # rounds fetched and not settled yet
+        # Per topic, the stream sequence of the last event this bridge published (acked).
+        self._event_seq: dict[str, int] = {}
+        self._caught_up_json = msgspec.json.Encoder()
         self.assigned = asyncio.Event()  # set once Kafka has assigned partitions to us
 
     # -- life cycle ------------------------------------------------------------------------
@@ -250,6 +261,8 @@ class KafkaBridge(Lifecycle):
                     self.assigned.set()
                 self._set_lag(fetched.lag)
                 self._set_checks(fetched.checks)
+                if fetched.caught_up is not None and not self._unsettled:
+                    await self._say_caught_up(fetched.caught_up)
                 if not fetched.records:
                     continue
                 ingest_ms = now_ms()
@@ -258,6 +271,7 @@ class KafkaBridge(Lifecycle):
                 offsets: dict[TopicPart, int] = {}
                 for m in fetched.records:
                     offsets[(m.topic() or "", m.partition() or 0)] = (m.offset() or 0) + 1
+                self._unsettled += 1
                 await rounds.put(Round(records=prepared, batch=batch, offsets=offsets))
         finally:
             rounds.put_nowait(None)
@@ -270,6 +284,7 @@ class KafkaBridge(Lifecycle):
         try:
             while (r := await rounds.get()) is not None and await self._settle(r):
                 self._due.update(r.offsets)
+                self._unsettled -= 1
         finally:
             settled_all.set()
 
@@ -305,6 +320,20 @@ class KafkaBridge(Lifecycle):
         self._settled.update(r.offsets)
         return True
 
+    async def _say_caught_up(self, probe: Probe) -> None:
+        """Every partition held is at its end and every record fetched is in JetStream:
+        one `CaughtUp` per topic, to its feature updater (core NATS: a lost one is only
+        a watermark that comes `caught_up_interval_ms` later)."""
+        for topic, partitions in probe.held.items():
+            mark = CaughtUp(topic=topic, partitions=partitions,
+                            partition_count=probe.counts[topic], caught_up_ms=probe.at_ms,
+                            event_seq=self._event_seq.get(topic, 0))
+            with contextlib.suppress(nats.errors.Error):  # reconnecting: the next one
+                await self._nc.publish(self.names.caught_up(self._tokens[topic]),
+                                       self._caught_up_json.encode(mark))
+                self.stats.caught_up += 1
+                self.metrics.caught_up.labels(topic).inc()
+
     async def _commit(self, offsets: dict[TopicPart, int]) -> None:
         assert self._source is not None
         # Asynchronous: its outcome comes to `_committed`.
@@ -336,6 +365,8 @@ class KafkaBridge(Lifecycle):
             else:
                 events[p.topic] += 1
                 lag[p.topic].observe(max(p.lag_ms, 0) / 1000)
+            if not p.dead and ack is not None:
+                self._event_seq[p.topic] = max(self._event_seq.get(p.topic, 0), ack.seq)
         for topic, n in duplicates.items():
             self.metrics.duplicates.labels(topic).inc(n)
         for topic, n in events.items():

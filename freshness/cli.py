@@ -73,6 +73,11 @@ EXIT_FAILED = 1
               show_default=True,
               help="How often the topics' metadata is asked for: how soon a topic created "
                    "again (a Kafka broker that lost its log) or given partitions is taken up.")
+@click.option("--caught-up-interval-ms", type=click.IntRange(10, 60_000), default=50,
+              show_default=True,
+              help="While a topic is quiet, how often the bridge checks that it has reached "
+                   "the end of every partition it holds and says so, which keeps a caught-up "
+                   "topic fresh for the freshness guard: keep it well under freshness_ms.")
 @click.option("--prefix", default="plane", show_default=True, help="Subject prefix.")
 @metrics_option
 @metrics_host_option
@@ -85,7 +90,8 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
            kafka_sasl_password: str | None, kafka_tls_ca: str | None,
            kafka_tls_cert: str | None, kafka_tls_key: str | None,
            kafka_tls_no_verify_hostname: bool, max_in_flight: int,
-           max_batch: int, session_timeout_ms: int, metadata_refresh_ms: int, prefix: str,
+           max_batch: int, session_timeout_ms: int, metadata_refresh_ms: int,
+           caught_up_interval_ms: int, prefix: str,
            metrics_port: int | None,
            metrics_host: str, replicas: int, log_level: str,
            nats_url: str | None, user: str | None, password: str | None, token: str | None,
@@ -119,7 +125,8 @@ def bridge(kafka: str, topics: tuple[str, ...], group_id: str, start: str,
                               max_in_flight=max_in_flight,
                               max_batch=max_batch, session_timeout_ms=session_timeout_ms,
                               heartbeat_interval_ms=max(100, session_timeout_ms // 6),
-                              metadata_refresh_ms=metadata_refresh_ms, replicas=replicas)
+                              metadata_refresh_ms=metadata_refresh_ms,
+                              caught_up_interval_ms=caught_up_interval_ms, replicas=replicas)
         connect = make_connect(nats_url, user, password, token, creds, tls_ca,
                                name="plane-bridge")
     except ConfigError as exc:

@@ -69,6 +69,10 @@ class BridgeConfig:
     # half the session timeout on tansu).
     unassigned_grace_ms: int | None = None
     poll_timeout_ms: int = 100
+    # While nothing comes, this often the bridge asks Kafka whether it has reached the end
+    # of every partition it holds and, when it has, says so (`freshness.watermark`): the
+    # guard then reads a quiet, caught-up topic as fresh. Keep it well under freshness_ms.
+    caught_up_interval_ms: int = 50
     # How long a Kafka fetch waits on the broker for data (latency of a quiet topic).
     fetch_wait_max_ms: int = 10
     publish_timeout_s: float = 2.0
@@ -103,6 +107,8 @@ class BridgeConfig:
             stream_token(self.dead_letter_topic)
         if not 100 <= self.metadata_refresh_ms <= 3_600_000:
             raise ConfigError("the Kafka metadata refresh must be 100..3600000 ms")
+        if not 10 <= self.caught_up_interval_ms <= 60_000:
+            raise ConfigError("the caught-up interval must be 10..60000 ms")
         if not 100 <= self.watch_interval_ms <= 3_600_000:
             raise ConfigError("the assignment check interval must be 100..3600000 ms")
         if self.unassigned_grace_ms is not None and self.unassigned_grace_ms < 0:

@@ -10,6 +10,12 @@ It works in rounds: fetch up to `batch` events, apply them in memory, write each
 once, then ack the round. A write that fails leaves the round unacked: JetStream delivers it
 again after `ack_wait_s`.
 
+It also relays its topic's caught-up watermark (`freshness.watermark`): the bridges' word,
+on `<prefix>.caughtup.<stream>`, that they have taken everything Kafka held of their
+partitions as of a time, taken once this updater has applied every event before it, and
+written to the bucket (key `_caughtup.<stream>`) when the topic's oldest partition stamp
+moves. The guard reads a quiet topic as fresh by it.
+
 One updater per topic (`plane features`, or the one `plane risk-demo` runs): each keeps the
 cards it wrote in memory and writes a card's whole value, and skips what its stream sequence
 says it applied, so two sharing the durable consumer would each write a card without the
@@ -28,6 +34,7 @@ import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
@@ -35,6 +42,7 @@ from nats.js.kv import KeyValue
 from freshness.config import UpdaterConfig
 from freshness.provision import ensure_events_stream, ensure_features_bucket, events_stream_config
 from freshness.records import CardFeatures, Stamps, Transaction, json_encoder, transaction_decoder
+from freshness.watermark import TopicMarks, TopicWatermark, caught_up_decoder
 from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import Lifecycle, finish_or_cancel
 from plane.contract.messages import FEATURES
@@ -107,6 +115,7 @@ class FeatureUpdater(Lifecycle):
     def __init__(self, nc: Client, config: UpdaterConfig) -> None:
         self.cfg = config
         self.names = config.names
+        self._nc = nc
         self._js = nc.jetstream()
         self._kv: KeyValue | None = None
         self._cache: dict[str, CardFeatures] = {}
@@ -115,6 +124,16 @@ class FeatureUpdater(Lifecycle):
         self.applied = 0
         self.skipped = 0
         self.rounds = 0
+        # The caught-up watermark (`freshness.watermark`): what the updater has applied,
+        # whether its consumer had anything pending at its last fetch, the sequences of
+        # failed rounds not redelivered yet, and the watermark last written.
+        self._marks = TopicMarks()
+        self._marks_sub: Subscription | None = None
+        self._applied_seq = 0
+        self._pending = 1  # not known to be caught up until a first fetch says so
+        self._failed: set[int] = set()
+        self._lock = asyncio.Lock()
+        self.watermark_ms = 0
 
     async def start(self) -> None:
         if self._task is not None:
@@ -139,6 +158,8 @@ class FeatureUpdater(Lifecycle):
                 ack_wait=self.cfg.ack_wait_s, max_ack_pending=-1,
             ),
         )
+        self._marks_sub = await self._nc.subscribe(self.names.caught_up(stream),
+                                                   cb=self._on_caught_up)
         self._stopping.clear()
         self._task = asyncio.create_task(self._run(), name="feature-updater")
 
@@ -166,6 +187,10 @@ class FeatureUpdater(Lifecycle):
         await finish_or_cancel(task, self.cfg.ack_wait_s)
         with contextlib.suppress(nats.errors.Error):
             await self._sub.unsubscribe()
+        marks, self._marks_sub = self._marks_sub, None
+        if marks is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await marks.unsubscribe()
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
@@ -175,6 +200,8 @@ class FeatureUpdater(Lifecycle):
                     msgs = await self._sub.fetch(self.cfg.batch,
                                                  timeout=self.cfg.fetch_timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
+                self._pending = 0  # nothing came: nothing was pending
+                await self._relay_watermark()
                 continue
             except nats.errors.Error as exc:
                 log.warning("feature fetch failed: retrying", error=repr(exc))
@@ -183,8 +210,10 @@ class FeatureUpdater(Lifecycle):
             try:
                 await self._round(msgs)
             except nats.errors.Error as exc:
-                # Unacked: redelivered after ack_wait. Forget the cache (it may be ahead).
+                # Unacked: redelivered after ack_wait. Forget the cache (it may be ahead),
+                # and say nothing caught up until these have come again.
                 self._cache.clear()
+                self._failed.update(m.metadata.sequence.stream for m in msgs)
                 log.warning("feature round failed: will be redelivered", error=repr(exc))
                 await asyncio.sleep(0.2)
 
@@ -210,8 +239,42 @@ class FeatureUpdater(Lifecycle):
         self._cache.update(touched)
         for msg in msgs:
             await msg.ack()
+        seqs = [m.metadata.sequence.stream for m in msgs]
+        if seqs:
+            self._failed.difference_update(seqs)
+            self._applied_seq = max(self._applied_seq, *seqs)
+            self._pending = msgs[-1].metadata.num_pending
         self.rounds += 1
+        await self._relay_watermark()
         log.debug("feature round", events=len(msgs), cards=len(touched))
+
+    async def _on_caught_up(self, msg: Msg) -> None:
+        try:
+            mark = caught_up_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("caught-up watermark ignored", subject=msg.subject, error=str(exc))
+            return
+        if mark.topic != self.cfg.topic:
+            return  # another topic with the same stream token
+        self._marks.take(mark)
+        await self._relay_watermark()
+
+    async def _relay_watermark(self) -> None:
+        """The topic's watermark into the bucket, when it moved (`freshness.watermark`)."""
+        async with self._lock:
+            self._marks.settle(applied_seq=self._applied_seq,
+                               caught_up=self._pending == 0 and not self._failed)
+            mark = self._marks.watermark()
+            if mark is None or mark <= self.watermark_ms or self._kv is None:
+                return
+            value = TopicWatermark(topic=self.cfg.topic, caught_up_ms=mark)
+            try:
+                await self._kv.put(self.names.caught_up_key(self.cfg.stream),
+                                   json_encoder.encode(value))
+            except nats.errors.Error as exc:  # the next one
+                log.debug("caught-up watermark not written", error=repr(exc))
+                return
+            self.watermark_ms = mark
 
     async def _current(self, card: str) -> CardFeatures | None:
         cached = self._cache.get(card)

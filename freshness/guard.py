@@ -24,9 +24,13 @@ For the node serving `risk` (a request with a `card`)::
     source      "latest" | "last-good" | "neutral"
 
 The checks (see `freshness.decision`): lag = ingest_time - event_time of the card's newest
-value, age = now - the newest ingest stamp the guard has seen on the bucket (how far behind
-the pipeline is); both at or under the threshold. The threshold is `GuardConfig.threshold_ms`
-until PLANE_CONFIG key `freshness_ms` is set, which then takes effect within milliseconds.
+value, age = how far behind the pipeline is: now - the newer of the newest ingest stamp the
+guard has seen on the bucket and the oldest of the topics' caught-up watermarks there (keys
+`_caughtup.<stream>`, written by the feature updaters from the bridges' word: see
+`freshness.watermark`), so that a quiet topic whose pipeline is caught up stays fresh and
+one whose bridge, broker or updater stalled does not; both at or under the threshold. The
+threshold is `GuardConfig.threshold_ms` until PLANE_CONFIG key `freshness_ms` is set, which
+then takes effect within milliseconds.
 Everything per request is in memory: a lookup of a fresh card costs microseconds.
 
 `risk_enricher(guard)` wraps all this as the node's `Enrich` hook (`PlaneStack(...,
@@ -55,12 +59,13 @@ from freshness.decision import Action, decide, degrade_source
 from freshness.metrics import GuardMetrics
 from freshness.provision import ensure_config_bucket, ensure_features_bucket
 from freshness.records import CardFeatures, features_decoder
+from freshness.watermark import watermark_decoder
 from plane.contract.lifecycle import Lifecycle, cancel_and_wait
 from plane.contract.messages import FEATURES, Freshness, RiskRequest
 from plane.contract.natsconn import Throttle
 from plane.contract.provision import at_start
 from plane.contract.settings import LiveSettings
-from plane.contract.subjects import Header, Names, config_key
+from plane.contract.subjects import CAUGHT_UP_KEY_PREFIX, Header, Names, config_key
 
 log = structlog.get_logger("freshness.guard")
 
@@ -113,6 +118,8 @@ class CardFeatureGuard(Lifecycle):
         self._latest: dict[str, CardFeatures] = {}
         self._last_good: dict[str, CardFeatures] = {}
         self._view_ingest_ms = 0.0
+        # Each topic's caught-up watermark (epoch ms), by its key in the bucket.
+        self._caught_up_ms: dict[str, float] = {}
         self._started_at = time.monotonic()
         self._quiet = Throttle(QUIET_WARN_EVERY_S)
         # How late a timed wait woke past its mark, recently (a decaying max, ms): kept back
@@ -164,7 +171,7 @@ class CardFeatureGuard(Lifecycle):
             value = self._latest.get(card)
             lag_ms = value.lag_ms if value is not None else None
             age_ms = (
-                max(_now_ms() - self._view_ingest_ms, 0.0)
+                max(_now_ms() - self.behind_since_ms(), 0.0)
                 if cfg.check_age and value is not None else None
             )
             now = time.monotonic()
@@ -210,16 +217,25 @@ class CardFeatureGuard(Lifecycle):
             self._say_if_quiet()
         return result
 
+    def behind_since_ms(self) -> float:
+        """Epoch ms up to which the pipeline is known to have delivered everything: the
+        newest ingest stamp seen, or the oldest topic watermark when that is newer (0:
+        nothing known)."""
+        marks = self._caught_up_ms
+        return max(self._view_ingest_ms, min(marks.values()) if marks else 0.0)
+
     def _say_if_quiet(self) -> None:
-        """Quiet: the newest ingest stamp in the bucket is old (or there is none, since the
+        """Quiet: the pipeline is known caught up only long ago (or not at all, since the
         guard started)."""
-        ever = self._view_ingest_ms > 0
-        quiet_s = ((_now_ms() - self._view_ingest_ms) / 1000 if ever
+        since = self.behind_since_ms()
+        ever = since > 0
+        quiet_s = ((_now_ms() - since) / 1000 if ever
                    else time.monotonic() - self._started_at)
         if quiet_s < PIPELINE_QUIET_S or self._quiet.allow("quiet") is None:
             return
         log.warning(
-            "card requests degrade and the features bucket has had no update for a while: "
+            "card requests degrade and the features bucket has had no update (nor caught-up "
+            "watermark) for a while: "
             "is the feature pipeline running? (`plane bridge` for Kafka, and `plane "
             "features --topic <topic>` for the bucket). Meanwhile each such request "
             + ("waits on its slot until its deadline: `--on-stale degrade` answers at once"
@@ -255,6 +271,18 @@ class CardFeatureGuard(Lifecycle):
         if value.lag_ms <= self.threshold_ms:
             self._last_good[value.card] = value
         self._view_ingest_ms = max(self._view_ingest_ms, float(value.ingest_time_ms))
+        self._wake()
+
+    def apply_watermark(self, key: str, caught_up_ms: int | None) -> None:
+        """A topic's caught-up watermark (None: its key was deleted)."""
+        if caught_up_ms is None:
+            self._caught_up_ms.pop(key, None)
+        else:
+            self._caught_up_ms[key] = float(caught_up_ms)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Waiting lookups decide again."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -267,11 +295,16 @@ class CardFeatureGuard(Lifecycle):
                         if entry is None:
                             self.ready.set()
                             continue
-                        if entry.operation in ("DEL", "PURGE") or not entry.value:
-                            self._latest.pop(entry.key, None)
-                            continue
+                        gone = entry.operation in ("DEL", "PURGE") or not entry.value
                         try:
-                            self.apply(features_decoder.decode(entry.value))
+                            if entry.key.startswith(CAUGHT_UP_KEY_PREFIX):
+                                self.apply_watermark(entry.key, None if gone else
+                                                     watermark_decoder.decode(
+                                                         entry.value or b"").caught_up_ms)
+                            elif gone:
+                                self._latest.pop(entry.key, None)
+                            else:
+                                self.apply(features_decoder.decode(entry.value or b""))
                         except msgspec.DecodeError as exc:
                             log.warning("feature value ignored", key=entry.key, error=str(exc))
                 finally:

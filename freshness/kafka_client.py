@@ -37,8 +37,10 @@ from confluent_kafka import (
 from freshness.config import BridgeConfig
 from freshness.kafka_config import KafkaSecurity, StartFrom
 from freshness.kafka_watch import AssignmentWatch, TopicCheck, past_end
+from freshness.watermark import FROM_START, PROBE_BACKOFF_S, Probe, probe
 from plane.contract.errors import ConfigError
 from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle
+from plane.contract.replies import now_ms
 
 log = structlog.get_logger("freshness.kafka")
 T = TypeVar("T")
@@ -139,6 +141,9 @@ class Fetched:
     # Every `watch_interval_ms` (empty in between): each topic's partitions, and the
     # group's lag of those of a topic this bridge holds none of (`freshness.kafka_watch`).
     checks: list[TopicCheck] = field(default_factory=list)
+    # Every `caught_up_interval_ms` while nothing comes: every partition held has reached
+    # its end as Kafka says it (`freshness.watermark.probe`); None otherwise.
+    caught_up: Probe | None = None
 
 
 @dataclass
@@ -174,6 +179,8 @@ class KafkaSource:
     _errors: Throttle = field(default_factory=lambda: Throttle(ERROR_LOG_EVERY_S))
     _watch: AssignmentWatch | None = None
     _watch_at: float = 0.0
+    _probe_at: float = 0.0
+    _counts: dict[str, int] = field(default_factory=dict)  # partitions per topic (metadata)
 
     async def open(self) -> None:
         if self._consumer is not None:
@@ -263,12 +270,39 @@ class KafkaSource:
         if self._watch is not None and now - self._watch_at >= self.cfg.watch_interval_ms / 1000:
             self._watch_at = now
             checks, resubscribe = self._watch.check(consumer, self._parts.keys(), now)
+            self._counts.update((c.topic, c.partitions) for c in checks)
             if resubscribe:
                 # Leaving the group and joining it again: the group rebalances, and its
                 # leader assigns from metadata as it is now.
                 consumer.unsubscribe()
                 self._subscribe(consumer)
-        return Fetched(records=good, lag=lag, assigned=bool(self._parts), checks=checks)
+        caught_up = None
+        if (first is None and self._parts
+                and now - self._probe_at >= self.cfg.caught_up_interval_ms / 1000):
+            self._probe_at = now
+            caught_up = self._probe(consumer)
+        return Fetched(records=good, lag=lag, assigned=bool(self._parts), checks=checks,
+                       caught_up=caught_up)
+
+    def _probe(self, consumer: Consumer) -> Probe | None:
+        """Caught up on every partition held? (`freshness.watermark`). The topics'
+        partition counts are the watch's (none before its first check): a metadata
+        request of a topic of its own here would have librdkafka take up a topic created
+        again before the watch sees it held by nobody."""
+        resume: dict[TopicPart, int | None] = {}
+        for key, s in self._parts.items():
+            if not s.from_committed or s.fetched:
+                resume[key] = None  # only its position tells (a record consumed, or not)
+            elif s.committed is not None:
+                resume[key] = s.committed
+            else:
+                resume[key] = FROM_START if s.asked else None
+        try:
+            return probe(consumer, resume, self._counts, now_ms())
+        except KafkaException as exc:  # not known to be caught up: ask again later
+            self._probe_at = time.monotonic() + PROBE_BACKOFF_S
+            log.debug("Kafka did not answer the caught-up probe", error=str(exc))
+            return None
 
     def _note_start_offsets(self, records: list[Message]) -> None:
         """A partition's first record fetched since its assignment is where it really

@@ -85,7 +85,7 @@ class AssignmentWatch:
         checks: list[TopicCheck] = []
         resubscribe = False
         for topic in self.topics:
-            count = _partition_count(consumer, topic)
+            count = partition_count(consumer, topic)
             if count is None:
                 continue
             held = frozenset(p for t, p in assigned if t == topic)
@@ -133,7 +133,7 @@ class AssignmentWatch:
                      after_s=round(now - state.since, 1))
 
 
-def _partition_count(consumer: Consumer, topic: str) -> int | None:
+def partition_count(consumer: Consumer, topic: str) -> int | None:
     try:
         meta = consumer.list_topics(topic, timeout=REQUEST_TIMEOUT_S)
     except KafkaException:

@@ -49,6 +49,12 @@ class BridgeMetrics:
         self.assigned_partitions = Gauge(
             "plane_bridge_assigned_partitions", "Partitions of a bridged Kafka topic that "
             "the group assigned to this bridge", ["topic"], registry=r)
+        self.caught_up = Counter(
+            "plane_bridge_caught_up", "Caught-up watermarks published: every partition of "
+            "the topic this bridge holds was at its end in Kafka, and every record fetched "
+            "acknowledged by JetStream (while the topic is quiet, one per caught-up "
+            "interval; none while it is behind, or Kafka does not answer)", ["topic"],
+            registry=r)
         self.first_record_seconds = Gauge(
             "plane_bridge_first_record_seconds", "Time from the bridge's start to its first "
             "record acknowledged by JetStream (0 until then)", registry=r)

@@ -40,6 +40,7 @@ DOCUMENTED: list[Case] = [
     ("events", ("tx",), "plane.events.<stream>"),
     ("dead_letter", ("tx",), "plane.dead.<stream>"),
     ("scored", ("tx",), "plane.scored.<stream>"),
+    ("caught_up", ("tx",), "plane.caughtup.<stream>"),
     ("router_status", ("r1",), "plane.router.<id>.status"),
     ("router_meter", ("r1",), "plane.router.<id>.meter"),
     ("node_status", ("n1",), "plane.node.<node>.status"),
@@ -62,6 +63,7 @@ PINNED: list[Case] = [
     ("slot_consumer", ("risk", "n1", 3), "slot_risk_n1_3"),
     ("features_consumer", ("tx",), "features_tx"),
     ("scorer_consumer", ("tx",), "scorer_tx"),
+    ("caught_up_key", ("tx",), "_caughtup.tx"),
     ("router_service", None, "plane-router"),
     ("node_service", None, "plane-node"),
 ]
@@ -94,6 +96,7 @@ WILDCARDS: list[tuple[str, tuple[str, ...], list[str], list[str]]] = [
     ("events_all", (), [N.events("tx")], [N.dead_letter("tx"), N.scored("tx")]),
     ("dead_letter_all", (), [N.dead_letter("tx")], [N.events("tx"), N.scored("tx")]),
     ("scored_all", (), [N.scored("tx")], [N.events("tx"), N.dead_letter("tx")]),
+    ("caught_up_all", (), [N.caught_up("tx")], [N.events("tx"), N.scored("tx")]),
 ]
 
 OTHER_TESTS = {"infer_model_of", "slot_streams", "is_done_batch"}  # tested below on their own

@@ -153,9 +153,10 @@ def bridge(n: Names) -> Permissions:
             f"$JS.API.STREAM.CREATE.{features}", f"$JS.API.STREAM.INFO.{features}",
             f"$JS.API.STREAM.MSG.GET.{features}", *_api("DIRECT.GET", features),
             f"$KV.{n.features_bucket}.>",
+            n.caught_up_all(),  # the bridge's caught-up watermarks, to the updater
             INBOX,
         ),
-        subscribe=(INBOX,),
+        subscribe=(n.caught_up_all(), INBOX),
     )
 
 

@@ -26,6 +26,11 @@ class InvalidToken(ValueError):
     """A model, node or stream name that is not a plain subject token."""
 
 
+# Keys of the topics' caught-up watermarks in the features bucket start with this (a card
+# id has no dot: `Names.caught_up_key`).
+CAUGHT_UP_KEY_PREFIX = "_caughtup."
+
+
 def check_token(kind: str, value: str) -> str:
     """Return `value` if it is a valid subject token, else raise `InvalidToken` saying why."""
     if not TOKEN_RE.fullmatch(value):  # match() lets a trailing newline through ($)
@@ -305,6 +310,19 @@ class Names:
 
     def scored_all(self) -> str:
         return f"{self.prefix}.scored.>"
+
+    def caught_up(self, stream: str) -> str:
+        """Core subject: a bridge's word that it has bridged everything Kafka held, as of a
+        time, for the partitions of a topic it holds (`freshness.watermark`)."""
+        return f"{self.prefix}.caughtup.{check_token('stream', stream)}"
+
+    def caught_up_all(self) -> str:
+        return f"{self.prefix}.caughtup.>"
+
+    def caught_up_key(self, stream: str) -> str:
+        """Key in the features bucket of a topic's caught-up watermark (the feature
+        updater's; a card id never has a dot, so no card can take it)."""
+        return f"{CAUGHT_UP_KEY_PREFIX}{check_token('stream', stream)}"
 
     def features_consumer(self, stream: str) -> str:
         """Durable JetStream consumer of the feature updater on `events(stream)`."""

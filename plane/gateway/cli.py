@@ -54,6 +54,11 @@ def gateway(nats_url: str | None, user: str | None, password: str | None, token:
       curl -d '{"duration_us": 1000}' http://127.0.0.1:8080/v1/infer/calibrated
       hey -z 5s -q 20 -c 10 -m POST -d '{"duration_us": 1000}' \\
           http://127.0.0.1:8080/v1/infer/calibrated
+
+    A 429's ticket is held for a retry that cannot send Plane-Ticket back (curl --retry, the
+    openai package) and given to the request that repeats it exactly at its Retry-After.
+    Clients sending identical bodies with one token from several processes: send an
+    Idempotency-Key per request (or Plane-Attempt: 1, 2, ...) to keep their tickets.
     """
     try:
         tokens: dict[str, str] = {}

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from plane.app import LazyCommand, main
 from plane.contract.embedded import EmbeddedNats
+from plane.gateway.config import GatewayConfig, tenant_tokens_from
 
 PLANE = str(Path(sys.executable).parent / "plane")
 UNREACHABLE = "nats://127.0.0.1:1"
@@ -208,3 +209,32 @@ async def test_replicas_a_lone_server_cannot_keep_are_one_line(
     out = await plane(*command, "--replicas", "3", "--nats", nats_server.url)
     one_error_line(out, "runs JetStream without a cluster", "give --replicas 1")
     assert "Traceback" not in out.stdout
+
+
+# -- plane gateway's bearer tokens -----------------------------------------------------------
+@pytest.mark.parametrize(("tokens", "wanted"), [
+    (["--tenant-token", "acme=samesame1", "--tenant-token", "beta=samesame1"],
+     ("tenants 'acme' and 'beta' are given the same bearer token", "give each tenant its own")),
+    (["--bearer-token", "samesame1", "--tenant-token", "acme=samesame1"],
+     ("--bearer-token is also the --tenant-token of tenant 'acme'",
+      "give the tenant a token of its own")),
+    (["--tenant-token", "acme"], ("--tenant-token wants TENANT=TOKEN",)),
+], ids=["two-tenants", "bearer-and-tenant", "no-equals"])
+def test_a_bearer_token_that_names_two_tenants_is_refused_at_start(
+        tokens: list[str], wanted: tuple[str, ...]) -> None:
+    """One token for two tenants was accepted, and every request with it went on as the last
+    named (metered and share-limited as it); the same for the plain --bearer-token and a
+    tenant's (found from outside). Refused as a malformed one is, naming the tenants and not
+    the token."""
+    result = CliRunner().invoke(main, ["gateway", "--nats", UNREACHABLE, *tokens])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert all(w in result.output for w in wanted), result.output
+    assert "samesame1" not in result.output
+
+
+def test_a_tenant_may_have_two_tokens_to_rotate_one() -> None:
+    tokens = tenant_tokens_from(["acme=old-token-1", "acme=new-token-2", "beta=beta-token",
+                                 "beta=beta-token"])  # the same pair twice: one
+    assert tokens == {"old-token-1": "acme", "new-token-2": "acme", "beta-token": "beta"}
+    GatewayConfig(bearer_token="plain-token", tenant_tokens=tokens)  # accepted

@@ -12,7 +12,8 @@ The gateway never retries: the HTTP caller sees each refusal and decides (the ti
 back to it in Plane-Ticket and goes out again when it sends that header). For a caller that
 cannot send it (the `openai` package, curl --retry) the gateway holds the ticket of each 429
 and gives it to the retry, a request that repeats the refused one exactly at its
-Retry-After or later (`plane.gateway.tickets`).
+Retry-After-Ms or its Retry-After (`plane.gateway.tickets`). Clients of one token that send
+identical bodies send an Idempotency-Key per request (or Plane-Attempt) to keep theirs.
 
 Streams: `Plane-Stream: 1` (or `Accept: text/event-stream`) on a model that streams answers
 with Server-Sent Events (`plane.gateway.sse`); `POST /v1/completions` and

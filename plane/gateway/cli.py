@@ -17,7 +17,7 @@ from plane.contract.errors import ConfigError
 from plane.contract.lifecycle import run as run_on_uvloop
 from plane.contract.lifecycle import stop_event
 from plane.contract.logs import configure
-from plane.gateway.config import GatewayConfig
+from plane.gateway.config import GatewayConfig, tenant_tokens_from
 from plane.gateway.server import Gateway
 
 
@@ -39,7 +39,8 @@ async def serve(config: GatewayConfig, connect_opts: ConnectOptions) -> None:
 @click.option("--tenant-token", "tenant_tokens", multiple=True, metavar="TENANT=TOKEN",
               envvar="PLANE_GATEWAY_TENANT_TOKENS",
               help="A tenant's bearer token (repeat; env PLANE_GATEWAY_TENANT_TOKENS, space "
-                   "separated): its requests go on as that tenant.")
+                   "separated): its requests go on as that tenant. A tenant may have several "
+                   "(to rotate one); a token names one tenant, and is not the --bearer-token.")
 @log_option
 def gateway(nats_url: str | None, user: str | None, password: str | None, token: str | None,
             creds: str | None, tls_ca: str | None, prefix: str, host: str, port: int,
@@ -54,16 +55,16 @@ def gateway(nats_url: str | None, user: str | None, password: str | None, token:
       curl -d '{"duration_us": 1000}' http://127.0.0.1:8080/v1/infer/calibrated
       hey -z 5s -q 20 -c 10 -m POST -d '{"duration_us": 1000}' \\
           http://127.0.0.1:8080/v1/infer/calibrated
+
+    A 429's ticket is held for a retry that cannot send Plane-Ticket back (curl --retry, the
+    openai package) and given to the request that repeats it exactly at its Retry-After.
+    Clients sending identical bodies with one token from several processes: send an
+    Idempotency-Key per request (or Plane-Attempt: 1, 2, ...) to keep their tickets.
     """
     try:
-        tokens: dict[str, str] = {}
-        for pair in tenant_tokens:
-            tenant, sep, secret = pair.partition("=")
-            if not sep or not tenant or not secret:
-                raise ConfigError(f"--tenant-token wants TENANT=TOKEN, got {pair[:40]!r}")
-            tokens[secret] = tenant
         config = GatewayConfig(host=host, port=port, max_body_bytes=max_body_bytes,
-                               bearer_token=bearer_token, tenant_tokens=tokens,
+                               bearer_token=bearer_token,
+                               tenant_tokens=tenant_tokens_from(tenant_tokens),
                                names=names_for(prefix))
         opts = make_connect(nats_url, user, password, token, creds, tls_ca, name="plane-gateway")
     except ConfigError as exc:

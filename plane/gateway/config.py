@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from plane.contract.config import MAX_BODY_BYTES
@@ -58,6 +59,11 @@ class GatewayConfig:
             raise ConfigError("--max-body-bytes must be between 1 B and 16 MiB")
         if self.bearer_token is not None and len(self.bearer_token) < 8:
             raise ConfigError("the bearer token must be at least 8 characters")
+        if self.bearer_token is not None and (
+                tenant := self.tenant_tokens.get(self.bearer_token)) is not None:
+            raise ConfigError(f"--bearer-token is also the --tenant-token of tenant {tenant!r}: "
+                              f"its requests would all go on as {tenant!r}; give the tenant a "
+                              "token of its own")
         for token, tenant in self.tenant_tokens.items():
             if len(token) < 8:
                 raise ConfigError(f"tenant {tenant!r}: a bearer token must be at least 8 "
@@ -70,3 +76,21 @@ class GatewayConfig:
     @property
     def needs_token(self) -> bool:
         return self.bearer_token is not None or bool(self.tenant_tokens)
+
+
+def tenant_tokens_from(pairs: Iterable[str]) -> dict[str, str]:
+    """`--tenant-token TENANT=TOKEN` flags as `GatewayConfig.tenant_tokens` (token -> tenant).
+    A tenant may have several tokens (one rotated in beside the old); a token names one
+    tenant, so one given to two is refused, naming the tenants and not the token (accepted,
+    every request with it went on as the last named, metered and share-limited as that one:
+    found from outside)."""
+    tokens: dict[str, str] = {}
+    for pair in pairs:
+        tenant, sep, secret = pair.partition("=")
+        if not sep or not tenant or not secret:
+            raise ConfigError(f"--tenant-token wants TENANT=TOKEN, got {pair[:40]!r}")
+        if (other := tokens.setdefault(secret, tenant)) != tenant:
+            raise ConfigError(f"--tenant-token: tenants {other!r} and {tenant!r} are given the "
+                              "same bearer token, and a token names one tenant (its requests "
+                              "go on as it): give each tenant its own")
+    return tokens

@@ -218,14 +218,17 @@ async def test_replicas_a_lone_server_cannot_keep_are_one_line(
     (["--bearer-token", "samesame1", "--tenant-token", "acme=samesame1"],
      ("--bearer-token is also the --tenant-token of tenant 'acme'",
       "give the tenant a token of its own")),
-    (["--tenant-token", "acme"], ("--tenant-token wants TENANT=TOKEN",)),
-], ids=["two-tenants", "bearer-and-tenant", "no-equals"])
+    (["--tenant-token", "samesame1"], ("--tenant-token wants TENANT=TOKEN",
+                                        "not shown: it may be a token")),
+    (["--tenant-token", "acme="], ("--tenant-token wants TENANT=TOKEN",
+                                   "tenant 'acme' with an empty token")),
+], ids=["two-tenants", "bearer-and-tenant", "no-equals", "empty-token"])
 def test_a_bearer_token_that_names_two_tenants_is_refused_at_start(
         tokens: list[str], wanted: tuple[str, ...]) -> None:
     """One token for two tenants was accepted, and every request with it went on as the last
     named (metered and share-limited as it); the same for the plain --bearer-token and a
-    tenant's (found from outside). Refused as a malformed one is, naming the tenants and not
-    the token."""
+    tenant's (found from outside). Refused as a malformed one is, naming the tenants and never
+    the token (a malformed one printed 40 characters of itself: the token alone, no `=`)."""
     result = CliRunner().invoke(main, ["gateway", "--nats", UNREACHABLE, *tokens])
     assert result.exit_code == 2, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)

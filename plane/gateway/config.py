@@ -88,7 +88,11 @@ def tenant_tokens_from(pairs: Iterable[str]) -> dict[str, str]:
     for pair in pairs:
         tenant, sep, secret = pair.partition("=")
         if not sep or not tenant or not secret:
-            raise ConfigError(f"--tenant-token wants TENANT=TOKEN, got {pair[:40]!r}")
+            # Never the value itself: without its `=` it may be the token alone.
+            got = (f"tenant {tenant!r} with an empty token" if sep and tenant else
+                   "an empty tenant" if sep else
+                   f"a value with no '=' ({len(pair)} characters, not shown: it may be a token)")
+            raise ConfigError(f"--tenant-token wants TENANT=TOKEN, got {got}")
         if (other := tokens.setdefault(secret, tenant)) != tenant:
             raise ConfigError(f"--tenant-token: tenants {other!r} and {tenant!r} are given the "
                               "same bearer token, and a token names one tenant (its requests "

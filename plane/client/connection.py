@@ -15,15 +15,22 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 
-import nats
 import structlog
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConnectFailed, ConnectionClosed
-from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs, once_up
+from plane.contract.natsconn import (
+    ERROR_LOG_EVERY_S,
+    Refused,
+    Throttle,
+    connect_kwargs,
+    connect_refusable,
+    once_up,
+)
 
 log = structlog.get_logger("plane.client")
 
@@ -38,6 +45,8 @@ RECONNECTED_POLL_S = 0.005
 # yet" (they reconnect every 0.25 s), and how often the attempt is sent again meanwhile.
 ROUTERS_BACK_S = 2.0
 ROUTERS_BACK_POLL_MS = 20.0
+# Where the SDK's caller gave its credentials, for the message of a refusal.
+SDK_CREDENTIALS = "ConnectOptions user/password, token or creds"
 
 
 # A call's (or stream's) local 503 when the connection stayed down past
@@ -238,7 +247,10 @@ def closed_error(nc: NATS) -> ConnectionClosed:
 async def open_connection(opts: ConnectOptions,
                           connect_attempts: int = CONNECT_ATTEMPTS) -> NATS:
     """Connect to the plane's NATS server, or raise `ConnectFailed` (an `Unavailable`, also
-    a `ConnectionError`) saying which URL failed and why."""
+    a `ConnectionError`) saying which URL failed and why: at once when the server refuses
+    the credentials or the account's connection limit is reached (another try would be
+    refused as well: `plane.contract.natsconn.connect_refusable`)."""
+    nc = NATS()
     last: list[BaseException] = []
     failed = 0  # attempts that failed before we gave up
     connected = False
@@ -264,13 +276,16 @@ async def open_connection(opts: ConnectOptions,
         "reconnected_cb": on_reconnect,
     }
     try:
-        nc = await nats.connect(**kw)
+        await connect_refusable(nc, kw, opts.url or "")
+    except Refused as refused:
+        raise refused.error(opts.url, credentials=SDK_CREDENTIALS,
+                            failed=partial(ConnectFailed, url=opts.url or "")) from None
     except Exception as exc:  # nats-py raises OSError, its own errors or a TimeoutError
         why = last[-1] if last else exc
         raise ConnectFailed(
             f"cannot reach the plane at {opts.url}: {why!r} (tried {max(failed, 1)} times). "
-            "Is a plane running there (`plane up --port 4222`)? Check the URL and "
-            "the credentials", url=opts.url or "",
+            "Is a plane running there (`plane up --port 4222`)? Check the URL",
+            url=opts.url or "",
         ) from None
     connected = True
     return once_up(nc)

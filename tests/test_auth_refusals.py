@@ -1,0 +1,114 @@
+"""A server's refusal of a connection, told as such and at once: wrong credentials, an account
+at its connection limit (`plane.contract.refusals`), on a real nats-server running `plane
+auth`'s config (the fixtures of `tests/test_auth.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plane.auth.store import AuthDir
+from plane.client import Client, ConnectFailed
+from plane.contract.config import ConnectOptions
+from plane.contract.embedded import EmbeddedNats, NatsServerSpec
+from plane.contract.errors import ConfigError, Unavailable
+from plane.contract.natsconn import connect
+from tests.test_auth import auth
+
+__all__ = ["auth"]  # a fixture, imported for pytest
+
+ROOT = Path(__file__).parent.parent
+PLANE = [sys.executable, "-m", "plane"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def tries(server: EmbeddedNats, sign: bytes) -> int:
+    """The connections the server refused with a log line holding `sign` (it logs one or
+    two lines per connection, each naming its `cid`)."""
+    return len({m.group(1) for line in server.log_tail if sign in line
+                and (m := re.search(rb" - cid:(\d+) - ", line))})
+
+
+def served(auth: AuthDir) -> EmbeddedNats:
+    return EmbeddedNats(NatsServerSpec(extra_args=auth.server_args()))
+
+
+async def test_a_connection_past_the_accounts_limit_is_refused_once_naming_the_limit(
+        auth: AuthDir) -> None:
+    """The server sends `-ERR 'maximum account active connections exceeded'` and closes; the
+    SDK tried again and again, and its message was often the reset of a later try with "Is a
+    plane running there?". Now: the first refusal ends it, and the message says what to do."""
+    auth.add_tenant("beta", max_connections=1)
+    async with served(auth) as server:
+        beta = auth.options("beta", server.url)
+        async with Client.connect(beta):
+            for _ in range(3):
+                with pytest.raises(ConnectFailed) as e:
+                    async with Client.connect(beta):
+                        pass
+                said = str(e.value)
+                assert "maximum account active connections exceeded" in said, said
+                assert "--max-connections" in said and "Is a plane running" not in said, said
+                assert e.value.url == server.url
+        assert tries(server, b"maximum account active connections exceeded") == 3
+
+
+async def test_wrong_credentials_are_refused_once_saying_to_check_them(auth: AuthDir) -> None:
+    async with served(auth) as server:
+        with pytest.raises(ConnectFailed) as e:
+            async with Client.connect(ConnectOptions(url=server.url, user="acme",
+                                                     password="wrong")):
+                pass
+        said = str(e.value)
+        assert "Authorization Violation" in said and "refused the credentials" in said, said
+        assert "Is a plane running" not in said, said
+        assert tries(server, b"authentication error") == 1
+
+
+async def test_a_roles_connection_refused_its_credentials_ends_at_once(auth: AuthDir) -> None:
+    """router, node, gateway: nats-py's 40 tries over ten seconds, each refused, then the
+    right message; now one try."""
+    async with served(auth) as server:
+        with pytest.raises(Unavailable) as e:
+            await connect(ConnectOptions(url=server.url, user="node", password="wrong"))
+        said = str(e.value)
+        assert "Authorization Violation" in said and "refused the credentials" in said, said
+        assert "--user/--password" in said, said
+        assert tries(server, b"authentication error") == 1
+
+
+async def test_plane_router_with_no_credentials_exits_2_after_one_try(auth: AuthDir) -> None:
+    async with served(auth) as server:
+        out = await asyncio.to_thread(
+            subprocess.run, [*PLANE, "router", "--nats", server.url], capture_output=True,
+            text=True, cwd=ROOT, env=ENV, timeout=60)
+        assert out.returncode == 2, out
+        assert "Authorization Violation" in out.stderr, out.stderr
+        assert "refused the credentials" in out.stderr, out.stderr
+        assert tries(server, b"authentication error") == 1
+
+
+def test_a_url_that_is_no_url_is_said_to_be_one_at_once() -> None:
+    """`PLANE_NATS=garbage`: nats-py reads it as the host "garbage", port 4222, and a role
+    tried to resolve it for ten seconds. Without a scheme, a name that does not resolve is
+    taken for what it is."""
+    out = subprocess.run([*PLANE, "router"], capture_output=True, text=True, cwd=ROOT,
+                         env={**ENV, "PLANE_NATS": "garbage.invalid"}, timeout=60)
+    assert out.returncode == 2, out
+    assert "garbage.invalid is no host name that resolves" in out.stderr, out.stderr
+    assert "nats://HOST:PORT" in out.stderr, out.stderr
+
+
+async def test_a_scheme_less_url_that_is_no_url_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="nats://HOST:PORT"):
+        await connect(ConnectOptions(url="garbage.invalid"))
+    with pytest.raises(ConfigError, match="nats://HOST:PORT"):
+        async with Client.connect("garbage.invalid"):
+            pass
+

@@ -1,6 +1,6 @@
 """A server's refusal of a connection, told as such and at once: wrong credentials, an account
-at its connection limit (`plane.contract.refusals`), on a real nats-server running `plane
-auth`'s config (the fixtures of `tests/test_auth.py`)."""
+at its connection limit, credentials revoked while connected (`plane.contract.refusals`), on
+a real nats-server running `plane auth`'s config (the fixtures of `tests/test_auth.py`)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from plane.auth.live import can_connect
 from plane.auth.store import AuthDir
 from plane.client import Client, ConnectFailed
 from plane.contract.config import ConnectOptions
 from plane.contract.embedded import EmbeddedNats, NatsServerSpec
-from plane.contract.errors import ConfigError, Unavailable
+from plane.contract.errors import ConfigError, ConnectionClosed, Unavailable
 from plane.contract.natsconn import connect
-from tests.test_auth import auth
+from tests.test_auth import auth, secured, still_serving
 
 __all__ = ["auth"]  # a fixture, imported for pytest
 
@@ -112,3 +113,54 @@ async def test_a_scheme_less_url_that_is_no_url_is_a_config_error() -> None:
         async with Client.connect("garbage.invalid"):
             pass
 
+
+async def plane_auth(*argv: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(subprocess.run, [*PLANE, "auth", *argv],
+                                   capture_output=True, text=True, cwd=ROOT, env=ENV,
+                                   timeout=60)
+
+
+async def test_a_tenant_removed_while_connected_is_told_its_credentials_were_refused(
+        auth: AuthDir) -> None:
+    """`plane auth remove-tenant` on a running plane: the server drops the tenant's
+    connection at the reload and refuses its reconnects. The SDK went on reconnecting, and
+    every call came back a local 504 "the connection stayed down ...; try again shortly";
+    now the client closes after the second refusal and each call raises `ConnectionClosed`
+    naming the authorization violation and what to do."""
+    auth.add_tenant("gamma")
+    async with secured(auth) as plane:
+        gamma = auth.options("gamma", plane.url)
+        async with Client.connect(gamma) as c:
+            ok = await c.invoke("calibrated", {"duration_us": 1000}, deadline_ms=2000)
+            assert ok.status == 200
+            out = await plane_auth("remove-tenant", str(auth.path), "gamma")
+            assert out.returncode == 0 and "the running server reloaded it" in out.stdout, out
+            for _ in range(2):  # the call in flight at the close, and one after it
+                with pytest.raises(ConnectionClosed) as e:
+                    await c.call("calibrated", {"duration_us": 1000}, deadline_ms=5000)
+                said = str(e.value)
+                assert e.value.why == "nats: 'Authorization Violation'", said
+                assert "refused the credentials" in said and "try again" not in said, said
+        with pytest.raises(ConnectFailed, match="refused the credentials"):
+            async with Client.connect(gamma):
+                pass
+        await still_serving(plane, "acme")
+    out = await plane_auth("remove-tenant", str(auth.path), "gamma")
+    assert out.returncode == 2 and "has no tenant 'gamma'" in out.stderr, out
+
+
+async def test_a_tenants_new_password_shuts_the_old_one_out(auth: AuthDir) -> None:
+    async with secured(auth) as plane:
+        old = auth.options("beta", plane.url)
+        async with Client.connect(old) as c:
+            await c.invoke("calibrated", {"duration_us": 1000}, deadline_ms=2000)
+            out = await plane_auth("add-tenant", str(auth.path), "beta", "--new-password",
+                                   "--json")
+            assert out.returncode == 0, out
+            with pytest.raises(ConnectionClosed, match="refused the credentials"):
+                await c.call("calibrated", {"duration_us": 1000}, deadline_ms=5000)
+        new = auth.options("beta", plane.url)
+        assert new.password != old.password and new.password in out.stdout
+        assert not await can_connect(old)
+        assert await can_connect(new)
+        await still_serving(plane, "beta")

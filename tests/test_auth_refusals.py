@@ -5,6 +5,7 @@ a real nats-server running `plane auth`'s config (the fixtures of `tests/test_au
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -164,3 +165,32 @@ async def test_a_tenants_new_password_shuts_the_old_one_out(auth: AuthDir) -> No
         assert not await can_connect(old)
         assert await can_connect(new)
         await still_serving(plane, "beta")
+
+
+async def plane_status(url: str, opts: ConnectOptions, *more: str) -> tuple[int, str]:
+    assert opts.user is not None and opts.password is not None
+    out = await asyncio.to_thread(
+        subprocess.run, [*PLANE, "status", "--nats", url, "--user", opts.user,
+                         "--password", opts.password, *more],
+        capture_output=True, text=True, cwd=ROOT, env={**ENV, "COLUMNS": "400"}, timeout=60)
+    return out.returncode, out.stdout + out.stderr
+
+
+async def test_status_refused_its_credentials_says_only_that(auth: AuthDir) -> None:
+    """It printed empty routers and nodes tables first, as if a plane with nothing in it."""
+    async with served(auth) as server:
+        code, text = await plane_status(server.url, ConnectOptions(user="admin",
+                                                                   password="wrong"))
+    assert code == 1, text
+    assert "UNHEALTHY" in text and "refused the credentials" in text, text
+    assert "routers" not in text and "nodes" not in text, text
+
+
+async def test_status_as_a_tenant_says_once_to_run_it_as_admin(auth: AuthDir) -> None:
+    async with secured(auth) as plane:
+        code, text = await plane_status(plane.url, auth.options("acme"), "--json")
+    problems = json.loads(text)["problems"]
+    assert code == 1, text
+    assert len(problems) == 1, problems
+    assert problems[0].startswith('not allowed: user "acme" may not publish to '), problems
+    assert "run it as admin" in problems[0], problems

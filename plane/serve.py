@@ -91,7 +91,8 @@ async def run_status(opts: ConnectOptions, names: Names, *, metrics_urls: Sequen
     try:
         nc = await connect_fast(opts, timeout_s, denials)
     except Unavailable as exc:
-        view = PlaneView(routers=[], nodes=[], problems=[str(exc)], router=router)
+        view = PlaneView(routers=[], nodes=[], problems=[str(exc)], router=router,
+                         connected=False)
     else:
         try:
             view = await snapshot(nc, names, metrics_urls, timeout_s=timeout_s,

@@ -317,12 +317,29 @@ async def test_what_the_server_refused_is_named_with_its_subject_not_taken_for_s
     d = Denials("gateway")
     violation = "nats: permissions violation for {} to \"{}\""
     await d.on_error(Exception(violation.format("publish", "$srv.info.plane-router")))
-    await d.on_error(Exception(violation.format("subscription", "_inbox.x.*")))
     await d.on_error(Exception("nats: some other error"))
-    assert d.of("$SRV.INFO.plane-node") is None
-    told = d.of("$SRV.INFO.plane-router")
-    assert told is not None and told.startswith(
-        'not allowed: user "gateway" may not publish to $SRV.INFO.plane-router ')
-    # What no asking named: the inbox (no reply could come back), once.
-    assert [p.split(" (")[0] for p in d.untold()] == [
+    assert not d.refused("$SRV.INFO.plane-node")
+    assert d.refused("$SRV.INFO.plane-router")
+    [told] = d.problems()
+    assert told.startswith(
+        'not allowed: user "gateway" may not publish to $SRV.INFO.plane-router '), told
+    # What no asking named: the inbox (no reply could come back).
+    d = Denials("gateway")
+    await d.on_error(Exception(violation.format("subscription", "_inbox.x.*")))
+    assert [p.split(" (")[0] for p in d.problems()] == [
         'not allowed: user "gateway" may not subscribe to _inbox.x.*']
+
+
+async def test_a_user_refused_everywhere_is_told_so_once_and_to_use_admin() -> None:
+    """A tenant running `plane status` was refused on every router's, node's and slot
+    stream's subject: eight near-identical sentences. Now one, saying what to do."""
+    d = Denials("acme")
+    subjects = ["$srv.info.plane-router", "$srv.info.plane-node",
+                *(f"$js.api.stream.info.plane_slots_{i}" for i in range(5))]
+    for subject in subjects:
+        await d.on_error(Exception(f'nats: permissions violation for publish to "{subject}"'))
+    assert all(d.refused(s.upper()) for s in subjects)
+    [told] = d.problems()
+    assert told.startswith('not allowed: user "acme" may not publish to $SRV.INFO.PLANE-ROUTER '
+                           "(nor to 6 more subjects"), told
+    assert "a tenant" in told and "run it as admin" in told, told

@@ -1,5 +1,5 @@
-"""`plane auth init DIR` and `plane auth add-tenant DIR NAME`: a secured server's config and
-each role's and tenant's credentials (`plane.auth.store`)."""
+"""`plane auth init DIR`, `add-tenant DIR NAME` and `remove-tenant DIR NAME`: a secured
+server's config and each role's and tenant's credentials (`plane.auth.store`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def auth() -> None:
     Examples:
       plane auth init ./auth --json      # DIR/nats.conf, and each role's options as JSON
       plane auth add-tenant ./auth acme --share 2 --max-rate 500 --json
+      plane auth add-tenant ./auth acme --new-password --json   # rotate a leaked password
+      plane auth remove-tenant ./auth acme                      # revoke: out at once
       plane up --auth ./auth             # the embedded server with it, each part its role
       nats-server -c ./auth/nats.conf -P ./auth/nats.pid -sd /var/lib/nats   # yourself
     """
@@ -83,19 +85,23 @@ def init(directory: str, prefix: str, as_json: bool, include_conf: str | None) -
 @click.option("--nats", "nats_url", default=None,
               help="A running plane's URL: also put the settings into its PLANE_CONFIG now "
                    "(as the admin role); nothing is written unless it answers.")
+@click.option("--new-password", is_flag=True,
+              help="Give an existing tenant a new password (a leaked one): the running "
+                   "server drops the connections made with the old one at its reload.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the tenant's connection options as one JSON object.")
 def add_tenant(directory: str, name: str, share: int | None, max_rate: int | None,
                max_connections: int | None, max_subscriptions: int | None,
-               nats_url: str | None, as_json: bool) -> None:
+               nats_url: str | None, new_password: bool, as_json: bool) -> None:
     """Add tenant NAME: an account that can only call the plane (`<prefix>.infer.>`, the
     imported service) and read its own replies. A server running DIR/nats.conf reloads it
     at once, with no restart (with --nats URL, checked: the tenant is let in). Again for an
     existing tenant: changes the settings given, keeps the others and its password
-    (--max-rate 0 lifts a rate limit). --share and --max-rate go into PLANE_CONFIG
-    (`share.NAME`, `max_rate.NAME`, deleted when lifted) with --nats URL, and whenever
-    `plane up --auth DIR` starts. --max-connections and --max-subscriptions are the account's
-    limits in nats.conf: the server refuses a connection or a subscription past them.
+    (--max-rate 0 lifts a rate limit; --new-password replaces the password). --share and
+    --max-rate go into PLANE_CONFIG (`share.NAME`, `max_rate.NAME`, deleted when lifted)
+    with --nats URL, and whenever `plane up --auth DIR` starts. --max-connections and
+    --max-subscriptions are the account's limits in nats.conf: the server refuses a
+    connection or a subscription past them.
 
     \b
     Outcome, never half-known:
@@ -118,7 +124,7 @@ def add_tenant(directory: str, name: str, share: int | None, max_rate: int | Non
         except PlaneError as exc:
             raise ConfigError(f"{exc}. Nothing was written: check --nats (a running plane's "
                               "URL), or leave it out to write DIR only") from None
-    d.add_tenant(name, **settings)
+    d.add_tenant(name, **settings, new_password=new_password)
     reloaded = d.reload()
     # Printed before the running plane is asked: whatever it says, the tenant is written and
     # its credentials are known (a JSON caller never saw the password of a tenant that a
@@ -154,3 +160,25 @@ async def go_live(d: AuthDir, name: str, url: str, reloaded: bool, *,
         return (f"its settings did not reach PLANE_CONFIG at {url} ({exc}): run this again "
                 "once the plane answers (the password stays), or restart `plane up --auth`")
     return None
+
+
+@auth.command("remove-tenant")
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@click.argument("name")
+def remove_tenant(directory: str, name: str) -> None:
+    """Revoke tenant NAME: remove its account from DIR/nats.conf and its login from
+    DIR/auth.json. A server running DIR/nats.conf reloads it at once: the tenant's
+    connections are dropped and every new one refused (its SDK clients close, their calls
+    raising ConnectionClosed that names the authorization violation). To replace a leaked
+    password instead: `plane auth add-tenant DIR NAME --new-password`.
+
+    \b
+    Example:
+      plane auth remove-tenant ./auth acme
+    """
+    d = AuthDir(directory)
+    d.remove_tenant(name)
+    reloaded = d.reload()
+    click.echo(f"tenant {name} removed from {d.conf} and {d.path / STATE_FILE}; "
+               + ("the running server reloaded it" if reloaded
+                  else "no running server to reload (restart yours with the new config)"))

@@ -141,10 +141,10 @@ class AuthDir:
 
     def add_tenant(self, name: str, *, share: int | None = None,
                    max_rate: int | None = None, max_connections: int | None = None,
-                   max_subscriptions: int | None = None) -> Tenant:
-        """Add a tenant (or change its settings; its password stays) and rewrite nats.conf.
-        A setting not given keeps its value (its default for a new tenant); `max_rate`
-        NO_RATE_LIMIT lifts the tenant's rate limit."""
+                   max_subscriptions: int | None = None, new_password: bool = False) -> Tenant:
+        """Add a tenant (or change its settings; its password stays unless `new_password`)
+        and rewrite nats.conf. A setting not given keeps its value (its default for a new
+        tenant); `max_rate` NO_RATE_LIMIT lifts the tenant's rate limit."""
         check_tenant(name, share=share, max_rate=max_rate, max_connections=max_connections,
                      max_subscriptions=max_subscriptions)
         state = self.load()
@@ -154,9 +154,25 @@ class AuthDir:
         changes: dict[str, int | None] = {k: v for k, v in given.items() if v is not None}
         if changes.get("max_rate") == NO_RATE_LIMIT:
             changes["max_rate"] = None  # what a tenant with no limit holds
+        if new_password:  # a leaked one: the server drops its connections at the reload
+            had = msgspec.structs.replace(had, login=new_secret(name, self.rounds))
         tenant = msgspec.structs.replace(had, **changes)
         self._write(msgspec.structs.replace(state, tenants={**state.tenants, name: tenant}))
         return tenant
+
+    def remove_tenant(self, name: str) -> Tenant:
+        """Remove a tenant and rewrite nats.conf (a server running it drops the tenant's
+        connections at its reload, and refuses them after); the tenant it was. Its settings
+        in a running plane's PLANE_CONFIG stay, unread: a tenant added again under the name
+        finds them, unless `add-tenant` gives others."""
+        state = self.load()
+        if name not in state.tenants:
+            known = ", ".join(sorted(state.tenants)) or "none"
+            raise ConfigError(f"{self.path} has no tenant {name!r} (its tenants: {known})")
+        gone = state.tenants[name]
+        self._write(msgspec.structs.replace(
+            state, tenants={t: v for t, v in state.tenants.items() if t != name}))
+        return gone
 
     def options(self, who: str, url: str | None = None, *, name: str | None = None,
                 state: AuthState | None = None) -> ConnectOptions:

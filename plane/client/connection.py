@@ -15,15 +15,23 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 
-import nats
 import structlog
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import ConnectFailed, ConnectionClosed
-from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle, connect_kwargs, once_up
+from plane.contract.natsconn import (
+    ERROR_LOG_EVERY_S,
+    Refused,
+    Throttle,
+    connect_kwargs,
+    connect_refusable,
+    once_up,
+)
+from plane.contract.refusals import Refusal, refusal_of, what_to_do
 
 log = structlog.get_logger("plane.client")
 
@@ -38,6 +46,11 @@ RECONNECTED_POLL_S = 0.005
 # yet" (they reconnect every 0.25 s), and how often the attempt is sent again meanwhile.
 ROUTERS_BACK_S = 2.0
 ROUTERS_BACK_POLL_MS = 20.0
+# Reconnects the server refuses in a row (credentials revoked or changed while connected)
+# before the client closes its connection (nats.go: the same auth error twice).
+REFUSALS_TO_CLOSE = 2
+# Where the SDK's caller gave its credentials, for the message of a refusal.
+SDK_CREDENTIALS = "ConnectOptions user/password, token or creds"
 
 
 # A call's (or stream's) local 503 when the connection stayed down past
@@ -99,6 +112,8 @@ class Comeback:
         held = self.down()
         while self.down() and time.monotonic() < deadline_at:  # noqa: ASYNC110
             await asyncio.sleep(RECONNECTED_POLL_S)
+        if nc.is_closed:  # closed while it waited (reconnects refused): say why
+            raise closed_error(nc)
         if (n := nc.stats["reconnects"]) != self._reconnects:
             self._reconnects, self._back_s = n, time.monotonic()
         return held
@@ -224,35 +239,72 @@ class OnDrop(Wakers):
 def closed_error(nc: NATS) -> ConnectionClosed:
     """What a call on a closed connection raises: why it closed, when nats-py knows. nats-py
     closes the connection itself on most of the server's errors (`-ERR`), among them an
-    account's "maximum subscriptions exceeded", and tells no error callback."""
-    err = nc.last_error
+    account's "maximum subscriptions exceeded", and tells no error callback; ours closes it
+    after reconnects the server refused (`Connection.refused`)."""
+    err = (nc.refused if isinstance(nc, Connection) else None) or nc.last_error
     why = str(err) if err is not None else ""
-    limit = ("; the account's limit (its operator raises it: `plane auth add-tenant NAME "
-             "--max-subscriptions N --max-connections N`)"
-             if "maximum subscriptions" in why or "maximum connections" in why else "")
-    said = f": {why}" if why else ""
-    return ConnectionClosed(f"the connection to the plane is closed{said}{limit}; open a new "
+    refusal = refusal_of(err)
+    if refusal is Refusal.SUBSCRIPTIONS:
+        cause = f"; {what_to_do(refusal, credentials=SDK_CREDENTIALS)}"
+    elif refusal is not None:
+        cause = (f", its reconnects refused ({why}): "
+                 f"{what_to_do(refusal, credentials=SDK_CREDENTIALS)}")
+    else:
+        cause = ""
+    said = f": {why}" if why and not cause.startswith(",") else ""
+    return ConnectionClosed(f"the connection to the plane is closed{said}{cause}; open a new "
                             "client", why=why)
+
+
+class Connection(NATS):
+    """nats-py's client, and why the server refused it when it last tried to reconnect
+    (`refused`; None once it is back). nats-py forgets it when it gives up reconnecting: its
+    `last_error` is then "no servers available for connection"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: BaseException | None = None
 
 
 async def open_connection(opts: ConnectOptions,
                           connect_attempts: int = CONNECT_ATTEMPTS) -> NATS:
     """Connect to the plane's NATS server, or raise `ConnectFailed` (an `Unavailable`, also
-    a `ConnectionError`) saying which URL failed and why."""
+    a `ConnectionError`) saying which URL failed and why: at once when the server refuses
+    the credentials or the account's connection limit is reached (another try would be
+    refused as well: `plane.contract.natsconn.connect_refusable`).
+
+    Once connected, a reconnect the server refuses `REFUSALS_TO_CLOSE` times in a row (the
+    credentials revoked or changed meanwhile) closes the connection, as nats.go does: each
+    call then raises `ConnectionClosed` naming the refusal, where it waited for a connection
+    that could not come back and was answered "try again shortly"."""
+    nc = Connection()
     last: list[BaseException] = []
     failed = 0  # attempts that failed before we gave up
     connected = False
+    refusals = 0  # reconnects refused in a row
     throttle = Throttle(ERROR_LOG_EVERY_S)
 
     async def on_error(exc: Exception) -> None:
-        nonlocal failed
+        nonlocal failed, refusals
         failed += 1
         last[:] = [exc]  # only the latest: this callback lives as long as the connection
-        if connected and (held := throttle.allow(type(exc).__name__)) is not None:
+        if not connected:
+            return
+        if refusal_of(exc) is not None:
+            nc.refused = exc
+            refusals += 1
+            if refusals >= REFUSALS_TO_CLOSE:
+                # nats-py drops a server from its pool past this many failed tries in a
+                # row (this one among them), and closes once none is left.
+                nc.options["max_reconnect_attempts"] = 1
+        if (held := throttle.allow(type(exc).__name__)) is not None:
             log.warning("plane connection error", url=opts.url, error=repr(exc),
                         repeats_not_logged=held)
 
     async def on_reconnect() -> None:
+        nonlocal refusals
+        refusals, nc.refused = 0, None
+        nc.options["max_reconnect_attempts"] = -1
         throttle.reset()
         log.info("plane connection restored", url=opts.url)
 
@@ -264,13 +316,16 @@ async def open_connection(opts: ConnectOptions,
         "reconnected_cb": on_reconnect,
     }
     try:
-        nc = await nats.connect(**kw)
+        await connect_refusable(nc, kw, opts.url or "")
+    except Refused as refused:
+        raise refused.error(opts.url, credentials=SDK_CREDENTIALS,
+                            failed=partial(ConnectFailed, url=opts.url or "")) from None
     except Exception as exc:  # nats-py raises OSError, its own errors or a TimeoutError
         why = last[-1] if last else exc
         raise ConnectFailed(
             f"cannot reach the plane at {opts.url}: {why!r} (tried {max(failed, 1)} times). "
-            "Is a plane running there (`plane up --port 4222`)? Check the URL and "
-            "the credentials", url=opts.url or "",
+            "Is a plane running there (`plane up --port 4222`)? Check the URL",
+            url=opts.url or "",
         ) from None
     connected = True
     return once_up(nc)

@@ -18,9 +18,10 @@ from nats.aio.subscription import Subscription
 from nats.errors import SlowConsumerError
 
 from plane.contract.config import ConnectOptions
-from plane.contract.errors import ConfigError, Unavailable
+from plane.contract.errors import ConfigError, PlaneError, Unavailable
 from plane.contract.header_lines import use_fast_header_lines
 from plane.contract.lost_pings import fail_lost_pings
+from plane.contract.refusals import Refusal, refusal_of, unknown_host, what_to_do
 from plane.contract.soon_flush import use_soon_flush
 
 
@@ -100,9 +101,71 @@ def on_overflow(sub: Subscription, handler: Overflow) -> None:
     _OVERFLOW[sub] = handler
 
 
+# Where a role's command takes its credentials, for the message of a refusal.
+ROLE_CREDENTIALS = "--user/--password, --token, --creds, or PLANE_AUTH=DIR:ROLE"
+
+
+class Refused(Exception):
+    """A first connect ended at an error that another try cannot mend (`connect_refusable`):
+    the server's refusal (`refusal`), or a URL that names no host (`bad_url`, why)."""
+
+    def __init__(self, cause: BaseException, *, refusal: Refusal | None,
+                 bad_url: str | None) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.refusal = refusal
+        self.bad_url = bad_url
+
+    def error(self, url: str | None, *, credentials: str,
+              failed: Callable[[str], PlaneError]) -> PlaneError:
+        """The error a command raises for it: `ConfigError` for a URL that is none, else
+        `failed` of a message that names the server's words and what to do)."""
+        if self.bad_url is not None:
+            return ConfigError(f"cannot connect to NATS at {url}: {self.bad_url}")
+        assert self.refusal is not None
+        return failed(f"cannot connect to NATS at {url}: {self.cause}: "
+                      f"{what_to_do(self.refusal, credentials=credentials)}")
+
+
+ErrorCallback = Callable[[Exception], Awaitable[None]]
+
+
+async def connect_refusable(nc: Client, kw: dict[str, Any], url: str) -> Client:
+    """nats-py's first connect (`kw`: its options, whose `error_cb` sees every error),
+    ended at once by the first error another try cannot mend: the server's refusal (wrong
+    credentials, an account at its connection limit: `plane.contract.refusals`) or a URL
+    without a scheme whose host does not resolve. Raises `Refused` for those (the
+    half-made connection closed), else what nats-py raises once its tries are spent.
+
+    The stop is the error callback's: nats-py calls it for each failed try, from inside its
+    connect loop, and an exception out of it ends the loop (`Refused` is no OSError, and no
+    nats error, which the loop would take for another failed try)."""
+    theirs: ErrorCallback = kw["error_cb"]
+    first = True
+
+    async def error_cb(exc: Exception) -> None:
+        await theirs(exc)
+        if not first:
+            return
+        refusal = refusal_of(exc)
+        bad_url = unknown_host(exc, url)
+        if refusal is not None or bad_url is not None:
+            raise Refused(exc, refusal=refusal, bad_url=bad_url)
+
+    try:
+        await nc.connect(**kw | {"error_cb": error_cb})
+    except Refused:
+        first = False  # what the close reports is no refusal of ours
+        await close_now(nc)
+        raise
+    first = False
+    return nc
+
+
 async def connect(opts: ConnectOptions) -> Client:
     """Connect; raise `Unavailable` saying why when the server cannot be reached or refuses
-    us. Once connected, reconnect forever (a broker restart must not end a node)."""
+    us (at once for a refusal: `connect_refusable`). Once connected, reconnect forever (a
+    broker restart must not end a node)."""
     last: list[BaseException] = []
     throttle = Throttle(ERROR_LOG_EVERY_S)
 
@@ -126,10 +189,14 @@ async def connect(opts: ConnectOptions) -> Client:
         for conn in made:
             fail_lost_pings(conn)  # its flushes and drains wait for nothing: they fail now
 
+    kw = connect_kwargs(opts) | {"error_cb": remember, "reconnected_cb": reconnected,
+                                 "disconnected_cb": disconnected}
     try:
-        nc = await nats.connect(**connect_kwargs(opts), error_cb=remember,
-                                reconnected_cb=reconnected, disconnected_cb=disconnected)
+        nc = await connect_refusable(Client(), kw, opts.url or "")
         made.append(nc)
+    except Refused as refused:
+        raise refused.error(opts.url, credentials=ROLE_CREDENTIALS,
+                            failed=Unavailable) from None
     except Exception as exc:
         why = last[-1] if last else exc
         raise Unavailable(

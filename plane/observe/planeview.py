@@ -38,8 +38,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plane.contract.config import ConnectOptions
 from plane.contract.errors import Unavailable
-from plane.contract.natsconn import connect_kwargs
+from plane.contract.natsconn import ROLE_CREDENTIALS, connect_kwargs
 from plane.contract.provision import slot_stream_infos
+from plane.contract.refusals import refusal_of, what_to_do
 from plane.contract.subjects import Names
 from plane.observe.denials import Denials
 
@@ -145,6 +146,9 @@ class PlaneView(msgspec.Struct, kw_only=True):
     # The one router whose health this view is about (`plane status --router`: a router's
     # own health check); None: the plane's.
     router: str | None = None
+    # False: the server could not be reached or refused us; `problems` says why, and there
+    # is nothing else to show.
+    connected: bool = True
 
     @property
     def healthy(self) -> bool:
@@ -169,6 +173,10 @@ async def connect_fast(opts: ConnectOptions, timeout_s: float,
             return await nats.connect(
                 **kw, error_cb=denials.on_error if denials is not None else quiet)
     except Exception as exc:
+        refusal = refusal_of(exc)
+        if refusal is not None:
+            raise Unavailable(f"cannot connect to NATS at {opts.url}: {exc}: "
+                              f"{what_to_do(refusal, credentials=ROLE_CREDENTIALS)}") from exc
         raise Unavailable(f"cannot connect to NATS at {opts.url}: {exc!r}") from exc
 
 
@@ -263,7 +271,8 @@ async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0,
             return kind, json.loads(m.data)
         except Exception as exc:
             await _settle(nc)
-            problems.append(told.of(subject) or f"{subject}: no answer ({type(exc).__name__})")
+            if not told.refused(subject):
+                problems.append(f"{subject}: no answer ({type(exc).__name__})")
             return kind, None
 
     answers, streams = await asyncio.gather(
@@ -276,13 +285,12 @@ async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0,
     problems.extend(behind_problems(routers))
     await _settle(nc)  # the server's refusals, if any, are in
     for service, none in ((names.router_service, not routers), (names.node_service, not nodes)):
-        if none:
+        if none and not told.refused(control_subject(ServiceVerb.INFO, service)):
             what = "router" if service == names.router_service else "node"
-            problems.append(told.of(control_subject(ServiceVerb.INFO, service))
-                            or f"no {what} answers (plane {what}, or plane up)")
+            problems.append(f"no {what} answers (plane {what}, or plane up)")
     if router is not None and routers and router not in {r.router for r in routers}:
         problems.append(f"router {router} does not answer (the others do)")
-    problems.extend(told.untold())
+    problems.extend(told.problems())
     return PlaneView(routers=routers, nodes=nodes, slot_streams=streams, problems=problems,
                      took_ms=(time.monotonic() - t0) * 1000, router=router)
 
@@ -315,9 +323,9 @@ async def _slot_streams(nc: Client, names: Names, timeout_s: float, problems: li
     for name, info in await slot_stream_infos(nc.jetstream(timeout=timeout_s), names):
         if isinstance(info, Exception):
             await _settle(nc)
-            problems.append(denials.of(f"{JS_API}.STREAM.INFO.{name}") or (
-                f"slot stream {name}: no answer ({type(info).__name__}): no leader (a "
-                "cluster electing one)?"))
+            if not denials.refused(f"{JS_API}.STREAM.INFO.{name}"):
+                problems.append(f"slot stream {name}: no answer ({type(info).__name__}): no "
+                                "leader (a cluster electing one)?")
             continue
         c = info.cluster
         if c is None or not c.replicas:

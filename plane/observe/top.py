@@ -115,6 +115,12 @@ def metrics_table(metrics: Sequence[MetricsFacts], *, live: bool) -> Table:
 
 
 def render(view: PlaneView, *, live: bool = False) -> Group:
+    state = Text("healthy" if view.healthy else "UNHEALTHY",
+                 style="bold green" if view.healthy else "bold red")
+    verdict = Text.assemble(state, f"  ({view.took_ms:.0f} ms)  ",
+                            Text("; ".join(view.problems), style="yellow"))
+    if not view.connected:  # empty tables would only hide why
+        return Group(verdict)
     parts: list[Table | Text] = [routers_table(view), nodes_table(view)]
     if view.slot_streams:
         parts.append(slot_streams_table(view))
@@ -126,10 +132,7 @@ def render(view: PlaneView, *, live: bool = False) -> Group:
     else:
         parts.append(Text("refusals, first-retry success, accepted p50/p99: add --metrics URL "
                           "(a router's or node's /metrics)", style="dim"))
-    state = Text("healthy" if view.healthy else "UNHEALTHY",
-                 style="bold green" if view.healthy else "bold red")
-    parts.append(Text.assemble(state, f"  ({view.took_ms:.0f} ms)  ",
-                               Text("; ".join(view.problems), style="yellow")))
+    parts.append(verdict)
     return Group(*parts)
 
 

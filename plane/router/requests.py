@@ -44,6 +44,7 @@ from plane.contract.identity import RequestIds
 from plane.contract.messages import Status
 from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS, model_spec
+from plane.contract.natsconn import connected_since_s
 from plane.contract.ownership import slot_ttl
 from plane.contract.publish import publish
 from plane.contract.reply_inbox import ReplyInbox
@@ -67,6 +68,7 @@ from plane.router.inbox import Inbox, stale, turn, turn_due
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
+from plane.router.owner_watch import OwnerWatch
 from plane.router.parking import InLine, ParkingLot
 from plane.router.peers import Peers
 from plane.router.receipt import received_s
@@ -204,6 +206,7 @@ class RequestPath:
         self._model = parts.model
         self.publisher = parts.publisher
         self.forwards = parts.forwards
+        self._owner_watch = OwnerWatch(parts.forwards, parts.cfg.names)
         self.inflight = parts.inflight
         self.peers = parts.peers
         self.parking = parts.parking
@@ -308,6 +311,14 @@ class RequestPath:
         until = hdrs.get(Header.FORWARD_UNTIL, "")
         if until.isdigit() and replies.now_ms() > int(until) - FORWARD_MARGIN_MS:
             log.warning("forwarded request dropped: it came after its forwarder gave up",
+                        forwarded_by=hdrs.get(Header.FORWARDED_BY), request_id=hdrs.get(
+                            Header.REQUEST_ID))
+            return False
+        if not self.nc.is_connected or received_s(msg, math.inf) < connected_since_s(self.nc):
+            # Read on a connection now gone, or taken now into the reconnect buffer: our
+            # "taken" would come after the server told the forwarder we were gone, and it
+            # has decided the request itself (`plane.router.owner_watch`).
+            log.warning("forwarded request dropped: our connection to it dropped since",
                         forwarded_by=hdrs.get(Header.FORWARDED_BY), request_id=hdrs.get(
                             Header.REQUEST_ID))
             return False
@@ -626,15 +637,19 @@ class RequestPath:
             return await self._relay_stream(r, owner, why, self._forward_headers(r),
                                             self._forward_wait_s(r))
         try:
-            answer = await self.forwards.reply(sent, max(0.001, self._forward_wait_s(r)))
+            answer = await self._owner_watch.word(sent, owner, max(0.001, self._forward_wait_s(r)))
+            if answer is not None:
+                answer = ReplyInbox.checked(answer)
         except NoRespondersError:
-            self.metrics.forwarded.labels(model, why, "owner-gone").inc()
-            self.peers.gone(owner)
-            return False
+            answer = None
         except NatsTimeoutError:
             self.metrics.forwarded.labels(model, why, "no-answer").inc()
             await self._refuse(msg, r.rid, model, refusals.owner_silent(owner), r.tenant)
             return True
+        if answer is None:  # the owner is gone (`plane.router.owner_watch`): decided here
+            self.metrics.forwarded.labels(model, why, "owner-gone").inc()
+            self.peers.gone(owner)
+            return False
         if _is_taken(answer):
             self.metrics.forwarded.labels(model, why, "taken").inc()
             return True
@@ -651,7 +666,8 @@ class RequestPath:
         reader, so a caller that stops reading is not noticed through the relay (its cancel
         still reaches the node directly) and the stream ends at its deadline at the latest.
         No responders (the server's status on our inbox, before anything else) means the
-        owner is gone."""
+        owner is gone, and so does one that leaves before its first word
+        (`plane.router.owner_watch`)."""
         msg, model = r.msg, r.model
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
@@ -662,17 +678,22 @@ class RequestPath:
             first = True
             while True:
                 try:
-                    m = await sub.next_msg(timeout=max(0.001, give_up - time.monotonic()))
+                    m: Msg | None
+                    if first:  # the owner's first word, unless it leaves before it
+                        m = await self._owner_watch.word(asyncio.ensure_future(
+                            sub.next_msg(timeout=wait_s)), owner, wait_s)
+                    else:
+                        m = await sub.next_msg(timeout=max(0.001, give_up - time.monotonic()))
                 except (NatsTimeoutError, TimeoutError):
                     self.metrics.forwarded.labels(model, why, "no-answer").inc()
                     await self._refuse(msg, r.rid, model, refusals.owner_silent(owner),
                                        r.tenant)
                     return True
-                h = m.headers or {}
-                if first and is_no_responders(h):
+                if m is None or (first and is_no_responders(m.headers)):
                     self.metrics.forwarded.labels(model, why, "owner-gone").inc()
                     self.peers.gone(owner)
                     return False
+                h = m.headers or {}
                 if first and _is_taken(m):
                     self.metrics.forwarded.labels(model, why, "taken").inc()
                     return True

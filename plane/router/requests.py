@@ -34,11 +34,12 @@ from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
 from plane.contract.header_lines import REPEATED
 from plane.contract.headers import (
+    RequestInfo,
+    across_import,
     asked_ms,
     echoed_request_id,
     is_no_responders,
     read_caller,
-    request_info,
 )
 from plane.contract.identity import RequestIds
 from plane.contract.messages import Status
@@ -143,6 +144,9 @@ class Routing(msgspec.Struct):
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
     tenant: str  # who sent it (plane.router.tenancy)
+    # The server's word on a caller across a tenant's import (`Nats-Request-Info`), read once:
+    # None for one inside the plane's own account.
+    across: RequestInfo | None
     span: Span | None  # plane.admission, when spans are on (plane.contract.tracing)
     forwarded: bool  # came from another router (never forwarded twice)
     promiser: str  # the router that makes promises now
@@ -440,10 +444,12 @@ class RequestPath:
         # One router makes every promise (so no two promise the same slot time); the others
         # place what fits now and hand it what needs a promise.
         promiser = self.cfg.router_id if forwarded else self.peers.promiser(model)
+        across = across_import(hdrs)
         r = Routing(
             msg=msg, rid=rid, model=model, ms=ms, work_us=work_us,
             max_tokens=shape[1] if shape is not None else 0,
-            t0=t0, tenant=self.tenants.of(hdrs), forwarded=forwarded, promiser=promiser,
+            t0=t0, tenant=self.tenants.of(hdrs, across), across=across,
+            forwarded=forwarded, promiser=promiser,
             span=self.tracing.start("plane.admission", hdrs, epoch_ns_of(int(t0 * 1e9)),
                                     {"model": model, "request_id": rid})
             if self.tracing.on else None,
@@ -454,9 +460,9 @@ class RequestPath:
                     # A caller across a service import (the server's Nats-Request-Info):
                     # its inbox is in its own account, out of the router's reach; told the
                     # usual Retry-After, not one that counts on a call.
-                    wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake,
+                    wake=None if across is not None else caller.wake,
                     came_s=received, wait_s=(caller.wait_ms or 0) / 1000,
-                    caller=caller_of(msg.reply, hdrs),
+                    caller=caller_of(msg.reply, across),
                     retry=caller.ticket is not None or (caller.attempt or 1) > 1),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
@@ -771,11 +777,11 @@ class RequestPath:
         if r.ask.end_deadline_s is not None:  # a stream
             out[Header.STREAM] = ASKED
             out[Header.STREAM_DEADLINE_AT] = str(now_ms + end_ms)
-            info = request_info(hdrs)
-            if info.acc:
-                out[Header.CALLER_ACCOUNT] = info.acc
-            if info.client:
-                out[Header.CALLER_CLIENT] = info.client
+            if (info := r.across) is not None:
+                if info.acc:
+                    out[Header.CALLER_ACCOUNT] = info.acc
+                if info.client:
+                    out[Header.CALLER_CLIENT] = info.client
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct
         # The trace goes on: under our admission span when spans are on, else as it came.
@@ -944,7 +950,8 @@ class RequestPath:
         """Answer `msg` with refusal `r` (`tenant`: who sent it, when already known)."""
         hdrs = msg.headers or {}
         await self._answer(msg.reply, hdrs, rid, model, r,
-                           tenant if tenant is not None else self.tenants.of(hdrs))
+                           tenant if tenant is not None
+                           else self.tenants.of(hdrs, across_import(hdrs)))
 
     async def _answer(self, reply: str, hdrs: Mapping[str, str], rid: str, model: str,
                       r: Refuse, tenant: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from plane.contract.headers import across_import
+from plane.router.caller import caller_of
 from plane.router.fairness import FairShare, OverLimit, allocate
 from plane.router.tenancy import DEFAULT_TENANT, OTHER_TENANT, Tenants, named_tenant
 
@@ -80,21 +82,36 @@ def test_tenant_limits_slots_and_rate() -> None:
     assert fair.limit("m", "r", 0.011, 0) is None
 
 
+def named(headers: dict[str, str]) -> str:
+    """The tenant, read as the router reads it (the server's word decoded once)."""
+    return named_tenant(headers, across_import(headers))
+
+
 def test_the_servers_word_names_the_tenant_not_the_callers() -> None:
     info = '{"acc":"TEAM_A","user":"x","rtt":1}'
-    assert named_tenant({"Nats-Request-Info": info, "Plane-Tenant": "TEAM_B"}) == "TEAM_A"
-    assert named_tenant({"Plane-Tenant": "TEAM_B"}) == "TEAM_B"
-    assert named_tenant({}) == DEFAULT_TENANT
-    assert named_tenant({"Plane-Tenant": "no spaces"}) == OTHER_TENANT
-    assert named_tenant({"Nats-Request-Info": "not json"}) == DEFAULT_TENANT
+    assert named({"Nats-Request-Info": info, "Plane-Tenant": "TEAM_B"}) == "TEAM_A"
+    assert named({"Plane-Tenant": "TEAM_B"}) == "TEAM_B"
+    assert named({}) == DEFAULT_TENANT
+    assert named({"Plane-Tenant": "no spaces"}) == OTHER_TENANT
+    assert named({"Nats-Request-Info": "not json"}) == DEFAULT_TENANT
+    assert named({"Nats-Request-Info": "", "Plane-Tenant": "TEAM_B"}) == "TEAM_B"
+    assert across_import({}) is None  # no header: nothing read
+
+
+def test_a_request_across_an_import_is_read_once() -> None:
+    """`across_import`'s one reading serves the tenant and the caller alike."""
+    info = across_import({"Nats-Request-Info": '{"acc":"TEAM_A","server":"S1","id":7}'})
+    assert info is not None and (info.acc, info.client) == ("TEAM_A", "S1/7")
+    assert named_tenant({"Plane-Tenant": "TEAM_B"}, info) == "TEAM_A"
+    assert caller_of("_R_.abc.def", info) == "TEAM_A:S1/7"
 
 
 def test_tenant_names_are_bounded() -> None:
     tenants = Tenants(limit=4)  # default and other, then two more
-    assert tenants.of({"Plane-Tenant": "a"}) == "a"
-    assert tenants.of({"Plane-Tenant": "b"}) == "b"
-    assert tenants.of({"Plane-Tenant": "c"}) == OTHER_TENANT
-    assert tenants.of({"Plane-Tenant": "a"}) == "a"
+    assert tenants.of({"Plane-Tenant": "a"}, None) == "a"
+    assert tenants.of({"Plane-Tenant": "b"}, None) == "b"
+    assert tenants.of({"Plane-Tenant": "c"}, None) == OTHER_TENANT
+    assert tenants.of({"Plane-Tenant": "a"}, None) == "a"
 
 
 def test_a_tenant_holds_at_most_its_share_of_the_promises() -> None:

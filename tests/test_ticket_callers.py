@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 
 from plane.client import Client as PlaneClient
 from plane.contract.embedded import EmbeddedNats
+from plane.contract.headers import across_import
 from plane.contract.subjects import Header
 from plane.router.caller import UNNAMED, caller_of
 from tests.plane_fixtures import NAMES, calibrated, client, header, plane, status
@@ -120,9 +121,9 @@ async def test_a_clients_streams_and_requests_are_one_caller_and_another_clients
             PlaneClient.connect(srv.url) as two:
         first, second = one.stream_inbox(), one.stream_inbox()
         assert first != second
-        assert caller_of(first, {}) == caller_of(second, {}) != UNNAMED
-        assert caller_of(two.stream_inbox(), {}) not in (caller_of(first, {}), UNNAMED)
-        assert caller_of(one.nc.new_inbox(), {}) == UNNAMED  # one inbox a request: unnamed
+        assert caller_of(first, None) == caller_of(second, None) != UNNAMED
+        assert caller_of(two.stream_inbox(), None) not in (caller_of(first, None), UNNAMED)
+        assert caller_of(one.nc.new_inbox(), None) == UNNAMED  # one inbox a request: unnamed
         # Across a tenant's import the server names the connection.
-        info = {Header.NATS_REQUEST_INFO: '{"acc":"TENANT","server":"S1","id":7}'}
+        info = across_import({Header.NATS_REQUEST_INFO: '{"acc":"TENANT","server":"S1","id":7}'})
         assert caller_of("_R_.abc.def", info) == "TENANT:S1/7"

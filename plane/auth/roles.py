@@ -84,7 +84,7 @@ def router(n: Names) -> Permissions:
         publish=(
             n.slots_all(),  # placements (JetStream publishes; the PubAck comes to the inbox)
             n.admission_all(),  # promises, taken slots, presence notes to the other routers
-            f"{p}.router.>",  # forwards to the promise maker; the id check on start
+            f"{p}.router.>",  # forwards to (and probes of) the promise maker; the id check
             f"{p}.node.*.answered",  # "did you answer it?" before the watchdog answers
             INBOX, SERVICE_REPLIES,  # answers: refusals, and 503/504 for a silent node
             # Its container's health check, `plane status --router <id>`: find the plane's

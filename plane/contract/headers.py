@@ -250,6 +250,16 @@ def request_info(headers: Mapping[str, str] | None) -> RequestInfo:
         return RequestInfo()
 
 
+def across_import(headers: Mapping[str, str]) -> RequestInfo | None:
+    """What the server said of a request that came across an import, read once per request
+    and handed to whatever needs it (the tenant, the caller, a stream's node): None when it
+    did not (sent inside the plane's own account: the usual case, and no work), empty fields
+    when it is unreadable."""
+    if Header.NATS_REQUEST_INFO not in headers:
+        return None
+    return request_info(headers)
+
+
 def requester_account(headers: Mapping[str, str] | None) -> str:
     """The account a message came from across an import; "" for one sent inside the plane's
     own account (a plane role) or unreadable."""

@@ -5,6 +5,7 @@ and one to close, so that a stop with the server gone is as clean as any other."
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 import time
 import weakref
@@ -215,6 +216,15 @@ def once_up(nc: Client) -> Client:
     nc.options["max_reconnect_attempts"] = -1
     use_soon_flush(nc)
     return use_fast_header_lines(nc)
+
+
+def connected_since_s(nc: Client) -> float:
+    """When (monotonic s) the connection now up was opened: a message received before it
+    came on an earlier one. nats-py stamps each attempt to connect (`Srv.last_attempt`, set
+    as it opens the socket, and only again when an attempt fails): -inf when it has none."""
+    srv = nc._current_server
+    at = srv.last_attempt if srv is not None else None
+    return at if at is not None else -math.inf
 
 
 async def close(nc: Client, timeout_s: float = DRAIN_TIMEOUT_S) -> None:

@@ -92,6 +92,12 @@ class ReplyInbox:
             msg = await future
         finally:
             timer.cancel()
+        return self.checked(msg)
+
+    @staticmethod
+    def checked(msg: Msg) -> Msg:
+        """A reply as `reply` hands it back: the server's no-responders status raises
+        `NoRespondersError` (for a future waited on otherwise: `plane.router.owner_watch`)."""
         if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:  # as nats-py reads it
             raise NoRespondersError
         return msg

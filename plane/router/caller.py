@@ -13,20 +13,17 @@ cannot be told apart from another: "", the callers nobody can name, who share on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from plane.contract.headers import request_info
-from plane.contract.subjects import Header
+from plane.contract.headers import RequestInfo
 
 UNNAMED = ""
 # A caller's record for the tickets it was given on a retry (`again_record`).
 AGAIN = " again"
 
 
-def caller_of(reply: str, headers: Mapping[str, str]) -> str:
-    """The caller `reply` (a request's reply subject) and its `headers` name."""
-    if Header.NATS_REQUEST_INFO in headers:
-        info = request_info(headers)
+def caller_of(reply: str, info: RequestInfo | None) -> str:
+    """The caller `reply` (a request's reply subject) names, or the server's `info` on a
+    request that came across an import (`plane.contract.headers.across_import`)."""
+    if info is not None:
         return f"{info.acc}:{info.client}" if info.client else UNNAMED
     prefix, _, _ = reply.rpartition(".")
     return prefix if "." in prefix else UNNAMED

@@ -34,16 +34,18 @@ from plane.contract.config import MAX_DEADLINE_MS, RouterConfig
 from plane.contract.errors import BadRequest
 from plane.contract.header_lines import REPEATED
 from plane.contract.headers import (
+    RequestInfo,
+    across_import,
     asked_ms,
     echoed_request_id,
     is_no_responders,
     read_caller,
-    request_info,
 )
 from plane.contract.identity import RequestIds
 from plane.contract.messages import Status
 from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS, model_spec
+from plane.contract.natsconn import connected_since_s
 from plane.contract.ownership import slot_ttl
 from plane.contract.publish import publish
 from plane.contract.reply_inbox import ReplyInbox
@@ -67,6 +69,7 @@ from plane.router.inbox import Inbox, stale, turn, turn_due
 from plane.router.inflight import InFlight, InFlightBook
 from plane.router.metering import Meter
 from plane.router.occupancy import ModelSlots, SlotView
+from plane.router.owner_watch import OwnerWatch
 from plane.router.parking import InLine, ParkingLot
 from plane.router.peers import Peers
 from plane.router.receipt import received_s
@@ -141,6 +144,9 @@ class Routing(msgspec.Struct):
     ask: Ask
     t0: float  # perf_counter at receipt: the decision metric
     tenant: str  # who sent it (plane.router.tenancy)
+    # The server's word on a caller across a tenant's import (`Nats-Request-Info`), read once:
+    # None for one inside the plane's own account.
+    across: RequestInfo | None
     span: Span | None  # plane.admission, when spans are on (plane.contract.tracing)
     forwarded: bool  # came from another router (never forwarded twice)
     promiser: str  # the router that makes promises now
@@ -204,6 +210,7 @@ class RequestPath:
         self._model = parts.model
         self.publisher = parts.publisher
         self.forwards = parts.forwards
+        self._owner_watch = OwnerWatch(parts.forwards, parts.cfg.names)
         self.inflight = parts.inflight
         self.peers = parts.peers
         self.parking = parts.parking
@@ -308,6 +315,14 @@ class RequestPath:
         until = hdrs.get(Header.FORWARD_UNTIL, "")
         if until.isdigit() and replies.now_ms() > int(until) - FORWARD_MARGIN_MS:
             log.warning("forwarded request dropped: it came after its forwarder gave up",
+                        forwarded_by=hdrs.get(Header.FORWARDED_BY), request_id=hdrs.get(
+                            Header.REQUEST_ID))
+            return False
+        if not self.nc.is_connected or received_s(msg, math.inf) < connected_since_s(self.nc):
+            # Read on a connection now gone, or taken now into the reconnect buffer: our
+            # "taken" would come after the server told the forwarder we were gone, and it
+            # has decided the request itself (`plane.router.owner_watch`).
+            log.warning("forwarded request dropped: our connection to it dropped since",
                         forwarded_by=hdrs.get(Header.FORWARDED_BY), request_id=hdrs.get(
                             Header.REQUEST_ID))
             return False
@@ -429,10 +444,12 @@ class RequestPath:
         # One router makes every promise (so no two promise the same slot time); the others
         # place what fits now and hand it what needs a promise.
         promiser = self.cfg.router_id if forwarded else self.peers.promiser(model)
+        across = across_import(hdrs)
         r = Routing(
             msg=msg, rid=rid, model=model, ms=ms, work_us=work_us,
             max_tokens=shape[1] if shape is not None else 0,
-            t0=t0, tenant=self.tenants.of(hdrs), forwarded=forwarded, promiser=promiser,
+            t0=t0, tenant=self.tenants.of(hdrs, across), across=across,
+            forwarded=forwarded, promiser=promiser,
             span=self.tracing.start("plane.admission", hdrs, epoch_ns_of(int(t0 * 1e9)),
                                     {"model": model, "request_id": rid})
             if self.tracing.on else None,
@@ -443,9 +460,9 @@ class RequestPath:
                     # A caller across a service import (the server's Nats-Request-Info):
                     # its inbox is in its own account, out of the router's reach; told the
                     # usual Retry-After, not one that counts on a call.
-                    wake=None if Header.NATS_REQUEST_INFO in hdrs else caller.wake,
+                    wake=None if across is not None else caller.wake,
                     came_s=received, wait_s=(caller.wait_ms or 0) / 1000,
-                    caller=caller_of(msg.reply, hdrs),
+                    caller=caller_of(msg.reply, across),
                     retry=caller.ticket is not None or (caller.attempt or 1) > 1),
         )
         self.fair.asked(model, r.tenant, r.ask.prediction.expected_us, now)
@@ -626,15 +643,19 @@ class RequestPath:
             return await self._relay_stream(r, owner, why, self._forward_headers(r),
                                             self._forward_wait_s(r))
         try:
-            answer = await self.forwards.reply(sent, max(0.001, self._forward_wait_s(r)))
+            answer = await self._owner_watch.word(sent, owner, max(0.001, self._forward_wait_s(r)))
+            if answer is not None:
+                answer = ReplyInbox.checked(answer)
         except NoRespondersError:
-            self.metrics.forwarded.labels(model, why, "owner-gone").inc()
-            self.peers.gone(owner)
-            return False
+            answer = None
         except NatsTimeoutError:
             self.metrics.forwarded.labels(model, why, "no-answer").inc()
             await self._refuse(msg, r.rid, model, refusals.owner_silent(owner), r.tenant)
             return True
+        if answer is None:  # the owner is gone (`plane.router.owner_watch`): decided here
+            self.metrics.forwarded.labels(model, why, "owner-gone").inc()
+            self.peers.gone(owner)
+            return False
         if _is_taken(answer):
             self.metrics.forwarded.labels(model, why, "taken").inc()
             return True
@@ -651,7 +672,8 @@ class RequestPath:
         reader, so a caller that stops reading is not noticed through the relay (its cancel
         still reaches the node directly) and the stream ends at its deadline at the latest.
         No responders (the server's status on our inbox, before anything else) means the
-        owner is gone."""
+        owner is gone, and so does one that leaves before its first word
+        (`plane.router.owner_watch`)."""
         msg, model = r.msg, r.model
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
@@ -662,17 +684,22 @@ class RequestPath:
             first = True
             while True:
                 try:
-                    m = await sub.next_msg(timeout=max(0.001, give_up - time.monotonic()))
+                    m: Msg | None
+                    if first:  # the owner's first word, unless it leaves before it
+                        m = await self._owner_watch.word(asyncio.ensure_future(
+                            sub.next_msg(timeout=wait_s)), owner, wait_s)
+                    else:
+                        m = await sub.next_msg(timeout=max(0.001, give_up - time.monotonic()))
                 except (NatsTimeoutError, TimeoutError):
                     self.metrics.forwarded.labels(model, why, "no-answer").inc()
                     await self._refuse(msg, r.rid, model, refusals.owner_silent(owner),
                                        r.tenant)
                     return True
-                h = m.headers or {}
-                if first and is_no_responders(h):
+                if m is None or (first and is_no_responders(m.headers)):
                     self.metrics.forwarded.labels(model, why, "owner-gone").inc()
                     self.peers.gone(owner)
                     return False
+                h = m.headers or {}
                 if first and _is_taken(m):
                     self.metrics.forwarded.labels(model, why, "taken").inc()
                     return True
@@ -750,11 +777,11 @@ class RequestPath:
         if r.ask.end_deadline_s is not None:  # a stream
             out[Header.STREAM] = ASKED
             out[Header.STREAM_DEADLINE_AT] = str(now_ms + end_ms)
-            info = request_info(hdrs)
-            if info.acc:
-                out[Header.CALLER_ACCOUNT] = info.acc
-            if info.client:
-                out[Header.CALLER_CLIENT] = info.client
+            if (info := r.across) is not None:
+                if info.acc:
+                    out[Header.CALLER_ACCOUNT] = info.acc
+                if info.client:
+                    out[Header.CALLER_CLIENT] = info.client
         if ct := hdrs.get(Header.CONTENT_TYPE):
             out[Header.CONTENT_TYPE] = ct
         # The trace goes on: under our admission span when spans are on, else as it came.
@@ -923,7 +950,8 @@ class RequestPath:
         """Answer `msg` with refusal `r` (`tenant`: who sent it, when already known)."""
         hdrs = msg.headers or {}
         await self._answer(msg.reply, hdrs, rid, model, r,
-                           tenant if tenant is not None else self.tenants.of(hdrs))
+                           tenant if tenant is not None
+                           else self.tenants.of(hdrs, across_import(hdrs)))
 
     async def _answer(self, reply: str, hdrs: Mapping[str, str], rid: str, model: str,
                       r: Refuse, tenant: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from plane.contract.headers import requester_account
+from plane.contract.headers import RequestInfo
 from plane.contract.subjects import TOKEN_RE, Header
 
 DEFAULT_TENANT = "default"
@@ -25,9 +25,10 @@ OTHER_TENANT = "other"
 MAX_TENANTS = 64
 
 
-def named_tenant(headers: Mapping[str, str]) -> str:
-    """The tenant a request's headers name (the server's word first)."""
-    if acc := requester_account(headers):
+def named_tenant(headers: Mapping[str, str], info: RequestInfo | None) -> str:
+    """The tenant a request's headers name: the server's word first (`info`, what
+    `plane.contract.headers.across_import` read of them), else `Plane-Tenant`."""
+    if info is not None and (acc := info.acc):
         return acc if TOKEN_RE.fullmatch(acc) else OTHER_TENANT
     name = headers.get(Header.TENANT)
     if not name:
@@ -42,8 +43,9 @@ class Tenants:
         self._limit = limit
         self._known: set[str] = {DEFAULT_TENANT, OTHER_TENANT}
 
-    def of(self, headers: Mapping[str, str]) -> str:
-        name = named_tenant(headers)
+    def of(self, headers: Mapping[str, str], info: RequestInfo | None) -> str:
+        """The tenant of a request (`info`: as for `named_tenant`)."""
+        name = named_tenant(headers, info)
         if name in self._known:
             return name
         if len(self._known) >= self._limit:

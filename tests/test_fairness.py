@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from plane.contract.headers import across_import
+from plane.contract.messages import Reason
 from plane.router.caller import caller_of
 from plane.router.fairness import FairShare, OverLimit, allocate
 from plane.router.tenancy import DEFAULT_TENANT, OTHER_TENANT, Tenants, named_tenant
@@ -76,10 +77,93 @@ def test_tenant_limits_slots_and_rate() -> None:
     assert fair.limit("m", "s", 0.0, 5000) == OverLimit("max_slots", 2, 5)
     fair.ended("m", "s")
     assert fair.limit("m", "s", 0.0, 5000) is None
-    # 100/s with a burst of 10: ten pass at once, the eleventh waits 10 ms for a token.
+    # 100/s with a burst of 10: ten pass at once, the eleventh is booked the token due in
+    # 10 ms (a ticket), and a newcomer then waits for the one after it.
     assert [fair.limit("m", "r", 0.0, 0) for _ in range(10)] == [None] * 10
-    assert fair.limit("m", "r", 0.0, 0) == OverLimit("max_rate", 100, 10)
-    assert fair.limit("m", "r", 0.011, 0) is None
+    over = fair.limit("m", "r", 0.0, 0)
+    assert over is not None and over.ticket is not None
+    assert (over.what, over.limit, over.retry_after_ms) == ("max_rate", 100, 10)
+    over = fair.limit("m", "r", 0.011, 0)
+    assert over is not None and over.retry_after_ms == 9
+
+
+def rate_limited(rate: int) -> tuple[FairShare, list[str]]:
+    """A tenant `r` limited to `rate`/s, its tickets numbered (`t1`, `t2`, ...)."""
+    made: list[str] = []
+
+    def new_ticket() -> str:
+        made.append(f"t{len(made) + 1}")
+        return made[-1]
+
+    return FairShare(weight=lambda t: 1, max_rate=lambda t: rate,
+                     new_ticket=new_ticket), made
+
+
+def test_a_rate_refusal_books_its_holder_the_next_token() -> None:
+    """The holder of a rate refusal's ticket, back at its Retry-After, passes, however many
+    newcomers of its tenant came meanwhile: they find the token booked. (Before, the
+    Retry-After was an estimate: the newcomers took the token and the holder was refused
+    again.)"""
+    fair, _ = rate_limited(20)  # a token every 50 ms, a burst of 2
+    assert fair.limit("m", "r", 0.0, 0) is None and fair.limit("m", "r", 0.0, 0) is None
+    first = fair.limit("m", "r", 0.0, 0)
+    assert first == OverLimit("max_rate", 20, 50, ticket="t1")
+    second = fair.limit("m", "r", 0.010, 0)  # the token after t1's: 90 ms from now
+    assert second == OverLimit("max_rate", 20, 90, ticket="t2")
+    # Newcomers at 49-50 ms find no token: t1's is booked (they are booked later ones).
+    assert fair.limit("m", "r", 0.049, 0) == OverLimit("max_rate", 20, 101, ticket="t3")
+    assert fair.limit("m", "r", 0.050, 0) == OverLimit("max_rate", 20, 150, ticket="t4")
+    # t1 back on time passes on its ticket (once); t2 too early is told again, same ticket.
+    assert fair.limit("m", "r", 0.051, 0, ticket="t1") is None
+    assert fair.limit("m", "r", 0.051, 0, ticket="t1") == OverLimit(
+        "max_rate", 20, 199, ticket="t5")
+    assert fair.limit("m", "r", 0.060, 0, ticket="t2") == OverLimit(
+        "max_rate", 20, 40, ticket="t2")
+    assert fair.limit("m", "r", 0.101, 0, ticket="t2") is None
+
+
+def test_a_rate_refusal_that_cannot_be_kept_books_nothing_and_is_final() -> None:
+    fair, made = rate_limited(20)
+    fair.limit("m", "r", 0.0, 0)
+    fair.limit("m", "r", 0.0, 0)
+    # Its token comes 50 ms from now, too near its last start (its way back): `deadline`,
+    # no ticket.
+    assert fair.limit("m", "r", 0.0, 0, latest_start_s=0.055) == OverLimit(
+        "max_rate", 20, 50, reason=Reason.DEADLINE)
+    # Tokens are booked at most a second ahead: past that, `overloaded`.
+    for _ in range(20):
+        assert fair.limit("m", "r", 0.0, 0) is not None
+    assert fair.limit("m", "r", 0.0, 0) == OverLimit(
+        "max_rate", 20, 1050, reason=Reason.OVERLOADED)
+    assert len(made) == 20
+
+
+def test_booked_tokens_nobody_comes_for_lapse_and_stop_being_booked() -> None:
+    """A holder that does not come: its token goes back to the bucket 50 ms past its time
+    (the tenant is not starved by its no-shows), and once most of a tenant's tickets are
+    no-shows its refusals book nothing (the holder that comes goes as a newcomer)."""
+    fair, made = rate_limited(20)
+    fair.limit("m", "r", 0.0, 0)
+    fair.limit("m", "r", 0.0, 0)
+    assert fair.limit("m", "r", 0.0, 0) == OverLimit("max_rate", 20, 50, ticket="t1")
+    # At 101 ms t1 has lapsed: its token (due at 50 ms) is back, and two more came since.
+    assert [fair.limit("m", "r", 0.101, 0) for _ in range(2)] == [None, None]
+    now = 0.2
+    for _ in range(7):  # seven no-shows in a row: fewer than half redeemed
+        now += 1.0
+        fair.limit("m", "r", now, 0)
+        fair.limit("m", "r", now, 0)
+        assert fair.limit("m", "r", now, 0) is not None
+    now += 1.0
+    fair.limit("m", "r", now, 0)
+    fair.limit("m", "r", now, 0)
+    unbooked = fair.limit("m", "r", now, 0)
+    assert unbooked is not None and unbooked.ticket is not None
+    # It booked nothing: a newcomer 50 ms on takes the token; its holder, back, is counted
+    # as redeemed and goes as the newcomer it now is.
+    assert fair.limit("m", "r", now + 0.050, 0) is None
+    assert fair.limit("m", "r", now + 0.050, 0, ticket=unbooked.ticket) is not None
+    assert len(made) == 10
 
 
 def named(headers: dict[str, str]) -> str:

@@ -166,7 +166,10 @@ async def test_a_tenant_limit_set_live_applies_and_lifts() -> None:
             router = stack.routers[0]
             await kv.put("max_rate.default", b"1")
             await wait_until(lambda: router.requests._limits_set, 5.0, "the limit seen")
-            answers = [await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5)
+            # A deadline that a token a second away still meets: refused `tenant-limit`
+            # with a ticket (a booked token), not `deadline`.
+            answers = [await nc.request(NAMES.infer("calibrated"), calibrated(0), timeout=5,
+                                        headers={Header.DEADLINE_MS: "5000"})
                        for _ in range(4)]
             reasons = [(status(m), (m.headers or {}).get(Header.REASON)) for m in answers]
             assert reasons[0][0] == 200 and (429, "tenant-limit") in reasons, reasons
@@ -177,6 +180,62 @@ async def test_a_tenant_limit_set_live_applies_and_lifts() -> None:
                 assert status(m) == 200
         finally:
             await nc.close()
+
+
+async def test_a_tenant_limit_refusal_is_worth_its_retry_after() -> None:
+    """A caller refused `tenant-limit` that comes back at its Retry-After (with the ticket it
+    was given) is let through, while its tenant keeps sending: the refusal booked it the
+    bucket's next token, which the tenant's newcomers cannot take. (Before, the Retry-After
+    was an estimate and the newcomers, 200/s here against 10/s, took the token first: the
+    retry was refused `tenant-limit` again; found from outside, probe F.)"""
+    from tests.plane_fixtures import plane
+
+    async with plane(models=("calibrated",), slots=2, backend="torch") as stack:
+        flood, holder = await nats.connect(stack.url), await nats.connect(stack.url)
+        subject = NAMES.infer("calibrated")
+        stop = asyncio.Event()
+        sending: asyncio.Future[list[None]] | None = None
+
+        async def newcomers() -> None:  # the tenant's other caller: never retries
+            while not stop.is_set():
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    await flood.request(subject, calibrated(0), timeout=5,
+                                        headers={Header.DEADLINE_MS: "2000"})
+                await asyncio.sleep(0.005)
+
+        try:
+            kv = await holder.jetstream().key_value(NAMES.config_bucket)
+            router = stack.routers[0]
+            await kv.put("max_rate.default", b"10")
+            await wait_until(lambda: router.requests._limits_set, 5.0, "the limit seen")
+            sending = asyncio.gather(newcomers(), newcomers())
+            await asyncio.sleep(1.5)  # the newcomers' own tickets lapse unused meanwhile
+            retries: list[tuple[int, str | None, str | None]] = []
+            for i in range(80):
+                if len(retries) == 8:
+                    break
+                rid = f"holder-{i}"
+                m = await holder.request(subject, calibrated(0), timeout=5, headers={
+                    Header.DEADLINE_MS: "2000", Header.REQUEST_ID: rid})
+                h = m.headers or {}
+                if status(m) != 429 or h.get(Header.REASON) != "tenant-limit":
+                    continue
+                await asyncio.sleep(int(h[Header.RETRY_AFTER_MS]) / 1000)
+                again = {Header.DEADLINE_MS: "2000", Header.REQUEST_ID: rid,
+                         Header.ATTEMPT: "2"}
+                if ticket := h.get(Header.TICKET):
+                    again[Header.TICKET] = ticket
+                m = await holder.request(subject, calibrated(0), timeout=5, headers=again)
+                retries.append((status(m), (m.headers or {}).get(Header.REASON),
+                                h.get(Header.TICKET)))
+            assert len(retries) == 8, retries
+            assert all(s == 200 for s, _, _ in retries), retries
+        finally:
+            stop.set()
+            if sending is not None:
+                await sending
+            await flood.close()
+            await holder.close()
 
 
 async def test_a_caller_across_an_import_is_not_put_on_call(tmp_path: Path) -> None:
@@ -230,7 +289,7 @@ async def test_a_tenant_cannot_pass_its_limit_with_forged_router_headers(
             await kv.put("max_rate.HEAVY", b"1")
             await wait_until(lambda: router.requests._limits_set, 5.0, "the limit seen")
             answers = [await heavy.request(NAMES.infer("calibrated"), calibrated(0), timeout=5,
-                                           headers={**forged, Header.DEADLINE_MS: "1000"})
+                                           headers={**forged, Header.DEADLINE_MS: "5000"})
                        for _ in range(4)]
             reasons = [(status(m), (m.headers or {}).get(Header.REASON)) for m in answers]
             assert (429, "tenant-limit") in reasons, reasons

@@ -385,9 +385,21 @@ def tenant_share(tenant: str, over: OverShare) -> Refuse:
 
 
 def tenant_limit(tenant: str, over: OverLimit) -> Refuse:
-    return Refuse(Status.BUSY, Reason.TENANT_LIMIT,
-                  f"tenant {tenant} is at its {over.what} of {over.limit}: come back in "
-                  f"{over.retry_after_ms} ms", retry_after_ms=over.retry_after_ms)
+    """The tenant's own limit: a rate refusal with a ticket books the caller a token
+    (`plane.router.rate_limit`); one that could book none in time is final."""
+    said = f"tenant {tenant} is at its {over.what} of {over.limit}"
+    if over.reason is Reason.DEADLINE:
+        why = (f"{said}/s and its next token (in {over.retry_after_ms} ms) comes too late "
+               "for your deadline: go elsewhere, raise Plane-Deadline-Ms or send fewer")
+    elif over.reason is Reason.OVERLOADED:
+        why = (f"{said}/s and its tokens are booked for the next {over.retry_after_ms} ms: "
+               "go elsewhere now, or send fewer (come back later without a ticket)")
+    elif over.ticket is not None:
+        why = f"{said}/s: come back in {over.retry_after_ms} ms with this ticket"
+    else:
+        why = f"{said}: come back in {over.retry_after_ms} ms"
+    return Refuse(Status.BUSY, over.reason, why, retry_after_ms=over.retry_after_ms,
+                  ticket=over.ticket)
 
 
 Check = Callable[[ModelSlots, Ask], Refuse | None]

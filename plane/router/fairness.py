@@ -19,14 +19,17 @@ random, so each sees about the same mix).
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from plane.contract.messages import Reason
+from plane.router.rate_limit import RateBucket
 
 TAU_S = 2.0  # the window the shares are judged over (exponential decay time constant)
 ASKING_S = 0.5  # a tenant that sent nothing for this long is not asking now
 SLACK = 1.05  # a tenant is over its allocation only beyond this factor of it
 RETRY_MIN_MS, RETRY_MAX_MS = 1, 1000
-RATE_BURST_S = 0.1  # a rate limit lets this many seconds' worth through at once
 
 
 @dataclass(slots=True)
@@ -53,8 +56,7 @@ class TenantUse:
     in_flight: int = 0
     asked_s: float = -math.inf  # when it last asked
     promises: dict[str, float] = field(default_factory=dict)  # open tickets -> until (s)
-    tokens: float = math.inf  # the rate limit's bucket (inf: no limit seen yet)
-    tokens_at_s: float = 0.0
+    rate: RateBucket = field(default_factory=RateBucket)  # max_rate's (plane.router.rate_limit)
 
 
 def allocate(asked: dict[str, float], weights: dict[str, float],
@@ -91,18 +93,25 @@ class OverShare:
 
 @dataclass(frozen=True, slots=True)
 class OverLimit:
-    """Refuse: the tenant's own limit (`what`: "max_rate" or "max_slots") is reached."""
+    """Refuse: the tenant's own limit (`what`: "max_rate" or "max_slots") is reached. A rate
+    refusal books the caller the next token (`ticket`), or says why it cannot (`reason`
+    `deadline` or `overloaded`: final)."""
 
     what: str
     limit: int
     retry_after_ms: int
+    ticket: str | None = None
+    reason: Reason = Reason.TENANT_LIMIT
 
 
 class FairShare:
     def __init__(self, weight: Callable[[str], float],
                  max_rate: Callable[[str], int | None] = lambda t: None,
-                 max_slots: Callable[[str], int | None] = lambda t: None) -> None:
+                 max_slots: Callable[[str], int | None] = lambda t: None,
+                 new_ticket: Callable[[], str] = lambda: f"t-{secrets.token_hex(8)}"
+                 ) -> None:
         self._weight = weight
+        self._new_ticket = new_ticket  # a rate refusal's ticket (the router's own kind)
         self._max_rate = max_rate
         self._max_slots = max_slots
         self._use: dict[tuple[str, str], TenantUse] = {}
@@ -135,11 +144,15 @@ class FairShare:
         if use is not None and use.in_flight > 0:
             use.in_flight -= 1
 
-    def limit(self, model: str, tenant: str, now_s: float,
-              cycle_us: float) -> OverLimit | None:
+    def limit(self, model: str, tenant: str, now_s: float, cycle_us: float, *,
+              ticket: str | None = None, latest_start_s: float = math.inf,
+              caller: str = "") -> OverLimit | None:
         """The tenant's own limits, contended or not: a rate (token bucket over all its
         models on this router is what operators expect; kept per model here, which is the
-        same for one-model tenants) and a number of slots at once."""
+        same for one-model tenants) and a number of slots at once. `ticket`: the one the
+        request brought (a rate refusal's holder passes on it); `latest_start_s`: its last
+        start that meets its deadline (a token booked later is no use to it); `caller`:
+        whose record of coming back decides whether its ticket books a token."""
         use = self._of(model, tenant)
         max_slots = self._max_slots(tenant)
         if max_slots is not None and use.in_flight >= max_slots:
@@ -147,16 +160,13 @@ class FairShare:
                              _clamp_ms(cycle_us / 1000))
         rate = self._max_rate(tenant)
         if rate is None:
+            if use.rate.booked:
+                use.rate.clear()
             return None
-        burst = max(1.0, rate * RATE_BURST_S)
-        if use.tokens == math.inf:
-            use.tokens, use.tokens_at_s = burst, now_s
-        use.tokens = min(burst, use.tokens + (now_s - use.tokens_at_s) * rate)
-        use.tokens_at_s = now_s
-        if use.tokens < 1.0:
-            return OverLimit("max_rate", rate, _clamp_ms((1.0 - use.tokens) / rate * 1000))
-        use.tokens -= 1.0
-        return None
+        over = use.rate.take(rate, now_s, ticket, latest_start_s, self._new_ticket, caller)
+        if over is None:
+            return None
+        return OverLimit("max_rate", rate, over.retry_after_ms, over.ticket, over.reason)
 
     def _asking(self, model: str, tenant: str, now_s: float) -> dict[str, TenantUse]:
         """The tenants asking for `model` now (and `tenant`): one that went quiet has nothing

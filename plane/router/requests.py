@@ -228,7 +228,8 @@ class RequestPath:
         self.tenants = Tenants()
         self.fair = FairShare(weight=lambda t: settings.get("share", t) or 1,
                               max_rate=lambda t: settings.get("max_rate", t),
-                              max_slots=lambda t: settings.get("max_slots", t))
+                              max_slots=lambda t: settings.get("max_slots", t),
+                              new_ticket=lambda: refusals.new_ticket(parts.cfg.router_id))
         self.meter = Meter(parts.metrics)
         self.canonical = CanonicalLog("plane.router.requests")
         # Whether any tenant has a max_rate or max_slots (else no request asks): kept by the
@@ -498,7 +499,10 @@ class RequestPath:
         elif r.forwarded:
             return None
         if self._limits_set:
-            over_limit = self.fair.limit(r.model, r.tenant, now_s, r.ask.prediction.expected_us)
+            over_limit = self.fair.limit(r.model, r.tenant, now_s, r.ask.prediction.expected_us,
+                                         ticket=r.ask.ticket,
+                                         latest_start_s=r.ask.latest_start_s(),
+                                         caller=r.ask.record)
             if over_limit is not None:
                 return refusals.tenant_limit(r.tenant, over_limit)
         if not self.fair.shared(r.model):

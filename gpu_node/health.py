@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +32,9 @@ MIN_BUDGET_SAMPLES = 100
 CHECKS_PER_PERIOD = 4
 # A slot withdrawn for its budget comes back after this many fresh probes that fit.
 RECLAIM_PROBES = 5
+# A check that comes more than this many periods after it was due: the whole process stood
+# still meanwhile (SIGSTOP, a paused VM, a blocked loop), the calls in progress with it.
+STALL_PERIODS = 1.0
 
 
 @dataclass(slots=True)
@@ -60,12 +65,18 @@ class Supervisor:
         # them).
         self._doze = Doze()
         self.timed_checks = 0  # checks its timer woke it for (a probe's end wakes it too)
+        # The process's stalls (`_stalled`): (monotonic end, seconds stalled in all until
+        # then), the latest few. A call's overrun leaves out the stalls since it started.
+        self.stalls: deque[tuple[float, float]] = deque([(-math.inf, 0.0)], maxlen=64)
 
     async def run(self) -> None:
         try:
             while not self._stopping:
-                if not await self._doze.sleep(self._next_check_s()):
+                asked_s = self._next_check_s()
+                due_s = time.monotonic() + asked_s
+                if not await self._doze.sleep(asked_s):
                     self.timed_checks += 1
+                self._stalled(time.monotonic() - due_s)
                 for slot in self._slots():
                     await self._tick(slot)
         finally:
@@ -75,6 +86,24 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def _stalled(self, late_s: float) -> None:
+        """A check `late_s` past when it was due. Past `STALL_PERIODS`, the process stood
+        still: a call in progress stood still with it, and its overrun counts from now. A
+        member of a node group resumed from a 7 s SIGSTOP counted 70 missed probes for the
+        call it was in, withdrew the slot, and answered 503 the request a router had just
+        placed there on the strength of its first heartbeat after the stop (probe F,
+        finding 5)."""
+        if late_s > STALL_PERIODS * self._period_s():
+            self.stalls.append((time.monotonic(), self.stalls[-1][1] + late_s))
+            log.warning("health checks resumed after a stall: calls in progress are not "
+                        "blamed for it", late_s=round(late_s, 3))
+
+    def stalled_since(self, started_s: float) -> float:
+        """Seconds the process stood still since `started_s` (monotonic), as checks saw."""
+        before = next((total for at_s, total in reversed(self.stalls) if at_s <= started_s),
+                      self.stalls[0][1])
+        return self.stalls[-1][1] - before
 
     def _next_check_s(self) -> float:
         """Look often (a quarter period) while any slot has a call or a probe in progress, so
@@ -100,6 +129,8 @@ class Supervisor:
         period = self._period_s()
         before = st.misses
         started = slot.runner.call_started_s
+        if started is not None:
+            started += self.stalled_since(started)  # a stall of the process is no overrun
         if started is not None and now - started > slot.runner.call_expected_s:
             # Stuck in a call past its expectation: the first miss when it overruns, one more
             # each period after.

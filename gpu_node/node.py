@@ -35,6 +35,7 @@ from gpu_node.faults import WatchedRunner
 from gpu_node.generation import generation_for
 from gpu_node.health import Supervisor
 from gpu_node.partitions import NONE
+from gpu_node.retiring import Retirements
 from gpu_node.slot import INLINE_WORK_US_CPU, Enrich, Slot
 from gpu_node.standing import Other, Standing
 from gpu_node.streaming import StreamControl
@@ -70,6 +71,11 @@ log = structlog.get_logger("plane.node")
 
 # A process with this id that is stopping may still drain for its drain timeout plus this.
 STOPPING_GRACE_S = 5.0
+# A slot a resize removed serves on this long (`gpu_node.retiring`), at least this many
+# heartbeat periods: a router places nothing more on it once it hears one, and one that
+# hears none for a second gives the whole node up.
+RETIRE_LINGER_S = 1.0
+RETIRE_LINGER_HEARTBEATS = 4
 
 
 def hand_gil_on(switch_us: int) -> None:
@@ -105,6 +111,11 @@ class Node(Lifecycle, TaskOwner):
         self.tracing = tracing or Tracing.off()
         self.settings = LiveSettings(cfg.names)
         self.slots: list[Slot] = []
+        # Slots a resize removed, serving on for a moment (routers may not have heard yet).
+        self.retiring = Retirements(
+            linger_s=max(RETIRE_LINGER_S, RETIRE_LINGER_HEARTBEATS * cfg.heartbeat_period_s),
+            wait_s=cfg.drain_timeout_s)
+        self._resizing = asyncio.Lock()  # one reconcile at a time (settings change quickly)
         self.answered = RecentIds()
         # Its slots' done-events of a loop turn, as one message ahead of their answers.
         self.dones = DoneBatch(nc, cfg.names, self.spec.name, cfg.node_id)
@@ -235,7 +246,8 @@ class Node(Lifecycle, TaskOwner):
         with contextlib.suppress(Exception):
             await self._send_heartbeat()  # stopping; the heartbeat loop goes on saying so
             await self.nc.flush(timeout=2)
-        await asyncio.gather(*(s.withdraw("shutdown", wait_s=self.cfg.drain_timeout_s)
+        await asyncio.gather(self.retiring.end_all(sweep=not self.standing.superseded),
+                             *(s.withdraw("shutdown", wait_s=self.cfg.drain_timeout_s)
                                for s in self.slots), return_exceptions=True)
         if self.nc.is_connected and not self.standing.superseded:
             await asyncio.gather(*(s.sweep("the node stopped") for s in self.slots),
@@ -277,9 +289,21 @@ class Node(Lifecycle, TaskOwner):
         return 0 if self.partitioned else INLINE_WORK_US_CPU
 
     async def _reconcile_slots(self) -> None:
+        async with self._resizing:
+            await self._reconcile_slots_now()
+
+    async def _reconcile_slots_now(self) -> None:
+        """As many slots as `target_slots`. A slot removed leaves the adverts at once and
+        serves on for a moment (`gpu_node.retiring`): a router that placed on it before it
+        heard of the removal is answered by the slot, not by its own 504 at the deadline."""
         want = self.target_slots
         while len(self.slots) < want:
             k = len(self.slots)
+            kept = await self.retiring.take_back(k)
+            if kept is not None:  # removed a moment ago and still serving: as it is
+                self.slots.append(kept)
+                log.info("removed slot taken back", node=self.cfg.node_id, slot=k)
+                continue
             runner = self.backend.make_slot(self.cfg.first_partition + k)
             generator = None
             if self.generation is not None:  # its state and warm-up, off the event loop
@@ -303,10 +327,8 @@ class Node(Lifecycle, TaskOwner):
             # (a server just died) does not answer for seconds.
             await at_start(slot.claim, who="node", what=f"claiming slot {k}")
         while len(self.slots) > want:
-            slot = self.slots.pop()
-            await slot.withdraw("resized", wait_s=self.cfg.drain_timeout_s)
-            await slot.close()
-        self.changed()
+            self.retiring.retire(self.slots.pop())
+        self.changed()  # routers hear of it now: the slots removed serve on meanwhile
 
     def _budget_us(self) -> int:
         ms = self.settings.deadline_or_default(self.cfg.model, self.cfg.default_deadline_ms)
@@ -422,7 +444,8 @@ class Node(Lifecycle, TaskOwner):
             self._supervisor.stop()
         with contextlib.suppress(Exception):
             await self._send_heartbeat()
-        await asyncio.gather(*(s.withdraw("superseded", wait_s=self.cfg.drain_timeout_s)
+        await asyncio.gather(self.retiring.end_all(sweep=False),
+                             *(s.withdraw("superseded", wait_s=self.cfg.drain_timeout_s)
                                for s in self.slots), return_exceptions=True)
 
     async def _heartbeat_loop(self) -> None:

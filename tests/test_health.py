@@ -138,3 +138,27 @@ async def test_live_settings_take_effect_without_restart() -> None:
         assert took < 1.0, f"3 slots routed to after {took:.2f} s"
         assert json.loads((await nc.request(NAMES.node_status(NODE), b"", timeout=2)).data)[
             "slots"][2]["healthy"] is True
+
+
+async def test_a_stall_of_the_whole_process_is_not_taken_for_a_hung_slot() -> None:
+    """The process stands still (here its loop, blocked; in probe F a node-group member
+    under SIGSTOP for 7 s), a call in progress on a slot with it. Resumed, the call ends at
+    once; the supervisor used to count the stall as the call's overrun (70 missed probes),
+    withdraw the slot, and answer 503 a request routers had just placed there."""
+    async with plane(models=("calibrated",), slots=1, allow_faults=True) as stack, \
+            client(stack.url) as nc:
+        slot = stack.nodes[0].slots[0]
+        await fault(nc, NODE, 0, "hang")  # the next probe holds the slot's thread
+        await wait_until(lambda: slot.runner.call_started_s is not None, 2, "a probe running")
+        time.sleep(1.5)  # noqa: ASYNC251  (the stall itself: every task stands still)
+        # The call ends just after the process resumes (a hang released: as SIGCONT would).
+        asyncio.get_running_loop().call_later(0.05, slot.runner.set_fault, "none")
+        await wait_until(lambda: slot.runner.call_started_s is None, 2, "the call to end")
+        await asyncio.sleep(0.5)  # the supervisor's checks after it
+        withdrawn = stack.nodes[0].metrics.registry.get_sample_value(
+            "plane_slot_withdrawals_total",
+            {"model": "calibrated", "node": NODE, "cause": "unhealthy"})
+        assert not withdrawn, "a stall of the process was taken for a hung slot"
+        assert slot.claimed and slot.withdrawn_for is None
+        m = await nc.request(NAMES.infer("calibrated"), calibrated(1000), timeout=5)
+        assert status(m) == 200, m.headers

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.js.api import ClusterInfo, PeerInfo, StreamConfig, StreamInfo, StreamState
 from rich.console import Console
 
 from plane.contract.subjects import Names
@@ -29,6 +30,8 @@ from plane.observe.planeview import (
     metrics_facts,
     over_interval,
     router_facts,
+    slot_stream_facts,
+    streams_in_use,
 )
 from plane.observe.top import routers_table, run_top
 from plane.router.occupancy import CYCLE_MAX_AGE_S
@@ -343,3 +346,39 @@ async def test_a_user_refused_everywhere_is_told_so_once_and_to_use_admin() -> N
     assert told.startswith('not allowed: user "acme" may not publish to $SRV.INFO.PLANE-ROUTER '
                            "(nor to 6 more subjects"), told
     assert "a tenant" in told and "run it as admin" in told, told
+
+
+def _led(name: str, leader: str) -> StreamInfo:
+    peers = [PeerInfo(name=p, current=True) for p in ("c0", "c1", "c2") if p != leader]
+    state = StreamState(messages=1, bytes=0, first_seq=1, last_seq=1, consumer_count=1)
+    return StreamInfo(config=StreamConfig(name=name), state=state,
+                      cluster=ClusterInfo(leader=leader, replicas=peers))
+
+
+def test_a_cluster_electing_names_only_the_slot_stream_in_use_that_has_no_leader() -> None:
+    """A cluster electing its leaders (a server killed): asking about a name no stream has
+    times out too, and `plane status` named PLANE_SLOTS, _3 and _4 (which did not exist) as
+    leaderless problems beside _0, and listed only _1 and _2. Now: the nodes say which
+    streams their slots are in; only _0 is a problem, and it is listed without a leader."""
+    n = Names()
+    node_bodies = [{"node": f"node0-{m}", "slots": [
+        {"k": k, "stream": n.slot_shard_stream(k % 3)} for k in range(3)]}
+        for m in ("calibrated", "risk")]
+    used = streams_in_use(node_bodies)
+    assert used == {n.slot_shard_stream(i) for i in range(3)}
+    infos: list[tuple[str, StreamInfo | Exception]] = [
+        (n.slots_stream, TimeoutError()), (n.slot_shard_stream(0), TimeoutError()),
+        (n.slot_shard_stream(1), _led(n.slot_shard_stream(1), "c0")),
+        (n.slot_shard_stream(2), _led(n.slot_shard_stream(2), "c1")),
+        (n.slot_shard_stream(3), TimeoutError()), (n.slot_shard_stream(4), TimeoutError())]
+    facts, unanswered = slot_stream_facts(infos, used)
+    assert unanswered == [(n.slot_shard_stream(0), "TimeoutError")]
+    assert [(f.stream, f.answered, f.leader) for f in facts] == [
+        ("PLANE_SLOTS_0", False, None), ("PLANE_SLOTS_1", True, "c0"),
+        ("PLANE_SLOTS_2", True, "c1")]
+    assert [(f.current, f.replicas) for f in facts[1:]] == [(3, 3), (3, 3)]
+    # Nodes that name no stream (none answered, or too old to say): each silence counts.
+    assert streams_in_use([{"node": "old", "slots": [{"k": 0}]}]) is None
+    _, unanswered = slot_stream_facts(infos, None)
+    assert [name for name, _ in unanswered] == [
+        "PLANE_SLOTS", "PLANE_SLOTS_0", "PLANE_SLOTS_3", "PLANE_SLOTS_4"]

@@ -27,12 +27,14 @@ import contextlib
 import json
 import time
 import urllib.request
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 import nats
 from nats.aio.client import Client
 from nats.js.api import DEFAULT_PREFIX as JS_API
+from nats.js.api import StreamInfo
 from nats.micro.service import ServiceVerb, control_subject
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,6 +111,9 @@ class SlotStreamFacts(msgspec.Struct, kw_only=True):
     leader: str | None = None  # a cluster's; None on a single server
     replicas: int = 1
     current: int = 1  # replicas up to date, the leader included
+    # False: a node's slots are in it, and it did not answer (no leader: a cluster electing
+    # one); `messages` and `replicas` are then not known.
+    answered: bool = True
 
 
 class MetricsFacts(msgspec.Struct, kw_only=True):
@@ -275,15 +280,20 @@ async def collect(nc: Client, names: Names, *, timeout_s: float = 1.0,
                 problems.append(f"{subject}: no answer ({type(exc).__name__})")
             return kind, None
 
-    answers, streams = await asyncio.gather(
+    answers, infos = await asyncio.gather(
         asyncio.gather(*(ask(str(k), s) for k, s in wanted if s is not None)),
-        _slot_streams(nc, names, timeout_s / 2, problems, told))
+        slot_stream_infos(nc.jetstream(timeout=timeout_s / 2), names))
     routers = sorted((router_facts(b) for k, b in answers
                       if b is not None and k == names.router_service), key=lambda r: r.router)
     nodes = sorted((node_facts(b) for k, b in answers
                     if b is not None and k == names.node_service), key=lambda n: n.node)
     problems.extend(behind_problems(routers))
     await _settle(nc)  # the server's refusals, if any, are in
+    used = streams_in_use(b for k, b in answers if b is not None and k == names.node_service)
+    streams, unanswered = slot_stream_facts(
+        [(n, i) for n, i in infos if not told.refused(f"{JS_API}.STREAM.INFO.{n}")], used)
+    problems.extend(f"slot stream {name}: no answer ({why}): no leader (a cluster electing "
+                    "one)?" for name, why in unanswered)
     for service, none in ((names.router_service, not routers), (names.node_service, not nodes)):
         if none and not told.refused(control_subject(ServiceVerb.INFO, service)):
             what = "router" if service == names.router_service else "node"
@@ -315,17 +325,30 @@ def behind_problems(routers: list[RouterFacts]) -> list[str]:
             for r in routers if r.behind_ms is not None and r.behind_ms >= BEHIND_PROBLEM_MS]
 
 
-async def _slot_streams(nc: Client, names: Names, timeout_s: float, problems: list[str],
-                        denials: Denials) -> list[SlotStreamFacts]:
-    """The slot streams that exist; one that does not answer (no leader: a cluster electing
-    one, or the server refused to let us ask) is a problem named."""
-    facts = []
-    for name, info in await slot_stream_infos(nc.jetstream(timeout=timeout_s), names):
+def streams_in_use(node_bodies: Iterable[dict[str, Any]]) -> set[str] | None:
+    """The slot streams the nodes' slots are in, as their status says (each slot's advert
+    names its stream); None: no node named one (none answered, or all predate `stream`)."""
+    used = {str(s["stream"]) for b in node_bodies for s in b.get("slots") or []
+            if s.get("stream")}
+    return used or None
+
+
+def slot_stream_facts(infos: list[tuple[str, StreamInfo | Exception]],
+                      used: set[str] | None) -> tuple[list[SlotStreamFacts], list[tuple[str, str]]]:
+    """The slot streams as the broker said (`slot_stream_infos`), and those that did not
+    answer (name, why). A stream that did not answer is one only if a node's slot is in it
+    (`used`; None: nobody can say, so each counts): in a cluster electing its meta leader,
+    asking about a name no stream has times out as well, and every possible shard was named a
+    problem while only the stream that had lost its leader was one. That one is listed too,
+    without a leader (`answered` False)."""
+    facts: list[SlotStreamFacts] = []
+    unanswered: list[tuple[str, str]] = []
+    for name, info in infos:
         if isinstance(info, Exception):
-            await _settle(nc)
-            if not denials.refused(f"{JS_API}.STREAM.INFO.{name}"):
-                problems.append(f"slot stream {name}: no answer ({type(info).__name__}): no "
-                                "leader (a cluster electing one)?")
+            if used is None or name in used:
+                unanswered.append((name, type(info).__name__))
+                facts.append(SlotStreamFacts(stream=name, messages=0, current=0,
+                                             answered=False))
             continue
         c = info.cluster
         if c is None or not c.replicas:
@@ -336,7 +359,7 @@ async def _slot_streams(nc: Client, names: Names, timeout_s: float, problems: li
             stream=name, messages=info.state.messages, leader=c.leader,
             replicas=1 + len(c.replicas),
             current=int(bool(c.leader)) + sum(1 for p in c.replicas if p.current)))
-    return facts
+    return facts, unanswered
 
 
 # -- Prometheus endpoints ----------------------------------------------------------------------

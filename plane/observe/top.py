@@ -88,6 +88,9 @@ def slot_streams_table(view: PlaneView) -> Table:
     for col in ("stream", "requests on slots", "leader", "replicas current/all"):
         t.add_column(col, justify="left" if col in ("stream", "leader") else "right")
     for s in view.slot_streams:
+        if not s.answered:  # a node's slots are in it, and it has no leader now
+            t.add_row(s.stream, "?", "none (no answer)", "?")
+            continue
         t.add_row(s.stream, str(s.messages), s.leader or "-", f"{s.current}/{s.replicas}")
     return t
 

@@ -36,8 +36,9 @@ from confluent_kafka import (
 
 from freshness.config import BridgeConfig
 from freshness.kafka_config import KafkaSecurity, StartFrom
+from freshness.kafka_probe import FROM_START, PROBE_BACKOFF_S, probe
 from freshness.kafka_watch import AssignmentWatch, TopicCheck, past_end
-from freshness.watermark import FROM_START, PROBE_BACKOFF_S, Probe, probe
+from freshness.watermark import Probe
 from plane.contract.errors import ConfigError
 from plane.contract.natsconn import ERROR_LOG_EVERY_S, Throttle
 from plane.contract.replies import now_ms
@@ -142,7 +143,7 @@ class Fetched:
     # group's lag of those of a topic this bridge holds none of (`freshness.kafka_watch`).
     checks: list[TopicCheck] = field(default_factory=list)
     # Every `caught_up_interval_ms` while nothing comes: every partition held has reached
-    # its end as Kafka says it (`freshness.watermark.probe`); None otherwise.
+    # its end as Kafka says it (`freshness.kafka_probe.probe`); None otherwise.
     caught_up: Probe | None = None
 
 

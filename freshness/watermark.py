@@ -7,16 +7,17 @@ caught-up pipeline with nothing to say read as stale after `freshness_ms` of sil
 every card request degraded (found from outside). So each stage says, while it is caught up,
 up to when it is:
 
-1. The bridge, every `caught_up_interval_ms`, when its last poll brought nothing: `probe`
-   asks Kafka for the end (high watermark) of every partition it holds, on the consumer's
-   thread, and compares the consumer's position with it (and with the end librdkafka has
-   cached). When every one is reached, and every record fetched so far is acknowledged by
-   JetStream, it publishes a `CaughtUp` on `<prefix>.caughtup.<stream>` (core NATS): "at
-   `caught_up_ms` I had taken every record Kafka held of these partitions, and the last
-   event of the topic I published is stream sequence `event_seq`". `caught_up_ms` is taken
-   before the ends are asked for, so it is never later than the truth. A broker that does
-   not answer (dead, restarting), a partition behind its end, or rounds JetStream has not
-   acknowledged: no watermark. A bridge holding nothing says nothing.
+1. The bridge, every `caught_up_interval_ms`, when its last poll brought nothing,
+   `freshness.kafka_probe.probe` asks Kafka for the end (high watermark) of every partition
+   it holds, on the consumer's thread, and compares the consumer's position with it (and
+   with the end librdkafka has cached). When every one is reached, and every record fetched
+   so far is acknowledged by JetStream, it publishes a `CaughtUp` on
+   `<prefix>.caughtup.<stream>` (core NATS): "at `caught_up_ms` I had taken every record
+   Kafka held of these partitions, and the last event of the topic I published is stream
+   sequence `event_seq`". `caught_up_ms` is taken before the ends are asked for, so it is
+   never later than the truth. A broker that does not answer (dead, restarting), a partition
+   behind its end, or rounds JetStream has not acknowledged: no watermark. A bridge holding
+   nothing says nothing.
 2. The feature updater takes a `CaughtUp` only once it has applied the stream up to
    `event_seq`, has nothing pending in its consumer, and has no failed round waiting for
    redelivery (`TopicMarks`). It keeps one stamp per partition (several bridges of a group
@@ -42,26 +43,11 @@ own stamps do the work). Per topic: one KV write per watermark that moved.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 TopicPart = tuple[str, int]
-
-# Each ListOffsets of the probe waits at most this (the consumer's thread waits with it;
-# there is nothing to fetch meanwhile, or the probe would not run).
-PROBE_TIMEOUT_S = 0.5
-# After a probe Kafka did not answer (a broker down, a topic gone), the next waits this long:
-# a dead broker would otherwise hold the consumer's thread in probes, and asking for the
-# ends of a topic gone again and again had librdkafka take it up again before the
-# assignment watch saw it held by nobody.
-PROBE_BACKOFF_S = 5.0
-# Where a partition resumes when nothing of it was consumed since its assignment: its
-# beginning (no committed offset: `auto.offset.reset=earliest`).
-FROM_START = OFFSET_BEGINNING
-
 
 class CaughtUp(msgspec.Struct, frozen=True, kw_only=True):
     """A bridge's watermark: JSON on `<prefix>.caughtup.<stream>`."""
@@ -92,35 +78,6 @@ class Probe:
     at_ms: int
     held: dict[str, list[int]]  # per topic, its partitions this bridge holds
     counts: dict[str, int]  # per topic, its partitions (the broker's metadata)
-
-
-def probe(consumer: Consumer, resume: Mapping[TopicPart, int | None],
-          counts: Mapping[str, int], now_ms: int) -> Probe | None:
-    """On the consumer's thread. `resume`: every partition held, with where it resumes
-    when nothing of it was consumed yet (a committed offset, `FROM_START`, or None: not
-    known yet). `counts`: each topic's partitions. `now_ms`: the wall clock, read by the
-    caller before this call. A Probe when the position of each has reached its end as Kafka
-    says it now, else None. Raises `KafkaException` when Kafka does not answer in time."""
-    if not resume or any(counts.get(t, 0) <= 0 for t, _p in resume):
-        return None
-    tps = [TopicPartition(t, p) for t, p in resume]
-    positions = {(tp.topic, tp.partition): tp.offset for tp in consumer.position(tps)}
-    held: dict[str, list[int]] = {}
-    for tp in tps:
-        key = (tp.topic, tp.partition)
-        low, high = consumer.get_watermark_offsets(tp, timeout=PROBE_TIMEOUT_S, cached=False)
-        _low, cached_high = consumer.get_watermark_offsets(tp, cached=True)
-        at = positions.get(key, -1)
-        if at < 0:  # nothing consumed since the assignment: where it resumes
-            fallback = resume[key]
-            if fallback is None:
-                return None
-            at = max(low, 0) if fallback == FROM_START else fallback
-        if high < 0 or at < max(high, cached_high):
-            return None
-        held.setdefault(tp.topic, []).append(tp.partition)
-    return Probe(at_ms=now_ms, held={t: sorted(ps) for t, ps in held.items()},
-                 counts={t: counts[t] for t in held})
 
 
 class TopicMarks:

@@ -62,6 +62,7 @@ from plane.router.parking import ParkingLot
 from plane.router.peers import PRESENCE, Peers
 from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
+from plane.router.stall import LoopStalls
 
 log = structlog.get_logger("plane.router")
 
@@ -164,6 +165,8 @@ class Router(Lifecycle, TaskOwner):
             spawn=self._spawn, reprovision=self._reprovision,
             tracing=tracing or Tracing.off(), look_ahead=self.calls.ahead))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
+        # When the loop stood still (the watchdog's tick says): what the inboxes read after.
+        self.stalls = LoopStalls(cfg.max_inbox_wait_ms / 1000)
         self._gone: dict[str, str] = {}  # nodes known dead (`nodes_gone`), and why
         self._started = False
         self._stopping = False
@@ -234,7 +237,8 @@ class Router(Lifecycle, TaskOwner):
         ]
         for sub in self._request_subs:
             self.requests.inboxes.append(Inbox(sub, max_wait_s=self.cfg.max_inbox_wait_ms / 1000,
-                                               read_first=self.requests.read_first))
+                                               read_first=self.requests.read_first,
+                                               stalls=self.stalls))
             on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)
         await self.nc.flush()
@@ -501,7 +505,14 @@ class Router(Lifecycle, TaskOwner):
 
     async def _watchdog(self) -> None:
         """Dead nodes (no heartbeat) and requests past their deadline with no done-event:
-        the in-flight book takes their slot messages and answers 503 / 504."""
+        the in-flight book takes their slot messages and answers 503 / 504. Its ticks are
+        the loop's sign of life (`plane.router.stall`) while it runs."""
+        try:
+            await self._watch()
+        finally:
+            self.stalls.off()
+
+    async def _watch(self) -> None:
         timeout_s = self.cfg.node_timeout_ms / 1000
         reconnects = self.nc.stats["reconnects"]
         last = time.monotonic()
@@ -557,11 +568,14 @@ class Router(Lifecycle, TaskOwner):
     async def _pause(self) -> float:
         """Sleep one watchdog period, the short one while anything is watched, else the idle
         one, which `_rouse_watchdog` cuts short; the period slept for."""
-        if self._watching():
-            await asyncio.sleep(WATCHDOG_PERIOD_S)
-            return WATCHDOG_PERIOD_S
-        await self._doze.sleep(IDLE_WATCHDOG_PERIOD_S)
-        return IDLE_WATCHDOG_PERIOD_S
+        period = WATCHDOG_PERIOD_S if self._watching() else IDLE_WATCHDOG_PERIOD_S
+        self.stalls.sleeping(time.monotonic(), period)
+        if period == WATCHDOG_PERIOD_S:
+            await asyncio.sleep(period)
+        else:
+            await self._doze.sleep(period)
+        self.stalls.woke(time.monotonic())
+        return period
 
     def _rouse_watchdog(self) -> None:
         """A slot publish after an idle spell: its deadline is watched from now."""

@@ -25,10 +25,16 @@ from tests.plane_fixtures import NAMES, calibrated, header, plane, status
 pytestmark = pytest.mark.slow
 
 
+# A bound on the inbox's wait past `flood`'s blocked loop (see there).
+UNREAD_BOUND = {"max_inbox_wait_ms": 1000}
+
+
 async def flood(nc: NATS, n: int, *, work_us: int = 0, unread_s: float = 0.0) -> Ledger:
     """`n` calibrated requests published at once (deadline 2 s) on a ledger; with `unread_s`
     the loop is then blocked that long, so they wait unread in the router's socket (the
-    router runs in this process)."""
+    router runs in this process). The router's `max_inbox_wait_ms` must exceed `unread_s`
+    (`UNREAD_BOUND`): else it sees its loop stood still and refuses them all unread as
+    waited past it (`plane.router.stall`), not as a burst read back to back."""
     ledger = await Ledger(nc).start()
     for _ in range(n):
         await ledger.send(NAMES.infer("calibrated"), calibrated(work_us), 2000)
@@ -80,7 +86,7 @@ async def test_a_flood_is_shed_at_once_and_each_request_answered_once() -> None:
     first two were placed, and a loop that let their PubAcks in before the next request,
     as a slow host's turns do, shed nothing.)"""
     async with plane(models=("calibrated",), slots=2, backend="torch",
-                     router_overrides={"max_routing": 1}) as stack:
+                     router_overrides={"max_routing": 1, **UNREAD_BOUND}) as stack:
         nc = await nats.connect(stack.url)
         try:
             # Fewer than the subscription's pending limit (512), so none is dropped by nats-py
@@ -267,7 +273,8 @@ async def test_a_stopping_router_answers_every_request_it_was_handed() -> None:
     socket and in the subscription's queue) when it is told to stop: nats-py's unsubscribe
     discards them and no one else can answer them (the soak lost one request per few router
     SIGTERMs). The router drains instead: each gets exactly one answer."""
-    async with plane(models=("calibrated",), slots=2, backend="torch") as stack:
+    async with plane(models=("calibrated",), slots=2, backend="torch",
+                     router_overrides=UNREAD_BOUND) as stack:
         router = stack.routers[0]
         nc = await nats.connect(stack.url)
         try:
@@ -286,7 +293,7 @@ async def test_requests_past_the_pending_limit_are_refused_not_lost() -> None:
     a burst turned into RSS that stayed); the router answers each dropped one 429 at once
     from its subject and reply. Every request gets exactly one answer."""
     async with plane(models=("calibrated",), slots=2, backend="torch",
-                     router_overrides={"max_pending": 16}) as stack:
+                     router_overrides={"max_pending": 16, **UNREAD_BOUND}) as stack:
         nc = await nats.connect(stack.url)
         try:
             ledger = await flood(nc, 2000, unread_s=0.3)

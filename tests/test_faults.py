@@ -138,6 +138,72 @@ async def test_a_node_killed_before_its_requests_deadline_is_answered_once_it_is
             victim.wait()
 
 
+# The router's heartbeat timeout in the two tests below: far past the deadline, so that an
+# answer before it is the deadline's, not the heartbeats' lapse.
+LONG_NODE_TIMEOUT_MS = 3000
+
+
+async def answered_after_a_node_fault(fault: signal.Signals, deadline_ms: int) -> tuple[
+        Ledger, int, float]:
+    """A request placed on a node process (slowed to 800 ms a request) that is sent `fault`
+    once it runs it; the ledger, the request and how long after its send it was answered."""
+    async with EmbeddedNats() as srv:
+        victim = subprocess.Popen(
+            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "1",
+             "--node-id", "victim", "--log-level", "warning", "--allow-faults"])
+        try:
+            async with plane(srv.url, models=("calibrated",), nodes_per_model=0,
+                             router_overrides={"node_timeout_ms": LONG_NODE_TIMEOUT_MS}
+                             ) as stack, client(srv.url) as nc:
+                router = stack.routers[0]
+                await wait_until(lambda: (ms := router.models.get("calibrated")) is not None
+                                 and ms.healthy_count() == 1, 30, "the victim's slot")
+                await slow_steps(nc, 800_000, node="victim")
+                ledger = await Ledger(nc).start()
+                js = nc.jetstream()
+
+                async def running() -> bool:
+                    info = await js.consumer_info(
+                        NAMES.slots_stream, NAMES.slot_consumer("calibrated", "victim", 0))
+                    return info.num_ack_pending == 1
+
+                sent_at = time.monotonic()
+                i = await ledger.send(NAMES.infer("calibrated"), calibrated(1000), deadline_ms)
+                await wait_until(running, 5, "the request running on the victim")
+                os.kill(victim.pid, fault)
+                await ledger.settle(timeout_s=8)
+                assert ledger.unanswered() == [] and ledger.answered_twice() == []
+                return ledger, i, ledger.first(i).at_s - sent_at
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+            victim.wait()
+
+
+async def test_a_killed_nodes_request_is_answered_at_its_deadline_not_its_heartbeats() -> None:
+    """A node killed (SIGKILL) mid-request: at the deadline the router takes the slot message
+    and asks the node whether it answered; the server says nobody listens (its connection is
+    gone), and on one server with our own connection steady that is the node's "cannot say":
+    504 at deadline + grace. Asked on until its heartbeats lapsed, the answer came after an
+    SDK caller's own 504 (/tmp/probeF finding 3)."""
+    ledger, i, took_s = await answered_after_a_node_fault(signal.SIGKILL, 300)
+    first = ledger.first(i)
+    assert (first.status, first.reason) == (504, "deadline"), first.headers
+    assert first.headers[Header.NODE] == "victim"
+    # Well before the heartbeat timeout (3 s), let alone the question's patience on top.
+    assert took_s < LONG_NODE_TIMEOUT_MS / 1000 / 2, took_s
+
+
+async def test_a_stopped_nodes_request_is_answered_at_its_deadline_not_its_heartbeats() -> None:
+    """A node stopped (SIGSTOP) mid-request: its connection stays open, so the question would
+    time out again and again; its heartbeats are overdue by the deadline (900 ms), so it is
+    not asked: 504 at deadline + grace, well before its heartbeats lapse."""
+    ledger, i, took_s = await answered_after_a_node_fault(signal.SIGSTOP, 900)
+    first = ledger.first(i)
+    assert (first.status, first.reason) == (504, "deadline"), first.headers
+    assert took_s < (900 + LONG_NODE_TIMEOUT_MS) / 1000 / 2, took_s
+
+
 async def test_nats_server_restarted_under_load() -> None:
     async with EmbeddedNats() as srv, \
             plane(srv.url, models=("calibrated",), slots=2) as stack:

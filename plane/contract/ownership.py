@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import _V1_TOKEN_COUNT, Msg
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -60,16 +61,18 @@ def attempt_id(request_id: str, attempt: str) -> str:
 
 async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float,
                        within_s: float, gone: Callable[[], bool] | None = None,
-                       instance: str = "") -> bool | None:
+                       instance: str = "",
+                       nobody_is_gone: Callable[[], bool] | None = None) -> bool | None:
     """Ask the other side (a node's or a router's `answered` subject) whether it answered
     `asked` (a placement or an attempt id). Asked again while the question cannot get
     through (a server failing over). True: it says it did; False: it says it did not; None:
     it stayed silent, or unreachable, for `within_s`, or `gone()` says it is gone (its
     heartbeats lapsed), or the process that replied is not `instance` (the one it was
     placed with: a node restarted with the same id remembers nothing of its predecessor's
-    answers, and its "no" would make a second answer). Where the message is still ours to
-    answer, silence means nobody else will (test it for truth: None is falsy); where it is
-    gone, only a "no" does."""
+    answers, and its "no" would make a second answer), or the server says nobody listens on
+    `subject` and `nobody_is_gone()` finds no reason to wait for the other side's return (a
+    failover under way). Where the message is still ours to answer, silence means nobody
+    else will (test it for truth: None is falsy); where it is gone, only a "no" does."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + within_s
     while True:
@@ -79,6 +82,12 @@ async def ask_answered(nc: Client, subject: str, asked: str, *, timeout_s: float
             if instance and theirs and theirs.decode(errors="replace") != instance:
                 return None
             return said == b"1"
+        except NoRespondersError:
+            if nobody_is_gone is not None and nobody_is_gone():
+                return None
+            if loop.time() >= give_up or (gone is not None and gone()):
+                return None
+            await asyncio.sleep(0.05)
         except Exception:
             if loop.time() >= give_up or (gone is not None and gone()):
                 return None

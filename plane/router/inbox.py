@@ -29,6 +29,14 @@ the bound after CoDel):
   node's delivery started and answered, in `plane up`) is done and written before the
   backlog resumes.
 
+- What is read in the burst after the router's own loop or process stood still past
+  `max_wait_s` (`plane.router.stall`: its socket held the requests meanwhile, and they were
+  stamped only as they were read) is taken as having come when the loop stopped: the router
+  is behind since then, and each such request, a holder's or one whose caller waits longer
+  for its start aside, is refused unread as one that waited past the bound. The burst ends
+  when the inbox drains, or once reading it has lasted as long as the stall did (at most
+  `plane.router.stall.BURST_S`).
+
 The discipline sits in the subscription's own queue (nats-py's `_pending_queue`, an
 `asyncio.Queue`: its `put_nowait` wrapped by `plane.router.receipt` to stamp the receipt and
 note the holders, and its `_get` replaced on the instance), so the subscription's task and nats-py's
@@ -39,6 +47,7 @@ server.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,7 +57,8 @@ from nats.aio.subscription import Subscription
 
 from plane.contract.headers import asked_ms
 from plane.contract.subjects import Header
-from plane.router.receipt import received_s, stamp_receipt
+from plane.router.receipt import mark_received, received_s, stamp_receipt
+from plane.router.stall import LoopStalls
 
 TARGET_S = 0.005  # the oldest request's wait beyond which a queue has formed
 INTERVAL_S = 0.020  # formed this long without clearing: the router is behind
@@ -84,8 +94,11 @@ class Inbox:
 
     def __init__(self, sub: Subscription, *, max_wait_s: float,
                  read_first: Callable[[Msg], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 stalls: LoopStalls | None = None) -> None:
         self.max_wait_s = max_wait_s
+        # The router loop's stalls (its watchdog's; none seen without one).
+        self._stalls = stalls if stalls is not None else LoopStalls(max_wait_s)
         # Whether a message holds a promise (`RequestPath.read_first`): a ticket a router
         # issued, a forward from another router; read first while behind.
         self._read_first = read_first
@@ -100,15 +113,41 @@ class Inbox:
         # found the queue empty (it waited for the next message) or was told to turn.
         self._turned_s = 0.0
         self._drained = True
+        self._drained_s = -math.inf  # when it was last found empty after a read
+        self._settled_s = -math.inf  # the stall whose burst is over for this inbox (its seen_s)
         self._shed_turn = True
         self._limit = sub._pending_msgs_limit
         stamp_receipt(sub, clock=clock, then=self._noted, past_limit=self._past_limit)
         queue._get = self._take  # type: ignore[method-assign]
 
-    def _noted(self, msg: Msg) -> None:
-        """A message just queued: a ticket holder's or a forwarded one is tracked."""
+    def _noted(self, msg: Msg, at_s: float) -> None:
+        """A message just queued at `at_s`: a ticket holder's or a forwarded one is tracked;
+        one read in the wake of the loop's stall is taken as having come when it began."""
+        stalls = self._stalls
+        if at_s > stalls.late_s or stalls.seen_s > self._settled_s:
+            self._after_stall(msg, at_s)
         if msg.headers and self._read_first(msg):
             self._holders.append(msg)
+
+    def _after_stall(self, msg: Msg, at_s: float) -> None:
+        """`msg`, read at `at_s` after the loop stood still (`plane.router.stall`), may have
+        waited since it stopped: stamped so, the router behind since then, and marked to be
+        refused unread unless it is a holder's or its caller waits longer for its start."""
+        stalls = self._stalls
+        stalls.look(at_s)
+        if stalls.burst_over(at_s, self._drained_s):
+            self._settled_s = stalls.seen_s
+            return
+        came = stalls.since_s
+        mark_received(msg, came)
+        if self._above_since is None or self._above_since > came + TARGET_S:
+            self._above_since = came + TARGET_S
+        waited = stalls.waited_s(at_s)
+        hdrs = msg.headers
+        if waited <= self.max_wait_s or (hdrs and (
+                self._read_first(msg) or waited <= (asked_ms(hdrs, Header.WAIT_MS) or 0) / 1000)):
+            return
+        setattr(msg, _STALE, (waited, waited))
 
     def _past_limit(self, msg: Msg) -> bool:
         """Whether `msg`, come when the queue holds its limit, is queued all the same: a ticket
@@ -137,7 +176,9 @@ class Inbox:
         elif now - self._turned_s >= TURN_EVERY_S:
             setattr(msg, _TURN, True)
             self._turned_s = now
-        self._drained = not items
+        drained = self._drained = not items
+        if drained:
+            self._drained_s = now
         return msg
 
     def _pick(self, items: deque[Msg], now: float) -> Msg:

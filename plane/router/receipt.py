@@ -27,10 +27,11 @@ _RECEIVED = "_plane_received_s"  # on the Msg (a plain dataclass): monotonic sec
 
 
 def stamp_receipt(sub: Subscription, *, clock: Callable[[], float] = time.monotonic,
-                  then: Callable[[Msg], None] | None = None,
+                  then: Callable[[Msg, float], None] | None = None,
                   past_limit: Callable[[Msg], bool] | None = None) -> Subscription:
     """Make `sub` stamp each message with its receipt time (`clock`) from now on, and hand
-    each one queued to `then` (`plane.router.inbox` notes its ticket holders). A message
+    each one queued to `then`, with its stamp (`plane.router.inbox` notes its ticket holders,
+    and restamps what it reads in the wake of the loop's stall). A message
     `past_limit` accepts is queued even when the queue holds its pending limit already (a
     ticket holder's: its promise is for a time; the inbox bounds how many)."""
     queue: asyncio.Queue[Msg] = sub._pending_queue
@@ -47,9 +48,10 @@ def stamp_receipt(sub: Subscription, *, clock: Callable[[], float] = time.monoto
             queue._unfinished_tasks += 1  # type: ignore[attr-defined]
             queue._finished.clear()  # type: ignore[attr-defined]
             queue._wakeup_next(queue._getters)  # type: ignore[attr-defined]
-        mark_received(item, clock())
+        at = clock()
+        mark_received(item, at)
         if then is not None:
-            then(item)
+            then(item, at)
 
     queue.put_nowait = stamped  # type: ignore[method-assign]
     return sub

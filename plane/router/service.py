@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -41,7 +42,7 @@ from plane.contract.messages import (
 )
 from plane.contract.metrics import Children, PlaneMetrics
 from plane.contract.models import MODELS
-from plane.contract.natsconn import on_overflow
+from plane.contract.natsconn import connected_since_s, on_overflow
 from plane.contract.ownership import NOT_ANSWERED, ask_answered, reply_answered
 from plane.contract.provision import ProvisionPlan, Reprovisioner, ensure_all_at_start
 from plane.contract.reply_inbox import ReplyInbox
@@ -62,6 +63,7 @@ from plane.router.parking import ParkingLot
 from plane.router.peers import PRESENCE, Peers
 from plane.router.requests import RequestPath, RouterParts
 from plane.router.slot_publish import SlotPublisher, TimedOut
+from plane.router.stall import LoopStalls
 
 log = structlog.get_logger("plane.router")
 
@@ -77,6 +79,13 @@ IDLE_WATCHDOG_PERIOD_S = 0.1
 TIDY_GRACE_S = 0.25
 ASK_NODE_TIMEOUT_S = 0.25
 ASK_NODE_WITHIN_S = 2.0
+# A node heard from no later than this (two of its 250 ms heartbeat periods) cannot say now
+# whether it answered a request whose deadline passed (it is stopped, dead or cut off): the
+# router answers for it at once rather than ask on until its heartbeats lapse. Asked on, a
+# killed or stopped node's requests were answered 0.3-0.6 s after deadline + grace, after an
+# SDK caller had made its own 504 (/tmp/probeF finding 3). Our own connection must have been
+# up this long, and our loop keeping time, for its silence to mean that.
+HEARTBEAT_OVERDUE_S = 0.5
 # The watchdog judges nodes by their heartbeats only while the router's own loop keeps time:
 # a tick this late means heartbeats may sit unread in our buffers (a burst of requests), not
 # that nodes died. Cycle samples measured while the loop lags measure the lag, not the slot,
@@ -164,6 +173,8 @@ class Router(Lifecycle, TaskOwner):
             spawn=self._spawn, reprovision=self._reprovision,
             tracing=tracing or Tracing.off(), look_ahead=self.calls.ahead))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
+        # When the loop stood still (the watchdog's tick says): what the inboxes read after.
+        self.stalls = LoopStalls(cfg.max_inbox_wait_ms / 1000)
         self._gone: dict[str, str] = {}  # nodes known dead (`nodes_gone`), and why
         self._started = False
         self._stopping = False
@@ -234,7 +245,8 @@ class Router(Lifecycle, TaskOwner):
         ]
         for sub in self._request_subs:
             self.requests.inboxes.append(Inbox(sub, max_wait_s=self.cfg.max_inbox_wait_ms / 1000,
-                                               read_first=self.requests.read_first))
+                                               read_first=self.requests.read_first,
+                                               stalls=self.stalls))
             on_overflow(sub, self.requests.overflowed)
         self._subs.extend(self._request_subs)
         await self.nc.flush()
@@ -501,7 +513,14 @@ class Router(Lifecycle, TaskOwner):
 
     async def _watchdog(self) -> None:
         """Dead nodes (no heartbeat) and requests past their deadline with no done-event:
-        the in-flight book takes their slot messages and answers 503 / 504."""
+        the in-flight book takes their slot messages and answers 503 / 504. Its ticks are
+        the loop's sign of life (`plane.router.stall`) while it runs."""
+        try:
+            await self._watch()
+        finally:
+            self.stalls.off()
+
+    async def _watch(self) -> None:
         timeout_s = self.cfg.node_timeout_ms / 1000
         reconnects = self.nc.stats["reconnects"]
         last = time.monotonic()
@@ -557,11 +576,14 @@ class Router(Lifecycle, TaskOwner):
     async def _pause(self) -> float:
         """Sleep one watchdog period, the short one while anything is watched, else the idle
         one, which `_rouse_watchdog` cuts short; the period slept for."""
-        if self._watching():
-            await asyncio.sleep(WATCHDOG_PERIOD_S)
-            return WATCHDOG_PERIOD_S
-        await self._doze.sleep(IDLE_WATCHDOG_PERIOD_S)
-        return IDLE_WATCHDOG_PERIOD_S
+        period = WATCHDOG_PERIOD_S if self._watching() else IDLE_WATCHDOG_PERIOD_S
+        self.stalls.sleeping(time.monotonic(), period)
+        if period == WATCHDOG_PERIOD_S:
+            await asyncio.sleep(period)
+        else:
+            await self._doze.sleep(period)
+        self.stalls.woke(time.monotonic())
+        return period
 
     def _rouse_watchdog(self) -> None:
         """A slot publish after an idle spell: its deadline is watched from now."""
@@ -583,12 +605,40 @@ class Router(Lifecycle, TaskOwner):
         """True only when the node says it answered that placement (or attempt); a live node
         is asked patiently (our own server may be failing over), until its heartbeats lapse
         (then it is dead: asked patiently on, a request on a node killed at its deadline was
-        answered 2 s late, found from outside), a dead one once."""
+        answered 2 s late, found from outside), a dead one once. One whose heartbeats are
+        overdue is not asked (it cannot say now), nor asked again once the server says
+        nobody listens for it, unless it may be failing over (`_nobody_is_gone`)."""
+        if patient and self._cannot_say(fl.node):
+            log.info("node silent past its heartbeats: answering for it at once",
+                     request_id=fl.request_id, node=fl.node)
+            return None
         return await ask_answered(self.nc, self.names.node_answered(fl.node), asked,
                                   timeout_s=ASK_NODE_TIMEOUT_S,
                                   within_s=ASK_NODE_WITHIN_S if patient else 0.0,
-                                  gone=lambda: fl.node not in self.node_seen_s,
-                                  instance=fl.instance)
+                                  gone=partial(self._cannot_say, fl.node),
+                                  instance=fl.instance, nobody_is_gone=self._nobody_is_gone)
+
+    def _cannot_say(self, node: str) -> bool:
+        """Whether `node` can say nothing now of what it answered: dead (forgotten), or its
+        heartbeats overdue while our connection and loop were up to hear them."""
+        seen = self.node_seen_s.get(node)
+        if seen is None:
+            return True
+        now = time.monotonic()
+        return now - seen > HEARTBEAT_OVERDUE_S and self._steady(now) and not self._behind(now)
+
+    def _steady(self, now_s: float) -> bool:
+        """Our own connection is up, and has been long enough to hear every node's
+        heartbeats: its reconnect is no reason for a node's silence."""
+        return self.nc.is_connected and now_s - connected_since_s(self.nc) > HEARTBEAT_OVERDUE_S
+
+    def _nobody_is_gone(self) -> bool:
+        """Whether a no-responders reply to a node's question means the node is gone (its
+        connection closed: killed, or exited) rather than on its way back: on one server with
+        our own connection steady. With more servers known, a node whose server died is
+        unreachable while it fails over to another (it may have answered, its ack lost with
+        the server): it is asked on, until its heartbeats are overdue."""
+        return len(self.nc.servers) <= 1 and self._steady(time.monotonic())
 
     async def _answer_for_node(self, fl: InFlight, status: Status, reason: Reason,
                                text: str) -> None:

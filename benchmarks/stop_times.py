@@ -10,7 +10,8 @@ running then gets.
 
 A Ctrl-C is SIGINT to the process group, as a terminal sends it (`plane up` runs as the
 leader of a group of its own here). Times are from the signal to the exit of `plane up` or
-`plane node` (`up-killed`: of `plane up`'s router process, which outlives it). `--src DIR`
+`plane node` (`up-killed`: of `plane up`'s router process, which outlives it), and for a
+request running, each answer's time from its send (sent once the node has settled). `--src DIR`
 runs the plane of another checkout (its `plane` package first on PYTHONPATH), for a before
 and after on one host.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import nats
 
+from gpu_node.standing import SETTLE_S
 from plane.contract.embedded import EmbeddedNats
 
 PLANE = str(Path(sys.executable).parent / "plane")
@@ -73,10 +75,10 @@ def _gone(pid: int) -> bool:
 
 class Running:
     """One `calibrated` request of RUNNING_MS sent to `url`, in a thread of its own; its
-    answers (status, reason) gathered for `listen_s`."""
+    answers (status, reason, ms from the send) gathered for `listen_s`."""
 
     def __init__(self, url: str, listen_s: float) -> None:
-        self.answers: list[tuple[str | None, str | None]] = []
+        self.answers: list[tuple[str | None, str | None, int]] = []
         self.sent = threading.Event()
         self._thread = threading.Thread(target=asyncio.run, args=(self._run(url, listen_s),))
         self._thread.start()
@@ -93,6 +95,7 @@ class Running:
                          json.dumps({"duration_us": RUNNING_MS * 1000}).encode(), reply=inbox,
                          headers={"Plane-Deadline-Ms": str(RUNNING_MS + 10_000)})
         await nc.flush()
+        t_sent = time.monotonic()
         self.sent.set()
         t_end = time.monotonic() + listen_s
         while (left := t_end - time.monotonic()) > 0:
@@ -101,11 +104,12 @@ class Running:
             except Exception:  # the time is up, or the server gone
                 break
             h = msg.headers or {}
-            self.answers.append((h.get("Plane-Status"), h.get("Plane-Reason")))
+            self.answers.append((h.get("Plane-Status"), h.get("Plane-Reason"),
+                                 round((time.monotonic() - t_sent) * 1000)))
         if not nc.is_closed:
             await nc.close()
 
-    def result(self) -> list[tuple[str | None, str | None]]:
+    def result(self) -> list[tuple[str | None, str | None, int]]:
         self._thread.join()
         return self.answers
 
@@ -118,6 +122,8 @@ def up(kind: str, args: argparse.Namespace, nats_url: str | None) -> str:
                           text=True, env=_env(args.src), start_new_session=True) as proc:
         try:
             url = _until_up(proc)
+            if kind != "up-idle":  # past the node's first second (`gpu_node.standing`), when
+                time.sleep(SETTLE_S + 0.5)  # it answers through the broker, as after a restart
             running = Running(url, RUNNING_MS / 1000 + 8) if kind != "up-idle" else None
             time.sleep(0.5 if running else 1.0)  # placed and running; or settled
             router = _router_pid(proc.pid)

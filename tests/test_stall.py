@@ -15,6 +15,7 @@ import time
 import nats
 
 from plane.contract.subjects import Header
+from plane.router.stall import MIN_STALL_S, LoopStalls
 from tests.ledger import Ledger
 from tests.plane_fixtures import NAMES, calibrated, client, plane, status
 
@@ -89,3 +90,17 @@ async def test_what_a_stalled_router_reads_after_its_stall_is_refused_unread() -
                                  headers={Header.DEADLINE_MS: "2000"})
         assert status(fresh) == 200, fresh.headers
 
+
+
+def test_a_pause_shorter_than_a_stall_is_not_taken_for_one() -> None:
+    # A 60-100 ms pause (a collection, a blocking call; frequent where routers, nodes, a
+    # gateway and its callers share one loop) was taken for a stall of the 50 ms inbox
+    # bound: everything read after it refused `overloaded`, the request sent in its last
+    # millisecond too (a clean clone's test_gateway_edges). A stall is MIN_STALL_S or more.
+    stalls = LoopStalls(bound_s=0.05)
+    stalls.sleeping(0.0, for_s=0.1)
+    assert not stalls.look(0.1 + 0.12)  # the watchdog 120 ms late: a pause
+    stalls.woke(0.22)
+    assert not stalls.look(0.22 + MIN_STALL_S - 0.01)
+    assert stalls.look(0.22 + MIN_STALL_S + 0.01)  # a stop
+    assert stalls.waited_s(0.22 + MIN_STALL_S + 0.01) >= MIN_STALL_S

@@ -106,55 +106,34 @@ async def test_a_node_killed_before_its_requests_deadline_is_answered_once_it_is
     """Requests on a node killed with SIGKILL whose deadline (300 ms) passes before its
     heartbeats lapse (1 s): the router asks the node whether it answered them, patiently
     while it may be alive (its server failing over), and answered 2.4 s after they were sent
-    (found from outside). Once the heartbeats lapse it is dead: answered then, once."""
-    async with EmbeddedNats() as srv:
-        victim = subprocess.Popen(
-            [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "1",
-             "--node-id", "victim", "--log-level", "warning", "--allow-faults"])
-        try:
-            async with plane(srv.url, models=("calibrated",), nodes_per_model=0) as stack, \
-                    client(srv.url) as nc:
-                router = stack.routers[0]
-                await wait_until(lambda: (ms := router.models.get("calibrated")) is not None
-                                 and ms.healthy_count() == 1, 30, "the victim's slot")
-                # Admitted as 1 ms of work (it fits the deadline), run as 800 ms.
-                await slow_steps(nc, 800_000, node="victim")
-                ledger = await Ledger(nc).start()
-                sent_at = time.monotonic()
-                await ledger.send(NAMES.infer("calibrated"), calibrated(1000), 300)
-                await wait_until(lambda: len(router.inflight) == 1, 5, "the request placed")
-                os.kill(victim.pid, signal.SIGKILL)
-                await ledger.settle(timeout_s=6)
-                assert ledger.unanswered() == [] and ledger.answered_twice() == []
-                [i] = ledger.answers
-                assert ledger.status(i) in (503, 504), ledger.statuses()
-                # The heartbeat timeout after the kill, the watchdog's tick, the question's
-                # last try: not the 2 s of patience on top of the deadline.
-                took_s = ledger.first(i).at_s - sent_at
-                assert took_s < 1.0 + 0.6, took_s
-        finally:
-            if victim.poll() is None:
-                victim.kill()
-            victim.wait()
+    (found from outside). Answered once, by the heartbeats' lapse at the latest."""
+    ledger, i, took_s = await answered_after_a_node_fault(signal.SIGKILL, 300,
+                                                          node_timeout_ms=None)
+    assert ledger.status(i) in (503, 504), ledger.statuses()
+    # The heartbeat timeout after the kill, the watchdog's tick, the question's last try:
+    # not the 2 s of patience on top of the deadline.
+    assert took_s < 1.0 + 0.6, took_s
 
 
-# The router's heartbeat timeout in the two tests below: far past the deadline, so that an
-# answer before it is the deadline's, not the heartbeats' lapse.
+# The router's heartbeat timeout in the two tests after the next: far past the deadline, so
+# that an answer before it is the deadline's, not the heartbeats' lapse.
 LONG_NODE_TIMEOUT_MS = 3000
 
 
-async def answered_after_a_node_fault(fault: signal.Signals, deadline_ms: int) -> tuple[
-        Ledger, int, float]:
+async def answered_after_a_node_fault(
+        fault: signal.Signals, deadline_ms: int,
+        node_timeout_ms: int | None = LONG_NODE_TIMEOUT_MS) -> tuple[Ledger, int, float]:
     """A request placed on a node process (slowed to 800 ms a request) that is sent `fault`
-    once it runs it; the ledger, the request and how long after its send it was answered."""
+    once it runs it; the ledger, the request and how long after its send it was answered
+    (`node_timeout_ms`: the router's heartbeat timeout; None: its default)."""
     async with EmbeddedNats() as srv:
         victim = subprocess.Popen(
             [PLANE, "node", "--nats", srv.url, "--model", "calibrated", "--slots", "1",
              "--node-id", "victim", "--log-level", "warning", "--allow-faults"])
         try:
+            overrides = {} if node_timeout_ms is None else {"node_timeout_ms": node_timeout_ms}
             async with plane(srv.url, models=("calibrated",), nodes_per_model=0,
-                             router_overrides={"node_timeout_ms": LONG_NODE_TIMEOUT_MS}
-                             ) as stack, client(srv.url) as nc:
+                             router_overrides=overrides) as stack, client(srv.url) as nc:
                 router = stack.routers[0]
                 await wait_until(lambda: (ms := router.models.get("calibrated")) is not None
                                  and ms.healthy_count() == 1, 30, "the victim's slot")

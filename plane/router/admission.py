@@ -25,7 +25,7 @@ import msgspec
 from plane.contract.budget import Prediction, ServiceWindow, fits
 from plane.contract.messages import Reason, Status
 from plane.contract.subjects import InvalidToken, check_token
-from plane.router.caller import again_record
+from plane.router.caller import MIN_REDEMPTION, REDEMPTION_WEIGHT, Redemptions, again_record
 from plane.router.fairness import OverLimit, OverShare
 from plane.router.occupancy import ModelSlots, SlotView
 from plane.router.promises import Promise, simulate, would_delay
@@ -53,10 +53,11 @@ RETURN_LAG_SHARE = 0.5
 PARK_MIN_S = 0.008
 PARK_MARGIN_S = 0.002
 PARK_MAX_SHARE = 1.0
-# Promises pin slot time only while callers come back for them: below this share of
-# redeemed tickets (an exponential average), refusals carry a Retry-After estimate and a
-# ticket but pin no slot, so callers who never retry cannot leave slots idle, and the
-# promises still pinned are let go (`_unpin`: their holders, if they come, go as newcomers).
+# Promises pin slot time only while callers come back for them: below MIN_REDEMPTION of
+# redeemed tickets (an exponential average, `plane.router.caller.Redemptions`), refusals
+# carry a Retry-After estimate and a ticket but pin no slot, so callers who never retry
+# cannot leave slots idle, and the promises still pinned are let go (`_unpin`: their
+# holders, if they come, go as newcomers).
 # A ticket counts as a no-show when its promise lapses (its due time plus the late
 # tolerance), pinned or not, so that the average follows the callers there are now; a holder
 # that comes back within LAPSED_KEEP_S after counts as redeemed (a burst of late holders
@@ -71,7 +72,6 @@ PARK_MAX_SHARE = 1.0
 # retries nothing) unpinned the tickets of NATS callers who came back at their time with
 # them, and 0-14% of those found a slot (found from outside). Callers the router cannot tell
 # apart (a reply subject of its own per request) share one average, "" (as per model before).
-MIN_REDEMPTION = 0.5
 CALLERS_MAX = 4096  # the callers whose averages are kept (the least recently counted go)
 Whose = tuple[str, str]  # (model, caller): whose tickets an average counts
 # A newcomer that finds every slot busy but one predicted to free (after every open promise)
@@ -163,7 +163,6 @@ CALL_TRIP_SHARE = 0.1
 CALL_TRIP_MAX_AGE_S = 2.0  # trips measured under a load that has passed are forgotten
 CALL_TRIP_PRIOR_US = 2000
 LATENESS_PRIOR_US = 3000
-REDEMPTION_WEIGHT = 0.1
 
 
 # A ticket's own part: random, so that nobody can guess another caller's ticket and jump the
@@ -458,7 +457,7 @@ class Admission:
         # Tickets redeemed, an exponential average in [0, 1]: per model over all callers,
         # and per (model, caller), which decides the pinning.
         self.redemption: dict[str, float] = {}
-        self.by_caller: dict[Whose, float] = {}
+        self.by_caller: Redemptions[Whose] = Redemptions(CALLERS_MAX)
         # Per model, the same average over callers' first tickets: where a caller the router
         # has no record of starts (a caller that opens a connection a request never returned
         # to one: starting each at 1 it never stopped pinning).
@@ -844,21 +843,15 @@ class Admission:
         self.redemption[model] = rate + step - REDEMPTION_WEIGHT * rate
         whose = (model, caller)
         first = self.first_tickets.get(model, 1.0)
-        rate = self.by_caller.pop(whose, -1.0)  # re-inserted: the most recently counted last
-        if rate < 0:  # its first ticket settled
+        if self.by_caller.get(whose) is None:  # its first ticket settled
             self.first_tickets[model] = first + step - REDEMPTION_WEIGHT * first
-            rate = first
-        self.by_caller[whose] = now = rate + step - REDEMPTION_WEIGHT * rate
-        if len(self.by_caller) > CALLERS_MAX:
-            del self.by_caller[next(iter(self.by_caller))]
-        if now < MIN_REDEMPTION <= rate:
+        before, _ = self.by_caller.settle(whose, redeemed=redeemed, prior=first)
+        if before >= MIN_REDEMPTION and not self.by_caller.pins(whose):
             self._unpin_due.add(whose)  # its promises pinned meanwhile go at the next look
 
     def pins(self, model: str, caller: str) -> bool:
         """Whether a ticket for `caller` holds slot time: while it comes back for them."""
-        known = self.by_caller.get((model, caller))
-        return (known if known is not None else self.first_tickets.get(model, 1.0)
-                ) >= MIN_REDEMPTION
+        return self.by_caller.pins((model, caller), prior=self.first_tickets.get(model, 1.0))
 
     def _unpin(self, ms: ModelSlots, caller: str) -> None:
         """`caller` stopped coming back for its tickets: the promises this router pinned for

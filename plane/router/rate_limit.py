@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plane.contract.messages import Reason
+from plane.router.caller import Redemptions
 
 RATE_BURST_S = 0.1  # a rate limit lets this many seconds' worth through at once
 RESERVE_LATE_S = 0.05  # a booked token waits this long past its time for a late holder
@@ -43,9 +44,7 @@ RESERVE_EARLY_S = 0.002  # a holder this early is let through (the reply's round
 RESERVE_MARGIN_S = 0.010
 RESERVE_AHEAD_S = 1.0  # tokens are booked at most this far ahead
 RESERVED_MAX = 1000  # and at most this many at once (bounded state at any rate)
-MIN_REDEMPTION = 0.5
 CALLERS_MAX = 256  # callers whose averages a bucket keeps (the least recently counted go)
-REDEMPTION_WEIGHT = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +70,8 @@ class RateBucket:
     tokens: float = math.inf  # inf: no limit seen yet
     at_s: float = 0.0
     booked: dict[str, Booked] = field(default_factory=dict)  # ticket -> booking, due order
-    # Per caller, the share of its tickets whose holders came back (decaying; 1 unknown).
-    redemption: dict[str, float] = field(default_factory=dict)
+    # Per caller, the share of its tickets whose holders came back (as for the slots').
+    redemption: Redemptions[str] = field(default_factory=lambda: Redemptions(CALLERS_MAX))
 
     def clear(self) -> None:
         """The limit was lifted: nothing is held."""
@@ -95,7 +94,7 @@ class RateBucket:
                 # Early: its token is not due yet. Told again, the same ticket.
                 return OverRate(_ms(b.due_s - now_s), ticket)
             del self.booked[ticket]
-            self._settled(b.caller, redeemed=True)
+            self.redemption.settle(b.caller, redeemed=True)
             if b.pinned:
                 return None  # its token was taken when it was booked
         if self.tokens >= 1.0:
@@ -107,7 +106,7 @@ class RateBucket:
             return OverRate(wait_ms, reason=Reason.DEADLINE)
         if due_s - now_s > RESERVE_AHEAD_S or len(self.booked) >= RESERVED_MAX:
             return OverRate(wait_ms, reason=Reason.OVERLOADED)
-        pinned = self.redemption.get(caller, 1.0) >= MIN_REDEMPTION
+        pinned = self.redemption.pins(caller)
         if pinned:  # else it books nothing: told when a token frees, were it not taken
             self.tokens -= 1.0
         given = new_ticket()
@@ -123,13 +122,7 @@ class RateBucket:
             del self.booked[ticket]
             if b.pinned:
                 self.tokens = min(burst, self.tokens + 1.0)
-            self._settled(b.caller, redeemed=False)
-
-    def _settled(self, caller: str, *, redeemed: bool) -> None:
-        rate = self.redemption.pop(caller, 1.0)  # re-inserted: the most recently counted last
-        self.redemption[caller] = rate + REDEMPTION_WEIGHT * (float(redeemed) - rate)
-        if len(self.redemption) > CALLERS_MAX:
-            del self.redemption[next(iter(self.redemption))]
+            self.redemption.settle(b.caller, redeemed=False)
 
 
 def _ms(s: float) -> int:

@@ -79,13 +79,14 @@ IDLE_WATCHDOG_PERIOD_S = 0.1
 TIDY_GRACE_S = 0.25
 ASK_NODE_TIMEOUT_S = 0.25
 ASK_NODE_WITHIN_S = 2.0
-# A node heard from no later than this (two of its 250 ms heartbeat periods) cannot say now
-# whether it answered a request whose deadline passed (it is stopped, dead or cut off): the
-# router answers for it at once rather than ask on until its heartbeats lapse. Asked on, a
-# killed or stopped node's requests were answered 0.3-0.6 s after deadline + grace, after an
-# SDK caller had made its own 504 (/tmp/probeF finding 3). Our own connection must have been
-# up this long, and our loop keeping time, for its silence to mean that.
-HEARTBEAT_OVERDUE_S = 0.5
+# A node not heard from for this share of the heartbeat timeout (`node_timeout_ms`, four of
+# its heartbeat periods: two periods) cannot say now whether it answered a request whose
+# deadline passed (it is stopped, dead or cut off): the router answers for it at once rather
+# than ask on until its heartbeats lapse. Asked on, a killed or stopped node's requests were
+# answered 0.3-0.6 s after deadline + grace, after an SDK caller had made its own 504
+# (/tmp/probeF finding 3). Our own connection must have been up this long, and our loop
+# keeping time, for its silence to mean that.
+HEARTBEAT_OVERDUE_SHARE = 0.5
 # The watchdog judges nodes by their heartbeats only while the router's own loop keeps time:
 # a tick this late means heartbeats may sit unread in our buffers (a burst of requests), not
 # that nodes died. Cycle samples measured while the loop lags measure the lag, not the slot,
@@ -173,6 +174,7 @@ class Router(Lifecycle, TaskOwner):
             spawn=self._spawn, reprovision=self._reprovision,
             tracing=tracing or Tracing.off(), look_ahead=self.calls.ahead))
         self._lagged_s = -math.inf  # when the loop was last seen lagging
+        self._overdue_s = HEARTBEAT_OVERDUE_SHARE * cfg.node_timeout_ms / 1000
         # When the loop stood still (the watchdog's tick says): what the inboxes read after.
         self.stalls = LoopStalls(cfg.max_inbox_wait_ms / 1000)
         self._gone: dict[str, str] = {}  # nodes known dead (`nodes_gone`), and why
@@ -625,12 +627,12 @@ class Router(Lifecycle, TaskOwner):
         if seen is None:
             return True
         now = time.monotonic()
-        return now - seen > HEARTBEAT_OVERDUE_S and self._steady(now) and not self._behind(now)
+        return now - seen > self._overdue_s and self._steady(now) and not self._behind(now)
 
     def _steady(self, now_s: float) -> bool:
         """Our own connection is up, and has been long enough to hear every node's
         heartbeats: its reconnect is no reason for a node's silence."""
-        return self.nc.is_connected and now_s - connected_since_s(self.nc) > HEARTBEAT_OVERDUE_S
+        return self.nc.is_connected and now_s - connected_since_s(self.nc) > self._overdue_s
 
     def _nobody_is_gone(self) -> bool:
         """Whether a no-responders reply to a node's question means the node is gone (its
